@@ -1,0 +1,100 @@
+"""GPU pool definitions: what the planner, the placement policy and the shard operator know of a pool."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class PoolKind(str, enum.Enum):
+    """Interruptible (Spot / preemptible) or dependable (on-demand / reserved) capacity."""
+
+    SPOT = "spot"
+    ON_DEMAND = "on_demand"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolSpec:
+    """One node pool a shard can be placed on.
+
+    Rates are per GPU and measured for the job's model (the calibration updates them while a job
+    runs). ``node_selector``, ``tolerations`` and ``labels`` are passed to the pod as they are.
+    """
+
+    name: str
+    kind: PoolKind
+    gpus: int = 1
+    price_per_gpu_hour: float = 1.0
+    prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 1_500.0
+    startup_seconds: float = 120.0
+    queue_wait_seconds: float = 0.0
+    preemptions_per_hour: float = 0.0
+    preemption_notice_seconds: float = 0.0
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("pool name must not be empty")
+        object.__setattr__(self, "kind", PoolKind(self.kind))
+        if self.gpus < 1:
+            raise ValueError(f"pool {self.name!r}: gpus must be >= 1, got {self.gpus}")
+        for attr in ("prefill_tokens_per_s", "decode_tokens_per_s"):
+            if getattr(self, attr) <= 0:
+                raise ValueError(f"pool {self.name!r}: {attr} must be > 0")
+        for attr in ("price_per_gpu_hour", "startup_seconds", "queue_wait_seconds",
+                     "preemptions_per_hour", "preemption_notice_seconds"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"pool {self.name!r}: {attr} must be >= 0")
+        object.__setattr__(self, "tolerations", tuple(dict(t) for t in self.tolerations))
+
+    @property
+    def interruptible(self) -> bool:
+        return self.kind is PoolKind.SPOT
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (for XCom, the store and pod annotations)."""
+        return {
+            "name": self.name,
+            "kind": self.kind.value,
+            "gpus": self.gpus,
+            "price_per_gpu_hour": self.price_per_gpu_hour,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "startup_seconds": self.startup_seconds,
+            "queue_wait_seconds": self.queue_wait_seconds,
+            "preemptions_per_hour": self.preemptions_per_hour,
+            "preemption_notice_seconds": self.preemption_notice_seconds,
+            "node_selector": dict(self.node_selector),
+            "tolerations": [dict(t) for t in self.tolerations],
+            "labels": dict(self.labels),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PoolSpec:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown pool field(s) {sorted(unknown)}; allowed: {sorted(known)}")
+        values = dict(data)
+        values["tolerations"] = tuple(values.get("tolerations", ()))
+        return cls(**values)
+
+
+def default_local_pools() -> tuple[PoolSpec, ...]:
+    """The embedded default: a laptop's CPU 'pools', a Spot-like one and a dependable one.
+
+    Rates are rough CPU figures for the small default model; the calibration replaces them with
+    measured ones as soon as microbatches commit.
+    """
+    return (
+        PoolSpec(name="local-spot", kind=PoolKind.SPOT, gpus=4, price_per_gpu_hour=1.0,
+                 prefill_tokens_per_s=2_000.0, decode_tokens_per_s=60.0, startup_seconds=20.0,
+                 preemptions_per_hour=6.0, preemption_notice_seconds=5.0),
+        PoolSpec(name="local-on-demand", kind=PoolKind.ON_DEMAND, gpus=4, price_per_gpu_hour=3.0,
+                 prefill_tokens_per_s=2_000.0, decode_tokens_per_s=60.0, startup_seconds=20.0),
+    )
