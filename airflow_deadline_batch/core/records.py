@@ -1,0 +1,507 @@
+"""Input records: split a JSON Lines stream into lines, parse each line, report every bad one.
+
+Every non-blank input line becomes exactly one :class:`Record` or one :class:`LineError`
+(DESIGN §4.1); blank lines are not records and get no outcome, but they still count for line
+numbers. This module is the hot loop of planning a million records, so it reads with buffered
+``readline(limit)`` calls, parses with orjson and keeps only 16-byte digests of seen IDs.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Literal
+
+import orjson
+
+__all__ = [
+    "ALLOWED_ROLES",
+    "ErrorCode",
+    "LineError",
+    "Message",
+    "RawLine",
+    "Record",
+    "Request",
+    "ValidationLimits",
+    "Validator",
+    "iter_raw_lines",
+    "parse_line",
+]
+
+
+class ErrorCode(str, enum.Enum):
+    """Machine-readable reason a line is not a valid record (the ``error.code`` of its outcome)."""
+
+    INVALID_JSON = "invalid_json"
+    MISSING_ID = "missing_id"
+    DUPLICATE_ID = "duplicate_id"
+    EMPTY_PROMPT = "empty_prompt"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNSUPPORTED_URL = "unsupported_url"
+    INVALID_MAX_TOKENS = "invalid_max_tokens"
+    INVALID_ENCODING = "invalid_encoding"
+    LINE_TOO_LONG = "line_too_long"
+    INVALID_RECORD = "invalid_record"
+
+
+ALLOWED_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "developer", "tool"})
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+_NATIVE_KEYS = ("id", "prompt", "messages", "max_tokens", "metadata")
+_OPENAI_KEYS = ("custom_id", "method", "url", "body")
+_BODY_RESERVED = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens"})
+_BOM = b"\xef\xbb\xbf"
+_ECHO_CHARS = 80
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One chat message; ``content`` is plain text (text parts are joined at parse time)."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What to generate for one record: a completion prompt or a chat conversation.
+
+    ``params`` carries other generation parameters from an OpenAI body (temperature, top_p,
+    seed, stop, ...) as they are, for the engine to apply.
+    """
+
+    kind: Literal["chat", "completion"]
+    prompt: str | None
+    messages: tuple[Message, ...] | None
+    max_tokens: int | None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of prompt text (the sum of message contents for chat)."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(m.content) for m in self.messages or ())
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A valid input record: its 1-based line number, its ID, what to generate, its size in bytes."""
+
+    line: int
+    id: str
+    request: Request
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LineError:
+    """A bad input line; it becomes a terminal ``errored`` outcome with ``code``."""
+
+    line: int
+    id: str | None
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RawLine:
+    """One line of the input as bytes, without its newline.
+
+    ``offset`` is the byte offset of the line's first byte, ``end_offset`` that of the byte after
+    its newline, so consecutive lines tile the file and a planner can cut byte ranges.
+    ``data`` is None when the line is longer than the limit (it was skipped, never loaded).
+    """
+
+    line: int
+    offset: int
+    end_offset: int
+    data: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationLimits:
+    """Bounds a record must respect; they protect workers from pathological lines."""
+
+    max_line_bytes: int = 1_048_576
+    max_prompt_chars: int = 200_000
+    max_tokens_limit: int = 32_768
+
+    def __post_init__(self) -> None:
+        for name in ("max_line_bytes", "max_prompt_chars", "max_tokens_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ValidationLimits.{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Splitting
+
+
+def iter_raw_lines(
+    stream: BinaryIO, *, start_line: int = 1, start_offset: int = 0, max_line_bytes: int
+) -> Iterator[RawLine]:
+    """Yield every line of ``stream`` (blank ones too), splitting on ``b"\\n"`` only.
+
+    A trailing ``b"\\r"`` is stripped; a final line without a newline still counts. A line longer
+    than ``max_line_bytes`` (not counting its line ending) is skipped in chunks and yielded with
+    ``data=None``, so memory stays bounded by about ``max_line_bytes`` whatever the input.
+    ``start_line``/``start_offset`` let a reader of a byte range keep file-wide numbering.
+    """
+    if max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
+    readline = stream.readline
+    limit = max_line_bytes + 2  # room for the b"\r\n" ending of a line exactly at the limit
+    line = start_line
+    offset = start_offset
+    while True:
+        chunk = readline(limit)
+        if not chunk:
+            return
+        end = offset + len(chunk)
+        if chunk[-1:] == b"\n":
+            data = chunk[:-1]
+            if data[-1:] == b"\r":
+                data = data[:-1]
+        elif len(chunk) < limit:  # the final line, without a newline
+            data = chunk
+            if data[-1:] == b"\r":
+                data = data[:-1]
+        else:  # longer than the limit: skip to the next newline without keeping it
+            data = None
+            while True:
+                more = readline(65_536)
+                end += len(more)
+                if not more or more[-1:] == b"\n":
+                    break
+        if data is not None and len(data) > max_line_bytes:
+            data = None
+        yield RawLine(line, offset, end, data)
+        line += 1
+        offset = end
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing
+
+
+class _Bad(Exception):
+    """Internal: a line is invalid; carries the code and message (never escapes this module)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.record_id: str | None = None
+
+
+def _clip(value: Any) -> str:
+    """A short, one-line rendering of user data for error messages."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    if len(text) > _ECHO_CHARS:
+        text = text[: _ECHO_CHARS - 3] + "..."
+    return f"'{text}'"
+
+
+def _decode_error(data: bytes, exc: ValueError) -> _Bad:
+    """Tell invalid UTF-8 (or escaped lone surrogates) apart from broken JSON."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return _Bad(
+            ErrorCode.INVALID_ENCODING,
+            f"line is not valid UTF-8 (bad byte at position {err.start}); re-encode the file as UTF-8",
+        )
+    if "surrogate" in str(exc):
+        return _Bad(
+            ErrorCode.INVALID_ENCODING,
+            "line contains an unpaired UTF-16 surrogate escape; re-encode the text as UTF-8",
+        )
+    return _Bad(
+        ErrorCode.INVALID_JSON,
+        f"line is not valid JSON ({_one_line(str(exc))}); write one JSON object per line",
+    )
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _read_id(value: Any, key: str) -> str:
+    if isinstance(value, str) and value:
+        return value
+    if value is None:
+        raise _Bad(
+            ErrorCode.MISSING_ID, f'record has no "{key}"; give every record a non-empty string "{key}"'
+        )
+    raise _Bad(
+        ErrorCode.MISSING_ID,
+        f'"{key}" is {_clip(value)}; IDs must be non-empty strings (quote numeric IDs)',
+    )
+
+
+def _read_max_tokens(value: Any, key: str, limits: ValidationLimits) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens_limit:
+        raise _Bad(
+            ErrorCode.INVALID_MAX_TOKENS,
+            f'"{key}" is {_clip(value)}; use an integer from 1 to {limits.max_tokens_limit}',
+        )
+    return value
+
+
+def _read_content(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            is_text = isinstance(part, dict) and part.get("type") == "text"
+            if not is_text or not isinstance(part.get("text"), str):
+                raise _Bad(
+                    ErrorCode.INVALID_RECORD,
+                    f"message {index} has a content part that is not text ({_clip(part)}); "
+                    'only {"type": "text", "text": "..."} parts are supported',
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _Bad(
+        ErrorCode.INVALID_RECORD,
+        f"message {index} content is {_clip(content)}; use a string or a list of text parts",
+    )
+
+
+def _read_messages(value: Any) -> tuple[Message, ...]:
+    if not isinstance(value, list) or not value:
+        raise _Bad(
+            ErrorCode.INVALID_RECORD, '"messages" must be a non-empty list of {"role", "content"} objects'
+        )
+    messages = []
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _Bad(
+                ErrorCode.INVALID_RECORD,
+                f'message {index} is {_clip(item)}; each message must be an object with "role" and "content"',
+            )
+        role = item.get("role")
+        if role not in ALLOWED_ROLES:
+            raise _Bad(
+                ErrorCode.INVALID_RECORD,
+                f"message {index} has role {_clip(role)}; use one of {', '.join(sorted(ALLOWED_ROLES))}",
+            )
+        messages.append(Message(role, _read_content(item.get("content"), index)))
+    return tuple(messages)
+
+
+def _read_prompt(value: Any, key: str = "prompt") -> str:
+    if not isinstance(value, str):
+        raise _Bad(ErrorCode.INVALID_RECORD, f'"{key}" is {_clip(value)}; it must be a string')
+    return value
+
+
+def _check_text(request: Request, limits: ValidationLimits) -> None:
+    if request.prompt is not None:
+        empty = not request.prompt.strip()
+    else:
+        empty = all(not m.content.strip() for m in request.messages or ())
+    if empty:
+        raise _Bad(ErrorCode.EMPTY_PROMPT, "the prompt is empty; give the record some text or drop it")
+    chars = request.text_chars
+    if chars > limits.max_prompt_chars:
+        raise _Bad(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"the prompt has {chars} characters, more than the limit of {limits.max_prompt_chars}; "
+            "shorten it or raise max_prompt_chars",
+        )
+
+
+def _parse_native(obj: dict[str, Any], limits: ValidationLimits) -> tuple[str, Request]:
+    record_id = _read_id(obj.get("id"), "id")
+    try:
+        unknown = [k for k in obj if k not in _NATIVE_KEYS]
+        if unknown:
+            raise _Bad(
+                ErrorCode.INVALID_RECORD,
+                f"unknown field {_clip(unknown[0])}; native records allow {', '.join(_NATIVE_KEYS)} "
+                '(put extra data under "metadata")',
+            )
+        has_prompt = obj.get("prompt") is not None
+        has_messages = obj.get("messages") is not None
+        if has_prompt == has_messages:
+            raise _Bad(
+                ErrorCode.INVALID_RECORD,
+                'record needs exactly one of "prompt" (a string) or "messages" (a list); '
+                + ("it has both" if has_prompt else "it has neither"),
+            )
+        metadata = obj.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise _Bad(ErrorCode.INVALID_RECORD, f'"metadata" is {_clip(metadata)}; it must be an object')
+        max_tokens = _read_max_tokens(obj.get("max_tokens"), "max_tokens", limits)
+        if has_prompt:
+            request = Request("completion", _read_prompt(obj["prompt"]), None, max_tokens, {})
+        else:
+            request = Request("chat", None, _read_messages(obj["messages"]), max_tokens, {})
+        _check_text(request, limits)
+    except _Bad as bad:
+        bad.record_id = record_id
+        raise
+    return record_id, request
+
+
+def _parse_openai(obj: dict[str, Any], limits: ValidationLimits) -> tuple[str, Request]:
+    record_id = _read_id(obj.get("custom_id"), "custom_id")
+    try:
+        unknown = [k for k in obj if k not in _OPENAI_KEYS]
+        if unknown:
+            raise _Bad(
+                ErrorCode.INVALID_RECORD,
+                f"unknown field {_clip(unknown[0])}; OpenAI Batch lines allow {', '.join(_OPENAI_KEYS)}",
+            )
+        method = obj.get("method")
+        if method != "POST":
+            raise _Bad(
+                ErrorCode.INVALID_RECORD, f'"method" is {_clip(method)}; OpenAI Batch lines use "POST"'
+            )
+        url = obj.get("url")
+        if url not in (CHAT_URL, COMPLETIONS_URL):
+            raise _Bad(
+                ErrorCode.UNSUPPORTED_URL,
+                f'"url" is {_clip(url)}; supported endpoints are {CHAT_URL} and {COMPLETIONS_URL}',
+            )
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise _Bad(ErrorCode.INVALID_RECORD, f'"body" is {_clip(body)}; it must be a JSON object')
+        max_tokens = _read_max_tokens(body.get("max_tokens"), "body.max_tokens", limits)
+        max_completion = _read_max_tokens(
+            body.get("max_completion_tokens"), "body.max_completion_tokens", limits
+        )
+        if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+            raise _Bad(
+                ErrorCode.INVALID_MAX_TOKENS,
+                f"body.max_tokens ({max_tokens}) and body.max_completion_tokens ({max_completion}) "
+                "disagree; give only one",
+            )
+        limit = max_completion if max_completion is not None else max_tokens
+        params = {k: v for k, v in body.items() if k not in _BODY_RESERVED}
+        if url == CHAT_URL:
+            if body.get("messages") is None:
+                raise _Bad(ErrorCode.INVALID_RECORD, f'a {CHAT_URL} body needs "messages"')
+            request = Request("chat", None, _read_messages(body["messages"]), limit, params)
+        else:
+            if body.get("prompt") is None:
+                raise _Bad(ErrorCode.INVALID_RECORD, f'a {COMPLETIONS_URL} body needs "prompt" (a string)')
+            request = Request("completion", _read_prompt(body["prompt"], "body.prompt"), None, limit, params)
+        _check_text(request, limits)
+    except _Bad as bad:
+        bad.record_id = record_id
+        raise
+    return record_id, request
+
+
+def _parse_object(data: bytes, limits: ValidationLimits) -> tuple[str, Request]:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise _decode_error(data, exc) from None
+    if not isinstance(obj, dict):
+        raise _Bad(
+            ErrorCode.INVALID_RECORD,
+            f"line is a JSON {type(obj).__name__}, not an object; write one JSON object per line",
+        )
+    if "custom_id" in obj or "body" in obj or "url" in obj or "method" in obj:
+        return _parse_openai(obj, limits)
+    return _parse_native(obj, limits)
+
+
+def parse_line(raw: RawLine, limits: ValidationLimits) -> Record | LineError | None:
+    """Parse one raw line into a :class:`Record`, a :class:`LineError`, or None for a blank line.
+
+    Accepts the native shape and OpenAI Batch API lines (DESIGN §4.1). The error keeps the
+    record's ID whenever it could be read. Duplicate IDs are the :class:`Validator`'s job.
+    """
+    data = raw.data
+    if data is None:
+        return LineError(
+            raw.line,
+            None,
+            ErrorCode.LINE_TOO_LONG,
+            f"line is longer than {limits.max_line_bytes} bytes; shorten the record or raise max_line_bytes",
+        )
+    if raw.line == 1 and data[:3] == _BOM:
+        data = data[3:]
+    if not data.strip():
+        return None
+    if len(data) > limits.max_line_bytes:
+        return LineError(
+            raw.line,
+            None,
+            ErrorCode.LINE_TOO_LONG,
+            f"line is longer than {limits.max_line_bytes} bytes; shorten the record or raise max_line_bytes",
+        )
+    try:
+        record_id, request = _parse_object(data, limits)
+    except _Bad as bad:
+        return LineError(raw.line, bad.record_id, bad.code, bad.message)
+    return Record(raw.line, record_id, request, len(data))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation with duplicate detection
+
+
+def _id_digest(record_id: str) -> bytes:
+    return hashlib.blake2b(record_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+class Validator:
+    """Parse lines in order, flag repeated IDs, and count outcomes.
+
+    The first line carrying an ID owns it, even when that line is itself invalid, so every ID
+    maps to exactly one outcome. Seen IDs are kept as 16-byte BLAKE2b digests (about 80 MB for a
+    million IDs), never as the strings.
+    """
+
+    def __init__(self, limits: ValidationLimits | None = None) -> None:
+        self.limits = limits or ValidationLimits()
+        self._seen: set[bytes] = set()
+        self.lines = 0
+        self.records = 0
+        self.errors: Counter[ErrorCode] = Counter()
+
+    @property
+    def invalid(self) -> int:
+        """Number of lines that became :class:`LineError`."""
+        return sum(self.errors.values())
+
+    def feed(self, raw: RawLine) -> Record | LineError | None:
+        """Parse ``raw`` and return its outcome (None for a blank line)."""
+        self.lines += 1
+        outcome = parse_line(raw, self.limits)
+        if outcome is None:
+            return None
+        if outcome.id is not None:
+            digest = _id_digest(outcome.id)
+            if digest in self._seen:
+                outcome = LineError(
+                    outcome.line,
+                    outcome.id,
+                    ErrorCode.DUPLICATE_ID,
+                    f"ID {_clip(outcome.id)} was already used by an earlier line (the first one is kept); "
+                    "give every record a unique ID",
+                )
+            else:
+                self._seen.add(digest)
+        if isinstance(outcome, Record):
+            self.records += 1
+        else:
+            self.errors[outcome.code] += 1
+        return outcome
