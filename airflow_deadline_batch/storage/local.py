@@ -1,0 +1,199 @@
+"""Object storage on the local filesystem: atomic puts and race-safe conditional creates."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from airflow_deadline_batch.exceptions import ObjectExists, ObjectNotFound, StorageError
+from airflow_deadline_batch.storage.base import validate_key, validate_prefix, validate_range
+
+#: suffix of the temporary files that writes stage their bytes in; listings skip them
+TEMP_SUFFIX = ".adb-tmp"
+_TEMP_NAME = re.compile(r"^\..*\.[0-9a-f]{32}" + re.escape(TEMP_SUFFIX) + "$")
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether a file name is one of this module's in-flight temporary files."""
+    return _TEMP_NAME.match(name) is not None
+
+
+class LocalStorage:
+    """Objects as files under ``root``; a key ``a/b.jsonl`` is the file ``root/a/b.jsonl``.
+
+    Writes go to a temporary file in the target's directory, are fsynced, and then appear under
+    their name in one atomic step (``os.replace`` or ``os.link``), so readers never see a prefix.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({str(self.root)!r})"
+
+    @property
+    def base_uri(self) -> str:
+        return str(self.root)
+
+    def uri(self, key: str) -> str:
+        return str(self._path(key))
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        path = self._path(key)
+        temp = self._write_temp(path, data)
+        try:
+            os.replace(temp, path)
+        except OSError as exc:
+            raise _storage_error(exc, "write", path) from exc
+        finally:
+            _unlink_quietly(temp)
+        _fsync_dir(path.parent)
+        return str(path)
+
+    def create_bytes(self, key: str, data: bytes) -> str:
+        path = self._path(key)
+        temp = self._write_temp(path, data)
+        try:
+            # link() fails if the name exists, atomically: exactly one concurrent creator wins, and
+            # the winner's bytes are complete before its name appears.
+            os.link(temp, path)
+        except FileExistsError as exc:
+            raise ObjectExists(
+                f"{path} already exists; conditional create refused to overwrite it (another writer won)",
+                uri=str(path),
+            ) from exc
+        except OSError as exc:
+            raise _storage_error(exc, "create", path) from exc
+        finally:
+            _unlink_quietly(temp)
+        _fsync_dir(path.parent)
+        return str(path)
+
+    def get_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as stream:
+            return stream.read()
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        path = self._path(key)
+        validate_range(start, end, uri=str(path))
+        with self._open(path) as stream:
+            if start == end:
+                return b""
+            stream.seek(start)
+            return stream.read(end - start)
+
+    def open_read(self, key: str) -> BinaryIO:
+        return self._open(self._path(key))
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            if path.is_file():
+                return path.stat().st_size
+        except OSError as exc:
+            raise _storage_error(exc, "stat", path) from exc
+        raise _not_found(path)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise _storage_error(exc, "delete", path) from exc
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        validate_prefix(prefix, base_uri=self.base_uri)
+        directory = prefix.rpartition("/")[0]
+        top = self.root.joinpath(*directory.split("/")) if directory else self.root
+        keys: list[str] = []
+        for current, dirnames, filenames in os.walk(top):
+            dirnames.sort()
+            relative = Path(current).relative_to(self.root).as_posix()
+            for name in filenames:
+                if is_temp_name(name):
+                    continue
+                key = name if relative == "." else f"{relative}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        yield from sorted(keys)
+
+    def _path(self, key: str) -> Path:
+        validate_key(key, base_uri=self.base_uri)
+        return self.root.joinpath(*key.split("/"))
+
+    def _open(self, path: Path) -> BinaryIO:
+        try:
+            if path.is_dir():
+                raise _not_found(path)
+            return open(path, "rb")  # noqa: SIM115 - the caller owns the stream
+        except FileNotFoundError as exc:
+            raise _not_found(path) from exc
+        except OSError as exc:
+            raise _storage_error(exc, "read", path) from exc
+
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        """Write ``data`` to a fresh, fsynced temporary file next to ``path``; return its path."""
+        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise _storage_error(exc, "write", path) from exc
+        try:
+            with os.fdopen(fd, "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+        except OSError as exc:
+            _unlink_quietly(temp)
+            raise _storage_error(exc, "write", path) from exc
+        except BaseException:
+            _unlink_quietly(temp)
+            raise
+        return temp
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a directory entry change; best effort where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _not_found(path: Path) -> ObjectNotFound:
+    return ObjectNotFound(f"{path} does not exist; check the path", uri=str(path))
+
+
+def _storage_error(exc: OSError, action: str, path: Path) -> StorageError:
+    reason = exc.strerror or type(exc).__name__
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        fix = "check the file permissions"
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free disk space"
+    elif exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+        fix = "a file and a folder clash on this path; choose another output location"
+    else:
+        fix = "check the path"
+    return StorageError(f"cannot {action} {path}: {reason}; {fix}", uri=str(path))
