@@ -1,0 +1,149 @@
+"""Job, shard and attempt states and the transitions allowed between them (DESIGN §4.4).
+
+The store checks every state change against these tables, so an impossible transition (a
+completed job running again, a succeeded shard leased again) fails loudly instead of corrupting
+the manifest.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from airflow_deadline_batch.exceptions import InvalidTransition
+
+__all__ = [
+    "ATTEMPT_TRANSITIONS",
+    "JOB_TRANSITIONS",
+    "SHARD_TRANSITIONS",
+    "TERMINAL_ATTEMPT_OUTCOMES",
+    "TERMINAL_JOB_STATES",
+    "TERMINAL_SHARD_STATES",
+    "AttemptOutcome",
+    "JobState",
+    "ShardState",
+    "check_attempt_transition",
+    "check_job_transition",
+    "check_shard_transition",
+    "shard_state_after",
+]
+
+
+class JobState(str, enum.Enum):
+    """Lifecycle of a job: submitted → admitted → running → finalizing → a terminal state."""
+
+    SUBMITTED = "submitted"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+
+class ShardState(str, enum.Enum):
+    """Lifecycle of a shard; ``retryable_failure`` shards are leased again by a later attempt."""
+
+    PENDING = "pending"
+    LEASED = "leased"
+    SUCCEEDED = "succeeded"
+    RETRYABLE_FAILURE = "retryable_failure"
+    TERMINAL_FAILURE = "terminal_failure"
+
+
+class AttemptOutcome(str, enum.Enum):
+    """How one attempt at a shard ended (``running`` while it holds the lease)."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    PREEMPTED = "preempted"
+    LOST_LEASE = "lost_lease"
+    FAILED_RETRYABLE = "failed_retryable"
+    FAILED_TERMINAL = "failed_terminal"
+    ABANDONED = "abandoned"
+
+
+TERMINAL_JOB_STATES: frozenset[JobState] = frozenset(
+    {JobState.COMPLETED, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED, JobState.REJECTED}
+)
+TERMINAL_SHARD_STATES: frozenset[ShardState] = frozenset({ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE})
+TERMINAL_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
+    set(AttemptOutcome) - {AttemptOutcome.RUNNING}
+)
+
+_J = JobState
+JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
+    _J.SUBMITTED: frozenset({_J.ADMITTED, _J.REJECTED, _J.CANCELLED, _J.FAILED}),
+    # admitted → finalizing: a job with no shards to run (every line invalid, under the limit)
+    _J.ADMITTED: frozenset({_J.RUNNING, _J.FINALIZING, _J.CANCELLED, _J.FAILED}),
+    _J.RUNNING: frozenset({_J.FINALIZING, _J.CANCELLED, _J.FAILED}),
+    # finalizing → running: verification found missing outcomes and shards are retried
+    _J.FINALIZING: frozenset({_J.COMPLETED, _J.PARTIAL, _J.FAILED, _J.CANCELLED, _J.RUNNING}),
+    **{state: frozenset() for state in TERMINAL_JOB_STATES},
+}
+
+_S = ShardState
+SHARD_TRANSITIONS: Mapping[ShardState, frozenset[ShardState]] = {
+    # pending → terminal_failure: the job was cancelled or ran out of time before any attempt
+    _S.PENDING: frozenset({_S.LEASED, _S.TERMINAL_FAILURE}),
+    # leased → leased: a new attempt takes over an expired lease (the epoch is bumped);
+    # leased → pending: an attempt released its lease without failing (for example, abandoned)
+    _S.LEASED: frozenset({_S.LEASED, _S.PENDING, _S.SUCCEEDED, _S.RETRYABLE_FAILURE, _S.TERMINAL_FAILURE}),
+    _S.RETRYABLE_FAILURE: frozenset({_S.LEASED, _S.TERMINAL_FAILURE}),
+    _S.SUCCEEDED: frozenset(),
+    _S.TERMINAL_FAILURE: frozenset(),
+}
+
+_A = AttemptOutcome
+ATTEMPT_TRANSITIONS: Mapping[AttemptOutcome, frozenset[AttemptOutcome]] = {
+    _A.RUNNING: TERMINAL_ATTEMPT_OUTCOMES,
+    **{outcome: frozenset() for outcome in TERMINAL_ATTEMPT_OUTCOMES},
+}
+
+_SHARD_AFTER: Mapping[AttemptOutcome, ShardState] = {
+    _A.SUCCEEDED: _S.SUCCEEDED,
+    _A.PREEMPTED: _S.RETRYABLE_FAILURE,
+    _A.LOST_LEASE: _S.RETRYABLE_FAILURE,
+    _A.FAILED_RETRYABLE: _S.RETRYABLE_FAILURE,
+    _A.ABANDONED: _S.RETRYABLE_FAILURE,
+    _A.FAILED_TERMINAL: _S.TERMINAL_FAILURE,
+}
+
+
+def _check(kind: str, table: Mapping[Any, frozenset[Any]], src: enum.Enum, dst: enum.Enum) -> None:
+    if dst in table[src]:
+        return
+    allowed = ", ".join(sorted(s.value for s in table[src])) or "none, it is terminal"
+    raise InvalidTransition(
+        f"{kind} cannot go from {src.value} to {dst.value} (allowed from {src.value}: {allowed})",
+        source=src.value,
+        target=dst.value,
+    )
+
+
+def check_job_transition(src: JobState | str, dst: JobState | str, *, job_id: str | None = None) -> None:
+    """Raise :class:`InvalidTransition` unless a job may move from ``src`` to ``dst``."""
+    _check(f"job {job_id}" if job_id else "job", JOB_TRANSITIONS, JobState(src), JobState(dst))
+
+
+def check_shard_transition(
+    src: ShardState | str, dst: ShardState | str, *, shard_id: str | None = None
+) -> None:
+    """Raise :class:`InvalidTransition` unless a shard may move from ``src`` to ``dst``."""
+    _check(f"shard {shard_id}" if shard_id else "shard", SHARD_TRANSITIONS, ShardState(src), ShardState(dst))
+
+
+def check_attempt_transition(src: AttemptOutcome | str, dst: AttemptOutcome | str) -> None:
+    """Raise :class:`InvalidTransition` unless an attempt may end as ``dst`` (only ``running`` may end)."""
+    _check("attempt", ATTEMPT_TRANSITIONS, AttemptOutcome(src), AttemptOutcome(dst))
+
+
+def shard_state_after(outcome: AttemptOutcome | str) -> ShardState:
+    """The shard state an attempt's terminal outcome leads to (preempted → retryable_failure, ...)."""
+    outcome = AttemptOutcome(outcome)
+    if outcome is AttemptOutcome.RUNNING:
+        raise ValueError("attempt outcome 'running' is not terminal; it leads to no shard state")
+    return _SHARD_AFTER[outcome]
