@@ -1,0 +1,220 @@
+"""Placement: Spot or on-demand for the next try of a shard, decided from the job's slack.
+
+One implementation, used by the simulator's ``slack_aware`` policy, the local runner and the Airflow
+shard operator alike. The rule (DESIGN §5), all in seconds of wall time per worker:
+
+* ``od_need`` = changeover + remaining work / parallelism + list-scheduling imbalance: the time the
+  job still needs if every worker went on-demand now. ``slack = time left − od_need``.
+* **Safety**: a Spot try is allowed only while slack covers its worst case, a changeover plus the
+  uncommitted work a preemption destroys (``risk``); otherwise on-demand, so the deadline holds
+  whenever it was feasible on on-demand (the safety net of *Can't Be Late*, NSDI '24).
+* **Escalation while Spot is missing**: waiting is free but burns slack. Wait while the capacity the
+  job can expect (its on-demand workers plus the Spot availability times the other workers) covers
+  the rate the remaining work needs; otherwise add on-demand workers one at a time (mixing).
+* **Hysteresis**: back from on-demand to Spot only with a margin of extra slack, so work does not
+  flap between pools; a running try is kept while it is safe.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from dataclasses import dataclass
+
+from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.pools import PoolKind
+
+#: the pod startup timeout never goes below this (the scheduler needs some time to place a pod)
+MIN_STARTUP_TIMEOUT_S = 60
+#: grace when the Spot pool gives no notice: enough to commit the current microbatch on SIGTERM
+DEFAULT_GRACE_S = 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyParams:
+    """The few tunables of :func:`choose_pool` (tuned on synthetic traces, never on the shared files)."""
+
+    #: extra slack (in changeovers) needed to go back from on-demand to Spot
+    return_margin_changeovers: float = 2.0
+    #: Spot availability assumed when none is observed yet (fraction of time capacity exists)
+    availability_prior: float = 0.5
+    #: the availability estimate is discounted by this factor before it is trusted
+    availability_discount: float = 0.8
+    #: the caller re-decides at least this often while a try runs (the simulator's tick); ``None``
+    #: means a try is decided once and runs to its end, so its whole shard is at risk
+    decision_interval_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.availability_prior <= 1.0:
+            raise ValueError("availability_prior must be within [0, 1]")
+        if not 0.0 < self.availability_discount <= 1.0:
+            raise ValueError("availability_discount must be within (0, 1]")
+        if self.return_margin_changeovers < 0:
+            raise ValueError("return_margin_changeovers must be >= 0")
+        if self.decision_interval_s is not None and self.decision_interval_s < 0:
+            raise ValueError("decision_interval_s must be >= 0")
+
+
+DEFAULT_POLICY = PolicyParams()
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSnapshot:
+    """What the placement decision knows of a job at one decision point."""
+
+    now: dt.datetime
+    deadline: dt.datetime
+    #: GPU-seconds of uncommitted work for the whole job (reference pool rate)
+    remaining_work_s: float
+    #: remaining GPU-seconds of the shard being placed (what a preemption can destroy)
+    shard_work_s: float
+    #: workers the job runs at once (>= 1)
+    parallelism: int
+    #: startup cost of a (re)start: pod scheduling + model load
+    changeover_s: float
+    #: preemption notice the Spot pool gives
+    notice_s: float = 0.0
+    #: observed / configured Spot preemption rate
+    spot_preemptions_per_hour: float = 0.0
+    #: whether Spot capacity is believed available now
+    spot_available: bool = True
+    #: pool of this shard's previous try (hysteresis)
+    previous_pool: PoolKind | None = None
+    #: workers of this job currently on on-demand, this one excluded (mixing)
+    on_demand_workers: int = 0
+    #: the try is running on ``previous_pool`` now (continuing costs no changeover)
+    running: bool = False
+    #: observed fraction of time Spot capacity was available (``None``: use the policy's prior)
+    spot_availability: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "now", ensure_aware(self.now, "now"))
+        object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
+        if self.parallelism < 1:
+            raise ValueError(f"parallelism must be >= 1, got {self.parallelism}")
+        for name in ("remaining_work_s", "shard_work_s", "changeover_s", "notice_s",
+                     "spot_preemptions_per_hour"):
+            value = getattr(self, name)
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.on_demand_workers < 0:
+            raise ValueError("on_demand_workers must be >= 0")
+        if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
+            raise ValueError("spot_availability must be within [0, 1]")
+        if self.previous_pool is not None:
+            object.__setattr__(self, "previous_pool", PoolKind(self.previous_pool))
+
+
+@dataclass(frozen=True)
+class PlacementDecision:
+    """Where the next try goes, why, and the timeouts the operator derives from it."""
+
+    pool: PoolKind
+    #: one human sentence with numbers (logged by the operator)
+    reason: str
+    slack_s: float
+    #: after this, a Spot start is no longer safe; the operator's pod startup timeout
+    last_safe_spot_start: dt.datetime | None
+    #: how long to wait for the pod to be scheduled before giving up (>= 60)
+    startup_timeout_s: int
+    #: termination grace the worker needs (notice-aware)
+    grace_period_s: int
+
+
+@dataclass(frozen=True)
+class SlackBreakdown:
+    """The quantities behind a decision, in seconds; exposed for the simulator, logs and tests."""
+
+    time_left_s: float
+    od_need_s: float
+    slack_s: float
+    spot_risk_s: float
+    required_rate: float
+    expected_rate: float
+
+
+def od_need_s(snapshot: JobSnapshot) -> float:
+    """Wall time the job needs from now if every worker goes on-demand now (changeover included).
+
+    With several workers pulling shards from one queue, the last one may finish up to one shard
+    later than the average (list scheduling), hence the imbalance term.
+    """
+    p = snapshot.parallelism
+    imbalance = snapshot.shard_work_s * (p - 1) / p
+    return snapshot.changeover_s + snapshot.remaining_work_s / p + imbalance
+
+
+def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
+    """Slack a Spot try may consume in the worst case: its changeover plus destroyed work."""
+    changeover = 0.0 if (snapshot.running and snapshot.previous_pool is PoolKind.SPOT) else snapshot.changeover_s
+    at_risk = max(0.0, snapshot.shard_work_s - snapshot.notice_s)
+    if policy.decision_interval_s is not None:
+        # Re-decided every interval: only the next interval is at risk; the uncommitted work is
+        # already counted in the remaining work (it is redone on-demand if the try is abandoned).
+        at_risk = min(at_risk, policy.decision_interval_s)
+    return changeover + at_risk
+
+
+def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> SlackBreakdown:
+    """Compute slack, risk and the required versus expected service rate (in workers)."""
+    time_left = (snapshot.deadline - snapshot.now).total_seconds()
+    need = od_need_s(snapshot)
+    p = snapshot.parallelism
+    m = min(snapshot.on_demand_workers, p - 1)
+    usable = max(time_left - snapshot.changeover_s, 1e-9)
+    required = (need - snapshot.changeover_s) * p / usable
+    availability = (policy.availability_prior if snapshot.spot_availability is None
+                    else snapshot.spot_availability)
+    expected = m + availability * policy.availability_discount * (p - m)
+    return SlackBreakdown(time_left_s=time_left, od_need_s=need, slack_s=time_left - need,
+                          spot_risk_s=spot_risk_s(snapshot, policy), required_rate=required,
+                          expected_rate=expected)
+
+
+def grace_period_s(snapshot: JobSnapshot) -> int:
+    """Termination grace: the Spot notice when there is one (nothing after it counts), else a default."""
+    if snapshot.notice_s > 0:
+        return max(1, int(snapshot.notice_s))
+    return DEFAULT_GRACE_S
+
+
+def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> PlacementDecision:
+    """Choose Spot or on-demand for the next try of a shard (see the module docstring for the rule)."""
+    policy = policy or DEFAULT_POLICY
+    b = breakdown(snapshot, policy)
+    d = snapshot.changeover_s
+    prev = snapshot.previous_pool
+    continuing_spot = snapshot.running and prev is PoolKind.SPOT
+    continuing_od = snapshot.running and prev is PoolKind.ON_DEMAND
+    margin = policy.return_margin_changeovers * d if prev is PoolKind.ON_DEMAND else 0.0
+    spot_needs = b.spot_risk_s + margin
+    last_safe = snapshot.now + dt.timedelta(seconds=max(0.0, b.slack_s - spot_needs))
+
+    def decide(pool: PoolKind, why: str) -> PlacementDecision:
+        if pool is PoolKind.SPOT:
+            timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, b.slack_s - spot_needs)))
+            safe: dt.datetime | None = last_safe
+        else:
+            timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, b.slack_s)))
+            safe = None
+        reason = (f"{pool.value}: {why} (slack {b.slack_s / 3600:.2f} h, Spot risk "
+                  f"{spot_needs / 3600:.2f} h, need {b.required_rate:.2f} workers, "
+                  f"expect {b.expected_rate:.2f})")
+        return PlacementDecision(pool=pool, reason=reason, slack_s=b.slack_s,
+                                 last_safe_spot_start=safe, startup_timeout_s=timeout,
+                                 grace_period_s=grace_period_s(snapshot))
+
+    if b.slack_s < spot_needs:
+        return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
+    if snapshot.spot_available:
+        if continuing_spot:
+            return decide(PoolKind.SPOT, "keep the running Spot try while it is safe")
+        if continuing_od and b.required_rate > b.expected_rate:
+            return decide(PoolKind.ON_DEMAND, "behind the rate Spot can be expected to deliver")
+        return decide(PoolKind.SPOT, "Spot is available and slack covers a preemption")
+    # Spot is missing: wait for it (free, burns slack) or escalate this worker to on-demand.
+    if b.required_rate > b.expected_rate:
+        return decide(PoolKind.ON_DEMAND, "Spot is missing and the expected capacity is short")
+    if continuing_od and b.slack_s < spot_needs + policy.return_margin_changeovers * d:
+        return decide(PoolKind.ON_DEMAND, "keep on-demand until slack clears the hysteresis margin")
+    return decide(PoolKind.SPOT, "wait for Spot: the expected capacity covers the remaining work")

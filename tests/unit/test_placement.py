@@ -1,0 +1,135 @@
+"""Unit tests of the placement rule: safety, escalation, mixing, hysteresis, timeouts."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from airflow_deadline_batch.core.placement import (
+    MIN_STARTUP_TIMEOUT_S,
+    JobSnapshot,
+    PolicyParams,
+    choose_pool,
+    od_need_s,
+)
+from airflow_deadline_batch.core.pools import PoolKind
+
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+H = 3600.0
+
+
+def snap(**overrides: object) -> JobSnapshot:
+    values: dict[str, object] = dict(now=NOW, deadline=NOW + dt.timedelta(hours=10),
+                                     remaining_work_s=4 * H, shard_work_s=0.25 * H, parallelism=1,
+                                     changeover_s=0.1 * H)
+    values.update(overrides)
+    return JobSnapshot(**values)  # type: ignore[arg-type]
+
+
+def test_plenty_of_slack_and_spot_available_goes_to_spot() -> None:
+    decision = choose_pool(snap())
+    assert decision.pool is PoolKind.SPOT
+    assert decision.slack_s == pytest.approx(10 * H - 4.1 * H)
+    assert decision.last_safe_spot_start is not None
+    assert decision.last_safe_spot_start > NOW
+    assert "slack" in decision.reason
+
+
+def test_no_slack_for_a_spot_try_escalates_to_on_demand() -> None:
+    # 4 h of work, 0.1 h changeover: 4.1 h on-demand; a Spot try risks 0.35 h more.
+    decision = choose_pool(snap(deadline=NOW + dt.timedelta(hours=4.3)))
+    assert decision.pool is PoolKind.ON_DEMAND
+    assert decision.last_safe_spot_start is None
+
+
+def test_spot_missing_and_expected_capacity_short_escalates() -> None:
+    # Needs 4 h of work in 5 h: 0.8 workers, prior availability 0.5 x 0.8 expects 0.4.
+    decision = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5), spot_available=False))
+    assert decision.pool is PoolKind.ON_DEMAND
+
+
+def test_spot_missing_with_high_observed_availability_waits() -> None:
+    decision = choose_pool(snap(deadline=NOW + dt.timedelta(hours=6), spot_available=False,
+                                spot_availability=1.0))
+    assert decision.pool is PoolKind.SPOT
+    assert decision.startup_timeout_s >= MIN_STARTUP_TIMEOUT_S
+
+
+def test_mixing_adds_on_demand_workers_only_until_expected_capacity_suffices() -> None:
+    # 4 workers, 20 h of work left in 10 h: about 2.1 workers' worth needed; each Spot worker is
+    # expected to deliver 0.25 x 0.8 = 0.2 of a worker.
+    base = dict(remaining_work_s=20 * H, parallelism=4, spot_available=False, spot_availability=0.25)
+    assert choose_pool(snap(**base, on_demand_workers=0)).pool is PoolKind.ON_DEMAND
+    assert choose_pool(snap(**base, on_demand_workers=1)).pool is PoolKind.ON_DEMAND
+    assert choose_pool(snap(**base, on_demand_workers=2)).pool is PoolKind.SPOT
+
+
+def test_hysteresis_keeps_a_running_on_demand_try_near_the_threshold() -> None:
+    # Slack 0.5 h; a fresh Spot try needs 0.35 h, coming back from on-demand needs 0.2 h more.
+    kwargs = dict(deadline=NOW + dt.timedelta(hours=1.6), remaining_work_s=1 * H, spot_availability=1.0,
+                  spot_available=False)
+    fresh = choose_pool(snap(**kwargs))
+    held = choose_pool(snap(**kwargs, previous_pool=PoolKind.ON_DEMAND, running=True))
+    assert fresh.pool is PoolKind.SPOT
+    assert held.pool is PoolKind.ON_DEMAND
+
+
+def test_running_spot_try_is_kept_when_re_decided_every_tick() -> None:
+    policy = PolicyParams(decision_interval_s=300)
+    kwargs = dict(deadline=NOW + dt.timedelta(hours=4.25), shard_work_s=1 * H)
+    assert choose_pool(snap(**kwargs), policy).pool is PoolKind.ON_DEMAND
+    kept = choose_pool(snap(**kwargs, previous_pool=PoolKind.SPOT, running=True), policy)
+    assert kept.pool is PoolKind.SPOT
+
+
+def test_notice_reduces_the_work_at_risk_and_sets_the_grace_period() -> None:
+    kwargs = dict(deadline=NOW + dt.timedelta(hours=4.4), shard_work_s=0.5 * H)
+    assert choose_pool(snap(**kwargs)).pool is PoolKind.ON_DEMAND
+    with_notice = choose_pool(snap(**kwargs, notice_s=0.4 * H))
+    assert with_notice.pool is PoolKind.SPOT
+    assert with_notice.grace_period_s == int(0.4 * H)
+    assert choose_pool(snap()).grace_period_s > 0
+
+
+def test_od_need_includes_list_scheduling_imbalance() -> None:
+    s = snap(remaining_work_s=8 * H, parallelism=4, shard_work_s=1 * H)
+    assert od_need_s(s) == pytest.approx(0.1 * H + 2 * H + 0.75 * H)
+
+
+def test_naive_datetimes_and_bad_values_are_rejected() -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        snap(now=dt.datetime(2026, 1, 1))
+    with pytest.raises(ValueError, match="parallelism"):
+        snap(parallelism=0)
+    with pytest.raises(ValueError, match="remaining_work_s"):
+        snap(remaining_work_s=-1.0)
+
+
+def test_past_deadline_goes_on_demand_with_minimum_timeout() -> None:
+    decision = choose_pool(snap(deadline=NOW - dt.timedelta(hours=1)))
+    assert decision.pool is PoolKind.ON_DEMAND
+    assert decision.slack_s < 0
+    assert decision.startup_timeout_s == MIN_STARTUP_TIMEOUT_S
+
+
+@settings(max_examples=200, deadline=None)
+@given(work_h=st.floats(0.0, 50.0), left_h=st.floats(0.0, 60.0), shard_h=st.floats(0.0, 2.0),
+       d_h=st.floats(0.0, 0.5), p=st.integers(1, 16), available=st.booleans(),
+       prev=st.sampled_from([None, PoolKind.SPOT, PoolKind.ON_DEMAND]), running=st.booleans(),
+       avail=st.none() | st.floats(0.0, 1.0))
+def test_a_spot_decision_always_leaves_room_to_finish_on_demand(
+        work_h: float, left_h: float, shard_h: float, d_h: float, p: int, available: bool,
+        prev: PoolKind | None, running: bool, avail: float | None) -> None:
+    s = snap(deadline=NOW + dt.timedelta(hours=left_h), remaining_work_s=work_h * H,
+             shard_work_s=shard_h * H, changeover_s=d_h * H, parallelism=p, spot_available=available,
+             previous_pool=prev, running=running, spot_availability=avail)
+    decision = choose_pool(s)
+    if decision.pool is PoolKind.SPOT:
+        # Even if the try burns its changeover and loses its whole shard, on-demand still makes it.
+        assert decision.last_safe_spot_start is not None
+        worst = (0.0 if running and prev is PoolKind.SPOT else d_h * H) + shard_h * H
+        assert left_h * H - worst >= od_need_s(s) - 1e-6
+    assert decision.startup_timeout_s >= MIN_STARTUP_TIMEOUT_S
