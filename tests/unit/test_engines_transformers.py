@@ -1,0 +1,37 @@
+"""The transformers engine generates real text with the shipped SmolLM2-135M-Instruct GGUF."""
+
+from __future__ import annotations
+
+import pytest
+
+from airflow_deadline_batch.core.records import Message, Request
+from airflow_deadline_batch.worker.engines import GenerationParams, get_engine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    engine = get_engine("transformers")
+    engine.load()  # ~16 s: de-quantising the GGUF, once per module
+    return engine
+
+
+def test_transformers_generates_real_text_for_chat_and_completion(engine) -> None:  # type: ignore[no-untyped-def]
+    requests = [
+        Request(
+            "chat", None, (Message("user", "What is the capital of France? Answer in one word."),), 8, {}
+        ),
+        Request("completion", "The three primary colours are", None, None, {}),
+    ]
+    out = engine.generate(requests, GenerationParams(max_tokens=12))
+    assert len(out) == 2
+    for generation in out:
+        assert generation.ok and generation.output and generation.output.strip()
+        assert generation.prompt_tokens > 3
+        assert 0 < generation.completion_tokens <= 12
+    assert out[0].completion_tokens <= 8  # the request's own max_tokens wins
+    assert "paris" in out[0].output.lower()  # type: ignore[union-attr]
+    assert "The three primary colours are" not in out[1].output  # type: ignore[operator]
+    assert engine.model_name == "SmolLM2-135M-Instruct"
+    assert len(engine.model_digest) == 64
