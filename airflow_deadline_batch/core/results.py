@@ -1,0 +1,224 @@
+"""Result records (one JSONL line per input line, DESIGN §4.2) and the output manifest (§4.3).
+
+Both are frozen pydantic models so that whatever reads an output object or a manifest checks
+it against the contract; the hot paths (one result line per record) serialise with orjson.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.records import LineError
+
+__all__ = [
+    "MANIFEST_VERSION",
+    "VALIDATION_ATTEMPT_ID",
+    "VALIDATION_SHARD_ID",
+    "InputInfo",
+    "ManifestShard",
+    "ModelInfo",
+    "OutcomeCounts",
+    "OutputManifest",
+    "ResultError",
+    "ResultRecord",
+    "ResultStatus",
+    "Usage",
+]
+
+MANIFEST_VERSION: Literal[1] = 1
+#: ``shard_id`` / ``attempt_id`` of the outcomes of invalid lines, written by the planner
+VALIDATION_SHARD_ID = "validation"
+VALIDATION_ATTEMPT_ID = "plan"
+
+ResultStatus = Literal["succeeded", "errored", "cancelled", "expired"]
+_SHA256 = r"^[0-9a-f]{64}$"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Usage(_Frozen):
+    """Tokens consumed by one record."""
+
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+
+
+class ResultError(_Frozen):
+    """Why a record has no output: an input error code (``invalid_json``, ...) or a run-time one."""
+
+    code: str = Field(min_length=1)
+    message: str
+
+
+class ResultRecord(_Frozen):
+    """The terminal outcome of one input line."""
+
+    line: int = Field(ge=1)
+    id: str | None
+    status: ResultStatus
+    output: str | None = None
+    error: ResultError | None = None
+    usage: Usage = Usage()
+    shard_id: str
+    attempt_id: str
+
+    @model_validator(mode="after")
+    def _output_xor_error(self) -> ResultRecord:
+        if self.status == "succeeded":
+            if self.output is None or self.error is not None:
+                raise ValueError(f"line {self.line}: a succeeded result needs an output and no error")
+        elif self.error is None or self.output is not None:
+            raise ValueError(f"line {self.line}: a {self.status} result needs an error and no output")
+        return self
+
+    @classmethod
+    def succeeded(
+        cls, *, line: int, id: str | None, output: str, usage: Usage, shard_id: str, attempt_id: str
+    ) -> ResultRecord:
+        """A record the engine answered."""
+        return cls(line=line, id=id, status="succeeded", output=output, usage=usage,
+                   shard_id=shard_id, attempt_id=attempt_id)
+
+    @classmethod
+    def failed(
+        cls,
+        *,
+        line: int,
+        id: str | None,
+        code: str,
+        message: str,
+        shard_id: str,
+        attempt_id: str,
+        status: Literal["errored", "cancelled", "expired"] = "errored",
+        usage: Usage | None = None,
+    ) -> ResultRecord:
+        """A record without output (``errored`` by default, or ``cancelled`` / ``expired``)."""
+        return cls(line=line, id=id, status=status, error=ResultError(code=code, message=message),
+                   usage=usage or Usage(), shard_id=shard_id, attempt_id=attempt_id)
+
+    @classmethod
+    def from_line_error(
+        cls, error: LineError, *, shard_id: str = VALIDATION_SHARD_ID, attempt_id: str = VALIDATION_ATTEMPT_ID
+    ) -> ResultRecord:
+        """The ``errored`` outcome of an invalid input line (written by the planner)."""
+        return cls.failed(line=error.line, id=error.id, code=error.code.value, message=error.message,
+                          shard_id=shard_id, attempt_id=attempt_id)
+
+    def to_json_bytes(self) -> bytes:
+        """One JSONL line (without the newline), keys in DESIGN §4.2 order."""
+        error = self.error
+        return orjson.dumps({
+            "line": self.line,
+            "id": self.id,
+            "status": self.status,
+            "output": self.output,
+            "error": None if error is None else {"code": error.code, "message": error.message},
+            "usage": {"prompt_tokens": self.usage.prompt_tokens,
+                      "completion_tokens": self.usage.completion_tokens},
+            "shard_id": self.shard_id,
+            "attempt_id": self.attempt_id,
+        })
+
+    @classmethod
+    def parse_line(cls, data: bytes | str) -> ResultRecord:
+        """Read one JSONL line back; raises pydantic's ``ValidationError`` (a ``ValueError``)."""
+        return cls.model_validate_json(data)
+
+
+class ModelInfo(_Frozen):
+    """The model that produced the outputs, pinned by digest."""
+
+    name: str = Field(min_length=1)
+    digest: str
+
+
+class InputInfo(_Frozen):
+    """The input snapshot; ``records`` counts its non-blank lines (each has exactly one outcome)."""
+
+    uri: str = Field(min_length=1)
+    sha256: str = Field(pattern=_SHA256)
+    records: int = Field(ge=0)
+
+
+class OutcomeCounts(_Frozen):
+    """Terminal outcomes by status."""
+
+    succeeded: int = Field(default=0, ge=0)
+    errored: int = Field(default=0, ge=0)
+    cancelled: int = Field(default=0, ge=0)
+    expired: int = Field(default=0, ge=0)
+
+    @property
+    def total(self) -> int:
+        return self.succeeded + self.errored + self.cancelled + self.expired
+
+
+class ManifestShard(_Frozen):
+    """One committed object holding outcomes (a microbatch, or the validation object)."""
+
+    shard_id: str = Field(min_length=1)
+    seq: int = Field(ge=0)
+    uri: str = Field(min_length=1)
+    sha256: str = Field(pattern=_SHA256)
+    records: int = Field(ge=0)
+    attempt_id: str = Field(min_length=1)
+
+
+class OutputManifest(_Frozen):
+    """The published, immutable description of a finished job's outputs (DESIGN §4.3).
+
+    It refuses to exist unless its counts agree: the outcomes, the records of the listed
+    objects and the input's records are one and the same number (invariant 1).
+    """
+
+    job_id: str = Field(min_length=1)
+    manifest_version: Literal[1] = MANIFEST_VERSION
+    created_at: dt.datetime
+    deadline: dt.datetime
+    model: ModelInfo
+    prompt_template_version: str
+    generation: dict[str, Any] = Field(default_factory=dict)
+    input: InputInfo
+    outcomes: OutcomeCounts
+    shards: tuple[ManifestShard, ...]
+    completed_at: dt.datetime
+
+    @field_validator("created_at", "deadline", "completed_at")
+    @classmethod
+    def _aware(cls, value: dt.datetime, info: ValidationInfo) -> dt.datetime:
+        return ensure_aware(value, info.field_name or "datetime")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OutputManifest:
+        listed = sum(s.records for s in self.shards)
+        if not self.outcomes.total == listed == self.input.records:
+            raise ValueError(
+                f"manifest of job {self.job_id} is inconsistent: {self.input.records} input records, "
+                f"{self.outcomes.total} outcomes, {listed} records in listed objects; they must be equal"
+            )
+        keys = [(s.shard_id, s.seq) for s in self.shards]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"manifest of job {self.job_id} lists a (shard_id, seq) twice")
+        uris = [s.uri for s in self.shards]
+        if len(set(uris)) != len(uris):
+            raise ValueError(f"manifest of job {self.job_id} lists an object URI twice")
+        return self
+
+    def to_json_bytes(self) -> bytes:
+        """Stable bytes: sorted keys, ISO-8601 UTC datetimes, two-space indent, final newline."""
+        return orjson.dumps(
+            self.model_dump(mode="json"),
+            option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE,
+        )
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes | str) -> OutputManifest:
+        """Parse and check a manifest; raises pydantic's ``ValidationError`` (a ``ValueError``)."""
+        return cls.model_validate_json(data)
