@@ -85,16 +85,24 @@ class PoolSpec:
         return cls(**values)
 
 
-def default_local_pools() -> tuple[PoolSpec, ...]:
+#: rough per-worker rates of the embedded engines on a laptop CPU: (prefill, decode) tokens/s, startup s
+_LOCAL_RATES = {
+    "transformers": (2_000.0, 60.0, 20.0),
+    "echo": (1_000_000.0, 200_000.0, 1.0),
+}
+
+
+def default_local_pools(engine: str = "transformers") -> tuple[PoolSpec, ...]:
     """The embedded default: a laptop's CPU 'pools', a Spot-like one and a dependable one.
 
-    Rates are rough CPU figures for the small default model; the calibration replaces them with
-    measured ones as soon as microbatches commit.
+    Rates are rough CPU figures for the engine (the small default model for ``transformers``);
+    the calibration replaces them with measured ones as soon as microbatches commit.
     """
+    prefill, decode, startup = _LOCAL_RATES.get(engine, _LOCAL_RATES["transformers"])
     return (
         PoolSpec(name="local-spot", kind=PoolKind.SPOT, gpus=4, price_per_gpu_hour=1.0,
-                 prefill_tokens_per_s=2_000.0, decode_tokens_per_s=60.0, startup_seconds=20.0,
+                 prefill_tokens_per_s=prefill, decode_tokens_per_s=decode, startup_seconds=startup,
                  preemptions_per_hour=6.0, preemption_notice_seconds=5.0),
         PoolSpec(name="local-on-demand", kind=PoolKind.ON_DEMAND, gpus=4, price_per_gpu_hour=3.0,
-                 prefill_tokens_per_s=2_000.0, decode_tokens_per_s=60.0, startup_seconds=20.0),
+                 prefill_tokens_per_s=prefill, decode_tokens_per_s=decode, startup_seconds=startup),
     )
