@@ -145,14 +145,18 @@ def od_need_s(snapshot: JobSnapshot) -> float:
 
 
 def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
-    """Slack a Spot try may consume in the worst case: its changeover plus destroyed work."""
-    changeover = 0.0 if (snapshot.running and snapshot.previous_pool is PoolKind.SPOT) else snapshot.changeover_s
-    at_risk = max(0.0, snapshot.shard_work_s - snapshot.notice_s)
+    """Slack a Spot try may consume in the worst case: its changeover plus destroyed work.
+
+    When the caller re-decides every ``decision_interval_s`` (the simulator's tick), no more than
+    one interval can be burned before the next decision can still escalate: the uncommitted work is
+    already counted in the remaining work, so it is redone on-demand if the try is abandoned.
+    """
+    continuing = snapshot.running and snapshot.previous_pool is PoolKind.SPOT
+    changeover = 0.0 if continuing else snapshot.changeover_s
+    worst = changeover + max(0.0, snapshot.shard_work_s - snapshot.notice_s)
     if policy.decision_interval_s is not None:
-        # Re-decided every interval: only the next interval is at risk; the uncommitted work is
-        # already counted in the remaining work (it is redone on-demand if the try is abandoned).
-        at_risk = min(at_risk, policy.decision_interval_s)
-    return changeover + at_risk
+        worst = min(worst, policy.decision_interval_s)
+    return worst
 
 
 def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> SlackBreakdown:

@@ -77,12 +77,14 @@ def test_hysteresis_keeps_a_running_on_demand_try_near_the_threshold() -> None:
     assert held.pool is PoolKind.ON_DEMAND
 
 
-def test_running_spot_try_is_kept_when_re_decided_every_tick() -> None:
+def test_re_deciding_every_tick_puts_only_one_tick_at_risk() -> None:
     policy = PolicyParams(decision_interval_s=300)
-    kwargs = dict(deadline=NOW + dt.timedelta(hours=4.25), shard_work_s=1 * H)
-    assert choose_pool(snap(**kwargs), policy).pool is PoolKind.ON_DEMAND
-    kept = choose_pool(snap(**kwargs, previous_pool=PoolKind.SPOT, running=True), policy)
-    assert kept.pool is PoolKind.SPOT
+    kwargs = dict(deadline=NOW + dt.timedelta(hours=4.25), shard_work_s=1 * H)  # slack 540 s
+    assert choose_pool(snap(**kwargs)).pool is PoolKind.ON_DEMAND  # decided once: 1.1 h at risk
+    assert choose_pool(snap(**kwargs), policy).pool is PoolKind.SPOT
+    tight = dict(deadline=NOW + dt.timedelta(hours=4.18), shard_work_s=1 * H)  # slack 288 s
+    kept = choose_pool(snap(**tight, previous_pool=PoolKind.SPOT, running=True), policy)
+    assert kept.pool is PoolKind.ON_DEMAND
 
 
 def test_notice_reduces_the_work_at_risk_and_sets_the_grace_period() -> None:
