@@ -1,0 +1,300 @@
+"""The ``deadline-batch`` command (DESIGN §8): run, plan, status, verify, cancel, simulate.
+
+Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at admission;
+4 finished without a complete manifest. User errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from airflow_deadline_batch.core.clock import SystemClock
+from airflow_deadline_batch.core.deadlines import parse_deadline
+from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
+from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
+
+EXIT_OK, EXIT_USAGE, EXIT_REJECTED, EXIT_INCOMPLETE = 0, 2, 3, 4
+DEFAULT_HOME = ".deadline-batch"
+ENGINES = ("echo", "transformers", "vllm", "openai")
+
+
+def default_store_url() -> str:
+    if os.environ.get("ADB_STORE_URL"):
+        return os.environ["ADB_STORE_URL"]
+    return f"sqlite:///{Path(DEFAULT_HOME).resolve() / 'store.db'}"
+
+
+def default_output() -> str:
+    return os.environ.get("ADB_OUTPUT_URI") or str(Path(DEFAULT_HOME).resolve() / "output")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line and exit 2, as for every other usage error
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="deadline-batch", description="Deadline-aware LLM batch inference on Spot GPUs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def job_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("input", metavar="INPUT", help="JSON Lines input: a local path or s3://bucket/key")
+        p.add_argument("--deadline", required=True, help="ISO 8601 instant with a time zone, or +DURATION (+2h)")
+        p.add_argument("--workers", type=int, default=4, help="shards processed at once (default 4)")
+        p.add_argument("--engine", choices=ENGINES, default=None,
+                       help="inference engine (run: transformers; plan: echo rates unless --pools)")
+        p.add_argument("--model", default=None, help="model name or local directory (engine-specific)")
+        p.add_argument("--max-tokens", type=int, default=None, help="default max output tokens per record")
+        p.add_argument("--microbatch-size", type=int, default=None, help="records per durable commit")
+        p.add_argument("--pools", metavar="FILE", default=None, help="JSON file: a list of pool definitions")
+        p.add_argument("--max-invalid-fraction", type=float, default=0.1,
+                       help="reject the job when more input lines than this are invalid (default 0.1)")
+        p.add_argument("--json", action="store_true", help="print one JSON object (the last stdout line)")
+
+    run = sub.add_parser("run", help="run a whole job locally: plan, workers, verification, publication")
+    job_options(run)
+    run.add_argument("--output", default=None, help="output base: a directory or s3://bucket/prefix")
+    run.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+    run.add_argument("--preempt-rate", type=float, default=0.0, metavar="PER_WORKER_HOUR",
+                     help="inject Spot-style preemptions at this rate per Spot worker-hour")
+    run.add_argument("--preempt-notice", type=float, default=5.0, metavar="SECONDS",
+                     help="seconds between SIGTERM and SIGKILL of a preempted worker (default 5)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the preemption injector")
+    run.add_argument("--idempotency-key", default=None, help="repeat a submission without creating a second job")
+    run.add_argument("--lease-ttl", type=float, default=30.0, help="worker lease time-to-live in seconds")
+
+    plan = sub.add_parser("plan", help="validate the input and report feasibility; nothing runs")
+    job_options(plan)
+
+    for name, text in (("status", "show a job's committed progress"),
+                       ("verify", "verify a job's outcomes; exit 0 only if complete and intact"),
+                       ("cancel", "cancel a job: running workers stop at their next commit")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("job_id", metavar="JOB_ID")
+        p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+        if name != "cancel":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        from airflow_deadline_batch.sim.cli import add_simulate_parser
+    except ImportError:  # pragma: no cover - the simulator ships with the package
+        pass
+    else:
+        add_simulate_parser(sub)
+    return parser
+
+
+def _load_pools(path: str | None, engine: str) -> tuple[PoolSpec, ...]:
+    if path is None:
+        return default_local_pools(engine)
+    try:
+        data = orjson.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise ConfigurationError(f"pools file {path} does not exist: pass a JSON list of pools") from None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigurationError(f"pools file {path} is not valid JSON ({exc}): fix its syntax") from None
+    items = data.get("pools", data) if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise ConfigurationError(f"pools file {path} must hold a non-empty JSON list of pools")
+    try:
+        return tuple(PoolSpec.from_dict(item) for item in items)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"pools file {path}: {exc}") from None
+
+
+def _plan_request(args: argparse.Namespace, engine: str, output: str) -> Any:
+    from airflow_deadline_batch.service.planning import PlanRequest
+
+    clock = SystemClock()
+    try:
+        deadline = parse_deadline(args.deadline, clock.now())
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    generation: dict[str, Any] = {}
+    if args.max_tokens is not None:
+        generation["max_tokens"] = args.max_tokens
+    elif engine == "transformers":
+        generation["max_tokens"] = 48  # a short summary per record keeps the CPU demo brisk
+    extra: dict[str, Any] = {}
+    if args.microbatch_size is not None:
+        extra["microbatch_size"] = args.microbatch_size
+    elif engine == "transformers":
+        extra["microbatch_size"] = 8
+    if getattr(args, "idempotency_key", None):
+        extra["idempotency_key"] = args.idempotency_key
+    if getattr(args, "lease_ttl", None):
+        extra["lease_ttl_s"] = args.lease_ttl
+    input_uri = args.input if "://" in args.input else str(Path(args.input).resolve())
+    return PlanRequest(
+        input_uri=input_uri, deadline=deadline, output_uri=output, engine=engine, model=args.model,
+        generation=generation, pools=_load_pools(args.pools, engine), workers=args.workers,
+        max_invalid_fraction=args.max_invalid_fraction, **extra,
+    )
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
+    if getattr(args, "json", False):
+        sys.stdout.write(orjson.dumps(payload, default=str).decode() + "\n")
+    else:
+        sys.stdout.write(text.rstrip("\n") + "\n")
+    sys.stdout.flush()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.planning import analyze_input
+
+    engine = args.engine or "echo"
+    analysis = analyze_input(_plan_request(args, engine, default_output()))
+    try:
+        report = analysis.report
+        payload = {
+            "feasible": report.feasible, "verdict": report.verdict.value, "report": report.to_dict(),
+            "lines": analysis.total_lines, "records": analysis.work.records, "invalid": analysis.work.invalid,
+            "errors_by_code": dict(analysis.errors_by_code), "shards": len(analysis.cuts),
+            "target_shard_s": round(analysis.target_shard_s, 3),
+        }
+        text = report.summary() + (
+            f"\nrecords: {analysis.work.records}, invalid lines: {analysis.work.invalid}"
+            f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}"
+        )
+        _emit(args, payload, text)
+        return EXIT_OK if report.feasible else EXIT_REJECTED
+    finally:
+        analysis.close()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.local.progress import ProgressDisplay
+    from airflow_deadline_batch.local.runner import RunOptions, run_job
+    from airflow_deadline_batch.store import ManifestStore
+
+    engine = args.engine or "transformers"
+    store_url = args.store or default_store_url()
+    output = args.output or default_output()
+    if "://" not in output:
+        output = str(Path(output).resolve())
+        Path(output).mkdir(parents=True, exist_ok=True)
+    if store_url.startswith("sqlite:///"):
+        Path(store_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    if args.workers < 1:
+        raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
+    if args.preempt_rate < 0 or args.preempt_notice < 0:
+        raise ConfigurationError("--preempt-rate and --preempt-notice must not be negative")
+    request = _plan_request(args, engine, output)
+    store = ManifestStore(store_url)
+    store.migrate()
+    log_path = Path(output) / "worker.log" if "://" not in output else None
+    options = RunOptions(
+        workers=args.workers, preempt_rate_per_worker_hour=args.preempt_rate,
+        preempt_notice_s=args.preempt_notice, seed=args.seed, lease_ttl_s=args.lease_ttl,
+        worker_log=str(log_path) if log_path else None,
+    )
+    with ProgressDisplay(enabled=sys.stderr.isatty()) as display:
+        summary = run_job(store, request, options, on_progress=display.update, on_plan=display.planned)
+    data = summary.to_dict()
+    text = (
+        f"job {summary.job_id}: {summary.state}; manifest: {summary.manifest or 'not published'}\n"
+        f"records: {summary.records}\nattempts: {summary.attempts}, preemptions: {summary.preemptions}, "
+        f"deadline met: {summary.deadline_met}, elapsed: {summary.elapsed_s:.1f} s"
+    )
+    if summary.problems:
+        text += "\n" + "\n".join(f"  - {p}" for p in summary.problems)
+    if log_path:
+        text += f"\nworker logs: {log_path}"
+    _emit(args, data, text)
+    return EXIT_OK if summary.state == "completed" else EXIT_INCOMPLETE
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    from airflow_deadline_batch.store import ManifestStore
+
+    url = args.store or default_store_url()
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        raise ConfigurationError(f"no manifest store at {url}: pass --store with the URL the job was run with")
+    store = ManifestStore(url)
+    store.migrate()
+    return store
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    store = _open_store(args)
+    job = store.get_job(args.job_id)
+    progress = store.progress(args.job_id)
+    payload = {
+        "job_id": job.job_id, "state": str(job.state.value if hasattr(job.state, "value") else job.state),
+        "deadline": job.deadline.isoformat(), "manifest": job.manifest_uri,
+        "records": {"total": progress.total_records, "committed": progress.committed_records,
+                    "succeeded": progress.succeeded, "errored": progress.errored},
+        "shards": {"total": progress.shards_total, **{str(k): v for k, v in progress.shards_by_state.items()}},
+        "attempts": progress.attempts, "preemptions": progress.preemptions,
+        "remaining_work_s": round(progress.remaining_work_s, 3),
+    }
+    pct = 100.0 * progress.committed_records / progress.total_records if progress.total_records else 100.0
+    text = (
+        f"job {job.job_id}: {payload['state']}, deadline {job.deadline.isoformat()}\n"
+        f"committed {progress.committed_records}/{progress.total_records} records ({pct:.1f}%): "
+        f"succeeded {progress.succeeded}, errored {progress.errored}\n"
+        f"shards: {payload['shards']}\nattempts: {progress.attempts}, preemptions: {progress.preemptions}\n"
+        f"manifest: {job.manifest_uri or 'not published'}"
+    )
+    _emit(args, payload, text)
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.finalize import verify_job
+
+    store = _open_store(args)
+    job = store.get_job(args.job_id)
+    report = verify_job(store, args.job_id)
+    published = bool(job.manifest_uri)
+    payload = {**report.to_dict(), "manifest": job.manifest_uri, "published": published}
+    _emit(args, payload, report.summary() + f"\nmanifest: {job.manifest_uri or 'not published'}")
+    return EXIT_OK if report.complete and published else EXIT_INCOMPLETE
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    store = _open_store(args)
+    job = store.cancel_job(args.job_id)
+    sys.stdout.write(f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit\n")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "verify": cmd_verify,
+                "cancel": cmd_cancel}
+    try:
+        if args.command == "simulate":
+            from airflow_deadline_batch.sim.cli import run_simulate
+
+            return run_simulate(args)
+        return handlers[args.command](args)
+    except AdmissionRejected as exc:
+        report = exc.fields.get("report")
+        if getattr(args, "json", False) and report is not None:
+            data = report.to_dict() if hasattr(report, "to_dict") else report
+            sys.stdout.write(orjson.dumps({"state": "rejected", "job_id": exc.fields.get("job_id"),
+                                           "report": data}, default=str).decode() + "\n")
+        elif report is not None and hasattr(report, "summary"):
+            sys.stderr.write(report.summary().rstrip("\n") + "\n")
+        sys.stderr.write(f"deadline-batch: rejected: {exc.message}\n")
+        return EXIT_REJECTED
+    except DeadlineBatchError as exc:
+        sys.stderr.write(f"deadline-batch: error: {exc.message.splitlines()[0] if exc.message else exc}\n")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("deadline-batch: interrupted; committed work is kept, rerun with the same "
+                         "--idempotency-key to resume\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Embedded runner: local subprocess workers, preemption injection, the `run` command."""

@@ -1,0 +1,128 @@
+"""Launching the shard worker as a local subprocess: the embedded twin of a Kubernetes pod."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from airflow_deadline_batch.store import ManifestStore
+
+EXIT_OK = 0
+EXIT_TERMINAL = 1
+EXIT_RETRYABLE = 75
+
+
+def worker_command(
+    store_url: str | None, job_id: str, shard_index: int, *, pool: str | None = None,
+    lease_ttl_s: float = 60.0, grace_s: float = 30.0, worker_name: str | None = None,
+    engine_options: Sequence[str] = (), python: str = sys.executable,
+) -> list[str]:
+    """The argv of one worker process (``python -m airflow_deadline_batch.worker ...``).
+
+    With ``store_url=None`` the worker reads the DSN from ``ADB_STORE_URL`` (a Kubernetes Secret
+    in a pod), so no credentials appear in the command line.
+    """
+    argv = [python, "-m", "airflow_deadline_batch.worker"]
+    if store_url is not None:
+        argv += ["--store", store_url]
+    argv += ["--job", job_id, "--shard", str(shard_index), "--lease-ttl", f"{lease_ttl_s:g}", "--grace", f"{grace_s:g}"]
+    if pool:
+        argv += ["--pool", pool]
+    if worker_name:
+        argv += ["--worker-name", worker_name]
+    for option in engine_options:
+        argv += ["--engine-option", option]
+    return argv
+
+
+@dataclass
+class WorkerProcess:
+    """A running worker and what is needed to fence it if it dies without releasing its lease."""
+
+    job_id: str
+    shard_index: int
+    pool: str | None
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def signal(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.popen.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def start_worker(
+    store_url: str, job_id: str, shard_index: int, *, pool: str | None = None, lease_ttl_s: float = 60.0,
+    grace_s: float = 30.0, env: Mapping[str, str] | None = None, stderr: int | None = None,
+    worker_name: str | None = None,
+) -> WorkerProcess:
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    # the store URL travels in the environment too, so `ps` shows no credentials on a shared host
+    full_env["ADB_STORE_URL"] = store_url
+    argv = worker_command(None, job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s,
+                          worker_name=worker_name)
+    popen = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr)
+    return WorkerProcess(job_id, shard_index, pool, popen)
+
+
+def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:
+    """After a worker died without releasing (SIGKILL), end its attempt so a retry can claim now.
+
+    Only the attempt that still holds the lease is ended, so a shard that another live attempt
+    owns is never touched.
+    """
+    shard = store.get_shard(proc.job_id, proc.shard_index)
+    attempt = shard.lease_attempt_id
+    if not attempt:
+        return False
+    return store.abandon_attempt(proc.job_id, proc.shard_index, attempt,
+                                 reason=f"worker pid {proc.pid} exited with {proc.popen.returncode}")
+
+
+def classify_exit(returncode: int) -> str:
+    """``succeeded``, ``retryable`` (preempted, killed, lost lease) or ``terminal``."""
+    if returncode == EXIT_OK:
+        return "succeeded"
+    if returncode == EXIT_RETRYABLE or returncode < 0 or returncode in (128 + signal.SIGKILL, 128 + signal.SIGTERM):
+        return "retryable"
+    return "terminal"
+
+
+def run_worker_subprocess(
+    store_url: str, job_id: str, shard_index: int, *, pool: str | None = None, lease_ttl_s: float = 60.0,
+    grace_s: float = 30.0, env: Mapping[str, str] | None = None,
+) -> int:
+    """Run one worker to its end and return its exit code (0 / 75 / 1).
+
+    If the process dies from a signal, its lease is fenced at once so the next try need not wait
+    for the lease to expire; the result is reported as retryable (75).
+    """
+    proc = start_worker(store_url, job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s,
+                        env=env)
+    try:
+        code = proc.popen.wait()
+    except BaseException:
+        # the Airflow task itself is being killed: pass the notice on, like a pod's SIGTERM
+        proc.signal(signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.signal(signal.SIGKILL)
+            proc.popen.wait()
+        raise
+    if code < 0:
+        store = ManifestStore(store_url)
+        fence_dead_worker(store, proc)
+        return EXIT_RETRYABLE
+    return code

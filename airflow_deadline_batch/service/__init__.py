@@ -1,0 +1,1 @@
+"""Planning, verification and publication, shared by the CLI and the Airflow operators."""

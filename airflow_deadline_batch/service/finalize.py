@@ -1,0 +1,408 @@
+"""Verification and publication: prove one terminal outcome per input line, then publish once.
+
+The manifest store's commits are the truth (an object in storage means nothing until committed,
+invariant 3). Verification reads every committed object, checks its SHA-256 and every line in it,
+and counts each input line exactly once. Publication is a conditional create of ``manifest.json``:
+a second publisher loses cleanly and returns the first one's manifest.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from airflow_deadline_batch.core.clock import Clock, SystemClock
+from airflow_deadline_batch.core.ids import shard_id as display_shard_id
+from airflow_deadline_batch.core.records import ValidationLimits, iter_raw_lines, parse_line
+from airflow_deadline_batch.core.results import OutputManifest, ResultError, ResultRecord, Usage
+from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.exceptions import (
+    ChecksumMismatch,
+    InvalidTransition,
+    ObjectExists,
+    StorageError,
+    VerificationError,
+)
+from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.store import ManifestStore
+
+MANIFEST_KEY = "manifest.json"
+STATUSES = ("succeeded", "errored", "cancelled", "expired")
+_MAX_PROBLEMS = 20
+
+
+@dataclass(frozen=True)
+class OutcomeObject:
+    """One object that holds outcomes, as listed in the store's commits or the manifest."""
+
+    shard_index: int
+    seq: int
+    uri: str
+    sha256: str
+    records: int
+    attempt_id: str
+
+
+@dataclass
+class VerificationReport:
+    """What verification found; ``complete`` only when every expected line has exactly one outcome."""
+
+    job_id: str
+    expected: int
+    seen: int = 0
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATUSES, 0))
+    duplicates: int = 0
+    unknown: int = 0
+    checksum_failures: int = 0
+    pending_shards: list[int] = field(default_factory=list)
+    failed_shards: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    model_digests: set[str] = field(default_factory=set)
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.expected - self.seen)
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.seen == self.expected and not self.duplicates and not self.unknown
+            and not self.checksum_failures and not self.pending_shards and not self.failed_shards
+            and not self.problems
+        )
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < _MAX_PROBLEMS:
+            self.problems.append(text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "complete": self.complete, "expected": self.expected,
+            "seen": self.seen, "missing": self.missing, "duplicates": self.duplicates,
+            "unknown": self.unknown, "checksum_failures": self.checksum_failures,
+            "outcomes": dict(self.outcomes), "pending_shards": list(self.pending_shards),
+            "failed_shards": list(self.failed_shards), "problems": list(self.problems),
+        }
+
+    def summary(self) -> str:
+        head = "complete" if self.complete else "INCOMPLETE"
+        lines = [
+            f"job {self.job_id}: {head}: {self.seen}/{self.expected} lines have an outcome "
+            f"(succeeded {self.outcomes['succeeded']}, errored {self.outcomes['errored']}, "
+            f"cancelled {self.outcomes['cancelled']}, expired {self.outcomes['expired']})",
+        ]
+        if self.missing:
+            lines.append(f"  missing outcomes: {self.missing}")
+        if self.duplicates or self.unknown:
+            lines.append(f"  duplicated: {self.duplicates}, unknown lines: {self.unknown}")
+        if self.checksum_failures:
+            lines.append(f"  objects failing their checksum: {self.checksum_failures}")
+        if self.pending_shards:
+            lines.append(f"  shards not finished: {_fmt_list(self.pending_shards)}")
+        if self.failed_shards:
+            lines.append(f"  shards failed for good: {_fmt_list(self.failed_shards)}")
+        lines.extend(f"  - {p}" for p in self.problems)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class FinalizeResult:
+    """The job's state after finalization and, when published, its manifest."""
+
+    job_id: str
+    state: JobState
+    manifest_uri: str | None
+    report: VerificationReport
+    manifest: dict[str, Any] | None = None
+
+
+def _fmt_list(values: list[int], limit: int = 10) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f" … (+{len(values) - limit})" if len(values) > limit else "")
+
+
+def committed_objects(store: ManifestStore, job_id: str) -> list[OutcomeObject]:
+    return [
+        OutcomeObject(c.shard_index, c.seq, c.uri, c.sha256, c.records, c.attempt_id)
+        for c in store.list_commits(job_id)
+    ]
+
+
+class _LineLedger:
+    """One byte per input line: 0 = no outcome yet. Bounded memory for millions of lines."""
+
+    def __init__(self, total_lines: int) -> None:
+        self.total = total_lines
+        self.seen = bytearray(total_lines + 1)
+
+    def add(self, line: int) -> str:
+        if not isinstance(line, int) or isinstance(line, bool) or not 1 <= line <= self.total:
+            return "unknown"
+        if self.seen[line]:
+            return "duplicate"
+        self.seen[line] = 1
+        return "ok"
+
+
+def _read_object(obj: OutcomeObject, report: VerificationReport) -> bytes | None:
+    try:
+        storage, key = open_uri(obj.uri)
+        data = storage.get_bytes(key)
+    except StorageError as exc:
+        report.checksum_failures += 1
+        report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} unreadable: {exc}")
+        return None
+    if sha256_hex(data) != obj.sha256:
+        report.checksum_failures += 1
+        report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} fails its SHA-256")
+        return None
+    return data
+
+
+def _check_objects(
+    objects: Iterable[OutcomeObject], ledger: _LineLedger, report: VerificationReport,
+    ranges: dict[int, tuple[int, int]],
+) -> None:
+    for obj in objects:
+        data = _read_object(obj, report)
+        if data is None:
+            continue
+        count = 0
+        lo, hi = ranges.get(obj.shard_index, (1, ledger.total))
+        for raw in data.splitlines():
+            if not raw.strip():
+                continue
+            count += 1
+            try:
+                rec = orjson.loads(raw)
+                line = rec["line"]
+                status = rec["status"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                report.unknown += 1
+                report.problem(f"object {obj.uri} holds a line that is not a result record")
+                continue
+            if status not in report.outcomes or rec.get("attempt_id") != obj.attempt_id:
+                report.unknown += 1
+                report.problem(f"object {obj.uri} holds a record with a bad status or attempt ID")
+                continue
+            verdict = ledger.add(line) if lo <= line <= hi else "unknown"
+            if verdict == "ok":
+                report.seen += 1
+                report.outcomes[status] += 1
+            elif verdict == "duplicate":
+                report.duplicates += 1
+                report.problem(f"line {line} has more than one outcome (again in {obj.uri})")
+            else:
+                report.unknown += 1
+                report.problem(f"object {obj.uri} holds line {line!r}, outside its shard")
+        if count != obj.records:
+            report.problem(f"object {obj.uri} holds {count} records, its commit says {obj.records}")
+
+
+def _shard_ranges(store: ManifestStore, job_id: str) -> dict[int, tuple[int, int]]:
+    return {s.shard_index: (s.first_line, s.first_line + s.line_count - 1) for s in store.list_shards(job_id)}
+
+
+def verify_job(store: ManifestStore, job_id: str) -> VerificationReport:
+    """Verify the job's committed outcomes (or, once published, the manifest's objects)."""
+    job = store.get_job(job_id)
+    if job.manifest_uri:
+        return verify_manifest(store, job_id)
+    report = VerificationReport(job_id=job_id, expected=job.input_lines)
+    for shard in store.list_shards(job_id):
+        if shard.state == ShardState.TERMINAL_FAILURE:
+            report.failed_shards.append(shard.shard_index)
+        elif shard.state != ShardState.SUCCEEDED:
+            report.pending_shards.append(shard.shard_index)
+    ledger = _LineLedger(job.input_total_lines)
+    commits = store.list_commits(job_id)
+    report.model_digests = {c.model_digest for c in commits if c.shard_index >= 0 and c.model_digest}
+    objects = [OutcomeObject(c.shard_index, c.seq, c.uri, c.sha256, c.records, c.attempt_id) for c in commits]
+    _check_objects(objects, ledger, report, _shard_ranges(store, job_id))
+    if len(report.model_digests) > 1:
+        report.problem(f"shards ran on {len(report.model_digests)} different model digests")
+    return report
+
+
+def verify_manifest(store: ManifestStore, job_id: str) -> VerificationReport:
+    """Re-verify a published manifest: its checksum-listed objects give one outcome per line."""
+    job = store.get_job(job_id)
+    report = VerificationReport(job_id=job_id, expected=job.input_lines)
+    storage, key = open_uri(job.manifest_uri)
+    data = storage.get_bytes(key)
+    if job.manifest_sha256 and sha256_hex(data) != job.manifest_sha256:
+        report.checksum_failures += 1
+        report.problem(f"manifest {job.manifest_uri} does not match the SHA-256 recorded at publication")
+        return report
+    manifest = orjson.loads(data)
+    index = {"validation": -1}
+    objects = [
+        OutcomeObject(index.get(s["shard_id"], int(s["shard_id"]) if s["shard_id"].isdigit() else -2),
+                      s.get("seq", 0), s["uri"], s["sha256"], s["records"], s["attempt_id"])
+        for s in manifest["shards"]
+    ]
+    ranges = _shard_ranges(store, job_id)
+    _check_objects(objects, _LineLedger(job.input_total_lines), report, ranges)
+    counted = {k: manifest["outcomes"].get(k, 0) for k in STATUSES}
+    if counted != report.outcomes:
+        report.problem(f"manifest outcome counts {counted} differ from the objects' {report.outcomes}")
+    return report
+
+
+def _unfinished_outcomes(
+    store: ManifestStore, job: Any, shard: Any, committed_lines: set[int], status: str,
+) -> Iterator[bytes]:
+    """Outcome lines (``expired`` or ``cancelled``) for a shard's records that never committed."""
+    storage, key = open_uri(job.input_uri)
+    data = storage.read_range(key, shard.byte_start, shard.byte_end)
+    if sha256_hex(data) != shard.input_sha256:
+        raise ChecksumMismatch(
+            f"input range of shard {shard.shard_index} changed since planning: restore {job.input_uri}",
+            job_id=job.job_id, shard_index=shard.shard_index,
+        )
+    import io
+
+    excluded = set(shard.excluded_lines)
+    config = job.config
+    limits = ValidationLimits(
+        max_line_bytes=config.get("max_line_bytes", ValidationLimits().max_line_bytes),
+        max_prompt_chars=config.get("max_prompt_chars", ValidationLimits().max_prompt_chars),
+        max_tokens_limit=config.get("max_tokens_limit", ValidationLimits().max_tokens_limit),
+    )
+    message = ("the job's deadline passed before this record was processed" if status == "expired"
+               else "the job was cancelled before this record was processed")
+    for raw in iter_raw_lines(io.BytesIO(data), start_line=shard.first_line, start_offset=shard.byte_start,
+                              max_line_bytes=limits.max_line_bytes):
+        if raw.line in excluded or raw.line in committed_lines:
+            continue
+        parsed = parse_line(raw, limits)
+        if parsed is None:
+            continue
+        record_id = getattr(parsed, "id", None)
+        yield ResultRecord(
+            line=raw.line, id=record_id, status=status, output=None,
+            error=ResultError(code=status, message=message),
+            usage=Usage(prompt_tokens=0, completion_tokens=0),
+            shard_id=display_shard_id(shard.shard_index), attempt_id="finalize",
+        ).to_json_bytes() + b"\n"
+
+
+def _committed_lines(store: ManifestStore, commits: list[Any], shard_index: int) -> set[int]:
+    lines: set[int] = set()
+    for c in commits:
+        if c.shard_index != shard_index:
+            continue
+        storage, key = open_uri(c.uri)
+        for raw in storage.get_bytes(key).splitlines():
+            if raw.strip():
+                lines.add(orjson.loads(raw)["line"])
+    return lines
+
+
+def finalize_job(
+    store: ManifestStore, job_id: str, *, clock: Clock | None = None, expire_unfinished: bool = False,
+) -> FinalizeResult:
+    """Verify the job and publish its manifest once every input line has a terminal outcome.
+
+    With ``expire_unfinished`` (the deadline passed) or for a cancelled job, the shards that did not
+    finish are fenced (the job leaves the running state, so no lease can commit any more) and
+    their uncommitted records get ``expired`` / ``cancelled`` outcomes: the manifest is then
+    published as ``partial`` / ``cancelled``. Without it, an unfinished job is left as it is and
+    the report says what is missing. Idempotent: a published job returns its manifest.
+    """
+    clock = clock or SystemClock()
+    job = store.get_job(job_id)
+    if job.manifest_uri:
+        return FinalizeResult(job_id, JobState(job.state), job.manifest_uri, verify_manifest(store, job_id))
+    shards = store.list_shards(job_id)
+    unfinished = [s for s in shards if s.state != ShardState.SUCCEEDED]
+    cancelled = job.state == JobState.CANCELLED
+    if unfinished and not (expire_unfinished or cancelled):
+        return FinalizeResult(job_id, JobState(job.state), None, verify_job(store, job_id))
+    if not cancelled and job.state != JobState.FINALIZING:
+        try:
+            store.set_job_state(job_id, JobState.FINALIZING)
+        except InvalidTransition:
+            job = store.get_job(job_id)
+            if job.manifest_uri:
+                return finalize_job(store, job_id, clock=clock)
+            raise
+        shards = store.list_shards(job_id)
+        unfinished = [s for s in shards if s.state != ShardState.SUCCEEDED]
+    output = open_storage(job.output_uri)
+    extra: list[OutcomeObject] = []
+    commits = store.list_commits(job_id)
+    status = "cancelled" if cancelled else "expired"
+    for shard in unfinished:
+        lines = b"".join(_unfinished_outcomes(store, job, shard, _committed_lines(store, commits, shard.shard_index),
+                                              status))
+        if not lines:
+            continue
+        key = f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl"
+        uri = output.put_bytes(key, lines)
+        extra.append(OutcomeObject(shard.shard_index, -1, uri, sha256_hex(lines), lines.count(b"\n"), "finalize"))
+    report = VerificationReport(job_id=job_id, expected=job.input_lines)
+    report.model_digests = {c.model_digest for c in commits if c.shard_index >= 0 and c.model_digest}
+    objects = committed_objects(store, job_id) + extra
+    _check_objects(objects, _LineLedger(job.input_total_lines), report, _shard_ranges(store, job_id))
+    if len(report.model_digests) > 1:
+        report.problem(f"shards ran on {len(report.model_digests)} different model digests")
+    if not report.complete:
+        if not cancelled:
+            store.set_job_state(job_id, JobState.FAILED, error=report.summary().splitlines()[0])
+        raise VerificationError(report.summary(), report=report, job_id=job_id)
+    final_state = JobState.CANCELLED if cancelled else (JobState.PARTIAL if extra else JobState.COMPLETED)
+    manifest = build_manifest(job, objects, report, clock.now())
+    body = orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n"
+    try:
+        uri = output.create_bytes(MANIFEST_KEY, body)
+    except ObjectExists:
+        # another finalizer published first: its manifest stands, ours is discarded
+        uri = output.uri(MANIFEST_KEY)
+        body = output.get_bytes(MANIFEST_KEY)
+        manifest = orjson.loads(body)
+    store.record_manifest(job_id, uri=uri, sha256=sha256_hex(body), state=final_state)
+    collect_garbage(store, job_id)
+    return FinalizeResult(job_id, final_state, uri, report, manifest)
+
+
+def build_manifest(job: Any, objects: list[OutcomeObject], report: VerificationReport,
+                   now: dt.datetime) -> dict[str, Any]:
+    config = job.config
+    digests = sorted(report.model_digests)
+    manifest = {
+        "job_id": job.job_id,
+        "manifest_version": 1,
+        "created_at": job.created_at.isoformat(),
+        "deadline": job.deadline.isoformat(),
+        "model": {"name": config.get("model") or config.get("engine"), "digest": digests[0] if digests else None},
+        "prompt_template_version": config.get("prompt_template_version"),
+        "generation": config.get("generation", {}),
+        "input": {"uri": job.input_uri, "sha256": job.input_sha256, "records": job.input_lines},
+        "outcomes": dict(report.outcomes),
+        "shards": [
+            {"shard_id": display_shard_id(o.shard_index), "seq": o.seq, "uri": o.uri, "sha256": o.sha256,
+             "records": o.records, "attempt_id": o.attempt_id}
+            for o in objects
+        ],
+        "completed_at": now.isoformat(),
+    }
+    return OutputManifest.model_validate(manifest).model_dump(mode="json")
+
+
+def collect_garbage(store: ManifestStore, job_id: str) -> int:
+    """Delete attempt objects that never committed (fenced, killed or late attempts): invariant 2."""
+    job = store.get_job(job_id)
+    committed = {c.uri for c in store.list_commits(job_id)}
+    storage = open_storage(job.output_uri)
+    removed = 0
+    for key in list(storage.list_keys("attempts/")):
+        if storage.uri(key) not in committed:
+            storage.delete(key)
+            removed += 1
+    return removed

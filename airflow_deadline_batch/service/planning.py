@@ -1,0 +1,393 @@
+"""Planning a job: validate the input, estimate the work, decide admission, cut shards, record the job.
+
+One streaming pass parses and validates every line (keeping only a few numbers per record), the
+shards are cut as contiguous byte ranges by cumulative estimated work, and a second pass of large
+reads hashes each range and the whole input so workers can prove they read the same snapshot.
+Shared by the ``deadline-batch`` CLI and ``DeadlineBatchOperator``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime as dt
+import hashlib
+import math
+import tempfile
+from array import array
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
+from airflow_deadline_batch.core.estimate import WorkModel, WorkSummary, estimate_prompt_tokens, expected_output_tokens
+from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
+from airflow_deadline_batch.core.ids import new_job_id
+from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count, target_shard_seconds
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
+from airflow_deadline_batch.core.records import LineError, Record, ValidationLimits, Validator, iter_raw_lines
+from airflow_deadline_batch.core.results import ResultError, ResultRecord, Usage
+from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError, ObjectNotFound
+from airflow_deadline_batch.storage import join_uri, open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.store import ManifestStore, NewCommit, NewJob, NewShard
+
+#: key of the validation-errors object, relative to the job's output base
+VALIDATION_KEY = "validation/errors.jsonl"
+_READ_CHUNK = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """Everything needed to plan one job. Deadlines must be timezone-aware."""
+
+    input_uri: str
+    deadline: dt.datetime
+    output_uri: str
+    engine: str = "echo"
+    model: str | None = None
+    model_digest: str | None = None
+    generation: Mapping[str, Any] = field(default_factory=dict)
+    pools: tuple[PoolSpec, ...] = field(default_factory=default_local_pools)
+    workers: int = 4
+    idempotency_key: str | None = None
+    microbatch_size: int = 16
+    max_invalid_fraction: float = 0.1
+    max_attempts: int = 10
+    lease_ttl_s: float = 60.0
+    checkpoint_cost_s: float = 2.0
+    max_shards: int = 1024
+    prompt_template_version: str = "v1"
+    limits: ValidationLimits = field(default_factory=ValidationLimits)
+    allow_infeasible: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
+        if not self.pools:
+            raise ConfigurationError("no pools given: define at least one Spot or on-demand pool")
+        if self.workers < 1:
+            raise ConfigurationError(f"workers must be >= 1, got {self.workers}")
+        if self.microbatch_size < 1:
+            raise ConfigurationError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
+        if not 0 <= self.max_invalid_fraction <= 1:
+            raise ConfigurationError("max_invalid_fraction must be between 0 and 1")
+        if self.max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not 1 <= self.max_shards <= 100_000:
+            raise ConfigurationError(f"max_shards must be between 1 and 100000, got {self.max_shards}")
+        max_tokens = self.generation.get("max_tokens", 256)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ConfigurationError(f"generation max_tokens must be a positive integer, got {max_tokens!r}")
+
+    @property
+    def default_max_tokens(self) -> int:
+        return int(self.generation.get("max_tokens", 256))
+
+    def reference_pool(self) -> PoolSpec:
+        """The pool whose measured rates convert tokens to GPU-seconds (Spot first)."""
+        spot = [p for p in self.pools if p.kind is PoolKind.SPOT]
+        return (spot or list(self.pools))[0]
+
+
+@dataclass(frozen=True)
+class ShardCut:
+    """One planned shard: a contiguous byte range of the input, cut on line boundaries."""
+
+    index: int
+    byte_start: int
+    byte_end: int
+    first_line: int
+    line_count: int
+    records: int
+    excluded_lines: tuple[int, ...]
+    est_work_s: float
+
+
+@dataclass(frozen=True)
+class InputAnalysis:
+    """The result of the validating pass: work, admission verdict and shard cuts (nothing written)."""
+
+    request: PlanRequest
+    report: AdmissionReport
+    work: WorkSummary
+    total_lines: int
+    outcome_lines: int
+    errors_by_code: Mapping[str, int]
+    cuts: tuple[ShardCut, ...]
+    target_shard_s: float
+    error_spool: Any  # a binary temporary file of errored ResultRecord lines, rewound
+
+    def close(self) -> None:
+        self.error_spool.close()
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What the planner hands to the launcher: the job, its verdict and literal shard specs."""
+
+    job_id: str
+    created: bool
+    report: AdmissionReport | Mapping[str, Any]
+    shard_specs: list[dict[str, Any]]
+    shards: int
+    records: int
+    invalid: int
+
+
+def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputAnalysis:
+    """Validate and estimate every line of the input, decide admission, cut shards.
+
+    Memory stays proportional to the number of records (three numbers each) plus the ID digests
+    the duplicate check needs; invalid lines are spooled to a temporary file as outcomes.
+    """
+    clock = clock or SystemClock()
+    now = clock.now()
+    limits = request.limits
+    pool = request.reference_pool()
+    model = WorkModel.from_pool(pool)
+    validator = Validator(limits)
+    rec_line = array("q")
+    rec_end = array("q")
+    rec_work = array("d")
+    invalid_lines = array("q")
+    errors: Counter[str] = Counter()
+    spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)
+    prompt_tokens = 0
+    output_tokens = 0
+    gpu_seconds = 0.0
+    total_lines = 0
+    file_size = 0
+    default_max = request.default_max_tokens
+    try:
+        storage, key = open_uri(request.input_uri)
+        stream = storage.open_read(key)
+    except ObjectNotFound:
+        raise InputError(f"input {request.input_uri} does not exist: check the path or URI") from None
+    with stream:
+        for raw in iter_raw_lines(stream, max_line_bytes=limits.max_line_bytes):
+            total_lines = raw.line
+            file_size = raw.end_offset
+            outcome = validator.feed(raw)
+            if outcome is None:
+                continue
+            if isinstance(outcome, Record):
+                p = estimate_prompt_tokens(outcome.request)
+                o = expected_output_tokens(outcome.request, default_max_tokens=default_max)
+                w = model.seconds(p, o)
+                prompt_tokens += p
+                output_tokens += o
+                gpu_seconds += w
+                rec_line.append(raw.line)
+                rec_end.append(raw.end_offset)
+                rec_work.append(w)
+            else:
+                assert isinstance(outcome, LineError)
+                invalid_lines.append(outcome.line)
+                errors[outcome.code.value] += 1
+                spool.write(_error_outcome(outcome))
+    spool.seek(0)
+    records = len(rec_line)
+    invalid = len(invalid_lines)
+    work = WorkSummary(records=records, invalid=invalid, lines=records + invalid,
+                       prompt_tokens=prompt_tokens, output_tokens=output_tokens, gpu_seconds=gpu_seconds)
+    policy = AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction)
+    report = assess(work, request.pools, deadline=request.deadline, now=now, policy=policy,
+                    max_parallel=request.workers)
+    target = _shard_target(request, pool, gpu_seconds, records)
+    ranges = cut_contiguous(rec_work, target_seconds=target, max_shards=request.max_shards) if records else []
+    cuts: list[ShardCut] = []
+    prev_end_offset = 0
+    prev_last_line = 0
+    for index, (a, b) in enumerate(ranges):
+        last = index == len(ranges) - 1
+        end_offset = file_size if last else rec_end[b - 1]
+        last_line = total_lines if last else rec_line[b - 1]
+        lo = bisect.bisect_left(invalid_lines, prev_last_line + 1)
+        hi = bisect.bisect_right(invalid_lines, last_line)
+        cuts.append(ShardCut(
+            index=index, byte_start=prev_end_offset, byte_end=end_offset,
+            first_line=prev_last_line + 1, line_count=last_line - prev_last_line, records=b - a,
+            excluded_lines=tuple(invalid_lines[lo:hi]), est_work_s=math.fsum(rec_work[a:b]),
+        ))
+        prev_end_offset, prev_last_line = end_offset, last_line
+    return InputAnalysis(
+        request=request, report=report, work=work, total_lines=total_lines,
+        outcome_lines=records + invalid, errors_by_code=dict(errors), cuts=tuple(cuts),
+        target_shard_s=target, error_spool=spool,
+    )
+
+
+def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, records: int) -> float:
+    """Shard duration near sqrt(2·C·M), capped by the recovery reserve and sized for parallelism."""
+    spot = [p for p in request.pools if p.kind is PoolKind.SPOT]
+    rate = max((p.preemptions_per_hour for p in spot), default=0.0)
+    mtbi = 3600.0 / rate if rate > 0 else math.inf
+    per_worker = gpu_seconds / max(1, min(request.workers, pool.gpus * len(request.pools)))
+    reserve = max(60.0, 0.1 * per_worker)
+    target = target_shard_seconds(checkpoint_cost_s=request.checkpoint_cost_s, mtbi_s=mtbi,
+                                  recovery_reserve_s=reserve)
+    if records and gpu_seconds > 0:
+        # at least two shards per worker so that a slow or preempted shard does not idle the rest
+        target = min(target, gpu_seconds / (2 * request.workers))
+    return max(target, 1e-6)
+
+
+def _error_outcome(error: LineError) -> bytes:
+    return ResultRecord(
+        line=error.line, id=error.id, status="errored", output=None,
+        error=ResultError(code=error.code.value, message=error.message),
+        usage=Usage(prompt_tokens=0, completion_tokens=0), shard_id="validation", attempt_id="plan",
+    ).to_json_bytes() + b"\n"
+
+
+def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[str]]:
+    """SHA-256 of the whole input and of each shard's byte range, in one pass of large reads."""
+    storage, key = open_uri(input_uri)
+    whole = hashlib.sha256()
+    digests: list[str] = []
+    boundaries = [c.byte_end for c in cuts]
+    current = hashlib.sha256()
+    offset = 0
+    shard = 0
+    with storage.open_read(key) as stream:
+        while True:
+            chunk = stream.read(_READ_CHUNK)
+            if not chunk:
+                break
+            whole.update(chunk)
+            view = memoryview(chunk)
+            while len(view):
+                if shard < len(boundaries) and offset + len(view) >= boundaries[shard]:
+                    take = boundaries[shard] - offset
+                    current.update(view[:take])
+                    view = view[take:]
+                    offset += take
+                    digests.append(current.hexdigest())
+                    current = hashlib.sha256()
+                    shard += 1
+                    continue
+                current.update(view)
+                offset += len(view)
+                view = view[len(view):]
+    while shard < len(boundaries):  # empty trailing ranges
+        digests.append(current.hexdigest())
+        current = hashlib.sha256()
+        shard += 1
+    return whole.hexdigest(), digests
+
+
+def job_config(request: PlanRequest, target_shard_s: float) -> dict[str, Any]:
+    """The immutable configuration every worker of the job verifies and follows."""
+    return {
+        "engine": request.engine,
+        "model": request.model,
+        "model_digest": request.model_digest,
+        "generation": dict(request.generation),
+        "microbatch_size": request.microbatch_size,
+        "prompt_template_version": request.prompt_template_version,
+        "max_attempts": request.max_attempts,
+        "lease_ttl_s": request.lease_ttl_s,
+        "workers": request.workers,
+        "max_line_bytes": request.limits.max_line_bytes,
+        "max_prompt_chars": request.limits.max_prompt_chars,
+        "max_tokens_limit": request.limits.max_tokens_limit,
+        "target_shard_s": target_shard_s,
+        "pools": [p.to_dict() for p in request.pools],
+    }
+
+
+def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None = None) -> PlanResult:
+    """Plan and record a job; return literal shard specs for the launcher or ``expand_kwargs``.
+
+    A repeated submission with the same idempotency key returns the first job unchanged. An
+    infeasible job (or one with too many invalid lines) is recorded as ``rejected`` with its
+    report, and :class:`AdmissionRejected` is raised: nothing runs.
+    """
+    clock = clock or SystemClock()
+    if request.idempotency_key:
+        existing = store.get_job_by_idempotency_key(request.idempotency_key)
+        if existing is not None:
+            return _existing_result(store, existing)
+    analysis = analyze_input(request, clock=clock)
+    try:
+        return _record(store, analysis, clock)
+    finally:
+        analysis.close()
+
+
+def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock) -> PlanResult:
+    request = analysis.request
+    report = analysis.report
+    job_id = new_job_id()
+    output_base = join_uri(request.output_uri, job_id)
+    admitted = report.feasible or (request.allow_infeasible and report.verdict.value != "rejected_invalid")
+    input_sha, range_shas = hash_ranges(request.input_uri, analysis.cuts)
+    new_job = NewJob(
+        job_id=job_id,
+        idempotency_key=request.idempotency_key,
+        state=JobState.ADMITTED if admitted else JobState.REJECTED,
+        deadline=request.deadline,
+        input_uri=request.input_uri,
+        input_sha256=input_sha,
+        input_lines=analysis.outcome_lines,
+        input_total_lines=analysis.total_lines,
+        output_uri=output_base,
+        config=job_config(request, analysis.target_shard_s),
+        admission=report.to_dict(),
+    )
+    if not admitted:
+        job, _ = store.create_job(new_job, [], None)
+        raise AdmissionRejected(
+            f"job {job.job_id} rejected at admission ({report.verdict.value}): " + "; ".join(report.reasons),
+            report=report, job_id=job.job_id,
+        )
+    shards = [
+        NewShard(
+            shard_index=c.index, byte_start=c.byte_start, byte_end=c.byte_end, first_line=c.first_line,
+            line_count=c.line_count, records=c.records, excluded_lines=list(c.excluded_lines),
+            input_sha256=range_shas[c.index], est_work_s=c.est_work_s,
+            num_microbatches=microbatch_count(c.records, request.microbatch_size),
+        )
+        for c in analysis.cuts
+    ]
+    validation = None
+    storage = open_storage(output_base)
+    if analysis.work.invalid:
+        data = analysis.error_spool.read()
+        uri = storage.put_bytes(VALIDATION_KEY, data)
+        validation = NewCommit(
+            shard_index=-1, seq=0, attempt_id="plan", uri=uri, sha256=sha256_hex(data),
+            records=analysis.work.invalid, counts={"errored": analysis.work.invalid},
+        )
+    job, created = store.create_job(new_job, shards, validation)
+    if not created:
+        # lost an idempotency race: the first job stands, our validation object is garbage
+        if validation is not None:
+            storage.delete(VALIDATION_KEY)
+        return _existing_result(store, job)
+    return PlanResult(
+        job_id=job.job_id, created=True, report=report,
+        shard_specs=[shard_spec(job.job_id, s.shard_index) for s in shards],
+        shards=len(shards), records=analysis.work.records, invalid=analysis.work.invalid,
+    )
+
+
+def _existing_result(store: ManifestStore, job: Any) -> PlanResult:
+    shards = store.list_shards(job.job_id)
+    if job.state == JobState.REJECTED:
+        raise AdmissionRejected(
+            f"job {job.job_id} was rejected at admission: "
+            + "; ".join(job.admission.get("reasons", [])),
+            report=job.admission, job_id=job.job_id,
+        )
+    return PlanResult(
+        job_id=job.job_id, created=False, report=job.admission,
+        shard_specs=[shard_spec(job.job_id, s.shard_index) for s in shards],
+        shards=len(shards), records=sum(s.records for s in shards),
+        invalid=job.input_lines - sum(s.records for s in shards),
+    )
+
+
+def shard_spec(job_id: str, shard_index: int) -> dict[str, Any]:
+    """A literal, JSON-able shard spec (mapped fields are not templated in Airflow)."""
+    return {"job_id": job_id, "shard_index": shard_index}
