@@ -1,0 +1,40 @@
+"""The manifest store: durable jobs, shards, attempts, leases and fenced commits (SQLite or PostgreSQL)."""
+
+from __future__ import annotations
+
+from airflow_deadline_batch.store.manifest_store import ACTIVE_JOB_STATES, ManifestStore
+from airflow_deadline_batch.store.rows import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_ATTEMPTS,
+    VALIDATION_ATTEMPT_ID,
+    VALIDATION_SHARD_INDEX,
+    AttemptRow,
+    CommitRow,
+    JobRow,
+    Lease,
+    NewCommit,
+    NewJob,
+    NewShard,
+    Progress,
+    ShardRow,
+)
+from airflow_deadline_batch.store.schema import db_epoch
+
+__all__ = [
+    "ACTIVE_JOB_STATES",
+    "DEFAULT_LEASE_TTL_S",
+    "DEFAULT_MAX_ATTEMPTS",
+    "VALIDATION_ATTEMPT_ID",
+    "VALIDATION_SHARD_INDEX",
+    "AttemptRow",
+    "CommitRow",
+    "JobRow",
+    "Lease",
+    "ManifestStore",
+    "NewCommit",
+    "NewJob",
+    "NewShard",
+    "Progress",
+    "ShardRow",
+    "db_epoch",
+]

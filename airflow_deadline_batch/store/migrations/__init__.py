@@ -1,0 +1,1 @@
+"""Alembic migrations of the manifest store; run them with ``ManifestStore.migrate()``."""

@@ -1,0 +1,170 @@
+"""The manifest store's tables (SQLAlchemy Core) and the two SQL constructs the store needs.
+
+Table names carry the ``adb_`` prefix so the store can share a database with Airflow's own tables;
+Alembic's version table is ``adb_alembic_version`` for the same reason. The migrations under
+``migrations/versions`` create exactly these tables; change both together.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql import expression
+from sqlalchemy.sql.compiler import SQLCompiler
+
+VERSION_TABLE = "adb_alembic_version"
+UTC = dt.timezone.utc
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+class UTCDateTime(sa.TypeDecorator[dt.datetime]):
+    """Aware UTC datetimes in and out on every dialect (SQLite stores them naive, in UTC)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.tzinfo.utcoffset(value) is None:
+            raise ValueError(f"the manifest store takes timezone-aware datetimes only, got {value!r}")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+JSONType = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+class db_epoch(expression.FunctionElement[float]):  # noqa: N801 - reads as a SQL function
+    """The database server's clock as float seconds since the Unix epoch.
+
+    Lease expiry is always computed from this clock, never the caller's, so clock skew between
+    workers cannot lengthen or shorten a lease.
+    """
+
+    type = sa.Double()
+    name = "db_epoch"
+    inherit_cache = True
+
+
+@compiles(db_epoch)
+def _db_epoch_sqlite(element: db_epoch, compiler: SQLCompiler, **kw: Any) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+@compiles(db_epoch, "postgresql")
+def _db_epoch_postgresql(element: db_epoch, compiler: SQLCompiler, **kw: Any) -> str:
+    # clock_timestamp(), not now(): now() is frozen at the start of the transaction.
+    return "CAST(extract(epoch from clock_timestamp()) AS double precision)"
+
+
+jobs = sa.Table(
+    "adb_jobs",
+    metadata,
+    sa.Column("job_id", sa.String(64), primary_key=True),
+    sa.Column("idempotency_key", sa.String(255), nullable=True, unique=True),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("deadline", UTCDateTime(), nullable=False),
+    sa.Column("input_uri", sa.Text(), nullable=False),
+    sa.Column("input_sha256", sa.String(64), nullable=False),
+    sa.Column("input_lines", sa.Integer(), nullable=False),
+    sa.Column("input_total_lines", sa.Integer(), nullable=False),
+    sa.Column("output_uri", sa.Text(), nullable=False),
+    sa.Column("config", JSONType, nullable=False),
+    sa.Column("admission", JSONType, nullable=True),
+    sa.Column("manifest_uri", sa.Text(), nullable=True),
+    sa.Column("manifest_sha256", sa.String(64), nullable=True),
+    sa.Column("completed_at", UTCDateTime(), nullable=True),
+    sa.Column("error", sa.Text(), nullable=True),
+)
+
+shards = sa.Table(
+    "adb_shards",
+    metadata,
+    sa.Column(
+        "job_id", sa.String(64), sa.ForeignKey("adb_jobs.job_id", ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("shard_index", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("state", sa.String(32), nullable=False),
+    sa.Column("epoch", sa.Integer(), nullable=False),
+    sa.Column("lease_attempt_id", sa.String(64), nullable=True),
+    sa.Column("lease_expires_at", sa.Double(), nullable=True),
+    sa.Column("lease_ttl_s", sa.Double(), nullable=True),
+    sa.Column("attempts", sa.Integer(), nullable=False),
+    sa.Column("byte_start", sa.BigInteger(), nullable=False),
+    sa.Column("byte_end", sa.BigInteger(), nullable=False),
+    sa.Column("first_line", sa.Integer(), nullable=False),
+    sa.Column("line_count", sa.Integer(), nullable=False),
+    sa.Column("records", sa.Integer(), nullable=False),
+    sa.Column("excluded_lines", JSONType, nullable=False),
+    sa.Column("input_sha256", sa.String(64), nullable=False),
+    sa.Column("est_work_s", sa.Double(), nullable=False),
+    sa.Column("num_microbatches", sa.Integer(), nullable=False),
+    sa.Column("cursor", sa.Integer(), nullable=False),
+    sa.Column("last_pool", sa.String(128), nullable=True),
+    sa.Column("last_error", sa.Text(), nullable=True),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+)
+
+attempts = sa.Table(
+    "adb_attempts",
+    metadata,
+    sa.Column("attempt_id", sa.String(64), primary_key=True),
+    sa.Column("job_id", sa.String(64), nullable=False),
+    sa.Column("shard_index", sa.Integer(), nullable=False),
+    sa.Column("epoch", sa.Integer(), nullable=False),
+    sa.Column("worker", sa.String(255), nullable=False),
+    sa.Column("pool", sa.String(128), nullable=True),
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("ended_at", UTCDateTime(), nullable=True),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("error", sa.Text(), nullable=True),
+    sa.Column("heartbeat_at", UTCDateTime(), nullable=True),
+    sa.ForeignKeyConstraint(
+        ["job_id", "shard_index"], ["adb_shards.job_id", "adb_shards.shard_index"], ondelete="CASCADE"
+    ),
+    sa.Index("ix_adb_attempts_job_id_shard_index", "job_id", "shard_index"),
+)
+
+commits = sa.Table(
+    "adb_commits",
+    metadata,
+    sa.Column(
+        "job_id", sa.String(64), sa.ForeignKey("adb_jobs.job_id", ondelete="CASCADE"), primary_key=True
+    ),
+    # -1 is the planner's validation-errors object, which belongs to no shard: no FK to adb_shards.
+    sa.Column("shard_index", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("seq", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("attempt_id", sa.String(64), nullable=False),
+    sa.Column("epoch", sa.Integer(), nullable=False),
+    sa.Column("uri", sa.Text(), nullable=False),
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("records", sa.Integer(), nullable=False),
+    sa.Column("counts", JSONType, nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger(), nullable=False),
+    sa.Column("completion_tokens", sa.BigInteger(), nullable=False),
+    sa.Column("elapsed_s", sa.Double(), nullable=False),
+    sa.Column("model_digest", sa.String(128), nullable=True),
+    sa.Column("pool", sa.String(128), nullable=True),
+    sa.Column("committed_at", UTCDateTime(), nullable=False),
+)
