@@ -44,7 +44,7 @@ def client_config() -> Config:
     Explicit timeouts: a connect that never completes fails in 5 s instead of botocore's 60 s, and a
     read on a half-open socket (peer gone without a FIN, common behind NAT and load balancers) ends
     after 60 s instead of stalling a worker while its lease runs out. "standard" retries back off with
-    jitter on throttling, 5xx and connection errors, a bounded 5 attempts in all.
+    jitter on throttling, 5xx and connection errors, at most 5 retries (6 attempts in all).
     """
     return Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 5, "mode": "standard"})
 
