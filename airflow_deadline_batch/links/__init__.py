@@ -1,0 +1,1 @@
+"""Airflow extra links of the deadline-batch provider."""

@@ -1,0 +1,56 @@
+"""``DeadlineBatchProgressLink``: a task button that opens the job's progress page.
+
+The page is served by this package's plugin (``/deadline-batch/jobs/<job_id>``); once the manifest
+is published the link carries its URI too. Airflow 3 resolves links from XCom, so the task pushes
+the finished URL with :meth:`DeadlineBatchProgressLink.persist`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from airflow.sdk import BaseOperatorLink
+
+PLUGIN_URL_PREFIX = "/deadline-batch"
+
+
+def airflow_base_url() -> str:
+    """The API server's public URL (``[api] base_url``), without a trailing slash."""
+    value = os.environ.get("AIRFLOW__API__BASE_URL")
+    if not value:
+        try:
+            from airflow.sdk import conf
+
+            value = conf.get("api", "base_url", fallback="") or ""
+        except Exception:  # configuration unreadable: a relative link still works in the UI
+            value = ""
+    return value.rstrip("/")
+
+
+def progress_url(base_url: str, job_id: str, manifest_uri: str | None = None) -> str:
+    """The plugin page of ``job_id`` (pure)."""
+    url = f"{base_url.rstrip('/')}{PLUGIN_URL_PREFIX}/jobs/{quote(job_id, safe='')}"
+    if manifest_uri:
+        url += "?" + urlencode({"manifest": manifest_uri})
+    return url
+
+
+class DeadlineBatchProgressLink(BaseOperatorLink):
+    """Deadline Batch progress (and manifest, once published)."""
+
+    name = "Deadline Batch progress"
+
+    def get_link(self, operator: Any, *, ti_key: Any) -> str:
+        from airflow.sdk.execution_time.xcom import XCom
+
+        value = XCom.get_value(key=self.xcom_key, ti_key=ti_key)
+        return str(value) if value else ""
+
+    @classmethod
+    def persist(cls, context: Any, job_id: str, manifest_uri: str | None = None) -> str:
+        """Push the link's URL for this task instance; returns it (also for the log)."""
+        url = progress_url(airflow_base_url(), job_id, manifest_uri)
+        context["ti"].xcom_push(key=cls().xcom_key, value=url)
+        return url

@@ -1,0 +1,142 @@
+"""Predictive "deadline at risk" alerts, delivered through any Airflow notifier.
+
+:func:`assess_risk` is pure: from committed progress it predicts the finish and the slack, and says
+whether on-call should hear about it *now*, while there is still time to act (add GPUs, move to
+on-demand). :class:`DeadlineRiskNotifier` renders one message and forwards the context, with the
+assessment under ``deadline_risk``, to the wrapped notifiers (Slack, PagerDuty, SMTP, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime as dt
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.sdk import BaseNotifier
+
+from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.triggers.completeness import plain
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MESSAGE = (
+    "Deadline at risk for job {{ deadline_risk.job_id }}: {{ deadline_risk.reason }} "
+    "(predicted finish {{ deadline_risk.predicted_finish }}, deadline {{ deadline_risk.deadline }}, "
+    "slack {{ deadline_risk.slack_s | round | int }} s, "
+    "{{ deadline_risk.committed_records }}/{{ deadline_risk.total_records }} records committed)"
+)
+
+
+class RiskLevel(str, enum.Enum):
+    """How bad it is: slack below the threshold, finish predicted past the deadline, or missed."""
+
+    THIN = "thin"
+    LATE = "late"
+    MISSED = "missed"
+
+
+@dataclasses.dataclass(frozen=True)
+class RiskAssessment:
+    """Why a job's deadline is at risk, in plain values for templates and XCom."""
+
+    job_id: str
+    level: RiskLevel
+    reason: str
+    deadline: dt.datetime
+    predicted_finish: dt.datetime
+    slack_s: float
+    remaining_work_s: float
+    committed_records: int
+    total_records: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return plain(self)
+
+
+def assess_risk(
+    progress: Any,
+    now: dt.datetime,
+    deadline: dt.datetime | None = None,
+    threshold_s: float = 600.0,
+    *,
+    parallelism: int = 1,
+) -> RiskAssessment | None:
+    """Predict the finish from committed progress; ``None`` while slack stays above ``threshold_s``.
+
+    ``progress`` is the store's ``Progress`` (or its plain dict); its ``remaining_work_s`` is
+    divided by ``parallelism`` (workers running at once) to get wall-clock time left.
+    """
+    data: Mapping[str, Any] = progress if isinstance(progress, Mapping) else plain(progress)
+    now = ensure_aware(now, "now")
+    raw_deadline = deadline if deadline is not None else data.get("deadline")
+    if raw_deadline is None:
+        return None
+    if isinstance(raw_deadline, str):
+        raw_deadline = dt.datetime.fromisoformat(raw_deadline)
+    deadline = ensure_aware(raw_deadline, "deadline")
+    if str(data.get("state") or "") in {"completed", "partial", "failed", "cancelled", "rejected"}:
+        return None
+    remaining_s = max(0.0, float(data.get("remaining_work_s") or 0.0)) / max(1, parallelism)
+    predicted = now + dt.timedelta(seconds=remaining_s)
+    slack_s = (deadline - predicted).total_seconds()
+    if slack_s >= threshold_s:
+        return None
+    if now >= deadline:
+        level, reason = RiskLevel.MISSED, "the deadline has passed with work remaining"
+    elif slack_s < 0:
+        level, reason = RiskLevel.LATE, f"predicted to finish {-slack_s:.0f} s after the deadline"
+    else:
+        level, reason = RiskLevel.THIN, f"slack {slack_s:.0f} s is below the {threshold_s:.0f} s threshold"
+    return RiskAssessment(
+        job_id=str(data.get("job_id") or ""), level=level, reason=reason, deadline=deadline,
+        predicted_finish=predicted, slack_s=slack_s, remaining_work_s=remaining_s,
+        committed_records=int(data.get("committed_records") or 0),
+        total_records=int(data.get("total_records") or 0),
+    )
+
+
+class DeadlineRiskNotifier(BaseNotifier):
+    """Log a templated at-risk message and forward it to other notifiers.
+
+    :param notifiers: notifiers to call with the same context (for example
+        ``SlackNotifier(text="{{ deadline_risk.reason }}")``); none means log only.
+    :param message: Jinja template; the context holds ``deadline_risk`` (a :class:`RiskAssessment`
+        as a dict).
+    :param threshold_s: slack under which a job counts as at risk.
+    """
+
+    template_fields = ("message",)
+
+    def __init__(
+        self,
+        *,
+        notifiers: Sequence[BaseNotifier] = (),
+        message: str = DEFAULT_MESSAGE,
+        threshold_s: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self.notifiers = list(notifiers)
+        self.message = message
+        self.threshold_s = float(threshold_s)
+        self.rendered: str | None = None
+
+    def notify(self, context: Any) -> None:
+        self.rendered = str(self.message)
+        log.warning("%s", self.rendered)
+        for notifier in self.notifiers:
+            try:
+                copy.copy(notifier)(context)
+            except Exception:  # one broken channel must not silence the others
+                log.exception("deadline-risk notifier %s failed", type(notifier).__name__)
+
+    def notify_risk(self, context: Mapping[str, Any], risk: RiskAssessment) -> str:
+        """Send one alert for ``risk``; returns the rendered message. A fresh copy renders each time."""
+        sender = copy.copy(self)
+        merged = dict(context)
+        merged["deadline_risk"] = risk.to_dict()
+        sender(merged)
+        return sender.rendered or ""

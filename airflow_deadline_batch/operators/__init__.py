@@ -1,0 +1,1 @@
+"""Airflow operators of the deadline-batch provider."""

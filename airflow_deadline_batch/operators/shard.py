@@ -1,0 +1,347 @@
+"""Shard tasks: a ``KubernetesPodOperator`` subclass and its local twin, deciding placement per try.
+
+At every try both re-read the job and the shard, skip a shard that another attempt already
+committed, and choose Spot or on-demand from the slack left (:func:`decide_for_try`). The pod
+variant turns the decision into node selector, tolerations, labels, startup timeout and grace
+period; the store DSN reaches the pod only as a Kubernetes Secret reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.cncf.kubernetes.secret import Secret
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from kubernetes.client import models as k8s
+
+from airflow_deadline_batch.core.clock import Clock, SystemClock
+from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.hooks.store import ManifestStoreHook
+from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
+from airflow_deadline_batch.operators.placement import (
+    TryAction,
+    TryDecision,
+    decide_for_try,
+    parse_pools,
+    pod_placement,
+)
+
+WORKER_MODULE = "airflow_deadline_batch.worker"
+EXIT_OK, EXIT_TERMINAL, EXIT_RETRYABLE = 0, 1, 75
+#: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
+PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeShutdown", "Shutdown", "Terminated",
+                                "NodeLost", "UnexpectedAdmissionError", "DeletionByTaintManager",
+                                "PreemptionByScheduler", "TerminationByKubelet", "EvictionByEvictionAPI"})
+
+
+class PodOutcome(str, enum.Enum):
+    """How a shard pod ended, for the log and the retry decision."""
+
+    SUCCEEDED = "succeeded"
+    PREEMPTED = "preempted"
+    RETRYABLE = "retryable"
+    TERMINAL = "terminal"
+
+
+@dataclasses.dataclass(frozen=True)
+class PodClassification:
+    outcome: PodOutcome
+    reason: str
+    exit_code: int | None = None
+
+
+def _container_terminated(pod: k8s.V1Pod, container: str) -> k8s.V1ContainerStateTerminated | None:
+    statuses = (pod.status.container_statuses if pod.status else None) or []
+    for status in statuses:
+        if status.name == container and status.state is not None:
+            return status.state.terminated or (status.last_state.terminated if status.last_state else None)
+    return None
+
+
+def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassification:
+    """Classify a finished shard pod from its status (pure; tests pass real ``V1Pod`` objects)."""
+    if pod is None or pod.status is None:
+        return PodClassification(PodOutcome.RETRYABLE, "pod vanished before it reported a status")
+    status = pod.status
+    conditions = status.conditions or []
+    disrupted = next((c for c in conditions if c.type == "DisruptionTarget" and c.status == "True"), None)
+    terminated = _container_terminated(pod, container)
+    code = terminated.exit_code if terminated is not None else None
+    if code == EXIT_OK and status.phase == "Succeeded":
+        return PodClassification(PodOutcome.SUCCEEDED, "worker exited 0", 0)
+    if status.reason in PREEMPTION_REASONS:
+        return PodClassification(PodOutcome.PREEMPTED, f"pod {status.reason}: {status.message or ''}".strip(),
+                                 code)
+    if disrupted is not None:
+        return PodClassification(PodOutcome.PREEMPTED,
+                                 f"DisruptionTarget ({disrupted.reason}): {disrupted.message or ''}".strip(), code)
+    if code == EXIT_RETRYABLE:
+        return PodClassification(PodOutcome.PREEMPTED, "worker exited 75 (preempted, lost lease or transient)",
+                                 code)
+    if code == EXIT_TERMINAL:
+        return PodClassification(PodOutcome.TERMINAL, "worker exited 1 (terminal: see the worker log)", code)
+    if code in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
+        reason = terminated.reason if terminated is not None else None
+        if reason == "OOMKilled":
+            return PodClassification(PodOutcome.RETRYABLE, "container OOMKilled; raise its memory limit", code)
+        return PodClassification(PodOutcome.PREEMPTED, f"worker killed by signal (exit {code})", code)
+    return PodClassification(PodOutcome.RETRYABLE,
+                             f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
+                             code)
+
+
+def worker_arguments(job_id: str, shard_index: int, *, pool: str, lease_ttl_s: float, grace_s: float,
+                     extra: Sequence[str] = ()) -> list[str]:
+    """The worker's command-line arguments; the store URL comes from ``ADB_STORE_URL`` (a Secret)."""
+    return ["--job", job_id, "--shard", str(shard_index), "--pool", pool,
+            "--lease-ttl", f"{lease_ttl_s:g}", "--grace", f"{grace_s:g}", *extra]
+
+
+class _ShardTryMixin:
+    """What both shard operators share: open the store, decide the try, record the decision."""
+
+    job_id: str
+    shard_index: int
+    store_url: str | None
+    store_conn_id: str | None
+    pools: Sequence[PoolSpec | Mapping[str, Any]] | None
+    clock: Clock | None
+    log: Any
+
+    def decide(self, context: Any | None = None) -> TryDecision:
+        store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
+        job = store.get_job(self.job_id)
+        shard = store.get_shard(self.job_id, int(self.shard_index))
+        progress = store.progress(self.job_id)
+        pools = parse_pools(self.pools, job.config)
+        decision = decide_for_try(job=job, shard=shard, progress=progress, pools=pools,
+                                  now=(self.clock or SystemClock()).now())
+        self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
+        if context is not None:
+            context["ti"].xcom_push(key="placement", value=decision.to_dict())
+            DeadlineBatchProgressLink.persist(context, self.job_id)
+        return decision
+
+    def settle_without_running(self, decision: TryDecision) -> bool:
+        """Return True when this try needs no worker; raise when it can never succeed."""
+        if decision.action is TryAction.ALREADY_DONE:
+            return True
+        if decision.action is TryAction.SHARD_FAILED:
+            raise AirflowFailException(decision.reason)
+        if decision.action is TryAction.JOB_STOPPED:
+            raise AirflowSkipException(decision.reason)
+        return False
+
+
+class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
+    """Run one shard's worker in a pod on the pool the slack allows, re-deciding at every try.
+
+    :param job_id: job of the shard (a literal from the plan task's ``expand_kwargs`` specs).
+    :param shard_index: the shard to run.
+    :param store_url: manifest store URL for the *operator's* reads (wins over ``store_conn_id``).
+    :param store_conn_id: Airflow connection of the manifest store.
+    :param store_secret_name: Kubernetes Secret holding the store URL for the pod.
+    :param store_secret_key: key of that Secret.
+    :param pools: pool definitions (``PoolSpec`` or dicts); default: the pools the job was planned with.
+    :param capacity_label: pod label set to ``spot`` / ``on-demand`` (``None`` to leave it out).
+    :param gpus_per_pod: ``nvidia.com/gpu`` limit when ``container_resources`` is not given.
+    :param lease_ttl_s: lease TTL passed to the worker.
+    :param clock: injectable clock (tests).
+    """
+
+    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "job_id", "store_url",
+                                      "store_conn_id")
+    operator_extra_links = (DeadlineBatchProgressLink(),)
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        shard_index: int,
+        image: str,
+        store_url: str | None = None,
+        store_conn_id: str | None = None,
+        store_secret_name: str = "deadline-batch-store",
+        store_secret_key: str = "url",
+        pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
+        capacity_label: str | None = "karpenter.sh/capacity-type",
+        gpus_per_pod: int = 1,
+        lease_ttl_s: float = 60.0,
+        worker_args: Sequence[str] = (),
+        clock: Clock | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("retries", 5)
+        kwargs.setdefault("name", "deadline-batch-shard")
+        if kwargs.get("container_resources") is None and gpus_per_pod > 0:
+            kwargs["container_resources"] = k8s.V1ResourceRequirements(
+                limits={"nvidia.com/gpu": str(gpus_per_pod)})
+        super().__init__(image=image, **kwargs)
+        self.job_id = job_id
+        self.shard_index = shard_index
+        self.store_url = store_url
+        self.store_conn_id = store_conn_id
+        self.store_secret_name = store_secret_name
+        self.store_secret_key = store_secret_key
+        self.pools = [p.to_dict() if isinstance(p, PoolSpec) else dict(p) for p in pools] if pools else None
+        self.capacity_label = capacity_label
+        self.lease_ttl_s = lease_ttl_s
+        self.worker_args = list(worker_args)
+        self.clock = clock
+        self._base: tuple[Any, ...] | None = None
+
+    def apply_decision(self, decision: TryDecision) -> None:
+        """Set this try's pod parameters from ``decision`` (idempotent across tries of one instance)."""
+        if self._base is None:
+            self._base = (dict(self.node_selector), list(self.tolerations), dict(self.labels),
+                          dict(self.annotations), list(self.secrets))
+        node_selector, tolerations, labels, annotations, secrets = self._base
+        placement = pod_placement(decision, capacity_label=self.capacity_label)
+        assert decision.pool is not None
+        self.node_selector = {**node_selector, **placement.node_selector}
+        self.tolerations = [*tolerations, *(k8s.V1Toleration(**t) for t in placement.tolerations)]
+        self.labels = {**labels, **placement.labels}
+        self.annotations = {**annotations, **placement.annotations}
+        self.startup_timeout_seconds = placement.startup_timeout_s
+        self.schedule_timeout_seconds = placement.startup_timeout_s
+        self.termination_grace_period = placement.grace_period_s
+        # The DSN (with its password) is referenced, never copied into the pod spec.
+        self.secrets = [*secrets, Secret("env", "ADB_STORE_URL", self.store_secret_name, self.store_secret_key)]
+        self.cmds = ["python", "-m", WORKER_MODULE]
+        self.arguments = worker_arguments(self.job_id, int(self.shard_index), pool=decision.pool.name,
+                                          lease_ttl_s=self.lease_ttl_s, grace_s=placement.grace_period_s,
+                                          extra=self.worker_args)
+        self.pod_request_obj = None
+        self.pod = None
+
+    def prepare_try(self, context: Any | None = None) -> TryDecision:
+        """Decide and apply this try's placement; returns the decision."""
+        decision = self.decide(context)
+        if decision.action is TryAction.RUN:
+            self.apply_decision(decision)
+        return decision
+
+    def execute(self, context: Any) -> Any:
+        decision = self.prepare_try(context)
+        if self.settle_without_running(decision):
+            self.log.info("%s", decision.reason)
+            return None
+        return super().execute(context)
+
+    def cleanup(self, pod: k8s.V1Pod, remote_pod: k8s.V1Pod, xcom_result: dict | None = None,
+                context: Any | None = None) -> None:
+        try:
+            super().cleanup(pod, remote_pod, xcom_result=xcom_result, context=context)
+        except AirflowSkipException:
+            raise
+        except AirflowException as exc:
+            found = classify_pod(remote_pod, self.base_container_name)
+            self.log.warning("shard %s of job %s: pod %s (%s)", self.shard_index, self.job_id,
+                             found.outcome.value, found.reason)
+            if found.outcome is PodOutcome.TERMINAL:
+                raise AirflowFailException(f"shard {self.shard_index} of job {self.job_id}: {found.reason}") from exc
+            raise AirflowException(
+                f"shard {self.shard_index} of job {self.job_id} {found.outcome.value}: {found.reason}; "
+                "the next try re-decides its pool from the slack left"
+            ) from exc
+
+
+class LocalShardOperator(_ShardTryMixin, BaseOperator):
+    """Run one shard's worker as a local subprocess: the embedded default of the shard task.
+
+    Same contract as :class:`DeadlineShardPodOperator` (decision logged and pushed to XCom key
+    ``placement``, committed shards skipped); exit 75 raises a retryable error, exit 1 fails the task.
+    ``preempt_tries`` injects a Spot-style preemption (SIGTERM, then SIGKILL after ``grace_s``)
+    ``preempt_after_s`` seconds into the listed try numbers, to exercise recovery on a laptop.
+    """
+
+    template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
+    operator_extra_links = (DeadlineBatchProgressLink(),)
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        shard_index: int,
+        store_url: str | None = None,
+        store_conn_id: str | None = None,
+        pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
+        lease_ttl_s: float = 60.0,
+        grace_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        preempt_tries: Sequence[int] = (),
+        preempt_after_s: float = 0.5,
+        clock: Clock | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("retries", 5)
+        super().__init__(**kwargs)
+        self.job_id = job_id
+        self.shard_index = shard_index
+        self.store_url = store_url
+        self.store_conn_id = store_conn_id
+        self.pools = [p.to_dict() if isinstance(p, PoolSpec) else dict(p) for p in pools] if pools else None
+        self.lease_ttl_s = lease_ttl_s
+        self.grace_s = grace_s
+        self.env = dict(env) if env else None
+        self.preempt_tries = tuple(int(t) for t in preempt_tries)
+        self.preempt_after_s = preempt_after_s
+        self.clock = clock
+
+    def execute(self, context: Any) -> Any:
+        decision = self.decide(context)
+        if self.settle_without_running(decision):
+            self.log.info("%s", decision.reason)
+            return decision.to_dict()
+        assert decision.pool is not None and decision.placement is not None
+        grace = float(self.grace_s if self.grace_s is not None else decision.placement.grace_period_s)
+        store_url = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store_url()
+        try_number = int(getattr(context["ti"], "try_number", 1) or 1)
+        if try_number in self.preempt_tries:
+            code = self._run_with_preemption(store_url, decision.pool.name, grace)
+        else:
+            from airflow_deadline_batch.local.launcher import run_worker_subprocess
+
+            code = run_worker_subprocess(store_url, self.job_id, int(self.shard_index), pool=decision.pool.name,
+                                         lease_ttl_s=self.lease_ttl_s, grace_s=grace, env=self.env)
+        return self._settle_exit(code, decision)
+
+    def _run_with_preemption(self, store_url: str, pool: str, grace: float) -> int:
+        from airflow_deadline_batch.local.launcher import fence_dead_worker, start_worker
+        from airflow_deadline_batch.store import ManifestStore
+
+        proc = start_worker(store_url, self.job_id, int(self.shard_index), pool=pool,
+                            lease_ttl_s=self.lease_ttl_s, grace_s=grace, env=self.env)
+        try:
+            return proc.popen.wait(timeout=self.preempt_after_s)
+        except subprocess.TimeoutExpired:
+            self.log.warning("injecting a preemption into shard %s (SIGTERM, %.1f s notice)", self.shard_index,
+                             grace)
+            proc.signal(signal.SIGTERM)
+        try:
+            code = proc.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.signal(signal.SIGKILL)
+            code = proc.popen.wait()
+        if code < 0:
+            fence_dead_worker(ManifestStore(store_url), proc)
+            return EXIT_RETRYABLE
+        return code
+
+    def _settle_exit(self, code: int, decision: TryDecision) -> dict[str, Any]:
+        if code == EXIT_OK:
+            return decision.to_dict()
+        if code == EXIT_TERMINAL:
+            raise AirflowFailException(f"shard {self.shard_index} of job {self.job_id}: worker exited 1 (terminal)")
+        kind = "preempted" if code in (EXIT_RETRYABLE, -signal.SIGTERM, -signal.SIGKILL) else "failed"
+        self.log.warning("shard %s of job %s %s (worker exit %s); Airflow will retry", self.shard_index,
+                         self.job_id, kind, code)
+        raise AirflowException(f"shard {self.shard_index} of job {self.job_id} {kind} (worker exit {code}); "
+                               "the next try re-decides its pool")

@@ -1,0 +1,175 @@
+"""``CompletenessSensor``: succeeds only once the job's manifest is verified and published.
+
+When every shard is terminal it calls the shared ``finalize_job`` (verification of expected vs.
+committed outcomes, checksums, then the conditional publication of ``manifest.json``) and emits an
+Asset event for the manifest. Anything short of a published manifest fails the task with the
+verification report, so downstream tasks never see partial output by accident.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from airflow.sdk import Asset, BaseSensorOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from airflow_deadline_batch.core.clock import UTC, SystemClock
+from airflow_deadline_batch.hooks.store import ManifestStoreHook
+from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
+from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
+from airflow_deadline_batch.triggers.completeness import (
+    CompletenessEvent,
+    CompletenessStatus,
+    CompletenessTrigger,
+    evaluate_progress,
+    plain,
+)
+
+
+def default_manifest_asset(dag_id: str | None, task_id: str) -> Asset:
+    """One Asset per sensor task, so downstream DAGs can schedule on "this job's manifest"."""
+    return Asset(name=f"deadline_batch_manifest__{dag_id or 'dag'}__{task_id}",
+                 uri=f"deadline-batch://manifests/{dag_id or 'dag'}/{task_id}")
+
+
+class CompletenessSensor(BaseSensorOperator):
+    """Wait for a job's shards, then verify and publish its manifest.
+
+    :param job_id: the job (templated; usually ``{{ ti.xcom_pull(task_ids='plan', key='job_id') }}``).
+    :param store_url: manifest store URL (wins over ``store_conn_id``).
+    :param store_conn_id: Airflow connection of the manifest store.
+    :param deferrable: wait in the triggerer (:class:`CompletenessTrigger`) instead of a worker slot.
+    :param expire_unfinished: once the job's deadline has passed, mark unfinished records
+        ``expired`` and publish a partial manifest instead of waiting on.
+    :param manifest_asset: the Asset to emit (default: one per DAG and task).
+    :param risk_notifier: called once when the job's deadline is predicted to be at risk.
+    """
+
+    template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
+    operator_extra_links = (DeadlineBatchProgressLink(),)
+    ui_color = "#d7f0e3"
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        store_url: str | None = None,
+        store_conn_id: str | None = None,
+        deferrable: bool = True,
+        poke_interval: float = 30.0,
+        expire_unfinished: bool = False,
+        manifest_asset: Asset | None = None,
+        risk_notifier: DeadlineRiskNotifier | None = None,
+        parallelism: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(poke_interval=poke_interval, **kwargs)
+        self.job_id = job_id
+        self.store_url = store_url
+        self.store_conn_id = store_conn_id
+        self.deferrable = deferrable
+        self.expire_unfinished = expire_unfinished
+        self.risk_notifier = risk_notifier
+        self.parallelism = parallelism
+        self.manifest_asset = manifest_asset or default_manifest_asset(self.dag_id if self.has_dag()
+                                                                       else None, self.task_id)
+        if self.manifest_asset not in self.outlets:
+            self.outlets = [*self.outlets, self.manifest_asset]
+        self._risk_sent = False
+
+    def _hook(self) -> ManifestStoreHook:
+        return ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url)
+
+    def _progress(self) -> dict[str, Any]:
+        return plain(self._hook().get_store().progress(self.job_id))
+
+    def _past_deadline(self, progress: dict[str, Any]) -> bool:
+        deadline = progress.get("deadline")
+        if not deadline:
+            return False
+        return dt.datetime.now(UTC) >= dt.datetime.fromisoformat(str(deadline))
+
+    def _check_risk(self, context: Any, progress: dict[str, Any]) -> None:
+        if self.risk_notifier is None or self._risk_sent:
+            return
+        risk = assess_risk(progress, dt.datetime.now(UTC), threshold_s=self.risk_notifier.threshold_s,
+                           parallelism=self.parallelism)
+        if risk is not None:
+            self._risk_sent = True
+            self.risk_notifier.notify_risk(context, risk)
+
+    def execute(self, context: Any) -> Any:
+        if not self.deferrable:
+            return super().execute(context)
+        progress = self._progress()
+        self._check_risk(context, progress)
+        event = evaluate_progress(self.job_id, progress)
+        if event is not None:
+            return self._finish(context, event)
+        if self.expire_unfinished and self._past_deadline(progress):
+            return self._finish(context, CompletenessEvent(
+                CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed"))
+        timeout_at = dt.datetime.now(UTC) + dt.timedelta(seconds=self.timeout)
+        if self.expire_unfinished and progress.get("deadline"):
+            timeout_at = min(timeout_at, dt.datetime.fromisoformat(str(progress["deadline"])))
+        self.log.info("job %s not finished; deferring until every shard is terminal (at most until %s)",
+                      self.job_id, timeout_at.isoformat())
+        self.defer(
+            trigger=CompletenessTrigger(job_id=self.job_id, store_url=self.store_url,
+                                        store_conn_id=self.store_conn_id,
+                                        poll_interval_s=self.poke_interval,
+                                        timeout_at=timeout_at.isoformat()),
+            method_name="execute_complete",
+        )
+
+    def poke(self, context: Any) -> bool:
+        progress = self._progress()
+        self._check_risk(context, progress)
+        event = evaluate_progress(self.job_id, progress)
+        if event is None and self.expire_unfinished and self._past_deadline(progress):
+            event = CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed")
+        if event is None:
+            self.log.info("job %s: %s/%s records committed; waiting", self.job_id,
+                          progress.get("committed_records"), progress.get("total_records"))
+            return False
+        self._finish(context, event)
+        return True
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        """Resume after the trigger: finalize on a terminal job, fail clearly on anything else."""
+        return self._finish(context, CompletenessEvent.from_payload(event))
+
+    def _finish(self, context: Any, event: CompletenessEvent) -> str:
+        self.log.info("%s", event.message)
+        if event.status is CompletenessStatus.ERROR:
+            raise AirflowException(f"{event.message}; check the store connection (the task will retry)")
+        expire = event.status is CompletenessStatus.TIMEOUT
+        if expire and not self.expire_unfinished:
+            raise AirflowFailException(
+                f"{event.message}; nothing was published. Set expire_unfinished=True to publish a "
+                "partial manifest after the deadline, or raise the sensor's timeout"
+            )
+        from airflow_deadline_batch.service.finalize import finalize_job
+
+        result = finalize_job(self._hook().get_store(), self.job_id, clock=SystemClock(),
+                              expire_unfinished=expire)
+        summary = result.report.summary()
+        self.log.info("verification of job %s: %s", self.job_id, summary)
+        if result.manifest_uri is None:
+            raise AirflowFailException(
+                f"job {self.job_id} ended {getattr(result.state, 'value', result.state)} without a published "
+                f"manifest: {summary}"
+            )
+        outcomes = dict(getattr(result.report, "outcomes", {}) or {})
+        extra = {"job_id": self.job_id, "manifest_uri": result.manifest_uri,
+                 "state": str(getattr(result.state, "value", result.state)),
+                 "records": int(getattr(result.report, "expected", 0) or 0),
+                 "outcomes": {str(k): int(v) for k, v in outcomes.items()}}
+        outlet_events = context.get("outlet_events") if hasattr(context, "get") else None
+        if outlet_events is not None:
+            outlet_events[self.manifest_asset].extra.update(extra)
+        context["ti"].xcom_push(key="manifest_uri", value=result.manifest_uri)
+        self.log.info("published manifest %s", result.manifest_uri)
+        return result.manifest_uri

@@ -1,0 +1,168 @@
+"""``CompletenessTrigger``: waits in the triggerer until every shard of a job is terminal.
+
+It polls the manifest store's committed progress (never attempts, DESIGN §4.5.4) in a worker thread
+and yields exactly one typed event. ``run()`` never raises: a store failure becomes an ``error``
+event so the sensor can report it instead of the triggerer logging a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import enum
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from airflow_deadline_batch.core.clock import UTC, ensure_aware
+
+#: shard states after which nothing more will happen to a shard (DESIGN §4.4)
+TERMINAL_SHARD_STATES = frozenset({"succeeded", "terminal_failure"})
+FAILED_SHARD_STATES = frozenset({"terminal_failure"})
+#: job states in which no shard will run again
+STOPPED_JOB_STATES = frozenset({"completed", "partial", "failed", "cancelled", "rejected"})
+
+
+class CompletenessStatus(str, enum.Enum):
+    """What the trigger saw: all shards done, some failed, the store failed, or time ran out."""
+
+    COMPLETE = "complete"
+    FAILED = "failed"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletenessEvent:
+    """The one event a :class:`CompletenessTrigger` yields, as typed data (payload is its dict)."""
+
+    status: CompletenessStatus
+    job_id: str
+    progress: dict[str, Any]
+    message: str
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"status": self.status.value, "job_id": self.job_id, "progress": self.progress,
+                "message": self.message}
+
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any]) -> CompletenessEvent:
+        return cls(status=CompletenessStatus(payload["status"]), job_id=str(payload["job_id"]),
+                   progress=dict(payload.get("progress") or {}), message=str(payload.get("message", "")))
+
+
+def plain(value: Any) -> Any:
+    """JSON-able copy of a progress value: dataclasses, enums, datetimes and mappings flattened."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        return {str(plain(k)): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    return value
+
+
+def evaluate_progress(job_id: str, progress: Mapping[str, Any]) -> CompletenessEvent | None:
+    """Decide from plain progress whether the wait is over (pure; ``None`` means keep polling)."""
+    by_state = {str(k): int(v) for k, v in (progress.get("shards_by_state") or {}).items()}
+    total_shards = sum(by_state.values())
+    unfinished = sum(n for s, n in by_state.items() if s not in TERMINAL_SHARD_STATES)
+    failed = sum(n for s, n in by_state.items() if s in FAILED_SHARD_STATES)
+    job_state = str(progress.get("state") or "")
+    counts = (f"{progress.get('committed_records', 0)}/{progress.get('total_records', 0)} records "
+              f"committed, {total_shards - unfinished}/{total_shards} shards terminal")
+    if unfinished == 0 and failed == 0:
+        return CompletenessEvent(CompletenessStatus.COMPLETE, job_id, dict(progress),
+                                 f"job {job_id}: every shard succeeded ({counts})")
+    if unfinished == 0:
+        return CompletenessEvent(CompletenessStatus.FAILED, job_id, dict(progress),
+                                 f"job {job_id}: {failed} shard(s) failed terminally ({counts})")
+    if job_state in STOPPED_JOB_STATES:
+        return CompletenessEvent(CompletenessStatus.FAILED, job_id, dict(progress),
+                                 f"job {job_id} is {job_state} with {unfinished} unfinished shard(s) "
+                                 f"({counts})")
+    return None
+
+
+class CompletenessTrigger(BaseTrigger):
+    """Poll a job's committed progress until all shards are terminal, the job stops, or ``timeout_at``.
+
+    :param job_id: the job to watch.
+    :param store_url: SQLAlchemy URL of the manifest store (wins over ``store_conn_id``).
+    :param store_conn_id: Airflow connection of the manifest store.
+    :param poll_interval_s: seconds between two progress reads.
+    :param timeout_at: ISO-8601 aware instant after which a ``timeout`` event is sent; absolute so a
+        triggerer restart does not restart the clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        store_url: str | None = None,
+        store_conn_id: str | None = None,
+        poll_interval_s: float = 30.0,
+        timeout_at: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.job_id = job_id
+        self.store_url = store_url
+        self.store_conn_id = store_conn_id
+        self.poll_interval_s = float(poll_interval_s)
+        self.timeout_at = timeout_at
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "airflow_deadline_batch.triggers.completeness.CompletenessTrigger",
+            {
+                "job_id": self.job_id,
+                "store_url": self.store_url,
+                "store_conn_id": self.store_conn_id,
+                "poll_interval_s": self.poll_interval_s,
+                "timeout_at": self.timeout_at,
+            },
+        )
+
+    def _read_progress(self, store: Any) -> dict[str, Any]:
+        return plain(store.progress(self.job_id))
+
+    def _open_store(self) -> Any:
+        from airflow_deadline_batch.hooks.store import ManifestStoreHook
+
+        return ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
+
+    def _timed_out(self) -> bool:
+        if not self.timeout_at:
+            return False
+        deadline = ensure_aware(dt.datetime.fromisoformat(self.timeout_at), "timeout_at")
+        return dt.datetime.now(UTC) >= deadline
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        progress: dict[str, Any] = {}
+        try:
+            # The store's drivers are synchronous; a thread keeps the triggerer's event loop free.
+            store = await asyncio.to_thread(self._open_store)
+            while True:
+                progress = await asyncio.to_thread(self._read_progress, store)
+                event = evaluate_progress(self.job_id, progress)
+                if event is not None:
+                    break
+                if self._timed_out():
+                    event = CompletenessEvent(
+                        CompletenessStatus.TIMEOUT, self.job_id, progress,
+                        f"job {self.job_id}: shards still unfinished at {self.timeout_at}",
+                    )
+                    break
+                await asyncio.sleep(self.poll_interval_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never raise from a trigger: report it as an event instead
+            event = CompletenessEvent(CompletenessStatus.ERROR, self.job_id, progress,
+                                      f"job {self.job_id}: reading progress failed: {exc}")
+        yield TriggerEvent(event.to_payload())

@@ -1,0 +1,188 @@
+"""Shard pods built by the provider's real ``build_pod_request_obj(dry_run=True)``, validated offline."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import kubernetes_validate
+import pytest
+from kubernetes.client import ApiClient
+from kubernetes.client import models as k8s
+
+from airflow_deadline_batch.core.clock import ManualClock
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.operators.placement import TryAction
+from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, PodOutcome, classify_pod
+from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+
+T0 = dt.datetime(2026, 3, 1, 0, 0, tzinfo=dt.timezone.utc)
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+SPOT = PoolSpec(name="gpu-spot", kind=PoolKind.SPOT, startup_seconds=120, preemptions_per_hour=0.5,
+                preemption_notice_seconds=120,
+                node_selector={"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"},
+                tolerations=(GPU_TOLERATION, {"key": "spot", "operator": "Equal", "value": "true",
+                                              "effect": "NoSchedule"}))
+ON_DEMAND = PoolSpec(name="gpu-on-demand", kind=PoolKind.ON_DEMAND, price_per_gpu_hour=3.0, startup_seconds=120,
+                     node_selector={"karpenter.sh/capacity-type": "on-demand"}, tolerations=(GPU_TOLERATION,))
+SECRET_PASSWORD = "s3cr3t-pw"
+
+
+@pytest.fixture()
+def store_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+@pytest.fixture()
+def job_id(store_url: str) -> str:
+    """A two-hour job of 4 shards of 10 GPU-minutes each, run by 2 workers."""
+    store = ManifestStore(store_url)
+    store.migrate()
+    job, _ = store.create_job(
+        NewJob(deadline=T0 + dt.timedelta(hours=2), input_uri="/data/in.jsonl", input_sha256="0" * 64,
+               input_lines=40, input_total_lines=40, output_uri="/data/out",
+               config={"workers": 2, "engine": "echo", "pools": [SPOT.to_dict(), ON_DEMAND.to_dict()]},
+               idempotency_key="pod-spec-test"),
+        [NewShard(shard_index=i, byte_start=i * 100, byte_end=(i + 1) * 100, first_line=i * 10 + 1, line_count=10,
+                  records=10, num_microbatches=3, input_sha256="0" * 64, est_work_s=600.0) for i in range(4)],
+        None,
+    )
+    return job.job_id
+
+
+def make_operator(store_url: str, job_id: str, clock: ManualClock) -> DeadlineShardPodOperator:
+    return DeadlineShardPodOperator(
+        task_id="shard", job_id=job_id, shard_index=1, image="registry.example.com/deadline-batch-worker:0.1.0",
+        namespace="batch", store_url=store_url, clock=clock, labels={"team": "data"},
+    )
+
+
+def manifest_of(op: DeadlineShardPodOperator) -> dict:
+    pod = op.build_pod_request_obj(dry_run=True)
+    return ApiClient().sanitize_for_serialization(pod)
+
+
+def test_high_slack_places_on_spot_with_valid_spec_and_secret_by_reference(store_url, job_id):
+    op = make_operator(store_url, job_id, ManualClock(T0))
+    decision = op.prepare_try()
+    manifest = manifest_of(op)
+
+    assert decision.action is TryAction.RUN and decision.pool == SPOT
+    kubernetes_validate.validate(manifest, "1.30", strict=True)
+    spec, meta = manifest["spec"], manifest["metadata"]
+    assert spec["nodeSelector"] == dict(SPOT.node_selector)
+    assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu", "spot"}
+    assert meta["labels"]["karpenter.sh/capacity-type"] == "spot"
+    assert meta["labels"]["deadline-batch.io/job-id"] == job_id
+    assert meta["labels"]["deadline-batch.io/shard"] == "1"
+    assert meta["labels"]["team"] == "data"
+    assert spec["terminationGracePeriodSeconds"] == 120  # the Spot notice
+    assert op.startup_timeout_seconds == decision.placement.startup_timeout_s
+    assert op.startup_timeout_seconds >= 60
+    container = spec["containers"][0]
+    assert container["command"] == ["python", "-m", "airflow_deadline_batch.worker"]
+    assert container["args"][:6] == ["--job", job_id, "--shard", "1", "--pool", "gpu-spot"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["ADB_STORE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "deadline-batch-store", "key": "url"}
+    assert "value" not in env["ADB_STORE_URL"]
+    assert store_url not in json.dumps(manifest)
+    assert "store.db" not in json.dumps(manifest)
+
+
+def test_low_slack_places_on_demand(store_url, job_id):
+    op = make_operator(store_url, job_id, ManualClock(T0 + dt.timedelta(minutes=105)))
+    decision = op.prepare_try()
+    manifest = manifest_of(op)
+
+    kubernetes_validate.validate(manifest, "1.30", strict=True)
+    assert decision.pool == ON_DEMAND
+    assert manifest["spec"]["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}
+    assert [t["key"] for t in manifest["spec"]["tolerations"]] == ["nvidia.com/gpu"]
+    assert manifest["metadata"]["labels"]["karpenter.sh/capacity-type"] == "on-demand"
+    assert "--pool" in manifest["spec"]["containers"][0]["args"]
+    assert manifest["spec"]["containers"][0]["args"][5] == "gpu-on-demand"
+
+
+def test_retry_after_preemption_with_less_slack_escalates(store_url, job_id):
+    clock = ManualClock(T0 + dt.timedelta(minutes=30))
+    op = make_operator(store_url, job_id, clock)
+    first = op.prepare_try()
+    first_manifest = manifest_of(op)
+    assert first.pool == SPOT
+
+    # the first try's pod is preempted; Airflow retries the same task an hour later
+    store = ManifestStore(store_url)
+    lease = store.claim_shard(job_id, 1, ttl_s=60, worker="pod-1", pool=first.pool.name)
+    store.release(lease, AttemptOutcome.PREEMPTED, error="node reclaimed")
+    clock.advance(70 * 60)
+
+    second = op.prepare_try()
+    second_manifest = manifest_of(op)
+    assert second.pool == ON_DEMAND
+    assert second.placement.slack_s < first.placement.slack_s
+    assert first_manifest["spec"]["nodeSelector"]["karpenter.sh/capacity-type"] == "spot"
+    assert second_manifest["spec"]["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}
+    # the second try's spec carries only its own placement, not a mix of both tries
+    assert {t["key"] for t in second_manifest["spec"]["tolerations"]} == {"nvidia.com/gpu"}
+    assert [e["name"] for e in second_manifest["spec"]["containers"][0]["env"]] == ["ADB_STORE_URL"]
+    kubernetes_validate.validate(second_manifest, "1.30", strict=True)
+
+
+def test_committed_shard_is_a_no_op(store_url, job_id, tmp_path):
+    store = ManifestStore(store_url)
+    lease = store.claim_shard(job_id, 1, ttl_s=60, worker="w", pool="gpu-spot")
+    for seq in range(lease.num_microbatches):
+        store.commit_microbatch(lease, seq=seq, uri=f"file://{tmp_path}/o{seq}", sha256="a" * 64, records=4,
+                                counts={"succeeded": 4}, prompt_tokens=1, completion_tokens=1, elapsed_s=0.1,
+                                model_digest=None)
+    store.complete_shard(lease)
+
+    op = make_operator(store_url, job_id, ManualClock(T0))
+    decision = op.prepare_try()
+    assert decision.action is TryAction.ALREADY_DONE
+    assert op.settle_without_running(decision) is True
+    assert op.arguments == []  # nothing was prepared for a pod
+
+
+def test_store_connection_secrets_never_reach_the_pod_spec(store_url, job_id, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_ADB_STORE_TEST", json.dumps(
+        {"conn_type": "deadline_batch_store", "host": store_url, "password": SECRET_PASSWORD}))
+    op = DeadlineShardPodOperator(task_id="shard", job_id=job_id, shard_index=0, image="worker:1", namespace="b",
+                                  store_conn_id="adb_store_test", clock=ManualClock(T0))
+    assert op.prepare_try().action is TryAction.RUN  # the operator read the store through the connection
+    text = json.dumps(manifest_of(op))
+    assert SECRET_PASSWORD not in text and store_url not in text
+
+
+def _pod(phase: str, *, reason: str | None = None, exit_code: int | None = None, term_reason: str | None = None,
+         disruption: str | None = None) -> k8s.V1Pod:
+    statuses = None
+    if exit_code is not None:
+        statuses = [k8s.V1ContainerStatus(
+            name="base", image="img", image_id="", ready=False, restart_count=0,
+            state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=exit_code,
+                                                                                  reason=term_reason)))]
+    conditions = None
+    if disruption:
+        conditions = [k8s.V1PodCondition(type="DisruptionTarget", status="True", reason=disruption,
+                                         message="node is being reclaimed")]
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p"),
+                     status=k8s.V1PodStatus(phase=phase, reason=reason, container_statuses=statuses,
+                                            conditions=conditions))
+
+
+@pytest.mark.parametrize(("pod", "expected"), [
+    (_pod("Succeeded", exit_code=0), PodOutcome.SUCCEEDED),
+    (_pod("Failed", reason="Evicted"), PodOutcome.PREEMPTED),
+    (_pod("Failed", reason="Terminated", exit_code=143), PodOutcome.PREEMPTED),
+    (_pod("Failed", exit_code=137, disruption="TerminationByKubelet"), PodOutcome.PREEMPTED),
+    (_pod("Failed", exit_code=75), PodOutcome.PREEMPTED),
+    (_pod("Failed", exit_code=1), PodOutcome.TERMINAL),
+    (_pod("Failed", exit_code=137, term_reason="OOMKilled"), PodOutcome.RETRYABLE),
+    (_pod("Failed", exit_code=2), PodOutcome.RETRYABLE),
+    (None, PodOutcome.RETRYABLE),
+])
+def test_classify_pod(pod, expected):
+    assert classify_pod(pod).outcome is expected
