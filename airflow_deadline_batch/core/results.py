@@ -133,10 +133,10 @@ class ResultRecord(_Frozen):
 
 
 class ModelInfo(_Frozen):
-    """The model that produced the outputs, pinned by digest."""
+    """The model that produced the outputs, pinned by digest (null when the engine has none)."""
 
     name: str = Field(min_length=1)
-    digest: str
+    digest: str | None
 
 
 class InputInfo(_Frozen):
@@ -183,7 +183,7 @@ class OutputManifest(_Frozen):
     created_at: dt.datetime
     deadline: dt.datetime
     model: ModelInfo
-    prompt_template_version: str
+    prompt_template_version: str | None
     generation: dict[str, Any] = Field(default_factory=dict)
     input: InputInfo
     outcomes: OutcomeCounts
