@@ -140,3 +140,13 @@ class DeadlineRiskNotifier(BaseNotifier):
         merged["deadline_risk"] = risk.to_dict()
         sender(merged)
         return sender.rendered or ""
+
+
+async def log_hard_deadline_miss(context: Any = None, **kwargs: Any) -> None:
+    """``DeadlineAlert`` callback for the hard miss (runs in the triggerer): one clear error line.
+
+    Point a ``DeadlineAlert`` at a notifier class instead (for example Slack's) to page on-call; this
+    default keeps the example DAGs free of external services.
+    """
+    dag_run = (context or {}).get("dag_run") if isinstance(context, Mapping) else None
+    log.error("deadline missed for DAG run %s (%s)", getattr(dag_run, "run_id", None) or "?", kwargs or "")

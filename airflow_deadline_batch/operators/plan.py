@@ -102,7 +102,7 @@ class DeadlineBatchOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("input_uri", "deadline", "output_uri", "store_url", "store_conn_id",
-                                      "idempotency_key", "model")
+                                      "idempotency_key", "model", "engine")
     operator_extra_links = (DeadlineBatchProgressLink(),)
     ui_color = "#e8e0f7"
 

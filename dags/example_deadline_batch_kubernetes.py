@@ -1,0 +1,97 @@
+"""Example: the same job on Kubernetes, Spot GPU pods escalating to on-demand as slack shrinks.
+
+Needs: an Airflow connection ``deadline_batch_store`` (PostgreSQL) for the operators, the same DSN in
+the Kubernetes Secret ``deadline-batch-store`` (key ``url``) for the pods, the worker image
+(``worker_image/``) in ``$ADB_WORKER_IMAGE``, and two Karpenter node pools (Spot and on-demand GPU).
+Input and output live in S3 (AWS connection ``aws_default``). See docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+from airflow.sdk import DAG, AsyncCallback, DeadlineAlert, DeadlineReference, task
+
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier
+from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
+from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator
+from airflow_deadline_batch.sensors.completeness import CompletenessSensor
+
+GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+POOLS = [
+    PoolSpec(name="l4-spot", kind=PoolKind.SPOT, gpus=8, price_per_gpu_hour=0.35, prefill_tokens_per_s=20_000,
+             decode_tokens_per_s=1_500, startup_seconds=240, preemptions_per_hour=0.2,
+             preemption_notice_seconds=120,
+             node_selector={"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"},
+             tolerations=(GPU,)),
+    PoolSpec(name="l4-on-demand", kind=PoolKind.ON_DEMAND, gpus=8, price_per_gpu_hour=0.80,
+             prefill_tokens_per_s=20_000, decode_tokens_per_s=1_500, startup_seconds=240,
+             node_selector={"karpenter.sh/capacity-type": "on-demand",
+                            "karpenter.k8s.aws/instance-gpu-name": "l4"},
+             tolerations=(GPU,)),
+]
+
+with DAG(
+    dag_id="example_deadline_batch_kubernetes",
+    schedule=None,
+    start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+    catchup=False,
+    tags=["deadline-batch", "example", "kubernetes"],
+    params={
+        "input_uri": "s3://my-bucket/batches/{{ ds }}/requests.jsonl",
+        "output_uri": "s3://my-bucket/batch-results",
+        "deadline": "{{ (data_interval_end + macros.timedelta(hours=6)).isoformat() }}",
+    },
+    default_args={"retries": 6, "retry_delay": dt.timedelta(seconds=30)},
+    deadline=DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=dt.timedelta(hours=6),
+                           callback=AsyncCallback(
+                               "airflow_deadline_batch.notifiers.deadline_risk.log_hard_deadline_miss")),
+) as dag:
+    at_risk = DeadlineRiskNotifier(threshold_s=1800)
+
+    plan = DeadlineBatchOperator(
+        task_id="plan",
+        input_uri="{{ params.input_uri }}",
+        output_uri="{{ params.output_uri }}",
+        deadline="+6h",
+        store_conn_id="deadline_batch_store",
+        aws_conn_id="aws_default",
+        engine="vllm",
+        model="HuggingFaceTB/SmolLM2-1.7B-Instruct",
+        generation={"max_tokens": 256, "temperature": 0.0},
+        pools=POOLS,
+        workers=8,
+        risk_notifier=at_risk,
+        retries=0,
+    )
+    shards = DeadlineShardPodOperator.partial(
+        task_id="shard",
+        image=os.environ.get("ADB_WORKER_IMAGE", "ghcr.io/example/deadline-batch-worker:0.1.0"),
+        namespace=os.environ.get("ADB_NAMESPACE", "deadline-batch"),
+        store_conn_id="deadline_batch_store",
+        store_secret_name="deadline-batch-store",
+        service_account_name="deadline-batch-worker",
+        get_logs=True,
+        on_finish_action="delete_succeeded_pod",
+    ).expand_kwargs(plan.output)
+    done = CompletenessSensor(
+        task_id="verify",
+        job_id="{{ ti.xcom_pull(task_ids='plan', key='job_id') }}",
+        store_conn_id="deadline_batch_store",
+        deferrable=True,
+        poke_interval=60,
+        timeout=8 * 3600,
+        expire_unfinished=True,
+        risk_notifier=at_risk,
+        retries=0,
+    )
+
+    @task
+    def announce(manifest_uri: str) -> str:
+        print(f"published {manifest_uri}")
+        return manifest_uri
+
+    plan >> shards >> done
+    announce(done.output)
