@@ -225,6 +225,7 @@ def openai_server() -> Iterator[LoopbackAPI]:
             if "reject me" in text:
                 return self._send(400, {"error": {"message": "bad request body"}})
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": 2}
+            choice: dict[str, Any]
             if self.path == "/v1/chat/completions":
                 choice = {"message": {"role": "assistant", "content": f"chat:{text}"}}
             elif self.path == "/v1/completions":

@@ -1,0 +1,720 @@
+"""The shard worker: claim a shard, generate its microbatches, commit each one fenced by the lease.
+
+It runs inside a Kubernetes pod (or as a local subprocess) and follows DESIGN §6:
+
+1. claim the shard (a CAS that bumps the lease epoch and records a fresh attempt ID);
+2. check the engine's model digest against the job's pin, read the shard's byte range of the input
+   and check its SHA-256, parse its records (skipping the lines the planner excluded);
+3. order the records by estimated prompt length, cut microbatches of ``microbatch_size`` and, from
+   the shard's cursor on, for each: generate, write one attempt-scoped object, commit it under the
+   lease epoch; a background thread heartbeats every ``ttl / 3``;
+4. on SIGTERM (a preemption notice) take no new microbatch, finish the current one only if it
+   should fit in the grace period, release the lease and exit retryable; a second SIGTERM or a
+   SIGINT releases and exits at once;
+5. complete the shard.
+
+Exit codes: 0 done (also when the shard was already committed), 75 retryable (preempted, lease
+lost or held by another live attempt, transient failure), 1 terminal (bad configuration, model
+digest mismatch, changed input, attempts exhausted).
+
+Fault-injection hooks for tests (environment variables; nothing happens unless they are set):
+
+``ADB_FAULT_PAUSE_AFTER_WRITE=<path>``
+    After writing the object of microbatch ``ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ`` (default 0) and
+    before committing it: stop heartbeating, create ``<path>`` (holding ``"<pid> <seq>"``), then
+    block until ``<path>.resume`` exists (forever if nobody creates it). A test synchronises on
+    the file to SIGKILL or SIGSTOP the worker exactly between write and commit; with the heartbeat
+    stopped first, a stopped worker never holds a database lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from airflow_deadline_batch.core.estimate import estimate_prompt_tokens
+from airflow_deadline_batch.core.ids import shard_id as display_shard_id
+from airflow_deadline_batch.core.packing import microbatch_count, microbatch_order
+from airflow_deadline_batch.core.records import (
+    LineError,
+    Record,
+    ValidationLimits,
+    iter_raw_lines,
+    parse_line,
+)
+from airflow_deadline_batch.core.results import ResultRecord, Usage
+from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.exceptions import (
+    ChecksumMismatch,
+    ConfigurationError,
+    EngineError,
+    InputError,
+    JobNotFound,
+    LeaseLost,
+    ShardNotClaimable,
+)
+from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
+from airflow_deadline_batch.worker.engines import Engine, Generation, GenerationParams, get_engine
+
+EXIT_DONE = 0
+EXIT_TERMINAL = 1
+EXIT_RETRYABLE = 75
+
+ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
+ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"
+
+#: errors that no retry can fix: the worker releases the shard as failed_terminal and exits 1
+TERMINAL_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigurationError,
+    InputError,
+    ChecksumMismatch,
+    JobNotFound,
+)
+
+log = logging.getLogger("airflow_deadline_batch.worker")
+
+
+def object_key(attempt_id: str, shard_index: int, seq: int) -> str:
+    """Key of a microbatch object, relative to the job's output base (docs/internals.md)."""
+    return f"attempts/{attempt_id}/shard-{shard_index:05d}-mb-{seq:06d}.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What one worker process is told on its command line."""
+
+    store_url: str
+    job_id: str
+    shard_index: int
+    lease_ttl_s: float | None = None  # None: the job's configured lease TTL
+    grace_s: float = 30.0
+    pool: str | None = None
+    worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    engine_options: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.store_url:
+            raise ConfigurationError("no manifest store: pass --store URL or set ADB_STORE_URL")
+        if self.shard_index < 0:
+            raise ConfigurationError(f"--shard must be >= 0, got {self.shard_index}")
+        if self.lease_ttl_s is not None and self.lease_ttl_s <= 0:
+            raise ConfigurationError(f"--lease-ttl must be > 0 seconds, got {self.lease_ttl_s}")
+        if self.grace_s < 0:
+            raise ConfigurationError(f"--grace must be >= 0 seconds, got {self.grace_s}")
+
+
+class _Interrupted(BaseException):
+    """Control flow, not an error: a signal asked the worker to stop now (release, exit 75).
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so engine code that catches ``Exception``
+    cannot swallow it.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Phase(str, enum.Enum):
+    STARTING = "starting"
+    LOADING = "loading"
+    GENERATING = "generating"
+    WRITING = "writing"
+    COMMITTING = "committing"
+    FINISHING = "finishing"
+
+
+@dataclass(frozen=True)
+class ShardInput:
+    """The records of one shard in microbatch order, and the microbatch size."""
+
+    records: tuple[Record, ...]
+    microbatch_size: int
+
+    def microbatch(self, seq: int) -> tuple[Record, ...]:
+        return self.records[seq * self.microbatch_size : (seq + 1) * self.microbatch_size]
+
+
+# ------------------------------------------------------------------------------------- pure helpers
+
+
+def limits_from_config(config: Mapping[str, Any]) -> ValidationLimits:
+    """The validation limits the planner used, so the worker parses lines exactly as it did."""
+    defaults = ValidationLimits()
+    return ValidationLimits(
+        max_line_bytes=int(config.get("max_line_bytes") or defaults.max_line_bytes),
+        max_prompt_chars=int(config.get("max_prompt_chars") or defaults.max_prompt_chars),
+        max_tokens_limit=int(config.get("max_tokens_limit") or defaults.max_tokens_limit),
+    )
+
+
+def parse_shard(data: bytes, shard: ShardRow, limits: ValidationLimits) -> list[Record]:
+    """Records of a shard's byte range in line order; a line the planner accepted must still parse."""
+    excluded = set(shard.excluded_lines)
+    records: list[Record] = []
+    stream = io.BytesIO(data)
+    for raw in iter_raw_lines(
+        stream,
+        start_line=shard.first_line,
+        start_offset=shard.byte_start,
+        max_line_bytes=limits.max_line_bytes,
+    ):
+        if raw.line in excluded:
+            continue
+        outcome = parse_line(raw, limits)
+        if outcome is None:
+            continue
+        if isinstance(outcome, LineError):  # never echo the line: it is user data
+            raise InputError(
+                f"line {outcome.line} of shard {shard.shard_id} no longer parses "
+                f"({outcome.code.value}); the input changed after planning: re-plan the job",
+                line=outcome.line,
+            )
+        records.append(outcome)
+    if len(records) != shard.records:
+        raise InputError(
+            f"shard {shard.shard_id} has {len(records)} records, the plan says {shard.records}; "
+            "the input changed after planning: re-plan the job"
+        )
+    return records
+
+
+def order_for_microbatches(records: Sequence[Record]) -> tuple[Record, ...]:
+    """Length-aware order (estimated prompt tokens, ties by line): deterministic for every attempt."""
+    order = microbatch_order([estimate_prompt_tokens(r.request) for r in records])
+    return tuple(records[i] for i in order)
+
+
+def result_records(
+    records: Sequence[Record],
+    generations: Sequence[Generation | None],
+    rejected: Mapping[int, str],
+    *,
+    shard_index: int,
+    attempt_id: str,
+) -> list[ResultRecord]:
+    """One result per record: its generation, or an ``invalid_record`` error for bad parameters."""
+    sid = display_shard_id(shard_index)
+    results = []
+    for pos, (record, gen) in enumerate(zip(records, generations, strict=True)):
+        if pos in rejected or gen is None:
+            results.append(
+                ResultRecord.failed(
+                    line=record.line,
+                    id=record.id,
+                    code="invalid_record",
+                    message=rejected.get(pos, "no generation"),
+                    shard_id=sid,
+                    attempt_id=attempt_id,
+                )
+            )
+            continue
+        usage = Usage(
+            prompt_tokens=max(0, gen.prompt_tokens), completion_tokens=max(0, gen.completion_tokens)
+        )
+        if gen.error is None and gen.output is not None:
+            results.append(
+                ResultRecord.succeeded(
+                    line=record.line,
+                    id=record.id,
+                    output=gen.output,
+                    usage=usage,
+                    shard_id=sid,
+                    attempt_id=attempt_id,
+                )
+            )
+        else:
+            code, message = (
+                (gen.error.code, gen.error.message) if gen.error else ("engine_error", "no output")
+            )
+            results.append(
+                ResultRecord.failed(
+                    line=record.line,
+                    id=record.id,
+                    code=code,
+                    message=message,
+                    usage=usage,
+                    shard_id=sid,
+                    attempt_id=attempt_id,
+                )
+            )
+    return results
+
+
+def encode_results(results: Sequence[ResultRecord]) -> bytes:
+    return b"".join(r.to_json_bytes() + b"\n" for r in results)
+
+
+def generate_microbatch(
+    engine: Engine, records: Sequence[Record], params: GenerationParams
+) -> tuple[list[Generation | None], dict[int, str]]:
+    """Run the engine on the records whose parameters are valid; keep the others as rejections."""
+    rejected: dict[int, str] = {}
+    runnable: list[int] = []
+    for pos, record in enumerate(records):
+        try:
+            params.for_request(record.request)
+        except (TypeError, ValueError) as exc:
+            rejected[pos] = f"invalid generation parameters: {exc}"
+        else:
+            runnable.append(pos)
+    generations: list[Generation | None] = [None] * len(records)
+    if runnable:
+        produced = engine.generate([records[i].request for i in runnable], params)
+        if len(produced) != len(runnable):
+            raise EngineError(
+                f"engine {engine.name} returned {len(produced)} generations for {len(runnable)} "
+                "requests; this is an engine bug"
+            )
+        for pos, gen in zip(runnable, produced, strict=True):
+            generations[pos] = gen
+    return generations, rejected
+
+
+# ------------------------------------------------------------------------------------- heartbeat
+
+
+class Heartbeat:
+    """Extends the lease every ``ttl / 3`` from a daemon thread, so long microbatches keep it."""
+
+    def __init__(self, store: ManifestStore, lease: Lease, ttl_s: float) -> None:
+        self._store = store
+        self._lease = lease
+        self._ttl_s = ttl_s
+        self._stop = threading.Event()
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self._thread = threading.Thread(target=self._run, name="adb-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._ttl_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._ttl_s / 3):
+            try:
+                self._lease = self._store.heartbeat(self._lease, self._ttl_s)
+            except LeaseLost as exc:
+                self.lost_reason = str(exc)
+                self.lost.set()
+                log.warning("heartbeat: lease lost: %s", exc)
+                return
+            except Exception as exc:  # a store blip: the next beat (or the commit) decides
+                log.warning("heartbeat failed (will retry): %s", exc)
+
+
+# ------------------------------------------------------------------------------------- the worker
+
+
+class ShardWorker:
+    """One attempt at one shard; :meth:`run` returns the process exit code."""
+
+    def __init__(
+        self, config: WorkerConfig, *, store_factory: Callable[[str], ManifestStore] = ManifestStore
+    ) -> None:
+        self.config = config
+        self._store_factory = store_factory
+        self.lease: Lease | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.phase = Phase.STARTING
+        self._critical = 0
+        self._pending: str | None = None
+        self._shutting_down = False
+        self._stop_requested_at: float | None = None
+        self._grace_deadline: float | None = None
+        self._generate_started: float | None = None
+        self._generate_records = 0
+        self._measured: list[tuple[int, float]] = []  # (records, seconds) of finished microbatches
+
+    # -- signals ----------------------------------------------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested_at is not None
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, Any] = {}
+        for signum, handler in (
+            (signal.SIGTERM, self._on_sigterm),
+            (signal.SIGINT, self._on_sigint),
+            (signal.SIGALRM, self._on_alarm),
+        ):
+            previous[signum] = signal.signal(signum, handler)
+        return previous
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._shutting_down:
+            return
+        now = time.monotonic()
+        if self._stop_requested_at is not None:
+            log.warning("second SIGTERM: stopping now")
+            self._interrupt("second termination signal")
+            return
+        self._stop_requested_at = now
+        self._grace_deadline = now + self.config.grace_s
+        log.warning("SIGTERM (preemption notice): no new microbatch; grace %.1fs", self.config.grace_s)
+        if self.phase in (Phase.STARTING, Phase.LOADING):
+            self._interrupt("preempted before the first microbatch")
+        elif self.phase is Phase.GENERATING:
+            self._decide_current_microbatch(now)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if not self._shutting_down:
+            log.warning("SIGINT: stopping now")
+            self._interrupt("interrupted")
+
+    def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
+        if not self._shutting_down and self.phase is Phase.GENERATING:
+            log.warning("grace period running out: abandoning the current microbatch")
+            self._interrupt("preempted: grace period ran out during a microbatch")
+
+    def _safety_margin(self) -> float:
+        """Time kept after abandoning a microbatch to release the lease before the hard kill."""
+        return min(5.0, 0.2 * self.config.grace_s)
+
+    def _expected_seconds(self, records: int) -> float | None:
+        done = sum(n for n, _ in self._measured)
+        if not done:
+            return None
+        return sum(s for _, s in self._measured) / done * records
+
+    def _decide_current_microbatch(self, now: float) -> None:
+        """Keep the running microbatch only if its measured pace says it ends within the grace."""
+        assert self._grace_deadline is not None and self._generate_started is not None
+        usable_until = self._grace_deadline - self._safety_margin()
+        expected = self._expected_seconds(self._generate_records)
+        if expected is not None and self._generate_started + expected > usable_until:
+            log.warning(
+                "current microbatch needs ~%.1fs more than the grace allows: abandoning it",
+                self._generate_started + expected - usable_until,
+            )
+            self._interrupt("preempted: the current microbatch would not fit in the grace period")
+            return
+        if hasattr(signal, "setitimer"):  # abandon it anyway if it is still running at the deadline
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, usable_until - now))
+
+    def _interrupt(self, reason: str) -> None:
+        """Raise into the main thread now, or as soon as the current store operation is over."""
+        if self._critical:
+            self._pending = self._pending or reason
+            return
+        raise _Interrupted(reason)
+
+    @contextlib.contextmanager
+    def _store_call(self) -> Iterator[None]:
+        """A store transaction is never cut by a signal; a pending interrupt is raised after it."""
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
+        if self._pending and not self._critical and not self._shutting_down:
+            reason, self._pending = self._pending, None
+            raise _Interrupted(reason)
+
+    # -- run --------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        previous = self._install_signals()
+        try:
+            return self._run()
+        finally:
+            self._shutting_down = True
+            if previous:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+
+    def _run(self) -> int:
+        cfg = self.config
+        try:
+            store = self._store_factory(cfg.store_url)
+            with self._store_call():
+                job = store.get_job(cfg.job_id)
+                ttl_s = cfg.lease_ttl_s or job.lease_ttl_s
+                self.lease = store.claim_shard(
+                    cfg.job_id, cfg.shard_index, ttl_s=ttl_s, worker=cfg.worker_name, pool=cfg.pool
+                )
+        except ShardNotClaimable as exc:
+            return self._not_claimable(exc)
+        except _Interrupted as exc:
+            return self._finish(None, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
+        except TERMINAL_ERRORS as exc:
+            log.error("cannot start: %s", exc)
+            return EXIT_TERMINAL
+        except Exception as exc:
+            log.error("cannot claim (retryable): %s", exc)
+            return EXIT_RETRYABLE
+        lease = self.lease
+        _set_log_prefix(cfg.job_id, cfg.shard_index, lease.attempt_id)
+        log.info(
+            "claimed: epoch %d, resuming at microbatch %d of %d, lease ttl %.1fs",
+            lease.epoch,
+            lease.cursor,
+            lease.num_microbatches,
+            ttl_s,
+        )
+        self.heartbeat = Heartbeat(store, lease, ttl_s)
+        self.heartbeat.start()
+        try:
+            completed = self._process(store, job, lease)
+        except _Interrupted as exc:
+            return self._finish(store, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
+        except LeaseLost as exc:
+            return self._finish(store, EXIT_RETRYABLE, AttemptOutcome.LOST_LEASE, str(exc))
+        except TERMINAL_ERRORS as exc:
+            return self._finish(store, EXIT_TERMINAL, AttemptOutcome.FAILED_TERMINAL, str(exc))
+        except Exception as exc:
+            log.exception("microbatch failed (retryable)")
+            return self._finish(
+                store, EXIT_RETRYABLE, AttemptOutcome.FAILED_RETRYABLE, f"{type(exc).__name__}: {exc}"
+            )
+        if not completed:
+            return self._finish(
+                store,
+                EXIT_RETRYABLE,
+                AttemptOutcome.PREEMPTED,
+                "preempted: stopped after the last committed microbatch",
+            )
+        log.info("shard complete")
+        return EXIT_DONE
+
+    def _not_claimable(self, exc: ShardNotClaimable) -> int:
+        reason = str(getattr(exc, "reason", "unknown"))
+        if reason == "succeeded":
+            log.info("shard already committed: nothing to do")
+            return EXIT_DONE
+        if reason == "leased":
+            log.warning("shard is leased by another live attempt: %s", exc)
+            return EXIT_RETRYABLE
+        log.error("shard cannot be claimed (%s): %s", reason, exc)
+        return EXIT_TERMINAL
+
+    def _finish(self, store: ManifestStore | None, code: int, outcome: AttemptOutcome, reason: str) -> int:
+        """Release the lease (if held) as ``outcome`` and return ``code``; signals are ignored from now on."""
+        self._shutting_down = True
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        level = logging.ERROR if code == EXIT_TERMINAL else logging.WARNING
+        log.log(level, "%s: %s", outcome.value, reason)
+        if store is not None and self.lease is not None:
+            try:
+                released = store.release(self.lease, outcome, reason[:2000])
+            except Exception as exc:  # the lease expires by itself; the launcher may also abandon it
+                log.warning("release failed (the lease will expire): %s", exc)
+            else:
+                if not released:
+                    log.warning("release: this attempt no longer held the lease")
+        log.info("exit %d", code)
+        return code
+
+    def _process(self, store: ManifestStore, job: JobRow, lease: Lease) -> bool:
+        """Run the shard from the lease's cursor; True when complete, False when stopped early."""
+        cfg = self.config
+        jc = job.config
+        try:
+            params = GenerationParams.from_mapping(jc.get("generation") or {})
+            size = int(jc.get("microbatch_size") or 0)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"job {job.job_id} has an invalid generation config: {exc}") from exc
+        if size < 1:
+            raise ConfigurationError(f"job {job.job_id} has microbatch_size {size}; it must be >= 1")
+        engine = self._build_engine(jc, params)
+        pin = jc.get("model_digest")
+        digest = engine.model_digest
+        if pin and pin != digest:
+            raise ConfigurationError(
+                f"model digest mismatch: job {job.job_id} pins {pin}, engine {engine.name} has {digest}; "
+                "deploy the pinned weights or re-plan the job with this model"
+            )
+
+        with self._store_call():
+            shard = store.get_shard(job.job_id, cfg.shard_index)
+        shard_input = self._read_input(job, shard, size)
+        expected_mbs = microbatch_count(len(shard_input.records), size)
+        if expected_mbs != lease.num_microbatches:
+            raise ConfigurationError(
+                f"shard {shard.shard_id} plans {lease.num_microbatches} microbatches but "
+                f"{len(shard_input.records)} records in {size}s make {expected_mbs}; re-plan"
+            )
+
+        self.phase = Phase.LOADING
+        started = time.monotonic()
+        engine.load()
+        log.info(
+            "engine %s loaded (model %s) in %.1fs", engine.name, engine.model_name, time.monotonic() - started
+        )
+
+        output = open_storage(job.output_uri)
+        for seq in range(lease.cursor, lease.num_microbatches):
+            if self.stop_requested:
+                return False
+            self._check_heartbeat()
+            self._run_microbatch(
+                store, output, engine, digest, lease, seq, shard_input.microbatch(seq), params
+            )
+
+        self.phase = Phase.FINISHING
+        self._check_heartbeat()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        with self._store_call():
+            store.complete_shard(lease)
+        return True
+
+    def _build_engine(self, jc: Mapping[str, Any], params: GenerationParams) -> Engine:
+        options: dict[str, Any] = {"seed": params.seed, **self.config.engine_options}
+        try:
+            return get_engine(str(jc.get("engine") or "echo"), jc.get("model"), **options)
+        except EngineError as exc:  # a wrong model path or missing option: retrying cannot fix it
+            raise ConfigurationError(str(exc)) from exc
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"invalid engine option: {exc}; check --engine-option values") from exc
+
+    def _read_input(self, job: JobRow, shard: ShardRow, size: int) -> ShardInput:
+        storage, key = open_uri(job.input_uri)
+        data = storage.read_range(key, shard.byte_start, shard.byte_end)
+        actual = sha256_hex(data)
+        if actual != shard.input_sha256:
+            raise ChecksumMismatch(
+                f"input bytes {shard.byte_start}-{shard.byte_end} of {job.input_uri} have SHA-256 {actual}, "
+                f"planned {shard.input_sha256}; the input changed after planning: re-plan the job",
+                uri=job.input_uri,
+            )
+        records = parse_shard(data, shard, limits_from_config(job.config))
+        log.info("input range verified: %d records, %d bytes", len(records), len(data))
+        return ShardInput(order_for_microbatches(records), size)
+
+    def _check_heartbeat(self) -> None:
+        if self.heartbeat is not None and self.heartbeat.lost.is_set():
+            raise LeaseLost(self.heartbeat.lost_reason or "the heartbeat lost the lease")
+
+    def _run_microbatch(
+        self,
+        store: ManifestStore,
+        output: Any,
+        engine: Engine,
+        digest: str,
+        lease: Lease,
+        seq: int,
+        records: Sequence[Record],
+        params: GenerationParams,
+    ) -> None:
+        self.phase = Phase.GENERATING
+        self._generate_records = len(records)
+        self._generate_started = started = time.monotonic()
+        generations, rejected = generate_microbatch(engine, records, params)
+        gen_s = time.monotonic() - started
+        self.phase = Phase.WRITING
+        self._disarm_alarm()
+        self._measured.append((len(records), gen_s))
+        results = result_records(
+            records, generations, rejected, shard_index=lease.shard_index, attempt_id=lease.attempt_id
+        )
+        data = encode_results(results)
+        uri = output.put_bytes(object_key(lease.attempt_id, lease.shard_index, seq), data)
+        sha = sha256_hex(data)
+        self._fault_pause_after_write(seq)
+        self._check_heartbeat()  # a lost lease: do not even try to commit
+        succeeded = sum(1 for r in results if r.status == "succeeded")
+        counts = {"succeeded": succeeded, "errored": len(results) - succeeded}
+        self.phase = Phase.COMMITTING
+        with self._store_call():
+            store.commit_microbatch(
+                lease,
+                seq=seq,
+                uri=uri,
+                sha256=sha,
+                records=len(results),
+                counts=counts,
+                prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+                completion_tokens=sum(r.usage.completion_tokens for r in results),
+                elapsed_s=time.monotonic() - started,
+                model_digest=digest,
+                pool=self.config.pool,
+            )
+        log.info(
+            "committed microbatch %d/%d: %d records (%d errored) in %.2fs",
+            seq + 1,
+            lease.num_microbatches,
+            len(results),
+            counts["errored"],
+            time.monotonic() - started,
+        )
+
+    def _disarm_alarm(self) -> None:
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _fault_pause_after_write(self, seq: int) -> None:
+        path = os.environ.get(ENV_PAUSE_AFTER_WRITE)
+        if not path or seq != int(os.environ.get(ENV_PAUSE_SEQ) or 0):
+            return
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(f"{os.getpid()} {seq}\n")
+        tmp.replace(path)
+        log.warning("fault injection: paused after writing microbatch %d, before committing it", seq)
+        resume = Path(f"{path}.resume")
+        waiter = threading.Event()
+        while not resume.exists():
+            waiter.wait(0.05)
+        log.warning("fault injection: resumed")
+
+
+# ------------------------------------------------------------------------------------- logging
+
+
+class _PrefixFilter(logging.Filter):
+    prefix = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.adb_prefix = self.prefix
+        return True
+
+
+_PREFIX = _PrefixFilter()
+
+
+def _set_log_prefix(job_id: str, shard_index: int, attempt_id: str | None) -> None:
+    _PREFIX.prefix = f"job={job_id} shard={display_shard_id(shard_index)} attempt={attempt_id or '-'}"
+
+
+def configure_logging(job_id: str, shard_index: int, level: int = logging.INFO) -> None:
+    """One line per event on stderr, prefixed by job/shard/attempt (never record contents)."""
+    handler = logging.StreamHandler()
+    handler.addFilter(_PREFIX)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s worker %(adb_prefix)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+    _set_log_prefix(job_id, shard_index, None)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Run one attempt at one shard; the process exit code (0 / 75 / 1)."""
+    return ShardWorker(config).run()
