@@ -214,7 +214,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self.termination_grace_period = placement.grace_period_s
         # The DSN (with its password) is referenced, never copied into the pod spec.
         self.secrets = [*secrets, Secret("env", "ADB_STORE_URL", self.store_secret_name, self.store_secret_key)]
-        self.cmds = ["python", "-m", WORKER_MODULE]
+        self.cmds = ["python3", "-m", WORKER_MODULE]
         self.arguments = worker_arguments(self.job_id, int(self.shard_index), pool=decision.pool.name,
                                           lease_ttl_s=self.lease_ttl_s, grace_s=placement.grace_period_s,
                                           extra=self.worker_args)

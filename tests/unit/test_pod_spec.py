@@ -81,7 +81,7 @@ def test_high_slack_places_on_spot_with_valid_spec_and_secret_by_reference(store
     assert op.startup_timeout_seconds == decision.placement.startup_timeout_s
     assert op.startup_timeout_seconds >= 60
     container = spec["containers"][0]
-    assert container["command"] == ["python", "-m", "airflow_deadline_batch.worker"]
+    assert container["command"] == ["python3", "-m", "airflow_deadline_batch.worker"]
     assert container["args"][:6] == ["--job", job_id, "--shard", "1", "--pool", "gpu-spot"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     env = {e["name"]: e for e in container["env"]}
