@@ -22,9 +22,9 @@ Fault-injection hooks for tests (environment variables; nothing happens unless t
 ``ADB_FAULT_PAUSE_AFTER_WRITE=<path>``
     After writing the object of microbatch ``ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ`` (default 0) and
     before committing it: stop heartbeating, create ``<path>`` (holding ``"<pid> <seq>"``), then
-    block until ``<path>.resume`` exists (forever if nobody creates it). A test synchronises on
-    the file to SIGKILL or SIGSTOP the worker exactly between write and commit; with the heartbeat
-    stopped first, a stopped worker never holds a database lock.
+    block until ``<path>.resume`` exists (forever if nobody creates it), then heartbeat again and
+    commit. A test synchronises on the file to SIGKILL or SIGSTOP the worker exactly between write
+    and commit; with the heartbeat stopped first, a stopped worker never holds a database lock.
 """
 
 from __future__ import annotations
@@ -332,6 +332,8 @@ class ShardWorker:
         self.config = config
         self._store_factory = store_factory
         self.lease: Lease | None = None
+        self._store: ManifestStore | None = None
+        self._ttl_s = 0.0
         self.heartbeat: Heartbeat | None = None
         self.phase = Phase.STARTING
         self._critical = 0
@@ -437,6 +439,8 @@ class ShardWorker:
         previous = self._install_signals()
         try:
             return self._run()
+        except _Interrupted as exc:  # a signal landed between two handled steps
+            return self._finish(self._store, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
         finally:
             self._shutting_down = True
             if previous:
@@ -449,7 +453,7 @@ class ShardWorker:
     def _run(self) -> int:
         cfg = self.config
         try:
-            store = self._store_factory(cfg.store_url)
+            store = self._store = self._store_factory(cfg.store_url)
             with self._store_call():
                 job = store.get_job(cfg.job_id)
                 ttl_s = cfg.lease_ttl_s or job.lease_ttl_s
@@ -459,7 +463,7 @@ class ShardWorker:
         except ShardNotClaimable as exc:
             return self._not_claimable(exc)
         except _Interrupted as exc:
-            return self._finish(None, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
+            return self._finish(self._store, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
         except TERMINAL_ERRORS as exc:
             log.error("cannot start: %s", exc)
             return EXIT_TERMINAL
@@ -475,6 +479,7 @@ class ShardWorker:
             lease.num_microbatches,
             ttl_s,
         )
+        self._ttl_s = ttl_s
         self.heartbeat = Heartbeat(store, lease, ttl_s)
         self.heartbeat.start()
         try:
@@ -684,6 +689,9 @@ class ShardWorker:
         while not resume.exists():
             waiter.wait(0.05)
         log.warning("fault injection: resumed")
+        if self._store is not None and self.lease is not None:
+            self.heartbeat = Heartbeat(self._store, self.lease, self._ttl_s)
+            self.heartbeat.start()
 
 
 # ------------------------------------------------------------------------------------- logging
