@@ -310,9 +310,9 @@ def _read_prompt(value: Any, key: str = "prompt") -> str:
 
 def _check_text(request: Request, limits: ValidationLimits) -> None:
     if request.prompt is not None:
-        empty = not request.prompt.strip()
+        empty = not request.prompt or request.prompt.isspace()
     else:
-        empty = all(not m.content.strip() for m in request.messages or ())
+        empty = all(not m.content or m.content.isspace() for m in request.messages or ())
     if empty:
         raise _Bad(ErrorCode.EMPTY_PROMPT, "the prompt is empty; give the record some text or drop it")
     chars = request.text_chars
@@ -438,7 +438,7 @@ def parse_line(raw: RawLine, limits: ValidationLimits) -> Record | LineError | N
         )
     if raw.line == 1 and data[:3] == _BOM:
         data = data[3:]
-    if not data.strip():
+    if data[:1] != b"{" and not data.strip():  # the common case skips copying the line
         return None
     if len(data) > limits.max_line_bytes:
         return LineError(
