@@ -39,7 +39,16 @@ class PolicyParams:
     #: Spot availability assumed when none is observed yet (fraction of time capacity exists)
     availability_prior: float = 0.5
     #: the availability estimate is discounted by this factor before it is trusted
-    availability_discount: float = 0.8
+    availability_discount: float = 1.0
+    #: while Spot is missing, escalate before slack falls under this many changeovers (beyond the
+    #: safety net), so that a later Spot spell can still be taken
+    reserve_changeovers: float = 6.0
+    #: ... plus this fraction of the remaining work per worker (more work left, more to absorb)
+    reserve_work_fraction: float = 0.05
+    #: a fresh Spot start is skipped when Spot runs last, on average, under this many changeovers
+    min_run_changeovers: float = 1.5
+    #: escalate when the expected capacity is short of the rate the remaining work needs
+    rate_rule: bool = False
     #: the caller re-decides at least this often while a try runs (the simulator's tick); ``None``
     #: means a try is decided once and runs to its end, so its whole shard is at risk
     decision_interval_s: float | None = None
@@ -49,8 +58,8 @@ class PolicyParams:
             raise ValueError("availability_prior must be within [0, 1]")
         if not 0.0 < self.availability_discount <= 1.0:
             raise ValueError("availability_discount must be within (0, 1]")
-        if self.return_margin_changeovers < 0:
-            raise ValueError("return_margin_changeovers must be >= 0")
+        if min(self.return_margin_changeovers, self.reserve_changeovers, self.min_run_changeovers) < 0:
+            raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
 
@@ -86,14 +95,21 @@ class JobSnapshot:
     running: bool = False
     #: observed fraction of time Spot capacity was available (``None``: use the policy's prior)
     spot_availability: float | None = None
+    #: observed mean length of a Spot spell, in seconds (``None``: unknown)
+    spot_mean_run_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
         if self.parallelism < 1:
             raise ValueError(f"parallelism must be >= 1, got {self.parallelism}")
-        for name in ("remaining_work_s", "shard_work_s", "changeover_s", "notice_s",
-                     "spot_preemptions_per_hour"):
+        for name in (
+            "remaining_work_s",
+            "shard_work_s",
+            "changeover_s",
+            "notice_s",
+            "spot_preemptions_per_hour",
+        ):
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -101,6 +117,8 @@ class JobSnapshot:
             raise ValueError("on_demand_workers must be >= 0")
         if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
             raise ValueError("spot_availability must be within [0, 1]")
+        if self.spot_mean_run_s is not None and not self.spot_mean_run_s >= 0:
+            raise ValueError("spot_mean_run_s must be >= 0")
         if self.previous_pool is not None:
             object.__setattr__(self, "previous_pool", PoolKind(self.previous_pool))
 
@@ -167,12 +185,22 @@ def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> S
     m = min(snapshot.on_demand_workers, p - 1)
     usable = max(time_left - snapshot.changeover_s, 1e-9)
     required = (need - snapshot.changeover_s) * p / usable
-    availability = (policy.availability_prior if snapshot.spot_availability is None
-                    else snapshot.spot_availability)
-    expected = m + availability * policy.availability_discount * (p - m)
-    return SlackBreakdown(time_left_s=time_left, od_need_s=need, slack_s=time_left - need,
-                          spot_risk_s=spot_risk_s(snapshot, policy), required_rate=required,
-                          expected_rate=expected)
+    availability = (
+        policy.availability_prior if snapshot.spot_availability is None else snapshot.spot_availability
+    )
+    # A Spot spell of mean length L yields work for L - d of it (the changeover is lost).
+    useful = 1.0
+    if snapshot.spot_mean_run_s is not None:
+        useful = max(0.0, 1.0 - snapshot.changeover_s / max(snapshot.spot_mean_run_s, 1e-9))
+    expected = m + availability * policy.availability_discount * useful * (p - m)
+    return SlackBreakdown(
+        time_left_s=time_left,
+        od_need_s=need,
+        slack_s=time_left - need,
+        spot_risk_s=spot_risk_s(snapshot, policy),
+        required_rate=required,
+        expected_rate=expected,
+    )
 
 
 def grace_period_s(snapshot: JobSnapshot) -> int:
@@ -201,24 +229,39 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         else:
             timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, b.slack_s)))
             safe = None
-        reason = (f"{pool.value}: {why} (slack {b.slack_s / 3600:.2f} h, Spot risk "
-                  f"{spot_needs / 3600:.2f} h, need {b.required_rate:.2f} workers, "
-                  f"expect {b.expected_rate:.2f})")
-        return PlacementDecision(pool=pool, reason=reason, slack_s=b.slack_s,
-                                 last_safe_spot_start=safe, startup_timeout_s=timeout,
-                                 grace_period_s=grace_period_s(snapshot))
+        reason = (
+            f"{pool.value}: {why} (slack {b.slack_s / 3600:.2f} h, Spot risk "
+            f"{spot_needs / 3600:.2f} h, need {b.required_rate:.2f} workers, "
+            f"expect {b.expected_rate:.2f})"
+        )
+        return PlacementDecision(
+            pool=pool,
+            reason=reason,
+            slack_s=b.slack_s,
+            last_safe_spot_start=safe,
+            startup_timeout_s=timeout,
+            grace_period_s=grace_period_s(snapshot),
+        )
 
     if b.slack_s < spot_needs:
         return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
-    if snapshot.spot_available:
+    short = policy.rate_rule and b.required_rate > b.expected_rate
+    worth = snapshot.spot_mean_run_s is None or snapshot.spot_mean_run_s >= policy.min_run_changeovers * d
+    if snapshot.spot_available and (continuing_spot or worth):
         if continuing_spot:
             return decide(PoolKind.SPOT, "keep the running Spot try while it is safe")
-        if continuing_od and b.required_rate > b.expected_rate:
+        if continuing_od and short:
             return decide(PoolKind.ON_DEMAND, "behind the rate Spot can be expected to deliver")
         return decide(PoolKind.SPOT, "Spot is available and slack covers a preemption")
-    # Spot is missing: wait for it (free, burns slack) or escalate this worker to on-demand.
-    if b.required_rate > b.expected_rate:
+    # Spot is missing (or too short-lived): wait for it (free, burns slack) or escalate this worker.
+    if short:
         return decide(PoolKind.ON_DEMAND, "Spot is missing and the expected capacity is short")
-    if continuing_od and b.slack_s < spot_needs + policy.return_margin_changeovers * d:
-        return decide(PoolKind.ON_DEMAND, "keep on-demand until slack clears the hysteresis margin")
-    return decide(PoolKind.SPOT, "wait for Spot: the expected capacity covers the remaining work")
+    per_worker = snapshot.remaining_work_s / snapshot.parallelism
+    reserve = policy.reserve_changeovers * d + policy.reserve_work_fraction * per_worker
+    if b.slack_s < spot_needs + reserve:
+        return decide(PoolKind.ON_DEMAND, "Spot is missing or short-lived and slack is down to its reserve")
+    if continuing_od:
+        return decide(PoolKind.ON_DEMAND, "keep the running on-demand try: Spot runs are too short")
+    if snapshot.spot_available:
+        return decide(PoolKind.SPOT, "Spot runs are short-lived, but slack still affords a try")
+    return decide(PoolKind.SPOT, "wait for Spot: slack is above its reserve")

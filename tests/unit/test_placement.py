@@ -22,9 +22,14 @@ H = 3600.0
 
 
 def snap(**overrides: object) -> JobSnapshot:
-    values: dict[str, object] = dict(now=NOW, deadline=NOW + dt.timedelta(hours=10),
-                                     remaining_work_s=4 * H, shard_work_s=0.25 * H, parallelism=1,
-                                     changeover_s=0.1 * H)
+    values: dict[str, object] = dict(
+        now=NOW,
+        deadline=NOW + dt.timedelta(hours=10),
+        remaining_work_s=4 * H,
+        shard_work_s=0.25 * H,
+        parallelism=1,
+        changeover_s=0.1 * H,
+    )
     values.update(overrides)
     return JobSnapshot(**values)  # type: ignore[arg-type]
 
@@ -45,15 +50,32 @@ def test_no_slack_for_a_spot_try_escalates_to_on_demand() -> None:
     assert decision.last_safe_spot_start is None
 
 
-def test_spot_missing_and_expected_capacity_short_escalates() -> None:
+def test_spot_missing_and_expected_capacity_short_escalates_with_the_rate_rule() -> None:
     # Needs 4 h of work in 5 h: 0.8 workers, prior availability 0.5 x 0.8 expects 0.4.
-    decision = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5), spot_available=False))
+    policy = PolicyParams(rate_rule=True, availability_discount=0.8)
+    decision = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5), spot_available=False), policy)
     assert decision.pool is PoolKind.ON_DEMAND
 
 
+def test_spot_missing_escalates_when_slack_reaches_the_reserve() -> None:
+    # 4 h work, 0.1 h changeover: reserve 6 x 0.1 + 0.05 x 4 = 0.8 h on top of 0.35 h of risk.
+    waits = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5.3), spot_available=False))
+    escalates = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5.2), spot_available=False))
+    assert (waits.pool, escalates.pool) == (PoolKind.SPOT, PoolKind.ON_DEMAND)
+
+
+def test_short_lived_spot_is_not_worth_a_fresh_start() -> None:
+    kwargs = dict(spot_available=True, spot_mean_run_s=0.1 * H)
+    assert choose_pool(snap(**kwargs)).pool is PoolKind.SPOT  # plenty of slack: wait for better
+    late = choose_pool(snap(**kwargs, deadline=NOW + dt.timedelta(hours=4.6)))
+    assert late.pool is PoolKind.ON_DEMAND
+    assert "Spot is missing" in late.reason
+
+
 def test_spot_missing_with_high_observed_availability_waits() -> None:
-    decision = choose_pool(snap(deadline=NOW + dt.timedelta(hours=6), spot_available=False,
-                                spot_availability=1.0))
+    decision = choose_pool(
+        snap(deadline=NOW + dt.timedelta(hours=6), spot_available=False, spot_availability=1.0)
+    )
     assert decision.pool is PoolKind.SPOT
     assert decision.startup_timeout_s >= MIN_STARTUP_TIMEOUT_S
 
@@ -62,15 +84,15 @@ def test_mixing_adds_on_demand_workers_only_until_expected_capacity_suffices() -
     # 4 workers, 20 h of work left in 10 h: about 2.1 workers' worth needed; each Spot worker is
     # expected to deliver 0.25 x 0.8 = 0.2 of a worker.
     base = dict(remaining_work_s=20 * H, parallelism=4, spot_available=False, spot_availability=0.25)
-    assert choose_pool(snap(**base, on_demand_workers=0)).pool is PoolKind.ON_DEMAND
-    assert choose_pool(snap(**base, on_demand_workers=1)).pool is PoolKind.ON_DEMAND
-    assert choose_pool(snap(**base, on_demand_workers=2)).pool is PoolKind.SPOT
+    policy = PolicyParams(rate_rule=True, availability_discount=0.8)
+    assert choose_pool(snap(**base, on_demand_workers=0), policy).pool is PoolKind.ON_DEMAND
+    assert choose_pool(snap(**base, on_demand_workers=1), policy).pool is PoolKind.ON_DEMAND
+    assert choose_pool(snap(**base, on_demand_workers=2), policy).pool is PoolKind.SPOT
 
 
 def test_hysteresis_keeps_a_running_on_demand_try_near_the_threshold() -> None:
     # Slack 0.5 h; a fresh Spot try needs 0.35 h, coming back from on-demand needs 0.2 h more.
-    kwargs = dict(deadline=NOW + dt.timedelta(hours=1.6), remaining_work_s=1 * H, spot_availability=1.0,
-                  spot_available=False)
+    kwargs = dict(deadline=NOW + dt.timedelta(hours=1.6), remaining_work_s=1 * H)
     fresh = choose_pool(snap(**kwargs))
     held = choose_pool(snap(**kwargs, previous_pool=PoolKind.ON_DEMAND, running=True))
     assert fresh.pool is PoolKind.SPOT
@@ -118,16 +140,39 @@ def test_past_deadline_goes_on_demand_with_minimum_timeout() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(work_h=st.floats(0.0, 50.0), left_h=st.floats(0.0, 60.0), shard_h=st.floats(0.0, 2.0),
-       d_h=st.floats(0.0, 0.5), p=st.integers(1, 16), available=st.booleans(),
-       prev=st.sampled_from([None, PoolKind.SPOT, PoolKind.ON_DEMAND]), running=st.booleans(),
-       avail=st.none() | st.floats(0.0, 1.0))
+@given(
+    work_h=st.floats(0.0, 50.0),
+    left_h=st.floats(0.0, 60.0),
+    shard_h=st.floats(0.0, 2.0),
+    d_h=st.floats(0.0, 0.5),
+    p=st.integers(1, 16),
+    available=st.booleans(),
+    prev=st.sampled_from([None, PoolKind.SPOT, PoolKind.ON_DEMAND]),
+    running=st.booleans(),
+    avail=st.none() | st.floats(0.0, 1.0),
+)
 def test_a_spot_decision_always_leaves_room_to_finish_on_demand(
-        work_h: float, left_h: float, shard_h: float, d_h: float, p: int, available: bool,
-        prev: PoolKind | None, running: bool, avail: float | None) -> None:
-    s = snap(deadline=NOW + dt.timedelta(hours=left_h), remaining_work_s=work_h * H,
-             shard_work_s=shard_h * H, changeover_s=d_h * H, parallelism=p, spot_available=available,
-             previous_pool=prev, running=running, spot_availability=avail)
+    work_h: float,
+    left_h: float,
+    shard_h: float,
+    d_h: float,
+    p: int,
+    available: bool,
+    prev: PoolKind | None,
+    running: bool,
+    avail: float | None,
+) -> None:
+    s = snap(
+        deadline=NOW + dt.timedelta(hours=left_h),
+        remaining_work_s=work_h * H,
+        shard_work_s=shard_h * H,
+        changeover_s=d_h * H,
+        parallelism=p,
+        spot_available=available,
+        previous_pool=prev,
+        running=running,
+        spot_availability=avail,
+    )
     decision = choose_pool(s)
     if decision.pool is PoolKind.SPOT:
         # Even if the try burns its changeover and loses its whole shard, on-demand still makes it.

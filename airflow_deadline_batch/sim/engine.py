@@ -1,0 +1,267 @@
+"""Discrete-time simulator of one batch job on Spot and on-demand workers.
+
+The job is ``W`` GPU-hours cut into equal shards of at most ``S`` hours, pulled from one queue by up
+to ``N`` workers (slots). Each tick of the trace a policy chooses, for every slot, Spot, on-demand or
+nothing; the simulator grants Spot up to the tick's capacity, charges a changeover ``d`` on every
+(re)start, and advances work exactly inside the tick (a shard commits the instant it completes).
+A preemption (capacity dropping under the slots on Spot) or a voluntary switch destroys the
+uncommitted part of the running shard. Cost is Σ price × time: Spot 1, on-demand ``k``.
+A job not done at its deadline is finished on on-demand (counted as a miss).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from airflow_deadline_batch.sim.traces import Trace
+
+EPS = 1e-9
+
+
+class Mode(str, enum.Enum):
+    """What a slot runs on during a tick."""
+
+    NONE = "none"
+    SPOT = "spot"
+    ON_DEMAND = "on_demand"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One job: ``work_h`` GPU-hours, deadline ``deadline_h`` after the start, and the cost model."""
+
+    work_h: float
+    deadline_h: float
+    workers: int = 1
+    changeover_h: float = 0.1
+    price_ratio: float = 3.0
+    shard_h: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.work_h <= 0 or self.deadline_h <= 0:
+            raise ValueError("work and deadline must be > 0 hours")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.changeover_h < 0 or self.shard_h <= 0 or self.price_ratio < 1:
+            raise ValueError("changeover must be >= 0, shard > 0 and price ratio >= 1")
+
+    @property
+    def shards(self) -> int:
+        return max(1, math.ceil(self.work_h / self.shard_h - EPS))
+
+    @property
+    def shard_size_h(self) -> float:
+        return self.work_h / self.shards
+
+    def on_demand_feasible(self) -> bool:
+        """Whether on-demand only, started now, meets the deadline (list scheduling, exact)."""
+        return on_demand_makespan(self) <= self.deadline_h + EPS
+
+
+def on_demand_makespan(cfg: SimConfig) -> float:
+    """Finish time of on-demand only: every slot starts at once and pulls equal shards."""
+    slots = min(cfg.workers, cfg.shards)
+    per_slot = math.ceil(cfg.shards / slots)
+    return cfg.changeover_h + per_slot * cfg.shard_size_h
+
+
+@dataclass(frozen=True)
+class SlotView:
+    mode: Mode
+    changeover_left_h: float
+    progress_h: float  # uncommitted work done on the current shard
+    busy: bool  # holds a shard
+
+
+@dataclass(frozen=True)
+class View:
+    """What a policy sees at a tick boundary (the future capacity is not in it)."""
+
+    config: SimConfig
+    tick: int
+    t_h: float
+    gap_h: float
+    capacity: int
+    remaining_h: float  # work not yet committed
+    committed_shards: int
+    pending_shards: int
+    slots: tuple[SlotView, ...]
+    history: Sequence[int]  # capacity of ticks 0..tick (this tick included)
+
+    @property
+    def time_left_h(self) -> float:
+        return self.config.deadline_h - self.t_h
+
+
+class Policy(Protocol):
+    name: str
+
+    def reset(self, config: SimConfig, gap_h: float) -> None: ...
+
+    def decide(self, view: View) -> list[Mode]: ...
+
+
+@dataclass
+class RunResult:
+    """Outcome of one (trace, start, policy) run."""
+
+    policy: str
+    start_tick: int
+    cost: float = 0.0
+    spot_hours: float = 0.0
+    on_demand_hours: float = 0.0
+    preemptions: int = 0
+    redone_hours: float = 0.0
+    starts: int = 0
+    changeover_hours: float = 0.0
+    finish_h: float = 0.0
+    missed: bool = False
+    work_done_h: float = 0.0
+    #: (time h, committed work h) after each tick, and (time h, slot, mode) at each switch
+    progress: list[tuple[float, float]] = field(default_factory=list)
+    switches: list[tuple[float, int, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Slot:
+    mode: Mode = Mode.NONE
+    co_left: float = 0.0
+    progress: float = 0.0
+    busy: bool = False
+    started_at_tick: int = 0
+
+
+def simulate(
+    trace: Trace,
+    start_tick: int,
+    config: SimConfig,
+    policy: Policy,
+    *,
+    record: bool = False,
+    max_ticks: int | None = None,
+) -> RunResult:
+    """Run ``policy`` on ``trace`` from ``start_tick``; exact accounting (see the module docstring)."""
+    gap = trace.gap_s / 3600.0
+    size = config.shard_size_h
+    price = {Mode.SPOT: 1.0, Mode.ON_DEMAND: config.price_ratio, Mode.NONE: 0.0}
+    policy.reset(config, gap)
+    slots = [_Slot() for _ in range(config.workers)]
+    pending = config.shards
+    committed = 0
+    result = RunResult(policy=policy.name, start_tick=start_tick)
+    history: list[int] = []
+    limit = max_ticks or (math.ceil((config.deadline_h + on_demand_makespan(config)) / gap) + 2)
+    tick = 0
+    t = 0.0
+    forced = False
+
+    def stop(i: int, slot: _Slot, when: float) -> None:
+        nonlocal pending
+        if slot.busy:
+            result.redone_hours += slot.progress
+            pending += 1
+        slot.busy, slot.progress, slot.co_left, slot.mode = False, 0.0, 0.0, Mode.NONE
+        if record:
+            result.switches.append((when, i, Mode.NONE.value))
+
+    while committed < config.shards:
+        if tick >= limit:
+            raise RuntimeError(f"policy {policy.name} did not finish within {limit} ticks")
+        cap = trace.at(start_tick + tick)
+        history.append(cap)
+        # 1. preemptions: capacity fell under the slots on Spot (the latest started lose first)
+        on_spot = [i for i, s in enumerate(slots) if s.mode is Mode.SPOT]
+        if len(on_spot) > cap:
+            victims = sorted(on_spot, key=lambda i: (slots[i].started_at_tick, i))[cap:]
+            for i in victims:
+                result.preemptions += 1
+                stop(i, slots[i], t)
+        # 2. decisions (after the deadline a missed job finishes on on-demand)
+        if not forced and t >= config.deadline_h - EPS:
+            forced = True
+        view = View(
+            config=config,
+            tick=tick,
+            t_h=t,
+            gap_h=gap,
+            capacity=cap,
+            remaining_h=(config.shards - committed) * size,
+            committed_shards=committed,
+            pending_shards=pending,
+            slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy) for s in slots),
+            history=history,
+        )
+        wanted = [Mode.ON_DEMAND] * len(slots) if forced else list(policy.decide(view))
+        # 3. apply: keep what continues, stop what changes, then start (Spot up to capacity)
+        for i, (slot, want) in enumerate(zip(slots, wanted, strict=True)):
+            if slot.mode is not Mode.NONE and slot.mode is not want:
+                stop(i, slot, t)
+        spot_used = sum(1 for s in slots if s.mode is Mode.SPOT)
+        for i, (slot, want) in enumerate(zip(slots, wanted, strict=True)):
+            if slot.mode is not Mode.NONE or want is Mode.NONE or pending == 0:
+                continue
+            if want is Mode.SPOT:
+                if spot_used >= cap:
+                    continue
+                spot_used += 1
+            slot.mode, slot.co_left, slot.busy, slot.progress = want, config.changeover_h, True, 0.0
+            slot.started_at_tick = tick
+            pending -= 1
+            result.starts += 1
+            if record:
+                result.switches.append((t, i, want.value))
+        # 4. advance the running slots through the tick in lockstep, event by event, so that
+        #    shards leave the queue in time order (a fast slot cannot take a shard "early")
+        used = 0.0
+        while used < gap - EPS:
+            running = [s for s in slots if s.mode is not Mode.NONE]
+            if not running:
+                break
+            step = min([gap - used] + [s.co_left if s.co_left > 0 else size - s.progress for s in running])
+            step = max(step, 0.0)
+            for i, slot in enumerate(slots):
+                if slot.mode is Mode.NONE:
+                    continue
+                _bill(result, slot.mode, step, price)
+                if slot.co_left > 0:
+                    slot.co_left -= step
+                    result.changeover_hours += step
+                    if slot.co_left <= EPS:
+                        slot.co_left = 0.0
+                    continue
+                slot.progress += step
+                if slot.progress < size - EPS:
+                    continue
+                committed += 1
+                result.work_done_h += size
+                slot.progress = 0.0
+                if committed == config.shards:
+                    result.finish_h = t + used + step
+                if pending > 0:
+                    pending -= 1
+                else:
+                    slot.busy = False
+                    slot.mode = Mode.NONE
+                    if record:
+                        result.switches.append((t + used + step, i, Mode.NONE.value))
+            used += step
+        t += gap
+        tick += 1
+        if record:
+            result.progress.append(
+                (min(t, result.finish_h) if committed == config.shards else t, committed * size)
+            )
+    result.missed = result.finish_h > config.deadline_h + EPS
+    return result
+
+
+def _bill(result: RunResult, mode: Mode, hours: float, price: dict[Mode, float]) -> None:
+    if mode is Mode.SPOT:
+        result.spot_hours += hours
+    elif mode is Mode.ON_DEMAND:
+        result.on_demand_hours += hours
+    result.cost += price[mode] * hours

@@ -1,0 +1,167 @@
+"""Policies compared by the simulator: the baselines of *Can't Be Late* (NSDI '24) and the project's.
+
+All of them see only the past and present capacity (:class:`~.engine.View`); ``omniscient`` is not a
+policy but a bound computed from the future trace (:mod:`.omniscient`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from airflow_deadline_batch.core.calibration import AvailabilityEstimate
+from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, choose_pool
+from airflow_deadline_batch.core.pools import PoolKind
+from airflow_deadline_batch.sim.engine import Mode, Policy, SimConfig, View
+
+EPOCH = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _safety_net_due(view: View, changeovers: float) -> bool:
+    """Tick-aligned safety net: waiting one more tick could leave too little time for on-demand.
+
+    The on-demand need counts ``changeovers`` restarts and the list-scheduling imbalance of shards
+    over several workers; decisions happen on ticks, hence the one-tick look-ahead.
+    """
+    cfg = view.config
+    n = cfg.workers
+    need = changeovers * cfg.changeover_h + view.remaining_h / n + cfg.shard_size_h * (n - 1) / n
+    return view.time_left_h - view.gap_h < need - 1e-9
+
+
+class OnDemand:
+    """On-demand only: every worker starts at once and never stops until the queue is empty."""
+
+    name = "on_demand"
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        pass
+
+    def decide(self, view: View) -> list[Mode]:
+        return [Mode.ON_DEMAND] * len(view.slots)
+
+
+class Greedy:
+    """Spot whenever available, else wait; safety net: on-demand for good once time left equals
+    remaining work plus a changeover (one tick ahead)."""
+
+    name = "greedy"
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        self.on_demand_for_good = False
+
+    def decide(self, view: View) -> list[Mode]:
+        if self.on_demand_for_good or _safety_net_due(view, changeovers=1.0):
+            self.on_demand_for_good = True
+            return [Mode.ON_DEMAND] * len(view.slots)
+        return [Mode.SPOT] * len(view.slots)
+
+
+class UniformProgress:
+    """*Can't Be Late*'s Uniform Progress with its hysteresis, per worker (the paper's rules).
+
+    With ``cp`` the committed progress and ``ep(t) = W·t/D`` the uniform line: safety net on-demand
+    to the end when ``R(t) < C(t) + 2d``; while on on-demand stay until ``cp >= ep(t + 2d)``; take
+    Spot whenever available (and keep it until preempted); when idle and ``cp < ep(t)`` go
+    on-demand, else wait.
+    """
+
+    name = "uniform_progress"
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        self.on_demand_for_good = False
+
+    def decide(self, view: View) -> list[Mode]:
+        cfg = view.config
+        if self.on_demand_for_good or _safety_net_due(view, changeovers=2.0):
+            self.on_demand_for_good = True
+            return [Mode.ON_DEMAND] * len(view.slots)
+        cp = cfg.work_h - view.remaining_h
+
+        def ep(t: float) -> float:
+            return cfg.work_h * t / cfg.deadline_h
+
+        free_spot = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        modes: list[Mode] = []
+        for slot in view.slots:
+            if slot.mode is Mode.ON_DEMAND and cp < ep(view.t_h + 2 * cfg.changeover_h):
+                modes.append(Mode.ON_DEMAND)
+            elif slot.mode is Mode.SPOT:
+                modes.append(Mode.SPOT)
+            elif free_spot > 0:
+                free_spot -= 1
+                modes.append(Mode.SPOT)
+            elif cp < ep(view.t_h):
+                modes.append(Mode.ON_DEMAND)
+            else:
+                modes.append(Mode.NONE)
+        return modes
+
+
+class SlackAware:
+    """The project's policy: :func:`core.placement.choose_pool` for every worker at every tick."""
+
+    name = "slack_aware"
+
+    def __init__(self, params: PolicyParams | None = None) -> None:
+        self.params = params or PolicyParams()
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        self.deadline = EPOCH + dt.timedelta(hours=config.deadline_h)
+        self.run_params = PolicyParams(**{**self.params.__dict__, "decision_interval_s": gap_h * 3600})
+        self.availability = AvailabilityEstimate(prior=self.params.availability_prior)
+
+    def decide(self, view: View) -> list[Mode]:
+        cfg = view.config
+        now = EPOCH + dt.timedelta(hours=view.t_h)
+        # The tick now starting is known to be (un)available, not yet observed for its length.
+        availability = self.availability.value
+        mean_run_s = self.availability.run_hours * 3600
+        self.availability = self.availability.observe(view.capacity, cfg.workers, view.gap_h)
+        free_spot = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        on_demand = sum(1 for s in view.slots if s.mode is Mode.ON_DEMAND)
+        modes: list[Mode] = []
+        if view.pending_shards == 0 and not any(s.busy for s in view.slots):
+            return [Mode.NONE] * len(view.slots)
+        for slot in view.slots:
+            running = slot.mode is not Mode.NONE
+            previous = None if slot.mode is Mode.NONE else PoolKind(slot.mode.value)
+            others_on_demand = on_demand - (1 if slot.mode is Mode.ON_DEMAND else 0)
+            snapshot = JobSnapshot(
+                now=now,
+                deadline=self.deadline,
+                remaining_work_s=view.remaining_h * 3600,
+                shard_work_s=cfg.shard_size_h * 3600,
+                parallelism=cfg.workers,
+                changeover_s=cfg.changeover_h * 3600,
+                spot_available=slot.mode is Mode.SPOT or free_spot > 0,
+                previous_pool=previous,
+                running=running,
+                on_demand_workers=others_on_demand,
+                spot_availability=availability,
+                spot_mean_run_s=mean_run_s,
+            )
+            pool = choose_pool(snapshot, self.run_params).pool
+            if pool is PoolKind.SPOT:
+                if slot.mode is not Mode.SPOT and free_spot > 0:
+                    free_spot -= 1
+                modes.append(Mode.SPOT)
+            else:
+                if slot.mode is not Mode.ON_DEMAND:
+                    on_demand += 1
+                modes.append(Mode.ON_DEMAND)
+        return modes
+
+
+POLICIES: dict[str, type] = {
+    "on_demand": OnDemand,
+    "greedy": Greedy,
+    "uniform_progress": UniformProgress,
+    "slack_aware": SlackAware,
+}
+#: every name ``--policy`` accepts (``omniscient`` is the offline bound)
+POLICY_NAMES = ("on_demand", "greedy", "uniform_progress", "omniscient", "slack_aware")
+
+
+def make_policy(name: str) -> Policy:
+    policy: Policy = POLICIES[name]()
+    return policy

@@ -1,0 +1,190 @@
+"""Spot capacity traces: the one place that interprets trace files, plus synthetic generators.
+
+A :class:`Trace` is the number of Spot **GPUs** (= workers) available at each tick of ``gap_s``
+seconds. Files from ``skypilot-org/spot-traces`` hold the number of Spot *instances* available per
+tick (not inverted: 1 = available); an instance has the GPU count in the file name's last part
+(``us-west-2a_v100_8.json`` = 8 GPUs per instance).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from airflow_deadline_batch.exceptions import ConfigurationError
+
+_GPUS_IN_NAME = re.compile(r"_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Spot capacity over time: ``capacity[i]`` GPUs during tick ``i`` of ``gap_s`` seconds."""
+
+    name: str
+    gap_s: float
+    capacity: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.gap_s <= 0:
+            raise ValueError(f"trace {self.name!r}: gap_s must be > 0")
+        if not self.capacity:
+            raise ValueError(f"trace {self.name!r} has no ticks")
+        if min(self.capacity) < 0:
+            raise ValueError(f"trace {self.name!r} has negative capacity")
+
+    @property
+    def hours(self) -> float:
+        return len(self.capacity) * self.gap_s / 3600.0
+
+    def at(self, tick: int) -> int:
+        """Capacity at ``tick``; the trace repeats when a run outlives it."""
+        return self.capacity[tick % len(self.capacity)]
+
+    def availability(self, workers: int = 1) -> float:
+        """Mean fraction of ``workers`` that Spot could hold."""
+        return sum(min(c, workers) for c in self.capacity) / (workers * len(self.capacity))
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a ``{"metadata": {"gap_seconds": G}, "data": [...]}`` file into GPUs per tick."""
+    path = Path(path)
+    try:
+        raw = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ConfigurationError(
+            f"trace file {str(path)!r} does not exist; pass an existing --trace file"
+        ) from None
+    except orjson.JSONDecodeError as exc:
+        raise ConfigurationError(
+            f"trace file {str(path)!r} is not JSON ({exc}); pass a Spot trace file"
+        ) from None
+    try:
+        gap = float(raw["metadata"]["gap_seconds"])
+        values = [int(v) for v in raw["data"]]
+    except (KeyError, TypeError, ValueError):
+        raise ConfigurationError(
+            f"trace file {str(path)!r} lacks metadata.gap_seconds or a numeric data list; "
+            "pass a file in the spot-traces format"
+        ) from None
+    match = _GPUS_IN_NAME.search(path.stem)
+    gpus_per_instance = int(match.group(1)) if match else 1
+    name = "/".join(path.parts[-3:]) if len(path.parts) >= 3 else path.name
+    try:
+        return Trace(name=name, gap_s=gap, capacity=tuple(v * gpus_per_instance for v in values))
+    except ValueError as exc:
+        raise ConfigurationError(f"trace file {str(path)!r}: {exc}; pass a valid trace") from None
+
+
+# -- synthetic traces (for tests and tuning: the shared files are for evaluation only) ----------
+
+
+def constant(capacity: int, hours: float, gap_s: float = 300.0, name: str | None = None) -> Trace:
+    """Capacity that never changes (``0``: no Spot at all; ``>= workers``: full Spot)."""
+    n = max(1, round(hours * 3600 / gap_s))
+    return Trace(name or f"constant-{capacity}", gap_s, (capacity,) * n)
+
+
+def from_segments(
+    segments: Sequence[tuple[float, int]], gap_s: float = 300.0, name: str = "segments"
+) -> Trace:
+    """Hand-made trace: ``[(hours, capacity), ...]`` back to back."""
+    ticks: list[int] = []
+    for hours, cap in segments:
+        ticks.extend([cap] * max(1, round(hours * 3600 / gap_s)))
+    return Trace(name, gap_s, tuple(ticks))
+
+
+def regime_switching(
+    seed: int,
+    hours: float = 400.0,
+    gap_s: float = 300.0,
+    capacity: int = 1,
+    mean_up_h: float = 6.0,
+    mean_down_h: float = 2.0,
+    name: str | None = None,
+) -> Trace:
+    """Alternating available / unavailable spells with exponential lengths and a drifting regime.
+
+    Every spell draws its mean from a regime that changes about once a day, so availability moves
+    between scarce and plentiful periods, as on the real traces.
+    """
+    rng = random.Random(seed)
+    ticks: list[int] = []
+    n = round(hours * 3600 / gap_s)
+    up, down, regime_left = mean_up_h, mean_down_h, 0.0
+    state = rng.random() < mean_up_h / (mean_up_h + mean_down_h)
+    while len(ticks) < n:
+        if regime_left <= 0:
+            scale = rng.choice((0.25, 0.5, 1.0, 2.0, 4.0))
+            up, down = mean_up_h * scale, mean_down_h / scale
+            regime_left = rng.expovariate(1 / 24.0)
+        spell = rng.expovariate(1 / (up if state else down))
+        regime_left -= spell
+        count = max(1, round(spell * 3600 / gap_s))
+        level = capacity if state else 0
+        if state and capacity > 1 and rng.random() < 0.3:
+            level = rng.randint(1, capacity)
+        ticks.extend([level] * count)
+        state = not state
+    return Trace(name or f"regime-{seed}", gap_s, tuple(ticks[:n]))
+
+
+def droughts(
+    seed: int,
+    hours: float = 400.0,
+    gap_s: float = 300.0,
+    capacity: int = 1,
+    availability: float = 0.9,
+    drought_h: float = 12.0,
+    name: str | None = None,
+) -> Trace:
+    """Mostly available, with rare long droughts (the tail that makes waiting dangerous)."""
+    rng = random.Random(seed)
+    n = round(hours * 3600 / gap_s)
+    ticks: list[int] = []
+    mean_up = drought_h * availability / (1 - availability)
+    state = True
+    while len(ticks) < n:
+        spell = rng.expovariate(1 / (mean_up if state else drought_h))
+        ticks.extend([capacity if state else 0] * max(1, round(spell * 3600 / gap_s)))
+        state = not state
+    return Trace(name or f"drought-{seed}", gap_s, tuple(ticks[:n]))
+
+
+def flapping(
+    seed: int,
+    hours: float = 200.0,
+    gap_s: float = 60.0,
+    capacity: int = 1,
+    p_up: float = 0.5,
+    mean_spell_ticks: float = 3.0,
+    name: str | None = None,
+) -> Trace:
+    """Capacity that comes and goes within minutes: Spot runs shorter than a changeover."""
+    rng = random.Random(seed)
+    n = round(hours * 3600 / gap_s)
+    ticks: list[int] = []
+    while len(ticks) < n:
+        state = rng.random() < p_up
+        spell = max(1, round(rng.expovariate(1 / mean_spell_ticks)))
+        ticks.extend([capacity if state else 0] * spell)
+    return Trace(name or f"flapping-{seed}", gap_s, tuple(ticks[:n]))
+
+
+def synthetic_suite(seed: int = 0, capacity: int = 1) -> list[Trace]:
+    """A varied set for tuning and tests: regimes, droughts and flapping at several levels."""
+    suite = [
+        regime_switching(seed + 1, capacity=capacity, mean_up_h=4.0, mean_down_h=4.0),
+        regime_switching(seed + 2, capacity=capacity, mean_up_h=10.0, mean_down_h=2.0),
+        regime_switching(seed + 3, capacity=capacity, mean_up_h=1.5, mean_down_h=4.0),
+        droughts(seed + 4, capacity=capacity, availability=0.9, drought_h=10.0),
+        droughts(seed + 5, capacity=capacity, availability=0.7, drought_h=20.0),
+        flapping(seed + 6, capacity=capacity, p_up=0.5),
+        flapping(seed + 7, capacity=capacity, p_up=0.8, mean_spell_ticks=8.0),
+    ]
+    return suite
