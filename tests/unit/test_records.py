@@ -333,3 +333,19 @@ def _is_blank(r: RawLine) -> bool:
         return False
     content = r.data[3:] if r.line == 1 and r.data.startswith(b"\xef\xbb\xbf") else r.data
     return not content.strip()
+
+
+def test_core_imports_none_of_the_heavy_libraries() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import airflow_deadline_batch.core.records, airflow_deadline_batch.core.estimate\n"
+        "import airflow_deadline_batch.core.feasibility, airflow_deadline_batch.core.packing\n"
+        "import airflow_deadline_batch.core.states, airflow_deadline_batch.core.results\n"
+        "heavy = {'airflow', 'sqlalchemy', 'boto3', 'botocore', 'kubernetes'}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
