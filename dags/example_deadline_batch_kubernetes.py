@@ -21,16 +21,33 @@ from airflow_deadline_batch.sensors.completeness import CompletenessSensor
 
 GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 POOLS = [
-    PoolSpec(name="l4-spot", kind=PoolKind.SPOT, gpus=8, price_per_gpu_hour=0.35, prefill_tokens_per_s=20_000,
-             decode_tokens_per_s=1_500, startup_seconds=240, preemptions_per_hour=0.2,
-             preemption_notice_seconds=120,
-             node_selector={"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"},
-             tolerations=(GPU,)),
-    PoolSpec(name="l4-on-demand", kind=PoolKind.ON_DEMAND, gpus=8, price_per_gpu_hour=0.80,
-             prefill_tokens_per_s=20_000, decode_tokens_per_s=1_500, startup_seconds=240,
-             node_selector={"karpenter.sh/capacity-type": "on-demand",
-                            "karpenter.k8s.aws/instance-gpu-name": "l4"},
-             tolerations=(GPU,)),
+    PoolSpec(
+        name="l4-spot",
+        kind=PoolKind.SPOT,
+        gpus=8,
+        price_per_gpu_hour=0.35,
+        prefill_tokens_per_s=20_000,
+        decode_tokens_per_s=1_500,
+        startup_seconds=240,
+        preemptions_per_hour=0.2,
+        preemption_notice_seconds=120,
+        node_selector={"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"},
+        tolerations=(GPU,),
+    ),
+    PoolSpec(
+        name="l4-on-demand",
+        kind=PoolKind.ON_DEMAND,
+        gpus=8,
+        price_per_gpu_hour=0.80,
+        prefill_tokens_per_s=20_000,
+        decode_tokens_per_s=1_500,
+        startup_seconds=240,
+        node_selector={
+            "karpenter.sh/capacity-type": "on-demand",
+            "karpenter.k8s.aws/instance-gpu-name": "l4",
+        },
+        tolerations=(GPU,),
+    ),
 ]
 
 with DAG(
@@ -45,9 +62,11 @@ with DAG(
         "deadline": "{{ (data_interval_end + macros.timedelta(hours=6)).isoformat() }}",
     },
     default_args={"retries": 6, "retry_delay": dt.timedelta(seconds=30)},
-    deadline=DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=dt.timedelta(hours=6),
-                           callback=AsyncCallback(
-                               "airflow_deadline_batch.notifiers.deadline_risk.log_hard_deadline_miss")),
+    deadline=DeadlineAlert(
+        reference=DeadlineReference.DAGRUN_QUEUED_AT,
+        interval=dt.timedelta(hours=6),
+        callback=AsyncCallback("airflow_deadline_batch.notifiers.deadline_risk.log_hard_deadline_miss"),
+    ),
 ) as dag:
     at_risk = DeadlineRiskNotifier(threshold_s=1800)
 

@@ -22,8 +22,10 @@ from airflow_deadline_batch.operators.shard import LocalShardOperator
 from airflow_deadline_batch.sensors.completeness import CompletenessSensor
 
 HERE = Path(__file__).resolve().parent
-WORK_DIR = Path(os.environ.get("ADB_EXAMPLE_DIR")
-                or Path(os.environ.get("AIRFLOW_HOME") or tempfile.gettempdir()) / "deadline_batch_example")
+WORK_DIR = Path(
+    os.environ.get("ADB_EXAMPLE_DIR")
+    or Path(os.environ.get("AIRFLOW_HOME") or tempfile.gettempdir()) / "deadline_batch_example"
+)
 STORE_URL = os.environ.get("ADB_STORE_URL") or f"sqlite:///{WORK_DIR / 'store.db'}"
 #: try numbers whose worker gets SIGTERM (then SIGKILL) shortly after it starts; "" disables
 PREEMPT_TRIES = [int(t) for t in os.environ.get("ADB_EXAMPLE_PREEMPT_TRIES", "1").split(",") if t.strip()]
@@ -42,9 +44,11 @@ with DAG(
     },
     default_args={"retries": 4, "retry_delay": dt.timedelta(seconds=1)},
     # The hard miss: Airflow's own deadline alert, 3 h after the run was queued.
-    deadline=DeadlineAlert(reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=dt.timedelta(hours=3),
-                           callback=AsyncCallback(
-                               "airflow_deadline_batch.notifiers.deadline_risk.log_hard_deadline_miss")),
+    deadline=DeadlineAlert(
+        reference=DeadlineReference.DAGRUN_QUEUED_AT,
+        interval=dt.timedelta(hours=3),
+        callback=AsyncCallback("airflow_deadline_batch.notifiers.deadline_risk.log_hard_deadline_miss"),
+    ),
 ) as dag:
     # The predictive alert: wrap SlackNotifier / PagerdutyNotifier / SmtpNotifier here for on-call.
     at_risk = DeadlineRiskNotifier(threshold_s=600)
@@ -63,7 +67,11 @@ with DAG(
         retries=0,
     )
     shards = LocalShardOperator.partial(
-        task_id="shard", store_url=STORE_URL, preempt_tries=PREEMPT_TRIES, preempt_after_s=0.2, grace_s=2.0,
+        task_id="shard",
+        store_url=STORE_URL,
+        preempt_tries=PREEMPT_TRIES,
+        preempt_after_s=0.2,
+        grace_s=2.0,
     ).expand_kwargs(plan.output)
     done = CompletenessSensor(
         task_id="verify",

@@ -58,18 +58,36 @@ def url_from_connection(
             raise ConfigurationError(
                 f"connection {conn_id!r} (postgres) has no host; set the database host on the connection"
             )
-        query = {k: str(v) for k, v in extra.items() if k in {"sslmode", "sslrootcert", "sslcert",
-                                                               "sslkey", "connect_timeout",
-                                                               "application_name", "options"}}
-        url = URL.create("postgresql+psycopg", username=login or None, password=password or None,
-                         host=host, port=port or None, database=schema or None, query=query)
+        query = {
+            k: str(v)
+            for k, v in extra.items()
+            if k
+            in {
+                "sslmode",
+                "sslrootcert",
+                "sslcert",
+                "sslkey",
+                "connect_timeout",
+                "application_name",
+                "options",
+            }
+        }
+        url = URL.create(
+            "postgresql+psycopg",
+            username=login or None,
+            password=password or None,
+            host=host,
+            port=port or None,
+            database=schema or None,
+            query=query,
+        )
         return url.render_as_string(hide_password=False)
     if kind == CONN_TYPE or not kind:
         raw = (extra.get("url") or host or "").strip()
         if not raw:
             raise ConfigurationError(
                 f"connection {conn_id!r} holds no store URL; put a SQLAlchemy URL "
-                "(sqlite:///... or postgresql+psycopg://...) in its host or in extra {\"url\": ...}"
+                '(sqlite:///... or postgresql+psycopg://...) in its host or in extra {"url": ...}'
             )
         try:
             parsed = make_url(raw)

@@ -92,8 +92,13 @@ def assess_risk(
     else:
         level, reason = RiskLevel.THIN, f"slack {slack_s:.0f} s is below the {threshold_s:.0f} s threshold"
     return RiskAssessment(
-        job_id=str(data.get("job_id") or ""), level=level, reason=reason, deadline=deadline,
-        predicted_finish=predicted, slack_s=slack_s, remaining_work_s=remaining_s,
+        job_id=str(data.get("job_id") or ""),
+        level=level,
+        reason=reason,
+        deadline=deadline,
+        predicted_finish=predicted,
+        slack_s=slack_s,
+        remaining_work_s=remaining_s,
         committed_records=int(data.get("committed_records") or 0),
         total_records=int(data.get("total_records") or 0),
     )

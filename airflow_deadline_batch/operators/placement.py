@@ -23,8 +23,9 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 LABEL_PREFIX = "deadline-batch.io"
 #: capacity-type values as Karpenter spells them
 CAPACITY_VALUES = {PoolKind.SPOT: "spot", PoolKind.ON_DEMAND: "on-demand"}
-_STOPPED_JOB_STATES = frozenset({JobState.COMPLETED, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED,
-                                 JobState.REJECTED})
+_STOPPED_JOB_STATES = frozenset(
+    {JobState.COMPLETED, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED, JobState.REJECTED}
+)
 
 
 class TryAction(str, enum.Enum):
@@ -57,19 +58,25 @@ class TryDecision:
             "pool": self.pool.name if self.pool else None,
             "capacity": self.pool.kind.value if self.pool else None,
             "slack_s": placement.slack_s if placement else None,
-            "last_safe_spot_start": (placement.last_safe_spot_start.isoformat()
-                                     if placement and placement.last_safe_spot_start else None),
+            "last_safe_spot_start": (
+                placement.last_safe_spot_start.isoformat()
+                if placement and placement.last_safe_spot_start
+                else None
+            ),
             "startup_timeout_s": placement.startup_timeout_s if placement else None,
             "grace_period_s": placement.grace_period_s if placement else None,
         }
 
 
-def parse_pools(pools: Sequence[PoolSpec | Mapping[str, Any]] | None,
-                job_config: Mapping[str, Any] | None = None) -> tuple[PoolSpec, ...]:
+def parse_pools(
+    pools: Sequence[PoolSpec | Mapping[str, Any]] | None, job_config: Mapping[str, Any] | None = None
+) -> tuple[PoolSpec, ...]:
     """Operator pools (PoolSpec or their dicts) win; else the pools recorded in the job's config."""
     raw = list(pools) if pools else list((job_config or {}).get("pools") or [])
     if not raw:
-        raise ConfigurationError("no pools: pass pools=[...] to the shard operator or plan the job with pools")
+        raise ConfigurationError(
+            "no pools: pass pools=[...] to the shard operator or plan the job with pools"
+        )
     return tuple(p if isinstance(p, PoolSpec) else PoolSpec.from_dict(p) for p in raw)
 
 
@@ -91,8 +98,15 @@ def previous_kind(last_pool: str | None, pools: Sequence[PoolSpec]) -> PoolKind 
     return None
 
 
-def build_snapshot(*, job: Any, shard: Any, progress: Any, pools: Sequence[PoolSpec], now: dt.datetime,
-                   parallelism: int | None = None) -> JobSnapshot:
+def build_snapshot(
+    *,
+    job: Any,
+    shard: Any,
+    progress: Any,
+    pools: Sequence[PoolSpec],
+    now: dt.datetime,
+    parallelism: int | None = None,
+) -> JobSnapshot:
     """The placement inputs for one shard: job slack from committed progress, this shard's work left."""
     spot = [p for p in pools if p.kind is PoolKind.SPOT]
     done = shard.cursor / shard.num_microbatches if shard.num_microbatches else 1.0
@@ -110,21 +124,45 @@ def build_snapshot(*, job: Any, shard: Any, progress: Any, pools: Sequence[PoolS
     )
 
 
-def decide_for_try(*, job: Any, shard: Any, progress: Any, pools: Sequence[PoolSpec], now: dt.datetime,
-                   parallelism: int | None = None, policy: PolicyParams | None = None) -> TryDecision:
+def decide_for_try(
+    *,
+    job: Any,
+    shard: Any,
+    progress: Any,
+    pools: Sequence[PoolSpec],
+    now: dt.datetime,
+    parallelism: int | None = None,
+    policy: PolicyParams | None = None,
+) -> TryDecision:
     """Decide this try: skip a committed shard, stop on a stopped job, else choose the pool."""
     job_id, index = job.job_id, shard.shard_index
     if ShardState(shard.state) is ShardState.SUCCEEDED:
-        return TryDecision(job_id, index, TryAction.ALREADY_DONE,
-                           f"shard {index} of job {job_id} is already committed; nothing to run")
+        return TryDecision(
+            job_id,
+            index,
+            TryAction.ALREADY_DONE,
+            f"shard {index} of job {job_id} is already committed; nothing to run",
+        )
     if ShardState(shard.state) is ShardState.TERMINAL_FAILURE:
-        return TryDecision(job_id, index, TryAction.SHARD_FAILED,
-                           f"shard {index} of job {job_id} failed for good: {shard.last_error or 'no detail'}")
+        return TryDecision(
+            job_id,
+            index,
+            TryAction.SHARD_FAILED,
+            f"shard {index} of job {job_id} failed for good: {shard.last_error or 'no detail'}",
+        )
     if JobState(job.state) in _STOPPED_JOB_STATES:
-        return TryDecision(job_id, index, TryAction.JOB_STOPPED,
-                           f"job {job_id} is {JobState(job.state).value}; shard {index} will not run")
-    placement = choose_pool(build_snapshot(job=job, shard=shard, progress=progress, pools=pools, now=now,
-                                           parallelism=parallelism), policy)
+        return TryDecision(
+            job_id,
+            index,
+            TryAction.JOB_STOPPED,
+            f"job {job_id} is {JobState(job.state).value}; shard {index} will not run",
+        )
+    placement = choose_pool(
+        build_snapshot(
+            job=job, shard=shard, progress=progress, pools=pools, now=now, parallelism=parallelism
+        ),
+        policy,
+    )
     pool = pool_for(placement.pool, pools)
     reason = placement.reason
     if pool.kind is not placement.pool:
@@ -144,8 +182,9 @@ class PodPlacement:
     grace_period_s: int
 
 
-def pod_placement(decision: TryDecision, *, capacity_label: str | None = "karpenter.sh/capacity-type"
-                  ) -> PodPlacement:
+def pod_placement(
+    decision: TryDecision, *, capacity_label: str | None = "karpenter.sh/capacity-type"
+) -> PodPlacement:
     """Node selector, tolerations and labels for the chosen pool (pure; the pool's own values win)."""
     if decision.pool is None or decision.placement is None:
         raise ValueError("pod_placement needs a decision to run (action 'run')")

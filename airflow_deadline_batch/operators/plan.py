@@ -61,7 +61,7 @@ def aws_environment(aws_conn_id: str | None) -> Iterator[None]:
         return
     from airflow.providers.amazon.aws.hooks.base_aws import AwsGenericHook
 
-    hook = AwsGenericHook(aws_conn_id=aws_conn_id, client_type="s3")
+    hook: AwsGenericHook[Any] = AwsGenericHook(aws_conn_id=aws_conn_id, client_type="s3")
     creds = hook.get_credentials()
     env = {"AWS_ACCESS_KEY_ID": creds.access_key, "AWS_SECRET_ACCESS_KEY": creds.secret_key}
     if creds.token:
@@ -101,8 +101,16 @@ class DeadlineBatchOperator(BaseOperator):
     :param risk_notifier: alerted when admission leaves less slack than its threshold.
     """
 
-    template_fields: Sequence[str] = ("input_uri", "deadline", "output_uri", "store_url", "store_conn_id",
-                                      "idempotency_key", "model", "engine")
+    template_fields: Sequence[str] = (
+        "input_uri",
+        "deadline",
+        "output_uri",
+        "store_url",
+        "store_conn_id",
+        "idempotency_key",
+        "model",
+        "engine",
+    )
     operator_extra_links = (DeadlineBatchProgressLink(),)
     ui_color = "#e8e0f7"
 
@@ -156,10 +164,17 @@ class DeadlineBatchOperator(BaseOperator):
         except ValueError as exc:
             raise AirflowFailException(str(exc)) from exc
         return PlanRequest(
-            input_uri=str(self.input_uri), deadline=deadline, output_uri=str(self.output_uri),
-            engine=self.engine, model=self.model, generation=self.generation, pools=pools,
-            workers=self.workers, idempotency_key=self.idempotency_key or default_idempotency_key(context),
-            microbatch_size=self.microbatch_size, max_invalid_fraction=self.max_invalid_fraction,
+            input_uri=str(self.input_uri),
+            deadline=deadline,
+            output_uri=str(self.output_uri),
+            engine=self.engine,
+            model=self.model,
+            generation=self.generation,
+            pools=pools,
+            workers=self.workers,
+            idempotency_key=self.idempotency_key or default_idempotency_key(context),
+            microbatch_size=self.microbatch_size,
+            max_invalid_fraction=self.max_invalid_fraction,
             max_attempts=self.max_attempts,
         )
 
@@ -168,22 +183,29 @@ class DeadlineBatchOperator(BaseOperator):
 
         clock = self.clock or SystemClock()
         ti = context["ti"]
-        store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store(migrate=True)
+        store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store(
+            migrate=True
+        )
         try:
             request = self.build_request(context, clock.now())
             with aws_environment(self.aws_conn_id):
                 result = plan_job(store, request, clock=clock)
         except AdmissionRejected as exc:
-            ti.xcom_push(key="admission_report", value=report_dict(exc.report))
-            summary = report_summary(exc.report) if exc.report is not None else exc.message
+            report = exc.fields.get("report")
+            ti.xcom_push(key="admission_report", value=report_dict(report))
+            summary = report_summary(report) if report is not None else exc.message
             self.log.error("admission rejected the job:\n%s", summary)
             raise AirflowFailException(f"job rejected at admission: {exc.message}\n{summary}") from exc
         except (InputError, ConfigurationError) as exc:
             raise AirflowFailException(str(exc)) from exc
         ti.xcom_push(key="admission_report", value=report_dict(result.report))
         ti.xcom_push(key="job_id", value=result.job_id)
-        self.log.info("job %s %s; admission:\n%s", result.job_id, "created" if result.created else
-                      "already existed (same idempotency key)", report_summary(result.report))
+        self.log.info(
+            "job %s %s; admission:\n%s",
+            result.job_id,
+            "created" if result.created else "already existed (same idempotency key)",
+            report_summary(result.report),
+        )
         self.log.info("progress: %s", DeadlineBatchProgressLink.persist(context, result.job_id))
         self._warn_if_thin(context, store, result.job_id, clock)
         return [shard_kwargs(spec) for spec in result.shard_specs]
@@ -191,7 +213,11 @@ class DeadlineBatchOperator(BaseOperator):
     def _warn_if_thin(self, context: Any, store: Any, job_id: str, clock: Clock) -> None:
         if self.risk_notifier is None:
             return
-        risk = assess_risk(store.progress(job_id), clock.now(), threshold_s=self.risk_notifier.threshold_s,
-                           parallelism=self.workers)
+        risk = assess_risk(
+            store.progress(job_id),
+            clock.now(),
+            threshold_s=self.risk_notifier.threshold_s,
+            parallelism=self.workers,
+        )
         if risk is not None:
             self.risk_notifier.notify_risk(context, risk)

@@ -36,9 +36,21 @@ from airflow_deadline_batch.operators.placement import (
 WORKER_MODULE = "airflow_deadline_batch.worker"
 EXIT_OK, EXIT_TERMINAL, EXIT_RETRYABLE = 0, 1, 75
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
-PREEMPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeShutdown", "Shutdown", "Terminated",
-                                "NodeLost", "UnexpectedAdmissionError", "DeletionByTaintManager",
-                                "PreemptionByScheduler", "TerminationByKubelet", "EvictionByEvictionAPI"})
+PREEMPTION_REASONS = frozenset(
+    {
+        "Evicted",
+        "Preempting",
+        "NodeShutdown",
+        "Shutdown",
+        "Terminated",
+        "NodeLost",
+        "UnexpectedAdmissionError",
+        "DeletionByTaintManager",
+        "PreemptionByScheduler",
+        "TerminationByKubelet",
+        "EvictionByEvictionAPI",
+    }
+)
 
 
 class PodOutcome(str, enum.Enum):
@@ -77,31 +89,52 @@ def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassific
     if code == EXIT_OK and status.phase == "Succeeded":
         return PodClassification(PodOutcome.SUCCEEDED, "worker exited 0", 0)
     if status.reason in PREEMPTION_REASONS:
-        return PodClassification(PodOutcome.PREEMPTED, f"pod {status.reason}: {status.message or ''}".strip(),
-                                 code)
+        return PodClassification(
+            PodOutcome.PREEMPTED, f"pod {status.reason}: {status.message or ''}".strip(), code
+        )
     if disrupted is not None:
-        return PodClassification(PodOutcome.PREEMPTED,
-                                 f"DisruptionTarget ({disrupted.reason}): {disrupted.message or ''}".strip(), code)
+        return PodClassification(
+            PodOutcome.PREEMPTED,
+            f"DisruptionTarget ({disrupted.reason}): {disrupted.message or ''}".strip(),
+            code,
+        )
     if code == EXIT_RETRYABLE:
-        return PodClassification(PodOutcome.PREEMPTED, "worker exited 75 (preempted, lost lease or transient)",
-                                 code)
+        return PodClassification(
+            PodOutcome.PREEMPTED, "worker exited 75 (preempted, lost lease or transient)", code
+        )
     if code == EXIT_TERMINAL:
         return PodClassification(PodOutcome.TERMINAL, "worker exited 1 (terminal: see the worker log)", code)
     if code in (128 + signal.SIGTERM, 128 + signal.SIGKILL):
         reason = terminated.reason if terminated is not None else None
         if reason == "OOMKilled":
-            return PodClassification(PodOutcome.RETRYABLE, "container OOMKilled; raise its memory limit", code)
+            return PodClassification(
+                PodOutcome.RETRYABLE, "container OOMKilled; raise its memory limit", code
+            )
         return PodClassification(PodOutcome.PREEMPTED, f"worker killed by signal (exit {code})", code)
-    return PodClassification(PodOutcome.RETRYABLE,
-                             f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
-                             code)
+    return PodClassification(
+        PodOutcome.RETRYABLE,
+        f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
+        code,
+    )
 
 
-def worker_arguments(job_id: str, shard_index: int, *, pool: str, lease_ttl_s: float, grace_s: float,
-                     extra: Sequence[str] = ()) -> list[str]:
+def worker_arguments(
+    job_id: str, shard_index: int, *, pool: str, lease_ttl_s: float, grace_s: float, extra: Sequence[str] = ()
+) -> list[str]:
     """The worker's command-line arguments; the store URL comes from ``ADB_STORE_URL`` (a Secret)."""
-    return ["--job", job_id, "--shard", str(shard_index), "--pool", pool,
-            "--lease-ttl", f"{lease_ttl_s:g}", "--grace", f"{grace_s:g}", *extra]
+    return [
+        "--job",
+        job_id,
+        "--shard",
+        str(shard_index),
+        "--pool",
+        pool,
+        "--lease-ttl",
+        f"{lease_ttl_s:g}",
+        "--grace",
+        f"{grace_s:g}",
+        *extra,
+    ]
 
 
 class _ShardTryMixin:
@@ -121,8 +154,9 @@ class _ShardTryMixin:
         shard = store.get_shard(self.job_id, int(self.shard_index))
         progress = store.progress(self.job_id)
         pools = parse_pools(self.pools, job.config)
-        decision = decide_for_try(job=job, shard=shard, progress=progress, pools=pools,
-                                  now=(self.clock or SystemClock()).now())
+        decision = decide_for_try(
+            job=job, shard=shard, progress=progress, pools=pools, now=(self.clock or SystemClock()).now()
+        )
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
         if context is not None:
             context["ti"].xcom_push(key="placement", value=decision.to_dict())
@@ -156,8 +190,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param clock: injectable clock (tests).
     """
 
-    template_fields: Sequence[str] = (*KubernetesPodOperator.template_fields, "job_id", "store_url",
-                                      "store_conn_id")
+    template_fields: Sequence[str] = (
+        *KubernetesPodOperator.template_fields,
+        "job_id",
+        "store_url",
+        "store_conn_id",
+    )
     operator_extra_links = (DeadlineBatchProgressLink(),)
 
     def __init__(
@@ -182,7 +220,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         kwargs.setdefault("name", "deadline-batch-shard")
         if kwargs.get("container_resources") is None and gpus_per_pod > 0:
             kwargs["container_resources"] = k8s.V1ResourceRequirements(
-                limits={"nvidia.com/gpu": str(gpus_per_pod)})
+                limits={"nvidia.com/gpu": str(gpus_per_pod)}
+            )
         super().__init__(image=image, **kwargs)
         self.job_id = job_id
         self.shard_index = shard_index
@@ -200,8 +239,13 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     def apply_decision(self, decision: TryDecision) -> None:
         """Set this try's pod parameters from ``decision`` (idempotent across tries of one instance)."""
         if self._base is None:
-            self._base = (dict(self.node_selector), list(self.tolerations), dict(self.labels),
-                          dict(self.annotations), list(self.secrets))
+            self._base = (
+                dict(self.node_selector),
+                list(self.tolerations),
+                dict(self.labels),
+                dict(self.annotations),
+                list(self.secrets),
+            )
         node_selector, tolerations, labels, annotations, secrets = self._base
         placement = pod_placement(decision, capacity_label=self.capacity_label)
         assert decision.pool is not None
@@ -213,11 +257,19 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self.schedule_timeout_seconds = placement.startup_timeout_s
         self.termination_grace_period = placement.grace_period_s
         # The DSN (with its password) is referenced, never copied into the pod spec.
-        self.secrets = [*secrets, Secret("env", "ADB_STORE_URL", self.store_secret_name, self.store_secret_key)]
+        self.secrets = [
+            *secrets,
+            Secret("env", "ADB_STORE_URL", self.store_secret_name, self.store_secret_key),
+        ]
         self.cmds = ["python3", "-m", WORKER_MODULE]
-        self.arguments = worker_arguments(self.job_id, int(self.shard_index), pool=decision.pool.name,
-                                          lease_ttl_s=self.lease_ttl_s, grace_s=placement.grace_period_s,
-                                          extra=self.worker_args)
+        self.arguments = worker_arguments(
+            self.job_id,
+            int(self.shard_index),
+            pool=decision.pool.name,
+            lease_ttl_s=self.lease_ttl_s,
+            grace_s=placement.grace_period_s,
+            extra=self.worker_args,
+        )
         self.pod_request_obj = None
         self.pod = None
 
@@ -235,18 +287,30 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             return None
         return super().execute(context)
 
-    def cleanup(self, pod: k8s.V1Pod, remote_pod: k8s.V1Pod, xcom_result: dict | None = None,
-                context: Any | None = None) -> None:
+    def cleanup(
+        self,
+        pod: k8s.V1Pod,
+        remote_pod: k8s.V1Pod,
+        xcom_result: dict | None = None,
+        context: Any | None = None,
+    ) -> None:
         try:
             super().cleanup(pod, remote_pod, xcom_result=xcom_result, context=context)
         except AirflowSkipException:
             raise
         except AirflowException as exc:
             found = classify_pod(remote_pod, self.base_container_name)
-            self.log.warning("shard %s of job %s: pod %s (%s)", self.shard_index, self.job_id,
-                             found.outcome.value, found.reason)
+            self.log.warning(
+                "shard %s of job %s: pod %s (%s)",
+                self.shard_index,
+                self.job_id,
+                found.outcome.value,
+                found.reason,
+            )
             if found.outcome is PodOutcome.TERMINAL:
-                raise AirflowFailException(f"shard {self.shard_index} of job {self.job_id}: {found.reason}") from exc
+                raise AirflowFailException(
+                    f"shard {self.shard_index} of job {self.job_id}: {found.reason}"
+                ) from exc
             raise AirflowException(
                 f"shard {self.shard_index} of job {self.job_id} {found.outcome.value}: {found.reason}; "
                 "the next try re-decides its pool from the slack left"
@@ -302,28 +366,45 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
             return decision.to_dict()
         assert decision.pool is not None and decision.placement is not None
         grace = float(self.grace_s if self.grace_s is not None else decision.placement.grace_period_s)
-        store_url = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store_url()
+        store_url = ManifestStoreHook(
+            store_conn_id=self.store_conn_id, store_url=self.store_url
+        ).get_store_url()
         try_number = int(getattr(context["ti"], "try_number", 1) or 1)
         if try_number in self.preempt_tries:
             code = self._run_with_preemption(store_url, decision.pool.name, grace)
         else:
             from airflow_deadline_batch.local.launcher import run_worker_subprocess
 
-            code = run_worker_subprocess(store_url, self.job_id, int(self.shard_index), pool=decision.pool.name,
-                                         lease_ttl_s=self.lease_ttl_s, grace_s=grace, env=self.env)
+            code = run_worker_subprocess(
+                store_url,
+                self.job_id,
+                int(self.shard_index),
+                pool=decision.pool.name,
+                lease_ttl_s=self.lease_ttl_s,
+                grace_s=grace,
+                env=self.env,
+            )
         return self._settle_exit(code, decision)
 
     def _run_with_preemption(self, store_url: str, pool: str, grace: float) -> int:
         from airflow_deadline_batch.local.launcher import fence_dead_worker, start_worker
         from airflow_deadline_batch.store import ManifestStore
 
-        proc = start_worker(store_url, self.job_id, int(self.shard_index), pool=pool,
-                            lease_ttl_s=self.lease_ttl_s, grace_s=grace, env=self.env)
+        proc = start_worker(
+            store_url,
+            self.job_id,
+            int(self.shard_index),
+            pool=pool,
+            lease_ttl_s=self.lease_ttl_s,
+            grace_s=grace,
+            env=self.env,
+        )
         try:
             return proc.popen.wait(timeout=self.preempt_after_s)
         except subprocess.TimeoutExpired:
-            self.log.warning("injecting a preemption into shard %s (SIGTERM, %.1f s notice)", self.shard_index,
-                             grace)
+            self.log.warning(
+                "injecting a preemption into shard %s (SIGTERM, %.1f s notice)", self.shard_index, grace
+            )
             proc.signal(signal.SIGTERM)
         try:
             code = proc.popen.wait(timeout=grace)
@@ -339,9 +420,18 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         if code == EXIT_OK:
             return decision.to_dict()
         if code == EXIT_TERMINAL:
-            raise AirflowFailException(f"shard {self.shard_index} of job {self.job_id}: worker exited 1 (terminal)")
+            raise AirflowFailException(
+                f"shard {self.shard_index} of job {self.job_id}: worker exited 1 (terminal)"
+            )
         kind = "preempted" if code in (EXIT_RETRYABLE, -signal.SIGTERM, -signal.SIGKILL) else "failed"
-        self.log.warning("shard %s of job %s %s (worker exit %s); Airflow will retry", self.shard_index,
-                         self.job_id, kind, code)
-        raise AirflowException(f"shard {self.shard_index} of job {self.job_id} {kind} (worker exit {code}); "
-                               "the next try re-decides its pool")
+        self.log.warning(
+            "shard %s of job %s %s (worker exit %s); Airflow will retry",
+            self.shard_index,
+            self.job_id,
+            kind,
+            code,
+        )
+        raise AirflowException(
+            f"shard {self.shard_index} of job {self.job_id} {kind} (worker exit {code}); "
+            "the next try re-decides its pool"
+        )

@@ -36,8 +36,10 @@ def render_progress_html(progress: dict[str, Any], manifest: str | None) -> str:
     )
     title = html.escape(str(progress.get("job_id", "job")))
     link = f"<p>Manifest: <code>{html.escape(manifest)}</code></p>" if manifest else ""
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
-            f"<body><h1>Deadline Batch job {title}</h1>{link}<table>{rows}</table></body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+        f"<body><h1>Deadline Batch job {title}</h1>{link}<table>{rows}</table></body></html>"
+    )
 
 
 def create_app() -> Any:

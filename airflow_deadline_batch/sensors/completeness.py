@@ -30,8 +30,10 @@ from airflow_deadline_batch.triggers.completeness import (
 
 def default_manifest_asset(dag_id: str | None, task_id: str) -> Asset:
     """One Asset per sensor task, so downstream DAGs can schedule on "this job's manifest"."""
-    return Asset(name=f"deadline_batch_manifest__{dag_id or 'dag'}__{task_id}",
-                 uri=f"deadline-batch://manifests/{dag_id or 'dag'}/{task_id}")
+    return Asset(
+        name=f"deadline_batch_manifest__{dag_id or 'dag'}__{task_id}",
+        uri=f"deadline-batch://manifests/{dag_id or 'dag'}/{task_id}",
+    )
 
 
 class CompletenessSensor(BaseSensorOperator):
@@ -73,8 +75,9 @@ class CompletenessSensor(BaseSensorOperator):
         self.expire_unfinished = expire_unfinished
         self.risk_notifier = risk_notifier
         self.parallelism = parallelism
-        self.manifest_asset = manifest_asset or default_manifest_asset(self.dag_id if self.has_dag()
-                                                                       else None, self.task_id)
+        self.manifest_asset = manifest_asset or default_manifest_asset(
+            self.dag_id if self.has_dag() else None, self.task_id
+        )
         if self.manifest_asset not in self.outlets:
             self.outlets = [*self.outlets, self.manifest_asset]
         self._risk_sent = False
@@ -94,8 +97,12 @@ class CompletenessSensor(BaseSensorOperator):
     def _check_risk(self, context: Any, progress: dict[str, Any]) -> None:
         if self.risk_notifier is None or self._risk_sent:
             return
-        risk = assess_risk(progress, dt.datetime.now(UTC), threshold_s=self.risk_notifier.threshold_s,
-                           parallelism=self.parallelism)
+        risk = assess_risk(
+            progress,
+            dt.datetime.now(UTC),
+            threshold_s=self.risk_notifier.threshold_s,
+            parallelism=self.parallelism,
+        )
         if risk is not None:
             self._risk_sent = True
             self.risk_notifier.notify_risk(context, risk)
@@ -109,18 +116,26 @@ class CompletenessSensor(BaseSensorOperator):
         if event is not None:
             return self._finish(context, event)
         if self.expire_unfinished and self._past_deadline(progress):
-            return self._finish(context, CompletenessEvent(
-                CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed"))
+            return self._finish(
+                context,
+                CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed"),
+            )
         timeout_at = dt.datetime.now(UTC) + dt.timedelta(seconds=self.timeout)
         if self.expire_unfinished and progress.get("deadline"):
             timeout_at = min(timeout_at, dt.datetime.fromisoformat(str(progress["deadline"])))
-        self.log.info("job %s not finished; deferring until every shard is terminal (at most until %s)",
-                      self.job_id, timeout_at.isoformat())
+        self.log.info(
+            "job %s not finished; deferring until every shard is terminal (at most until %s)",
+            self.job_id,
+            timeout_at.isoformat(),
+        )
         self.defer(
-            trigger=CompletenessTrigger(job_id=self.job_id, store_url=self.store_url,
-                                        store_conn_id=self.store_conn_id,
-                                        poll_interval_s=self.poke_interval,
-                                        timeout_at=timeout_at.isoformat()),
+            trigger=CompletenessTrigger(
+                job_id=self.job_id,
+                store_url=self.store_url,
+                store_conn_id=self.store_conn_id,
+                poll_interval_s=self.poke_interval,
+                timeout_at=timeout_at.isoformat(),
+            ),
             method_name="execute_complete",
         )
 
@@ -131,8 +146,12 @@ class CompletenessSensor(BaseSensorOperator):
         if event is None and self.expire_unfinished and self._past_deadline(progress):
             event = CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed")
         if event is None:
-            self.log.info("job %s: %s/%s records committed; waiting", self.job_id,
-                          progress.get("committed_records"), progress.get("total_records"))
+            self.log.info(
+                "job %s: %s/%s records committed; waiting",
+                self.job_id,
+                progress.get("committed_records"),
+                progress.get("total_records"),
+            )
             return False
         self._finish(context, event)
         return True
@@ -153,8 +172,9 @@ class CompletenessSensor(BaseSensorOperator):
             )
         from airflow_deadline_batch.service.finalize import finalize_job
 
-        result = finalize_job(self._hook().get_store(), self.job_id, clock=SystemClock(),
-                              expire_unfinished=expire)
+        result = finalize_job(
+            self._hook().get_store(), self.job_id, clock=SystemClock(), expire_unfinished=expire
+        )
         summary = result.report.summary()
         self.log.info("verification of job %s: %s", self.job_id, summary)
         if result.manifest_uri is None:
@@ -163,10 +183,13 @@ class CompletenessSensor(BaseSensorOperator):
                 f"manifest: {summary}"
             )
         outcomes = dict(getattr(result.report, "outcomes", {}) or {})
-        extra = {"job_id": self.job_id, "manifest_uri": result.manifest_uri,
-                 "state": str(getattr(result.state, "value", result.state)),
-                 "records": int(getattr(result.report, "expected", 0) or 0),
-                 "outcomes": {str(k): int(v) for k, v in outcomes.items()}}
+        extra = {
+            "job_id": self.job_id,
+            "manifest_uri": result.manifest_uri,
+            "state": str(getattr(result.state, "value", result.state)),
+            "records": int(getattr(result.report, "expected", 0) or 0),
+            "outcomes": {str(k): int(v) for k, v in outcomes.items()},
+        }
         outlet_events = context.get("outlet_events") if hasattr(context, "get") else None
         if outlet_events is not None:
             outlet_events[self.manifest_asset].extra.update(extra)

@@ -44,13 +44,21 @@ class CompletenessEvent:
     message: str
 
     def to_payload(self) -> dict[str, Any]:
-        return {"status": self.status.value, "job_id": self.job_id, "progress": self.progress,
-                "message": self.message}
+        return {
+            "status": self.status.value,
+            "job_id": self.job_id,
+            "progress": self.progress,
+            "message": self.message,
+        }
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any]) -> CompletenessEvent:
-        return cls(status=CompletenessStatus(payload["status"]), job_id=str(payload["job_id"]),
-                   progress=dict(payload.get("progress") or {}), message=str(payload.get("message", "")))
+        return cls(
+            status=CompletenessStatus(payload["status"]),
+            job_id=str(payload["job_id"]),
+            progress=dict(payload.get("progress") or {}),
+            message=str(payload.get("message", "")),
+        )
 
 
 def plain(value: Any) -> Any:
@@ -75,18 +83,31 @@ def evaluate_progress(job_id: str, progress: Mapping[str, Any]) -> CompletenessE
     unfinished = sum(n for s, n in by_state.items() if s not in TERMINAL_SHARD_STATES)
     failed = sum(n for s, n in by_state.items() if s in FAILED_SHARD_STATES)
     job_state = str(progress.get("state") or "")
-    counts = (f"{progress.get('committed_records', 0)}/{progress.get('total_records', 0)} records "
-              f"committed, {total_shards - unfinished}/{total_shards} shards terminal")
+    counts = (
+        f"{progress.get('committed_records', 0)}/{progress.get('total_records', 0)} records "
+        f"committed, {total_shards - unfinished}/{total_shards} shards terminal"
+    )
     if unfinished == 0 and failed == 0:
-        return CompletenessEvent(CompletenessStatus.COMPLETE, job_id, dict(progress),
-                                 f"job {job_id}: every shard succeeded ({counts})")
+        return CompletenessEvent(
+            CompletenessStatus.COMPLETE,
+            job_id,
+            dict(progress),
+            f"job {job_id}: every shard succeeded ({counts})",
+        )
     if unfinished == 0:
-        return CompletenessEvent(CompletenessStatus.FAILED, job_id, dict(progress),
-                                 f"job {job_id}: {failed} shard(s) failed terminally ({counts})")
+        return CompletenessEvent(
+            CompletenessStatus.FAILED,
+            job_id,
+            dict(progress),
+            f"job {job_id}: {failed} shard(s) failed terminally ({counts})",
+        )
     if job_state in STOPPED_JOB_STATES:
-        return CompletenessEvent(CompletenessStatus.FAILED, job_id, dict(progress),
-                                 f"job {job_id} is {job_state} with {unfinished} unfinished shard(s) "
-                                 f"({counts})")
+        return CompletenessEvent(
+            CompletenessStatus.FAILED,
+            job_id,
+            dict(progress),
+            f"job {job_id} is {job_state} with {unfinished} unfinished shard(s) ({counts})",
+        )
     return None
 
 
@@ -155,7 +176,9 @@ class CompletenessTrigger(BaseTrigger):
                     break
                 if self._timed_out():
                     event = CompletenessEvent(
-                        CompletenessStatus.TIMEOUT, self.job_id, progress,
+                        CompletenessStatus.TIMEOUT,
+                        self.job_id,
+                        progress,
                         f"job {self.job_id}: shards still unfinished at {self.timeout_at}",
                     )
                     break
@@ -163,6 +186,10 @@ class CompletenessTrigger(BaseTrigger):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never raise from a trigger: report it as an event instead
-            event = CompletenessEvent(CompletenessStatus.ERROR, self.job_id, progress,
-                                      f"job {self.job_id}: reading progress failed: {exc}")
+            event = CompletenessEvent(
+                CompletenessStatus.ERROR,
+                self.job_id,
+                progress,
+                f"job {self.job_id}: reading progress failed: {exc}",
+            )
         yield TriggerEvent(event.to_payload())

@@ -33,17 +33,32 @@ print("RESULT " + json.dumps({"state": str(run.state), "tasks": states}))
 @pytest.fixture(scope="module")
 def airflow_env(tmp_path_factory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("airflow_home")
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "ADB_EXAMPLE_DIR": str(home / "example")}
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "ADB_EXAMPLE_DIR": str(home / "example"),
+    }
     env.pop("ADB_STORE_URL", None)
-    subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=env, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [str(Path(sys.executable).parent / "airflow"), "db", "migrate"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return env
 
 
 def run_dag(env: dict[str, str], conf: dict) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(DAG_FILE), json.dumps(conf)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(DAG_FILE), json.dumps(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-5000:]

@@ -19,13 +19,26 @@ from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
 
 T0 = dt.datetime(2026, 3, 1, 0, 0, tzinfo=dt.timezone.utc)
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-SPOT = PoolSpec(name="gpu-spot", kind=PoolKind.SPOT, startup_seconds=120, preemptions_per_hour=0.5,
-                preemption_notice_seconds=120,
-                node_selector={"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"},
-                tolerations=(GPU_TOLERATION, {"key": "spot", "operator": "Equal", "value": "true",
-                                              "effect": "NoSchedule"}))
-ON_DEMAND = PoolSpec(name="gpu-on-demand", kind=PoolKind.ON_DEMAND, price_per_gpu_hour=3.0, startup_seconds=120,
-                     node_selector={"karpenter.sh/capacity-type": "on-demand"}, tolerations=(GPU_TOLERATION,))
+SPOT = PoolSpec(
+    name="gpu-spot",
+    kind=PoolKind.SPOT,
+    startup_seconds=120,
+    preemptions_per_hour=0.5,
+    preemption_notice_seconds=120,
+    node_selector={"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"},
+    tolerations=(
+        GPU_TOLERATION,
+        {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+    ),
+)
+ON_DEMAND = PoolSpec(
+    name="gpu-on-demand",
+    kind=PoolKind.ON_DEMAND,
+    price_per_gpu_hour=3.0,
+    startup_seconds=120,
+    node_selector={"karpenter.sh/capacity-type": "on-demand"},
+    tolerations=(GPU_TOLERATION,),
+)
 SECRET_PASSWORD = "s3cr3t-pw"
 
 
@@ -40,12 +53,30 @@ def job_id(store_url: str) -> str:
     store = ManifestStore(store_url)
     store.migrate()
     job, _ = store.create_job(
-        NewJob(deadline=T0 + dt.timedelta(hours=2), input_uri="/data/in.jsonl", input_sha256="0" * 64,
-               input_lines=40, input_total_lines=40, output_uri="/data/out",
-               config={"workers": 2, "engine": "echo", "pools": [SPOT.to_dict(), ON_DEMAND.to_dict()]},
-               idempotency_key="pod-spec-test"),
-        [NewShard(shard_index=i, byte_start=i * 100, byte_end=(i + 1) * 100, first_line=i * 10 + 1, line_count=10,
-                  records=10, num_microbatches=3, input_sha256="0" * 64, est_work_s=600.0) for i in range(4)],
+        NewJob(
+            deadline=T0 + dt.timedelta(hours=2),
+            input_uri="/data/in.jsonl",
+            input_sha256="0" * 64,
+            input_lines=40,
+            input_total_lines=40,
+            output_uri="/data/out",
+            config={"workers": 2, "engine": "echo", "pools": [SPOT.to_dict(), ON_DEMAND.to_dict()]},
+            idempotency_key="pod-spec-test",
+        ),
+        [
+            NewShard(
+                shard_index=i,
+                byte_start=i * 100,
+                byte_end=(i + 1) * 100,
+                first_line=i * 10 + 1,
+                line_count=10,
+                records=10,
+                num_microbatches=3,
+                input_sha256="0" * 64,
+                est_work_s=600.0,
+            )
+            for i in range(4)
+        ],
         None,
     )
     return job.job_id
@@ -53,8 +84,14 @@ def job_id(store_url: str) -> str:
 
 def make_operator(store_url: str, job_id: str, clock: ManualClock) -> DeadlineShardPodOperator:
     return DeadlineShardPodOperator(
-        task_id="shard", job_id=job_id, shard_index=1, image="registry.example.com/deadline-batch-worker:0.1.0",
-        namespace="batch", store_url=store_url, clock=clock, labels={"team": "data"},
+        task_id="shard",
+        job_id=job_id,
+        shard_index=1,
+        image="registry.example.com/deadline-batch-worker:0.1.0",
+        namespace="batch",
+        store_url=store_url,
+        clock=clock,
+        labels={"team": "data"},
     )
 
 
@@ -134,9 +171,18 @@ def test_committed_shard_is_a_no_op(store_url, job_id, tmp_path):
     store = ManifestStore(store_url)
     lease = store.claim_shard(job_id, 1, ttl_s=60, worker="w", pool="gpu-spot")
     for seq in range(lease.num_microbatches):
-        store.commit_microbatch(lease, seq=seq, uri=f"file://{tmp_path}/o{seq}", sha256="a" * 64, records=4,
-                                counts={"succeeded": 4}, prompt_tokens=1, completion_tokens=1, elapsed_s=0.1,
-                                model_digest=None)
+        store.commit_microbatch(
+            lease,
+            seq=seq,
+            uri=f"file://{tmp_path}/o{seq}",
+            sha256="a" * 64,
+            records=4,
+            counts={"succeeded": 4},
+            prompt_tokens=1,
+            completion_tokens=1,
+            elapsed_s=0.1,
+            model_digest=None,
+        )
     store.complete_shard(lease)
 
     op = make_operator(store_url, job_id, ManualClock(T0))
@@ -147,42 +193,74 @@ def test_committed_shard_is_a_no_op(store_url, job_id, tmp_path):
 
 
 def test_store_connection_secrets_never_reach_the_pod_spec(store_url, job_id, monkeypatch):
-    monkeypatch.setenv("AIRFLOW_CONN_ADB_STORE_TEST", json.dumps(
-        {"conn_type": "deadline_batch_store", "host": store_url, "password": SECRET_PASSWORD}))
-    op = DeadlineShardPodOperator(task_id="shard", job_id=job_id, shard_index=0, image="worker:1", namespace="b",
-                                  store_conn_id="adb_store_test", clock=ManualClock(T0))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_ADB_STORE_TEST",
+        json.dumps({"conn_type": "deadline_batch_store", "host": store_url, "password": SECRET_PASSWORD}),
+    )
+    op = DeadlineShardPodOperator(
+        task_id="shard",
+        job_id=job_id,
+        shard_index=0,
+        image="worker:1",
+        namespace="b",
+        store_conn_id="adb_store_test",
+        clock=ManualClock(T0),
+    )
     assert op.prepare_try().action is TryAction.RUN  # the operator read the store through the connection
     text = json.dumps(manifest_of(op))
     assert SECRET_PASSWORD not in text and store_url not in text
 
 
-def _pod(phase: str, *, reason: str | None = None, exit_code: int | None = None, term_reason: str | None = None,
-         disruption: str | None = None) -> k8s.V1Pod:
+def _pod(
+    phase: str,
+    *,
+    reason: str | None = None,
+    exit_code: int | None = None,
+    term_reason: str | None = None,
+    disruption: str | None = None,
+) -> k8s.V1Pod:
     statuses = None
     if exit_code is not None:
-        statuses = [k8s.V1ContainerStatus(
-            name="base", image="img", image_id="", ready=False, restart_count=0,
-            state=k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=exit_code,
-                                                                                  reason=term_reason)))]
+        statuses = [
+            k8s.V1ContainerStatus(
+                name="base",
+                image="img",
+                image_id="",
+                ready=False,
+                restart_count=0,
+                state=k8s.V1ContainerState(
+                    terminated=k8s.V1ContainerStateTerminated(exit_code=exit_code, reason=term_reason)
+                ),
+            )
+        ]
     conditions = None
     if disruption:
-        conditions = [k8s.V1PodCondition(type="DisruptionTarget", status="True", reason=disruption,
-                                         message="node is being reclaimed")]
-    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="p"),
-                     status=k8s.V1PodStatus(phase=phase, reason=reason, container_statuses=statuses,
-                                            conditions=conditions))
+        conditions = [
+            k8s.V1PodCondition(
+                type="DisruptionTarget", status="True", reason=disruption, message="node is being reclaimed"
+            )
+        ]
+    return k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(name="p"),
+        status=k8s.V1PodStatus(
+            phase=phase, reason=reason, container_statuses=statuses, conditions=conditions
+        ),
+    )
 
 
-@pytest.mark.parametrize(("pod", "expected"), [
-    (_pod("Succeeded", exit_code=0), PodOutcome.SUCCEEDED),
-    (_pod("Failed", reason="Evicted"), PodOutcome.PREEMPTED),
-    (_pod("Failed", reason="Terminated", exit_code=143), PodOutcome.PREEMPTED),
-    (_pod("Failed", exit_code=137, disruption="TerminationByKubelet"), PodOutcome.PREEMPTED),
-    (_pod("Failed", exit_code=75), PodOutcome.PREEMPTED),
-    (_pod("Failed", exit_code=1), PodOutcome.TERMINAL),
-    (_pod("Failed", exit_code=137, term_reason="OOMKilled"), PodOutcome.RETRYABLE),
-    (_pod("Failed", exit_code=2), PodOutcome.RETRYABLE),
-    (None, PodOutcome.RETRYABLE),
-])
+@pytest.mark.parametrize(
+    ("pod", "expected"),
+    [
+        (_pod("Succeeded", exit_code=0), PodOutcome.SUCCEEDED),
+        (_pod("Failed", reason="Evicted"), PodOutcome.PREEMPTED),
+        (_pod("Failed", reason="Terminated", exit_code=143), PodOutcome.PREEMPTED),
+        (_pod("Failed", exit_code=137, disruption="TerminationByKubelet"), PodOutcome.PREEMPTED),
+        (_pod("Failed", exit_code=75), PodOutcome.PREEMPTED),
+        (_pod("Failed", exit_code=1), PodOutcome.TERMINAL),
+        (_pod("Failed", exit_code=137, term_reason="OOMKilled"), PodOutcome.RETRYABLE),
+        (_pod("Failed", exit_code=2), PodOutcome.RETRYABLE),
+        (None, PodOutcome.RETRYABLE),
+    ],
+)
 def test_classify_pod(pod, expected):
     assert classify_pod(pod).outcome is expected

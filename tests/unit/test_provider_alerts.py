@@ -16,17 +16,27 @@ DEADLINE = dt.datetime(2026, 3, 1, 6, 0, tzinfo=dt.timezone.utc)
 
 
 def progress(remaining_work_s: float, **extra) -> dict:
-    return {"job_id": "j-1", "state": "running", "deadline": DEADLINE.isoformat(), "total_records": 100,
-            "committed_records": 40, "remaining_work_s": remaining_work_s, **extra}
+    return {
+        "job_id": "j-1",
+        "state": "running",
+        "deadline": DEADLINE.isoformat(),
+        "total_records": 100,
+        "committed_records": 40,
+        "remaining_work_s": remaining_work_s,
+        **extra,
+    }
 
 
-@pytest.mark.parametrize(("remaining", "parallelism", "now", "level"), [
-    (3600, 1, NOW, None),                                     # 1 h of slack, threshold 10 min
-    (6700, 1, NOW, RiskLevel.THIN),                           # 500 s of slack, under 600
-    (8000, 1, NOW, RiskLevel.LATE),                           # finishes 800 s late
-    (8000, 4, NOW, None),                                     # four workers make it
-    (10, 1, DEADLINE + dt.timedelta(seconds=1), RiskLevel.MISSED),
-])
+@pytest.mark.parametrize(
+    ("remaining", "parallelism", "now", "level"),
+    [
+        (3600, 1, NOW, None),  # 1 h of slack, threshold 10 min
+        (6700, 1, NOW, RiskLevel.THIN),  # 500 s of slack, under 600
+        (8000, 1, NOW, RiskLevel.LATE),  # finishes 800 s late
+        (8000, 4, NOW, None),  # four workers make it
+        (10, 1, DEADLINE + dt.timedelta(seconds=1), RiskLevel.MISSED),
+    ],
+)
 def test_assess_risk(remaining, parallelism, now, level):
     risk = assess_risk(progress(remaining), now, threshold_s=600, parallelism=parallelism)
     assert (risk.level if risk else None) is level
@@ -59,8 +69,9 @@ class RecordingNotifier(BaseNotifier):
 
 def test_notifier_renders_and_forwards_to_wrapped_notifiers():
     RecordingNotifier.sent = []
-    notifier = DeadlineRiskNotifier(notifiers=[RecordingNotifier("on-call: {{ deadline_risk.reason }}")],
-                                    threshold_s=600)
+    notifier = DeadlineRiskNotifier(
+        notifiers=[RecordingNotifier("on-call: {{ deadline_risk.reason }}")], threshold_s=600
+    )
     risk = assess_risk(progress(8000), NOW, threshold_s=600)
     message = notifier.notify_risk({}, risk)
     assert "j-1" in message and "800 s after the deadline" in message and "40/100" in message
@@ -73,7 +84,9 @@ def test_notifier_renders_and_forwards_to_wrapped_notifiers():
 
 def test_progress_url_and_page_escape_user_values():
     url = progress_url("http://airflow:8080/", "j-abc", "s3://b/j-abc/manifest.json")
-    assert url == "http://airflow:8080/deadline-batch/jobs/j-abc?manifest=s3%3A%2F%2Fb%2Fj-abc%2Fmanifest.json"
+    assert (
+        url == "http://airflow:8080/deadline-batch/jobs/j-abc?manifest=s3%3A%2F%2Fb%2Fj-abc%2Fmanifest.json"
+    )
     page = render_progress_html({"job_id": "j-<x>", "committed_records": 3}, "s3://b/<m>")
     assert "<x>" not in page and "&lt;x&gt;" in page and "&lt;m&gt;" in page
 
@@ -88,13 +101,37 @@ def test_plugin_serves_progress_from_the_store(tmp_path, monkeypatch):
     store = ManifestStore(url)
     store.migrate()
     job, _ = store.create_job(
-        NewJob(deadline=DEADLINE, input_uri="/in", input_sha256="0" * 64, input_lines=2, input_total_lines=2,
-               output_uri="/out", config={}),
-        [NewShard(shard_index=0, byte_start=0, byte_end=1, first_line=1, line_count=2, records=2,
-                  num_microbatches=1, input_sha256="0" * 64, est_work_s=1.0)], None)
+        NewJob(
+            deadline=DEADLINE,
+            input_uri="/in",
+            input_sha256="0" * 64,
+            input_lines=2,
+            input_total_lines=2,
+            output_uri="/out",
+            config={},
+        ),
+        [
+            NewShard(
+                shard_index=0,
+                byte_start=0,
+                byte_end=1,
+                first_line=1,
+                line_count=2,
+                records=2,
+                num_microbatches=1,
+                input_sha256="0" * 64,
+                est_work_s=1.0,
+            )
+        ],
+        None,
+    )
     monkeypatch.setenv("ADB_STORE_URL", url)
     client = TestClient(create_app())
     data = client.get(f"/api/jobs/{job.job_id}").json()
-    assert data["job_id"] == job.job_id and data["total_records"] == 2 and data["shards_by_state"] == {"pending": 1}
+    assert (
+        data["job_id"] == job.job_id
+        and data["total_records"] == 2
+        and data["shards_by_state"] == {"pending": 1}
+    )
     assert job.job_id in client.get(f"/jobs/{job.job_id}").text
     assert client.get("/api/jobs/j-missing").status_code == 404

@@ -28,10 +28,29 @@ def store(tmp_path) -> ManifestStore:
 
 def make_job(store: ManifestStore, shards: int = 2) -> str:
     job, _ = store.create_job(
-        NewJob(deadline=NOW + dt.timedelta(hours=1), input_uri="/in.jsonl", input_sha256="0" * 64,
-               input_lines=2 * shards, input_total_lines=2 * shards, output_uri="/out", config={"workers": 1}),
-        [NewShard(shard_index=i, byte_start=i, byte_end=i + 1, first_line=i + 1, line_count=2, records=2,
-                  num_microbatches=1, input_sha256="0" * 64, est_work_s=10.0) for i in range(shards)],
+        NewJob(
+            deadline=NOW + dt.timedelta(hours=1),
+            input_uri="/in.jsonl",
+            input_sha256="0" * 64,
+            input_lines=2 * shards,
+            input_total_lines=2 * shards,
+            output_uri="/out",
+            config={"workers": 1},
+        ),
+        [
+            NewShard(
+                shard_index=i,
+                byte_start=i,
+                byte_end=i + 1,
+                first_line=i + 1,
+                line_count=2,
+                records=2,
+                num_microbatches=1,
+                input_sha256="0" * 64,
+                est_work_s=10.0,
+            )
+            for i in range(shards)
+        ],
         None,
     )
     return job.job_id
@@ -39,9 +58,18 @@ def make_job(store: ManifestStore, shards: int = 2) -> str:
 
 def finish_shard(store: ManifestStore, job_id: str, index: int) -> None:
     lease = store.claim_shard(job_id, index, ttl_s=60, worker="w")
-    store.commit_microbatch(lease, seq=0, uri=f"file:///out/{index}", sha256="a" * 64, records=2,
-                            counts={"succeeded": 2}, prompt_tokens=1, completion_tokens=1, elapsed_s=0.1,
-                            model_digest=None)
+    store.commit_microbatch(
+        lease,
+        seq=0,
+        uri=f"file:///out/{index}",
+        sha256="a" * 64,
+        records=2,
+        counts={"succeeded": 2},
+        prompt_tokens=1,
+        completion_tokens=1,
+        elapsed_s=0.1,
+        model_digest=None,
+    )
     store.complete_shard(lease)
 
 
@@ -53,12 +81,21 @@ def collect(trigger: CompletenessTrigger) -> list[TriggerEvent]:
 
 
 def test_serialize_returns_plain_values_and_round_trips():
-    trigger = CompletenessTrigger(job_id="j-abc", store_url="sqlite:////tmp/x.db", poll_interval_s=5,
-                                  timeout_at="2026-01-01T06:00:00+00:00")
+    trigger = CompletenessTrigger(
+        job_id="j-abc",
+        store_url="sqlite:////tmp/x.db",
+        poll_interval_s=5,
+        timeout_at="2026-01-01T06:00:00+00:00",
+    )
     classpath, kwargs = trigger.serialize()
     assert classpath == "airflow_deadline_batch.triggers.completeness.CompletenessTrigger"
-    assert kwargs == {"job_id": "j-abc", "store_url": "sqlite:////tmp/x.db", "store_conn_id": None,
-                      "poll_interval_s": 5.0, "timeout_at": "2026-01-01T06:00:00+00:00"}
+    assert kwargs == {
+        "job_id": "j-abc",
+        "store_url": "sqlite:////tmp/x.db",
+        "store_conn_id": None,
+        "poll_interval_s": 5.0,
+        "timeout_at": "2026-01-01T06:00:00+00:00",
+    }
     module, _, name = classpath.rpartition(".")
     cls = getattr(__import__(module, fromlist=[name]), name)
     assert cls(**kwargs).serialize() == (classpath, kwargs)
@@ -83,8 +120,9 @@ def test_timeout_event_while_shards_are_pending(store):
     job_id = make_job(store)
     finish_shard(store, job_id, 0)
     past = (NOW - dt.timedelta(seconds=1)).isoformat()
-    events = collect(CompletenessTrigger(job_id=job_id, store_url=store.url, poll_interval_s=0.01,
-                                         timeout_at=past))
+    events = collect(
+        CompletenessTrigger(job_id=job_id, store_url=store.url, poll_interval_s=0.01, timeout_at=past)
+    )
     event = CompletenessEvent.from_payload(events[0].payload)
     assert event.status is CompletenessStatus.TIMEOUT
     assert event.progress["committed_records"] == 2
@@ -94,7 +132,8 @@ def test_failed_event_when_the_job_is_cancelled(store):
     job_id = make_job(store)
     store.cancel_job(job_id)
     event = CompletenessEvent.from_payload(
-        collect(CompletenessTrigger(job_id=job_id, store_url=store.url, poll_interval_s=0.01))[0].payload)
+        collect(CompletenessTrigger(job_id=job_id, store_url=store.url, poll_interval_s=0.01))[0].payload
+    )
     assert event.status is CompletenessStatus.FAILED
     assert "cancelled" in event.message
 
@@ -106,13 +145,16 @@ def test_store_failure_becomes_an_error_event_not_an_exception(store):
     assert "j-doesnotexist" in event.message
 
 
-@pytest.mark.parametrize(("by_state", "state", "expected"), [
-    ({"succeeded": 3}, "running", CompletenessStatus.COMPLETE),
-    ({"succeeded": 2, "terminal_failure": 1}, "running", CompletenessStatus.FAILED),
-    ({"succeeded": 2, "pending": 1}, "running", None),
-    ({"succeeded": 2, "leased": 1}, "cancelled", CompletenessStatus.FAILED),
-    ({"succeeded": 1, "retryable_failure": 1}, "running", None),
-])
+@pytest.mark.parametrize(
+    ("by_state", "state", "expected"),
+    [
+        ({"succeeded": 3}, "running", CompletenessStatus.COMPLETE),
+        ({"succeeded": 2, "terminal_failure": 1}, "running", CompletenessStatus.FAILED),
+        ({"succeeded": 2, "pending": 1}, "running", None),
+        ({"succeeded": 2, "leased": 1}, "cancelled", CompletenessStatus.FAILED),
+        ({"succeeded": 1, "retryable_failure": 1}, "running", None),
+    ],
+)
 def test_evaluate_progress(by_state, state, expected):
     event = evaluate_progress("j-x", {"shards_by_state": by_state, "state": state})
     assert (event.status if event else None) is expected
