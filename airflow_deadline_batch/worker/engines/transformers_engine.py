@@ -107,6 +107,9 @@ class TransformersEngine:
                 "the transformers engine needs torch and transformers; "
                 "pip install 'airflow-deadline-batch[transformers]'"
             ) from exc
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the worker logs one line per event; no progress bars
         kwargs: dict[str, Any] = {"local_files_only": True}
         if self.location.gguf_file:
             kwargs["gguf_file"] = self.location.gguf_file
