@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,6 +24,8 @@ T = TypeVar("T")
 
 CONNECT_TIMEOUT_S = 10
 SQLITE_BUSY_TIMEOUT_S = 30.0
+#: a pooled connection idle for longer than this is pinged before use
+PING_AFTER_IDLE_S = 5.0
 #: execution option read by the SQLite ``begin`` hook: "IMMEDIATE" for writes
 BEGIN_MODE = "adb_sqlite_begin"
 
@@ -81,6 +84,32 @@ def _install_sqlite_hooks(engine: Engine) -> None:
         conn.exec_driver_sql(f"BEGIN {mode}")
 
 
+def _install_idle_ping(engine: Engine) -> None:
+    """``pool_pre_ping``, but only for connections that sat idle in the pool.
+
+    A connection dies while idle (server restart, fail-over, a NAT or proxy timeout); one handed
+    back milliseconds ago is alive. Pinging only after ``PING_AFTER_IDLE_S`` keeps the protection
+    without a round trip in front of every transaction of a busy worker. A connection that dies
+    mid-transaction anyway is invalidated and the transaction retried (``run_with_retry``).
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
+        record.info["adb_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.get("adb_idle_since")
+        if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_S:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_connection)
+        except Exception as exc:  # any failure means: throw this connection away
+            raise sa.exc.DisconnectionError(f"stale pooled connection: {exc}") from exc
+        if not alive:
+            raise sa.exc.DisconnectionError("stale pooled connection")
+
+
 def create_store_engine(url: str) -> Engine:
     """An engine with explicit connect timeouts; SQLite in WAL mode with serialized writers."""
     url = normalize_url(url)
@@ -88,16 +117,17 @@ def create_store_engine(url: str) -> Engine:
         engine = sa.create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
         _install_sqlite_hooks(engine)
         return engine
-    return sa.create_engine(
+    engine = sa.create_engine(
         url,
         # connect_timeout: without it a half-open network path hangs the worker for minutes.
         connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
-        pool_pre_ping=True,
         pool_size=2,
         max_overflow=4,
         pool_timeout=30,
         pool_recycle=1800,
     )
+    _install_idle_ping(engine)
+    return engine
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -37,6 +37,7 @@ from airflow_deadline_batch.exceptions import (
 )
 from airflow_deadline_batch.store.engine import BEGIN_MODE, create_store_engine, fork_safe, run_with_retry
 from airflow_deadline_batch.store.rows import (
+    DEFAULT_MAX_ATTEMPTS,
     VALIDATION_ATTEMPT_ID,
     VALIDATION_SHARD_INDEX,
     AttemptRow,
@@ -49,7 +50,15 @@ from airflow_deadline_batch.store.rows import (
     Progress,
     ShardRow,
 )
-from airflow_deadline_batch.store.schema import attempts, commits, db_epoch, jobs, shards
+from airflow_deadline_batch.store.schema import (
+    JSONType,
+    attempts,
+    commits,
+    db_epoch,
+    db_timestamp,
+    jobs,
+    shards,
+)
 
 T = TypeVar("T")
 UTC = dt.timezone.utc
@@ -60,6 +69,132 @@ MIGRATION_LOCK_KEY = 0x6164625F6D696772
 ACTIVE_JOB_STATES = frozenset({JobState.ADMITTED, JobState.RUNNING})
 #: attempt outcomes counted as preemptions in progress reports
 PREEMPTION_OUTCOMES = frozenset({AttemptOutcome.PREEMPTED.value, AttemptOutcome.ABANDONED.value})
+
+
+# -- hot-path statements -----------------------------------------------------------------------------
+# Claim, heartbeat, commit and complete each try one conditional UPDATE ... RETURNING first; it
+# encodes the whole precondition (fencing token, live lease on the DB clock, active job) in its
+# WHERE clause, so the common case is one locked row and one or two statements. Only when it
+# matches nothing does the slow path lock the row and work out why (to raise the right error).
+_B = sa.bindparam
+_TTL: sa.BindParameter[float] = _B("b_ttl", type_=sa.Double())
+_SEQ: sa.BindParameter[int] = _B("b_seq", type_=sa.Integer())
+_ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATES)
+_KEY = sa.and_(shards.c.job_id == _B("b_job"), shards.c.shard_index == _B("b_index"))
+_HOLDS_LIVE_LEASE = sa.and_(
+    _KEY,
+    shards.c.state == ShardState.LEASED.value,
+    shards.c.epoch == _B("b_epoch"),
+    shards.c.lease_attempt_id == _B("b_attempt"),
+    shards.c.lease_expires_at > db_epoch(),
+    sa.exists().where(jobs.c.job_id == shards.c.job_id, jobs.c.state.in_(_ACTIVE)),
+)
+_CLAIM = (
+    sa.update(shards)
+    .where(
+        _KEY,
+        shards.c.state.in_([ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value]),
+        sa.exists().where(
+            jobs.c.job_id == shards.c.job_id,
+            jobs.c.state.in_(_ACTIVE),
+            shards.c.attempts < jobs.c.max_attempts,
+        ),
+    )
+    .values(
+        state=ShardState.LEASED.value,
+        epoch=shards.c.epoch + 1,
+        lease_attempt_id=_B("b_attempt"),
+        lease_expires_at=db_epoch() + _TTL,
+        lease_ttl_s=_TTL,
+        attempts=shards.c.attempts + 1,
+        last_pool=_B("b_pool"),
+        updated_at=db_timestamp(),
+    )
+    .returning(
+        shards.c.epoch,
+        shards.c.lease_expires_at,
+        shards.c.cursor,
+        shards.c.num_microbatches,
+        sa.select(jobs.c.state).where(jobs.c.job_id == shards.c.job_id).scalar_subquery().label("job_state"),
+    )
+)
+_INSERT_ATTEMPT = sa.insert(attempts).values(
+    attempt_id=_B("b_attempt"),
+    job_id=_B("b_job"),
+    shard_index=_B("b_index"),
+    epoch=_B("b_epoch"),
+    worker=_B("b_worker"),
+    pool=_B("b_pool"),
+    started_at=db_timestamp(),
+    outcome=AttemptOutcome.RUNNING.value,
+    heartbeat_at=db_timestamp(),
+)
+_RUN_JOB = (
+    sa.update(jobs)
+    .where(jobs.c.job_id == _B("b_job"), jobs.c.state == JobState.ADMITTED.value)
+    .values(state=JobState.RUNNING.value, updated_at=db_timestamp())
+)
+_HEARTBEAT = (
+    sa.update(shards)
+    .where(_HOLDS_LIVE_LEASE)
+    .values(lease_expires_at=db_epoch() + _TTL, lease_ttl_s=_TTL, updated_at=db_timestamp())
+    .returning(shards.c.lease_expires_at, shards.c.cursor)
+)
+_ATTEMPT_HEARTBEAT = (
+    sa.update(attempts).where(attempts.c.attempt_id == _B("b_attempt")).values(heartbeat_at=db_timestamp())
+)
+_TTL_FROM_NOW = db_epoch() + sa.func.coalesce(shards.c.lease_ttl_s, 0.0)
+_COMMIT = (
+    sa.update(shards)
+    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
+    .values(
+        cursor=shards.c.cursor + 1,
+        lease_expires_at=sa.case(
+            (shards.c.lease_expires_at > _TTL_FROM_NOW, shards.c.lease_expires_at), else_=_TTL_FROM_NOW
+        ),
+        updated_at=db_timestamp(),
+    )
+    .returning(shards.c.lease_expires_at)
+)
+_INSERT_COMMIT = sa.insert(commits).values(
+    job_id=_B("b_job"),
+    shard_index=_B("b_index"),
+    seq=_SEQ,
+    attempt_id=_B("b_attempt"),
+    epoch=_B("b_epoch"),
+    uri=_B("b_uri"),
+    sha256=_B("b_sha256"),
+    records=_B("b_records"),
+    counts=_B("b_counts", type_=JSONType),
+    prompt_tokens=_B("b_prompt_tokens"),
+    completion_tokens=_B("b_completion_tokens"),
+    elapsed_s=_B("b_elapsed_s", type_=sa.Double()),
+    model_digest=_B("b_model_digest", type_=sa.String()),
+    pool=_B("b_pool", type_=sa.String()),
+    committed_at=db_timestamp(),
+)
+_COMPLETE = (
+    sa.update(shards)
+    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == shards.c.num_microbatches)
+    .values(
+        state=ShardState.SUCCEEDED.value, lease_expires_at=None, last_error=None, updated_at=db_timestamp()
+    )
+    .returning(shards.c.epoch)
+)
+_ATTEMPT_SUCCEEDED = (
+    sa.update(attempts)
+    .where(attempts.c.attempt_id == _B("b_attempt"), attempts.c.outcome == AttemptOutcome.RUNNING.value)
+    .values(outcome=AttemptOutcome.SUCCEEDED.value, ended_at=db_timestamp(), error=None)
+)
+
+
+def _lease_params(lease: Lease) -> dict[str, Any]:
+    return {
+        "b_job": lease.job_id,
+        "b_index": lease.shard_index,
+        "b_epoch": lease.epoch,
+        "b_attempt": lease.attempt_id,
+    }
 
 
 def _ts(epoch_s: float) -> dt.datetime:
@@ -213,6 +348,7 @@ class ManifestStore:
                     input_lines=job.input_lines,
                     input_total_lines=job.input_total_lines,
                     output_uri=job.output_uri,
+                    max_attempts=int(job.config.get("max_attempts") or DEFAULT_MAX_ATTEMPTS),
                     config=dict(job.config),
                     admission=dict(job.admission) if job.admission is not None else None,
                     completed_at=now if job.state is JobState.REJECTED else None,
@@ -390,6 +526,31 @@ class ManifestStore:
         sid = shard_id(shard_index)
 
         def claim(conn: Connection) -> Lease | ShardNotClaimable:
+            params = {
+                "b_job": job_id,
+                "b_index": shard_index,
+                "b_attempt": attempt_id,
+                "b_ttl": ttl_s,
+                "b_pool": pool,
+                "b_worker": worker,
+            }
+            fast = conn.execute(_CLAIM, params).first()
+            if fast is not None:
+                conn.execute(_INSERT_ATTEMPT, {**params, "b_epoch": fast.epoch})
+                if fast.job_state == JobState.ADMITTED.value:
+                    conn.execute(_RUN_JOB, params)
+                return Lease(
+                    job_id=job_id,
+                    shard_index=shard_index,
+                    attempt_id=attempt_id,
+                    epoch=fast.epoch,
+                    expires_at=fast.lease_expires_at,
+                    cursor=fast.cursor,
+                    num_microbatches=fast.num_microbatches,
+                )
+            return slow_claim(conn)
+
+        def slow_claim(conn: Connection) -> Lease | ShardNotClaimable:
             job = self._job(conn, job_id)
             shard, now = self._lock_shard(conn, job_id, shard_index)
             if shard.state is ShardState.SUCCEEDED:
@@ -531,6 +692,11 @@ class ManifestStore:
         """Extend the lease to ``db_now + ttl_s``; :class:`LeaseLost` if fenced, expired or job inactive."""
 
         def beat(conn: Connection) -> Lease:
+            params = {**_lease_params(lease), "b_ttl": ttl_s}
+            fast = conn.execute(_HEARTBEAT, params).first()
+            if fast is not None:
+                conn.execute(_ATTEMPT_HEARTBEAT, params)
+                return dataclasses.replace(lease, expires_at=fast.lease_expires_at, cursor=fast.cursor)
             shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
             self._check_lease(conn, shard, now, lease)
             expires = now + ttl_s
@@ -570,6 +736,23 @@ class ManifestStore:
         """
 
         def commit(conn: Connection) -> Lease:
+            params = {
+                **_lease_params(lease),
+                "b_seq": seq,
+                "b_uri": uri,
+                "b_sha256": sha256,
+                "b_records": records,
+                "b_counts": {str(k): int(v) for k, v in counts.items()},
+                "b_prompt_tokens": prompt_tokens,
+                "b_completion_tokens": completion_tokens,
+                "b_elapsed_s": float(elapsed_s),
+                "b_model_digest": model_digest,
+                "b_pool": pool,
+            }
+            fast = conn.execute(_COMMIT, params).first()
+            if fast is not None:
+                conn.execute(_INSERT_COMMIT, params)
+                return dataclasses.replace(lease, expires_at=fast.lease_expires_at, cursor=seq + 1)
             shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
             self._check_lease(conn, shard, now, lease)
             if seq != shard.cursor or seq >= shard.num_microbatches:
@@ -615,11 +798,6 @@ class ManifestStore:
                 )
                 .values(cursor=seq + 1, lease_expires_at=expires, updated_at=_ts(now))
             )
-            conn.execute(
-                sa.update(attempts)
-                .where(attempts.c.attempt_id == lease.attempt_id)
-                .values(heartbeat_at=_ts(now))
-            )
             return dataclasses.replace(lease, expires_at=expires, cursor=seq + 1)
 
         return self._tx(commit)
@@ -628,6 +806,10 @@ class ManifestStore:
         """Mark the shard succeeded; needs every microbatch committed and the live lease."""
 
         def complete(conn: Connection) -> None:
+            params = _lease_params(lease)
+            if conn.execute(_COMPLETE, params).first() is not None:
+                conn.execute(_ATTEMPT_SUCCEEDED, params)
+                return
             shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
             self._check_lease(conn, shard, now, lease)
             if shard.cursor != shard.num_microbatches:

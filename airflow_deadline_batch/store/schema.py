@@ -76,6 +76,24 @@ def _db_epoch_postgresql(element: db_epoch, compiler: SQLCompiler, **kw: Any) ->
     return "CAST(extract(epoch from clock_timestamp()) AS double precision)"
 
 
+class db_timestamp(expression.FunctionElement[dt.datetime]):  # noqa: N801 - reads as a SQL function
+    """The database server's clock as a timestamp, for row stamps written in the same statement."""
+
+    type = UTCDateTime()
+    name = "db_timestamp"
+    inherit_cache = True
+
+
+@compiles(db_timestamp)
+def _db_timestamp_sqlite(element: db_timestamp, compiler: SQLCompiler, **kw: Any) -> str:
+    return "strftime('%Y-%m-%d %H:%M:%f', 'now')"
+
+
+@compiles(db_timestamp, "postgresql")
+def _db_timestamp_postgresql(element: db_timestamp, compiler: SQLCompiler, **kw: Any) -> str:
+    return "clock_timestamp()"
+
+
 jobs = sa.Table(
     "adb_jobs",
     metadata,
@@ -91,6 +109,8 @@ jobs = sa.Table(
     sa.Column("input_total_lines", sa.Integer(), nullable=False),
     sa.Column("output_uri", sa.Text(), nullable=False),
     sa.Column("config", JSONType, nullable=False),
+    # copied from config so that a claim can check it in SQL, in the same statement that claims
+    sa.Column("max_attempts", sa.Integer(), nullable=False),
     sa.Column("admission", JSONType, nullable=True),
     sa.Column("manifest_uri", sa.Text(), nullable=True),
     sa.Column("manifest_sha256", sa.String(64), nullable=True),
@@ -149,10 +169,10 @@ attempts = sa.Table(
 commits = sa.Table(
     "adb_commits",
     metadata,
-    sa.Column(
-        "job_id", sa.String(64), sa.ForeignKey("adb_jobs.job_id", ondelete="CASCADE"), primary_key=True
-    ),
-    # -1 is the planner's validation-errors object, which belongs to no shard: no FK to adb_shards.
+    # No foreign keys: -1 is the planner's validation-errors object, which belongs to no shard, and
+    # a key to adb_jobs would make every commit share-lock the one job row (on PostgreSQL a
+    # MultiXact per commit under concurrency). create_job and the fenced UPDATE guard integrity.
+    sa.Column("job_id", sa.String(64), primary_key=True),
     sa.Column("shard_index", sa.Integer(), primary_key=True, autoincrement=False),
     sa.Column("seq", sa.Integer(), primary_key=True, autoincrement=False),
     sa.Column("attempt_id", sa.String(64), nullable=False),

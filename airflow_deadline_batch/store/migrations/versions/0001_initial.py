@@ -38,6 +38,7 @@ def upgrade() -> None:
         sa.Column("input_total_lines", sa.Integer(), nullable=False),
         sa.Column("output_uri", sa.Text(), nullable=False),
         sa.Column("config", _JSON, nullable=False),
+        sa.Column("max_attempts", sa.Integer(), nullable=False),
         sa.Column("admission", _JSON, nullable=True),
         sa.Column("manifest_uri", sa.Text(), nullable=True),
         sa.Column("manifest_sha256", sa.String(64), nullable=True),
@@ -114,9 +115,6 @@ def upgrade() -> None:
         sa.Column("pool", sa.String(128), nullable=True),
         _ts("committed_at", False),
         sa.PrimaryKeyConstraint("job_id", "shard_index", "seq", name="pk_adb_commits"),
-        sa.ForeignKeyConstraint(
-            ["job_id"], ["adb_jobs.job_id"], name="fk_adb_commits_job_id_adb_jobs", ondelete="CASCADE"
-        ),
     )
 
 
