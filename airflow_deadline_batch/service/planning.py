@@ -344,7 +344,7 @@ def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock) -> Plan
     shards = [
         NewShard(
             shard_index=c.index, byte_start=c.byte_start, byte_end=c.byte_end, first_line=c.first_line,
-            line_count=c.line_count, records=c.records, excluded_lines=list(c.excluded_lines),
+            line_count=c.line_count, records=c.records, excluded_lines=c.excluded_lines,
             input_sha256=range_shas[c.index], est_work_s=c.est_work_s,
             num_microbatches=microbatch_count(c.records, request.microbatch_size),
         )
@@ -356,8 +356,8 @@ def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock) -> Plan
         data = analysis.error_spool.read()
         uri = storage.put_bytes(VALIDATION_KEY, data)
         validation = NewCommit(
-            shard_index=-1, seq=0, attempt_id="plan", uri=uri, sha256=sha256_hex(data),
-            records=analysis.work.invalid, counts={"errored": analysis.work.invalid},
+            uri=uri, sha256=sha256_hex(data), records=analysis.work.invalid,
+            counts={"errored": analysis.work.invalid},
         )
     job, created = store.create_job(new_job, shards, validation)
     if not created:

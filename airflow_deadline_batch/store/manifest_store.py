@@ -389,6 +389,10 @@ class ManifestStore:
         """The job, or :class:`JobNotFound`."""
         return self._tx(lambda conn: self._job(conn, job_id), write=False)
 
+    def get_job_by_idempotency_key(self, key: str) -> JobRow | None:
+        """The job submitted with ``key``, or None (lets a planner skip work for a repeated submission)."""
+        return self._tx(lambda conn: self._job_by_key(conn, key), write=False)
+
     def list_jobs(self, limit: int = 50) -> list[JobRow]:
         """The most recently created jobs first."""
         query = sa.select(jobs).order_by(jobs.c.created_at.desc(), jobs.c.job_id).limit(limit)

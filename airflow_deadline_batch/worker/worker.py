@@ -17,7 +17,8 @@ Exit codes: 0 done (also when the shard was already committed), 75 retryable (pr
 lost or held by another live attempt, transient failure), 1 terminal (bad configuration, model
 digest mismatch, changed input, attempts exhausted).
 
-Fault-injection hooks for tests (environment variables; nothing happens unless they are set):
+Fault-injection hooks for tests (environment variables; nothing happens unless they are set;
+``ADB_FAULT_KILL_AFTER_WRITE_PROB=p`` SIGKILLs the worker after an object write, before its commit):
 
 ``ADB_FAULT_PAUSE_AFTER_WRITE=<path>``
     After writing the object of microbatch ``ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ`` (default 0) and
@@ -75,6 +76,7 @@ EXIT_RETRYABLE = 75
 
 ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
 ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"
+ENV_KILL_AFTER_WRITE = "ADB_FAULT_KILL_AFTER_WRITE_PROB"
 
 #: errors that no retry can fix: the worker releases the shard as failed_terminal and exits 1
 TERMINAL_ERRORS: tuple[type[BaseException], ...] = (
@@ -643,6 +645,7 @@ class ShardWorker:
         uri = output.put_bytes(object_key(lease.attempt_id, lease.shard_index, seq), data)
         sha = sha256_hex(data)
         self._fault_pause_after_write(seq)
+        _fault_kill_after_write(seq)
         self._check_heartbeat()  # a lost lease: do not even try to commit
         succeeded = sum(1 for r in results if r.status == "succeeded")
         counts = {"succeeded": succeeded, "errored": len(results) - succeeded}
@@ -692,6 +695,23 @@ class ShardWorker:
         if self._store is not None and self.lease is not None:
             self.heartbeat = Heartbeat(self._store, self.lease, self._ttl_s)
             self.heartbeat.start()
+
+
+def _fault_kill_after_write(seq: int) -> None:
+    """Chaos hook: SIGKILL this process between writing an object and committing it.
+
+    With ``ADB_FAULT_KILL_AFTER_WRITE_PROB=p`` the worker kills itself with probability ``p`` at
+    this exact instant (a real SIGKILL: no handler, no cleanup), so chaos tests hit the window
+    that a random external kill rarely lands in.
+    """
+    raw = os.environ.get(ENV_KILL_AFTER_WRITE)
+    if not raw:
+        return
+    import random
+
+    if random.random() < float(raw):
+        log.warning("fault injection: SIGKILL after writing microbatch %d, before committing it", seq)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------------------- logging
