@@ -176,6 +176,8 @@ def test_same_idempotency_key_returns_the_same_job_and_writes_nothing(store: Man
     again, created_again = store.create_job(*new_job(key="nightly-2030-01-01", shards=5))
     assert created and not created_again
     assert again == first
+    assert store.get_job_by_idempotency_key("nightly-2030-01-01") == first
+    assert store.get_job_by_idempotency_key("other") is None
     assert len(store.list_shards(first.job_id)) == 2
     assert [j.job_id for j in store.list_jobs()] == [first.job_id]
 
