@@ -227,8 +227,12 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
     target = target_shard_seconds(checkpoint_cost_s=request.checkpoint_cost_s, mtbi_s=mtbi,
                                   recovery_reserve_s=reserve)
     if records and gpu_seconds > 0:
-        # at least two shards per worker so that a slow or preempted shard does not idle the rest
+        # two shards per worker, so a slow or preempted shard does not idle the rest ...
         target = min(target, gpu_seconds / (2 * request.workers))
+        # ... but a shard must be worth its start-up (pod scheduling, model load) ...
+        target = max(target, 2.0 * pool.startup_seconds)
+        # ... and every worker still gets a shard
+        target = min(target, gpu_seconds / request.workers)
     return max(target, 1e-6)
 
 
