@@ -408,6 +408,8 @@ class ManifestStore:
         extra: dict[str, Any] | None = None,
     ) -> JobRow:
         check_job_transition(job.state, to, job_id=job.job_id)
+        if to not in ACTIVE_JOB_STATES and job.state in ACTIVE_JOB_STATES:
+            self._fence_unfinished_shards(conn, job.job_id)
         now = _ts(self._now(conn))
         values: dict[str, Any] = {"state": to.value, "updated_at": now, **(extra or {})}
         if error is not None:
@@ -416,6 +418,31 @@ class ManifestStore:
             values["completed_at"] = now
         conn.execute(sa.update(jobs).where(jobs.c.job_id == job.job_id).values(**values))
         return self._job(conn, job.job_id)
+
+    def _fence_unfinished_shards(self, conn: Connection, job_id: str) -> None:
+        """Bump the epoch of every unfinished shard, in the transaction that deactivates the job.
+
+        A commit statement already in flight either finished before this update (and is seen by
+        whoever reads the commits next) or re-checks its row after it and finds a newer epoch: a
+        job that left the running state can take no late commit, on PostgreSQL's READ COMMITTED
+        as on SQLite's serialized writers.
+        """
+        now = self._now(conn)
+        rows = conn.execute(
+            sa.select(shards.c.shard_index, shards.c.lease_attempt_id, shards.c.state)
+            .where(shards.c.job_id == job_id, shards.c.state != ShardState.SUCCEEDED.value)
+            .with_for_update()
+        ).all()
+        for row in rows:
+            values: dict[str, Any] = {
+                "epoch": shards.c.epoch + 1, "lease_attempt_id": None, "lease_expires_at": None,
+                "updated_at": _ts(now),
+            }
+            if row.state == ShardState.LEASED.value:
+                values["state"] = ShardState.RETRYABLE_FAILURE.value
+            conn.execute(sa.update(shards).where(_shard_key(job_id, row.shard_index)).values(**values))
+            self._end_attempt(conn, row.lease_attempt_id, AttemptOutcome.LOST_LEASE, now,
+                              "fenced: the job left the running state")
 
     def set_job_state(
         self,
@@ -673,17 +700,17 @@ class ManifestStore:
         where = (
             f"shard {lease.shard_id} of job {lease.job_id}: attempt {lease.attempt_id} (epoch {lease.epoch})"
         )
-        if shard.epoch != lease.epoch or shard.lease_attempt_id != lease.attempt_id:
+        state = conn.execute(sa.select(jobs.c.state).where(jobs.c.job_id == lease.job_id)).scalar_one()
+        if state not in {s.value for s in ACTIVE_JOB_STATES}:
+            reason = f"job is {state}"  # checked first: it is the reason a user can act on
+        elif shard.epoch != lease.epoch or shard.lease_attempt_id != lease.attempt_id:
             reason = f"fenced by epoch {shard.epoch} ({shard.lease_attempt_id})"
         elif shard.state is not ShardState.LEASED:
             reason = f"shard is {shard.state.value}"
         elif (shard.lease_expires_at or 0.0) <= now:
             reason = f"lease expired {now - (shard.lease_expires_at or 0.0):.2f}s ago"
         else:
-            state = conn.execute(sa.select(jobs.c.state).where(jobs.c.job_id == lease.job_id)).scalar_one()
-            if state in {s.value for s in ACTIVE_JOB_STATES}:
-                return
-            reason = f"job is {state}"
+            return
         raise LeaseLost(
             f"{where} lost its lease: {reason}; stop and exit retryable",
             job_id=lease.job_id,

@@ -448,7 +448,11 @@ def test_cancel_stops_heartbeats_commits_and_claims(store: ManifestStore) -> Non
         claim(store, job, index=1)
     assert err.value.reason == "job_inactive"
     assert store.cancel_job(job.job_id) == cancelled
-    assert store.release(lease, AttemptOutcome.ABANDONED, "job cancelled")
+    # the cancellation fenced the lease (epoch bumped, attempt ended): a late release is a no-op
+    assert not store.release(lease, AttemptOutcome.ABANDONED, "job cancelled")
+    shard = store.get_shard(job.job_id, 0)
+    assert shard.epoch == lease.epoch + 1 and shard.lease_attempt_id is None
+    assert [a.outcome for a in store.list_attempts(job.job_id)] == [AttemptOutcome.LOST_LEASE]
 
 
 def test_cancel_of_a_finished_job_is_refused(store: ManifestStore) -> None:
