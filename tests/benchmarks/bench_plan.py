@@ -1,0 +1,276 @@
+"""Benchmark: planning one million records, wall time and peak RSS against a bare streaming pass.
+
+Three measurements, each in its own subprocess so that its peak RSS is its own (``os.wait4``):
+
+* ``bare``: the leanest pass that reads the same file: ``for line in f``, ``orjson.loads`` and a
+  set of the record IDs (the work any planner must do at the least);
+* ``plan-cli``: ``deadline-batch plan FILE --deadline +24h --json`` (validation, estimates,
+  admission and shard cuts; nothing is written);
+* ``plan-job``: ``service.planning.plan_job`` into a fresh SQLite store (the above, plus the
+  second pass that hashes every shard's byte range, the validation-errors object, and the job
+  with its shards written to the store).
+
+Issue 2's targets: plan at most 3x the bare pass's wall time and at most 300 MB peak RSS.
+The input (about 500 bytes a record, native prompt/chat and OpenAI Batch lines, about 1% bad
+lines of several kinds) is generated once and cached in the temp folder by size and seed.
+
+    .venv/bin/python tests/benchmarks/bench_plan.py --records 1000000 [--repeat 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+#: bump when the generated input changes shape, so stale cached files are not reused
+INPUT_VERSION = 2
+WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "data", "engineers",
+         "plan", "tonight's", "batch", "summarise", "customer", "ticket", "résumé", "invoice")
+TARGET_RATIO = 3.0
+TARGET_RSS_MB = 300.0
+
+
+# --------------------------------------------------------------------------------------------
+# Input
+
+
+def cache_dir() -> Path:
+    path = Path(tempfile.gettempdir()) / "deadline-batch-bench"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def input_path(records: int, seed: int, record_bytes: int) -> Path:
+    return cache_dir() / f"input-v{INPUT_VERSION}-{records}-b{record_bytes}-s{seed}.jsonl"
+
+
+def _bad_line(rng: random.Random, i: int, text: str) -> bytes:
+    """One invalid line of a kind picked at random (each maps to a distinct error code)."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        return b'{"id": "broken-' + str(i).encode() + b'", "prompt": '
+    if kind == 1:
+        return orjson.dumps({"id": f"r{i}", "prompt": "   "})
+    if kind == 2:
+        return orjson.dumps({"id": f"r{i - 1}", "prompt": text})  # the previous line's ID: duplicate_id
+    if kind == 3:
+        return orjson.dumps({"prompt": text})
+    if kind == 4:
+        return orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
+                             "body": {"input": text}})
+    if kind == 5:
+        return orjson.dumps({"id": f"r{i}", "prompt": text, "max_tokens": -3})
+    return b"\xff\xfe" + text.encode()
+
+
+def write_input(path: Path, records: int, *, seed: int, invalid: float = 0.01, record_bytes: int = 500) -> None:
+    """Write ``records`` lines averaging about ``record_bytes`` bytes; atomically, for the cache."""
+    rng = random.Random(seed)
+    # texts come from a pool so generation is quick; their lengths spread from short to about 2x
+    # the mean, so shards see a realistic mix; the JSON around a prompt is about 60-140 bytes
+    mean_words = max(4, (record_bytes - 130) // 6)
+    pool = [" ".join(rng.choices(WORDS, k=rng.randint(2, 2 * mean_words))) for _ in range(4096)]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb", buffering=1 << 20) as out:
+        for i in range(1, records + 1):
+            text = pool[rng.randrange(4096)]
+            roll = rng.random()
+            if roll < invalid:
+                line = _bad_line(rng, i, text)
+            elif roll < 0.45:
+                line = orjson.dumps({"id": f"r{i}", "prompt": text, "max_tokens": 128, "metadata": {"n": i}})
+            elif roll < 0.75:
+                line = orjson.dumps({"id": f"r{i}", "messages": [
+                    {"role": "system", "content": "Summarise in one sentence."},
+                    {"role": "user", "content": text}]})
+            else:
+                line = orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": {"model": "m", "max_tokens": 64, "temperature": 0,
+                                              "messages": [{"role": "user", "content": text}]}})
+            out.write(line + b"\n")
+    tmp.replace(path)
+
+
+def ensure_input(records: int, *, seed: int, record_bytes: int = 500) -> Path:
+    """The cached input for (records, seed, record_bytes), generated on first use."""
+    path = input_path(records, seed, record_bytes)
+    if not path.exists():
+        started = time.perf_counter()
+        write_input(path, records, seed=seed, record_bytes=record_bytes)
+        print(f"generated {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Measured children (run as ``bench_plan.py --child NAME ...``)
+
+
+def child_bare(path: str) -> dict[str, Any]:
+    ids: set[str] = set()
+    bad = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                bad += 1
+                continue
+            ids.add(obj.get("id") or obj.get("custom_id"))
+    return {"ids": len(ids), "unparsable": bad}
+
+
+def child_plan_job(path: str, workdir: str) -> dict[str, Any]:
+    import datetime as dt
+
+    from airflow_deadline_batch.core.pools import default_local_pools
+    from airflow_deadline_batch.service.planning import PlanRequest, plan_job
+    from airflow_deadline_batch.store import ManifestStore
+
+    store = ManifestStore(f"sqlite:///{workdir}/store.db")
+    store.migrate()
+    request = PlanRequest(
+        input_uri=path, deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=24),
+        output_uri=f"{workdir}/out", engine="echo", pools=default_local_pools("echo"), workers=2,
+        microbatch_size=2000,
+    )
+    result = plan_job(store, request)
+    return {"job_id": result.job_id, "records": result.records, "invalid": result.invalid, "shards": result.shards}
+
+
+def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
+    """Run ``argv``; return (wall seconds, CPU seconds, peak RSS in MB, stdout) of that process alone.
+
+    ``os.wait4`` reaps the child with its own resource usage (``RUSAGE_CHILDREN`` would keep the
+    maximum over every child so far). A non-zero exit aborts the benchmark with the child's stderr.
+    """
+    with tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=env)
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        proc.stdout.close()
+        if code != 0:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(argv)} exited {code}:\n{err.read().decode(errors='replace')[-3000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out.decode()
+
+
+def child_main(name: str, args: Sequence[str]) -> None:
+    result = child_bare(args[0]) if name == "bare" else child_plan_job(args[0], args[1])
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+
+
+def cli_path() -> str:
+    script = Path(sys.executable).with_name("deadline-batch")
+    return str(script) if script.exists() else shutil.which("deadline-batch") or "deadline-batch"
+
+
+def commands(path: Path, workdir: Path) -> dict[str, list[str]]:
+    me = [sys.executable, str(Path(__file__).resolve()), "--child"]
+    return {
+        "bare": [*me, "bare", str(path)],
+        "plan-cli": [cli_path(), "plan", str(path), "--deadline", "+24h", "--json"],
+        "plan-job": [*me, "plan-job", str(path), str(workdir)],
+    }
+
+
+def summarize(samples: dict[str, list[tuple[float, float, float]]]) -> list[dict[str, Any]]:
+    """Best and spread of each measurement; ratios are best against best (the least disturbed runs)."""
+    best_bare = min(w for w, _, _ in samples["bare"])
+    best_bare_cpu = min(c for _, c, _ in samples["bare"])
+    rows = []
+    for name, runs in samples.items():
+        walls = [w for w, _, _ in runs]
+        cpus = [c for _, c, _ in runs]
+        rss = [r for _, _, r in runs]
+        rows.append({
+            "name": name, "runs": len(runs), "wall_best_s": round(min(walls), 2),
+            "wall_spread_s": round(max(walls) - min(walls), 2), "wall_median_s": round(statistics.median(walls), 2),
+            "cpu_best_s": round(min(cpus), 2), "peak_rss_mb": round(max(rss), 1),
+            "ratio_vs_bare": round(min(walls) / best_bare, 2), "cpu_ratio_vs_bare": round(min(cpus) / best_bare_cpu, 2),
+        })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--record-bytes", type=int, default=500, help="mean line size of the generated input")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each measurement (interleaved)")
+    parser.add_argument("--only", action="append", choices=("bare", "plan-cli", "plan-job"),
+                        help="measure only these (bare is always measured, for the ratio)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child_main(args.child[0], args.child[1:])
+        return
+    path = ensure_input(args.records, seed=args.seed, record_bytes=args.record_bytes)
+    names = ["bare", *[n for n in ("plan-cli", "plan-job") if not args.only or n in args.only]]
+    samples: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    details: dict[str, Any] = {}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+        for attempt in range(args.repeat):
+            for name in names:
+                workdir = Path(tmp) / f"{name}-{attempt}"
+                workdir.mkdir()
+                wall, cpu, rss, out = run_child(commands(path, workdir)[name], env)
+                samples[name].append((wall, cpu, rss))
+                details[name] = json.loads(out.strip().splitlines()[-1])
+                print(f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB",
+                      file=sys.stderr, flush=True)
+                shutil.rmtree(workdir, ignore_errors=True)
+    rows = summarize(samples)
+    result = {
+        "records": args.records, "input_mb": round(path.stat().st_size / 1e6, 1),
+        "mean_line_bytes": round(path.stat().st_size / args.records), "python": sys.version.split()[0],
+        "cpus": os.cpu_count(), "rows": rows,
+        "plan_cli": {k: details.get("plan-cli", {}).get(k) for k in ("lines", "records", "invalid", "shards",
+                                                                      "errors_by_code")},
+        "plan_job": details.get("plan-job"),
+        "targets": {"ratio_vs_bare": TARGET_RATIO, "peak_rss_mb": TARGET_RSS_MB},
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"input: {result['input_mb']} MB, {args.records} lines (~{result['mean_line_bytes']} B each), "
+          f"Python {result['python']}, {result['cpus']} CPUs, {args.repeat} runs each")
+    print(f"{'measurement':<10} {'wall s':>7} {'spread':>7} {'CPU s':>7} {'peak RSS MB':>12} {'x bare':>7} "
+          f"{'CPU x':>6}  target")
+    for row in rows:
+        target = "" if row["name"] == "bare" else (
+            "ok" if row["ratio_vs_bare"] <= TARGET_RATIO and row["peak_rss_mb"] <= TARGET_RSS_MB else "MISSED")
+        print(f"{row['name']:<10} {row['wall_best_s']:>7.2f} {row['wall_spread_s']:>7.2f} {row['cpu_best_s']:>7.2f} "
+              f"{row['peak_rss_mb']:>12.1f} {row['ratio_vs_bare']:>7.2f} {row['cpu_ratio_vs_bare']:>6.2f}  {target}")
+    print(f"plan-cli: {result['plan_cli']}")
+    print(f"plan-job: {result['plan_job']}")
+
+
+if __name__ == "__main__":
+    main()
