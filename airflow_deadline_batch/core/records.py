@@ -293,7 +293,7 @@ def _read_messages(value: Any) -> tuple[Message, ...]:
                 f'message {index} is {_clip(item)}; each message must be an object with "role" and "content"',
             )
         role = item.get("role")
-        if role not in ALLOWED_ROLES:
+        if not isinstance(role, str) or role not in ALLOWED_ROLES:  # a list or object is unhashable
             raise _Bad(
                 ErrorCode.INVALID_RECORD,
                 f"message {index} has role {_clip(role)}; use one of {', '.join(sorted(ALLOWED_ROLES))}",
