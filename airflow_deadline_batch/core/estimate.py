@@ -9,6 +9,7 @@ lengths are heavy-tailed and a deadline is missed by the tail.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,7 @@ __all__ = [
     "WorkSummaryBuilder",
     "estimate_prompt_tokens",
     "estimate_text_tokens",
+    "estimate_texts_tokens",
     "expected_output_tokens",
 ]
 
@@ -58,6 +60,18 @@ def estimate_prompt_tokens(request: Request, counter: TokenCounter | None = None
     messages = request.messages or ()
     overhead = MESSAGE_OVERHEAD_TOKENS * len(messages) + CHAT_PRIMING_TOKENS
     return sum(count(m.content) for m in messages) + overhead
+
+
+def estimate_texts_tokens(texts: str | Sequence[str]) -> int:
+    """:func:`estimate_prompt_tokens` without a tokenizer, from a prompt (str) or chat contents.
+
+    The planner's fast path gets texts from :func:`~airflow_deadline_batch.core.records.quick_parse`
+    rather than a :class:`Request`; the numbers are the same.
+    """
+    if isinstance(texts, str):
+        return estimate_text_tokens(texts) + COMPLETION_OVERHEAD_TOKENS
+    return (sum(map(estimate_text_tokens, texts)) + MESSAGE_OVERHEAD_TOKENS * len(texts)
+            + CHAT_PRIMING_TOKENS)
 
 
 def expected_output_tokens(
