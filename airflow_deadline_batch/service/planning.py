@@ -17,7 +17,7 @@ from array import array
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import WorkModel, WorkSummary, estimate_prompt_tokens, expected_output_tokens
@@ -30,7 +30,9 @@ from airflow_deadline_batch.core.results import ResultError, ResultRecord, Usage
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError, ObjectNotFound
 from airflow_deadline_batch.storage import join_uri, open_storage, open_uri, sha256_hex
-from airflow_deadline_batch.store import ManifestStore, NewCommit, NewJob, NewShard
+
+if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
+    from airflow_deadline_batch.store import ManifestStore
 
 #: key of the validation-errors object, relative to the job's output base
 VALIDATION_KEY = "validation/errors.jsonl"
@@ -320,6 +322,8 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
 
 
 def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock) -> PlanResult:
+    from airflow_deadline_batch.store import NewCommit, NewJob, NewShard
+
     request = analysis.request
     report = analysis.report
     job_id = new_job_id()
