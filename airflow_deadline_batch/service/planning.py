@@ -20,12 +20,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
-from airflow_deadline_batch.core.estimate import WorkModel, WorkSummary, estimate_prompt_tokens, expected_output_tokens
+from airflow_deadline_batch.core.estimate import (
+    WorkModel,
+    WorkSummary,
+    estimate_prompt_tokens,
+    estimate_texts_tokens,
+    expected_output_tokens,
+)
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
 from airflow_deadline_batch.core.ids import new_job_id
 from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count, target_shard_seconds
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
-from airflow_deadline_batch.core.records import LineError, Record, ValidationLimits, Validator, iter_raw_lines
+from airflow_deadline_batch.core.records import (
+    LineError,
+    RawLine,
+    Record,
+    ValidationLimits,
+    Validator,
+    iter_line_tuples,
+)
 from airflow_deadline_batch.core.results import ResultError, ResultRecord, Usage
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError, ObjectNotFound
@@ -165,17 +178,33 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
         stream = storage.open_read(key)
     except ObjectNotFound:
         raise InputError(f"input {request.input_uri} does not exist: check the path or URI") from None
+    seconds = model.seconds
+    feed_quick = validator.feed_quick
     with stream:
-        for raw in iter_raw_lines(stream, max_line_bytes=limits.max_line_bytes):
-            total_lines = raw.line
-            file_size = raw.end_offset
+        for line, offset, end_offset, data in iter_line_tuples(stream, max_line_bytes=limits.max_line_bytes):
+            total_lines = line
+            file_size = end_offset
+            # the common case skips building Record objects (same numbers: see quick_parse)
+            quick = feed_quick(data) if data is not None else None
+            if quick is not None:
+                p = estimate_texts_tokens(quick[1])
+                o = quick[2] or default_max  # a valid max_tokens is >= 1, as expected_output_tokens says
+                w = seconds(p, o)
+                prompt_tokens += p
+                output_tokens += o
+                gpu_seconds += w
+                rec_line.append(line)
+                rec_end.append(end_offset)
+                rec_work.append(w)
+                continue
+            raw = RawLine(line, offset, end_offset, data)
             outcome = validator.feed(raw)
             if outcome is None:
                 continue
             if isinstance(outcome, Record):
                 p = estimate_prompt_tokens(outcome.request)
                 o = expected_output_tokens(outcome.request, default_max_tokens=default_max)
-                w = model.seconds(p, o)
+                w = seconds(p, o)
                 prompt_tokens += p
                 output_tokens += o
                 gpu_seconds += w
