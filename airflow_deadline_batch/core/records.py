@@ -495,10 +495,6 @@ def _quick_contents(messages: Any) -> tuple[str, ...] | None:
     return tuple(contents)
 
 
-def _quick_limit(value: Any, limits: ValidationLimits) -> bool:
-    return value is None or (type(value) is int and 1 <= value <= limits.max_tokens_limit)
-
-
 def quick_parse(data: bytes, limits: ValidationLimits) -> QuickRecord | None:
     """``(id, prompt or chat contents, max_tokens)`` of a valid line of a common shape, else None.
 
@@ -523,7 +519,9 @@ def quick_parse(data: bytes, limits: ValidationLimits) -> QuickRecord | None:
             return None
         limit = obj.get("max_tokens")
         metadata = obj.get("metadata")
-        if not _quick_limit(limit, limits) or (metadata is not None and type(metadata) is not dict):
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= limits.max_tokens_limit):
+            return None
+        if metadata is not None and type(metadata) is not dict:
             return None
         prompt = obj.get("prompt")
         messages = obj.get("messages")
@@ -540,12 +538,12 @@ def quick_parse(data: bytes, limits: ValidationLimits) -> QuickRecord | None:
             return None
         limit = body.get("max_tokens")
         completion_limit = body.get("max_completion_tokens")
-        if not _quick_limit(limit, limits) or not _quick_limit(completion_limit, limits):
-            return None
-        if completion_limit is not None:
-            if limit is not None and limit != completion_limit:
+        if completion_limit is not None:  # the newer name wins when both agree (parse_line rejects others)
+            if limit is not None and (type(limit) is not int or limit != completion_limit):  # True == 1
                 return None
             limit = completion_limit
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= limits.max_tokens_limit):
+            return None
         url = obj.get("url")
         if url == CHAT_URL:
             texts = _quick_contents(body.get("messages"))
@@ -556,11 +554,9 @@ def quick_parse(data: bytes, limits: ValidationLimits) -> QuickRecord | None:
             return None
     if texts is None:
         return None
-    if type(texts) is str:
-        if not texts or texts.isspace() or len(texts) > limits.max_prompt_chars:
-            return None
-    elif (all(not c or c.isspace() for c in texts)
-          or sum(map(len, texts)) > limits.max_prompt_chars):
+    # the joined contents are empty or blank exactly when every message is
+    text = texts if type(texts) is str else "".join(texts)
+    if not text or text.isspace() or len(text) > limits.max_prompt_chars:
         return None
     return record_id, texts, limit
 

@@ -129,6 +129,10 @@ def test_common_shapes_take_the_fast_path(obj: dict[str, Any]) -> None:
     b'{"id": "r1", "prompt": "hi", "max_tokens": true}',
     b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 5,'
     b' "max_completion_tokens": 6}}',
+    b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": true,'
+    b' "max_completion_tokens": 1}}',
+    b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 5.0,'
+    b' "max_completion_tokens": 5}}',
     b'\xef\xbb\xbf{"id": "r1", "prompt": "hi"}',
     b"[1, 2]",
     b"",
