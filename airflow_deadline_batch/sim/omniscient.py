@@ -1,35 +1,45 @@
-"""``omniscient``: a lower bound on the cost of any policy that knows the whole future trace.
+"""``omniscient``: the cheapest cost any policy could reach knowing the whole future trace.
 
-Any schedule is a set of Spot segments, each inside a spell where the capacity covers it and each
-paying a changeover ``d`` (billed at Spot price, no progress), plus on-demand time at price ``k``
-with at least one changeover when used. Relaxations (each can only lower the cost): no work is lost
-to preemptions (the future is known, so runs end on a commit), on-demand may run in any gap, and
-the deadline only limits the *number* of Spot segments: every segment costs ``d`` of the
-``N · D`` worker-hours, so at most ``(N·D − W − d) / d`` of them fit. The cheapest use of at most
-that many spells is the longest spells first (each used spell saves ``(k−1)·w − d`` for ``w`` hours
-of work), which this module computes exactly.
-
-For one worker the spells are the maximal runs of available ticks and the bound is proven. For
-``N`` workers the spells are taken per capacity level (level ``m`` is available where capacity is at
-least ``m``); a schedule whose workers change levels mid-spell can in principle do better, so for
-``N > 1`` it is a bound under the "a worker keeps its level" restriction.
+* ``N = 1``: :func:`exact_optimum`, the **exact offline optimum** of the simulator's own model
+  (decisions at tick boundaries, a changeover ``d`` on every (re)start, a stop or preemption loses
+  the uncommitted part of the shard, a worker stops paying the instant the last shard commits), by
+  dynamic programming over ticks. State: committed shards × (pool, changeover left, progress inside
+  the running shard). Times are integers of a resolution ``r`` dividing the tick, ``d`` and the
+  shard, so the optimum is exact, not approximate. With a tiny shard it is the paper's no-loss model.
+* ``N > 1``: :func:`relaxation_bound`, a **proven lower bound** (not a schedule). Order the running
+  workers at every instant with the Spot ones at the bottom: "virtual worker ``j``" is on Spot iff at
+  least ``j`` workers are, so its Spot time lies in the spells of capacity level ``j``, and the Spot
+  starts of all virtual workers are no more than the real Spot starts. Relaxing further (no lost
+  work, on-demand in any gap, all worker-time within ``N · D``), the cheapest use is the ``c``
+  longest spells for the best ``c``: each used spell of length ``L`` gives ``L − d`` of work for
+  ``L`` of Spot cost. That minimum is computed exactly; the true optimum lies above it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
-from airflow_deadline_batch.sim.engine import SimConfig
+import numpy as np
+
+from airflow_deadline_batch.sim.engine import EPS, SimConfig, on_demand_makespan
 from airflow_deadline_batch.sim.traces import Trace
+
+#: cap on the states of the dynamic programme (offset in shard × committed shards); above it the
+#: relaxation bound is used instead
+MAX_STATES = 400_000
 
 
 @dataclass(frozen=True)
 class Bound:
+    """The omniscient cost of one start; ``exact`` says whether it is the optimum or a bound."""
+
     cost: float
     spot_hours: float
     on_demand_hours: float
     feasible: bool
+    exact: bool = False
 
 
 def spells(trace: Trace, start_tick: int, horizon_h: float, workers: int) -> list[float]:
@@ -47,28 +57,185 @@ def spells(trace: Trace, start_tick: int, horizon_h: float, workers: int) -> lis
                 run = 0
         if run:
             out.append(run * gap)
-    # the last tick may reach past the horizon: clip the total, not each spell (a lower bound still)
     return sorted(out, reverse=True)
 
 
-def lower_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
-    """Cheapest cost any policy could reach on this start (see the module docstring)."""
-    k, d, work = config.price_ratio, config.changeover_h, config.work_h
+def relaxation_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
+    """Proven lower bound for any ``N`` (see the module docstring): best number of longest spells."""
+    k, d, work, n = config.price_ratio, config.changeover_h, config.work_h, config.workers
     feasible = config.on_demand_feasible()
-    budget = (config.workers * config.deadline_h - work - d) / d if d > 0 else math.inf
-    max_segments = max(0, math.floor(budget + 1e-9)) if feasible else 0
-    left = work
-    spot = 0.0
-    for used, length in enumerate(spells(trace, start_tick, config.deadline_h, config.workers)):
-        if used >= max_segments or left <= 1e-12:
-            break
+    od_only = (work + min(n, config.shards) * d) * k
+    if not feasible:
+        return Bound(cost=od_only, spot_hours=0.0, on_demand_hours=od_only / k, feasible=False)
+    budget = n * config.deadline_h
+    best = Bound(cost=(work + d) * k, spot_hours=0.0, on_demand_hours=work + d, feasible=True)
+    left, spot, used = work, 0.0, 0
+    for length in spells(trace, start_tick, config.deadline_h, n):
         w = min(length - d, left)
         if w <= 0:
             break
-        covers_rest = w >= left - 1e-12
-        if not covers_rest and (k - 1) * w <= d:
-            break  # shorter spells save even less
-        spot += w + d
         left -= w
-    on_demand = left + d if left > 1e-12 else 0.0
-    return Bound(cost=spot + k * on_demand, spot_hours=spot, on_demand_hours=on_demand, feasible=feasible)
+        spot += w + d
+        used += 1
+        od = left + d if left > 1e-12 else 0.0
+        if spot + od > budget + 1e-9:  # every segment's changeover eats worker-time
+            break
+        cost = spot + k * od
+        if cost < best.cost:
+            best = Bound(cost=cost, spot_hours=spot, on_demand_hours=od, feasible=True)
+        if left <= 1e-12:
+            break
+    return best
+
+
+def _resolution(*seconds: float) -> tuple[int, int]:
+    """A common integer grid: (scale, unit) with every value × scale an integer multiple of unit."""
+    for scale in (1, 10, 1000):
+        values = [s * scale for s in seconds]
+        if all(abs(v - round(v)) < 1e-6 for v in values):
+            ints = [round(v) for v in values if round(v) > 0]
+            return scale, math.gcd(*ints) if ints else 1
+    fractions = [Fraction(s).limit_denominator(1000) for s in seconds]
+    scale = math.lcm(*(f.denominator for f in fractions))
+    return scale, math.gcd(*(int(f * scale) for f in fractions if f > 0))
+
+
+def exact_optimum(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
+    """Exact offline optimum for one worker in the simulator's model (module docstring)."""
+    if config.workers != 1:
+        raise ValueError("exact_optimum handles one worker; use relaxation_bound for N > 1")
+    k, d_h = config.price_ratio, config.changeover_h
+    feasible = config.on_demand_feasible()
+    od_cost = (config.work_h + d_h) * k
+    if not feasible:
+        return Bound(cost=od_cost, spot_hours=0.0, on_demand_hours=config.work_h + d_h, feasible=False, exact=True)
+    scale, unit = _resolution(trace.gap_s, d_h * 3600, config.shard_size_h * 3600)
+    hours_per_unit = unit / scale / 3600.0
+    gap = round(trace.gap_s * scale) // unit
+    co0 = round(d_h * 3600 * scale) // unit
+    shard = round(config.shard_size_h * 3600 * scale) // unit
+    m = config.shards
+    if m * shard > MAX_STATES:
+        return relaxation_bound(trace, start_tick, config)
+    deadline_units = config.deadline_h / hours_per_unit + 1e-6
+    ticks = math.ceil(config.deadline_h / (trace.gap_s / 3600.0) - EPS)
+    pools = ("spot", "od")
+    price = {"spot": 1.0, "od": k}
+    inf = math.inf
+    c_idx = np.arange(m)
+    off_idx = np.arange(shard)
+    # units still needed to finish from (offset, committed shards) once past the changeover
+    need2d = (m - c_idx)[None, :] * shard - off_idx[:, None]
+    new_off = (off_idx + gap) % shard
+    commits_by_off = (off_idx + gap) // shard
+    # cost (in price × units) of the cheapest way to each state; spot units alongside
+    idle = (np.where(c_idx == 0, 0.0, inf), np.zeros(m))
+    run: dict[str, tuple[np.ndarray, np.ndarray]] = {
+        pool: (np.full((shard, m), inf), np.zeros((shard, m))) for pool in pools
+    }
+    pend: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {pool: {} for pool in pools}
+    best = [od_cost / hours_per_unit, 0.0]
+
+    def finish(cost: np.ndarray, spot: np.ndarray, need: np.ndarray, p: float, s: float, t0: float) -> None:
+        ok = (need <= gap) & (t0 + need <= deadline_units)
+        if ok.any():
+            fin = np.where(ok, cost + p * need, inf)
+            j = np.unravel_index(int(np.argmin(fin)), fin.shape)
+            if fin[j] < best[0]:
+                best[0], best[1] = float(fin[j]), float(spot[j] + s * need[j])
+
+    def start(pool: str, cost: np.ndarray, spot: np.ndarray, t0: float, into_run: tuple, into_pend: dict) -> None:
+        """A (re)start now: changeover ``co0``, then progress from the start of a shard."""
+        p, s = price[pool], (1.0 if pool == "spot" else 0.0)
+        if co0 >= gap:
+            key = co0 - gap
+            c2, s2 = cost + p * gap, spot + s * gap
+            if key in into_pend:
+                c1, s1 = into_pend[key]
+                c2, s2 = np.minimum(c1, c2), np.where(c2 < c1, s2, s1)
+            into_pend[key] = (c2, s2)
+            return
+        _progress_1d(pool, co0, cost, spot, t0, into_run)
+
+    def _progress_1d(pool: str, co: int, cost: np.ndarray, spot: np.ndarray, t0: float, into_run: tuple) -> None:
+        p, s = price[pool], (1.0 if pool == "spot" else 0.0)
+        finish(cost, spot, co + (m - c_idx) * shard, p, s, t0)
+        total = gap - co
+        j, off = divmod(total, shard)
+        if j >= m:
+            return
+        rc, rs = into_run
+        c2 = cost[: m - j] + p * gap
+        better = c2 < rc[off, j:]
+        rc[off, j:] = np.where(better, c2, rc[off, j:])
+        rs[off, j:] = np.where(better, spot[: m - j] + s * gap, rs[off, j:])
+
+    for tick in range(ticks):
+        t0 = float(tick * gap)
+        available = trace.at(start_tick + tick) >= 1
+        ic, isp = idle
+        for pool in pools:  # stopping (or a preemption) keeps the committed shards only
+            rc, rs = run[pool]
+            j = np.argmin(rc, axis=0)
+            col = rc[j, c_idx]
+            better = col < ic
+            ic, isp = np.where(better, col, ic), np.where(better, rs[j, c_idx], isp)
+            for c1, s1 in pend[pool].values():
+                better = c1 < ic
+                ic, isp = np.where(better, c1, ic), np.where(better, s1, isp)
+        new_run = {pool: (np.full((shard, m), inf), np.zeros((shard, m))) for pool in pools}
+        new_pend: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {pool: {} for pool in pools}
+        for pool in pools:
+            if pool == "spot" and not available:
+                continue
+            p, s = price[pool], (1.0 if pool == "spot" else 0.0)
+            # continue the running try: whole tick of progress from each offset
+            rc, rs = run[pool]
+            finish(rc, rs, need2d, p, s, t0)
+            nrc, nrs = new_run[pool]
+            for j in np.unique(commits_by_off):
+                if j >= m:
+                    continue
+                rows = off_idx[commits_by_off == j]
+                c2 = rc[rows, : m - j] + p * gap
+                tgt = nrc[new_off[rows], j:]
+                better = c2 < tgt
+                nrc[new_off[rows], j:] = np.where(better, c2, tgt)
+                nrs[new_off[rows], j:] = np.where(better, rs[rows, : m - j] + s * gap, nrs[new_off[rows], j:])
+            # continue a try still in its changeover
+            for co, (c1, s1) in pend[pool].items():
+                if co >= gap:
+                    key = co - gap
+                    c2, s2 = c1 + p * gap, s1 + s * gap
+                    if key in new_pend[pool]:
+                        c0, s0 = new_pend[pool][key]
+                        c2, s2 = np.minimum(c0, c2), np.where(c2 < c0, s2, s0)
+                    new_pend[pool][key] = (c2, s2)
+                else:
+                    _progress_1d(pool, co, c1, s1, t0, new_run[pool])
+            start(pool, ic, isp, t0, new_run[pool], new_pend[pool])
+        run, pend, idle = new_run, new_pend, (ic, isp)
+    cost = best[0] * hours_per_unit
+    spot_h = best[1] * hours_per_unit
+    return Bound(
+        cost=cost,
+        spot_hours=spot_h,
+        on_demand_hours=(cost - spot_h) / k,
+        feasible=True,
+        exact=True,
+    )
+
+
+def omniscient(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
+    """The best computable reference: the exact optimum for one worker, the proven bound otherwise."""
+    if config.workers == 1:
+        return exact_optimum(trace, start_tick, config)
+    return relaxation_bound(trace, start_tick, config)
+
+
+def lower_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
+    """Alias kept for callers of the first version: the omniscient reference (never above optimum)."""
+    return omniscient(trace, start_tick, config)
+
+
+__all__ = ["Bound", "exact_optimum", "lower_bound", "omniscient", "on_demand_makespan", "relaxation_bound", "spells"]

@@ -57,12 +57,14 @@ class Greedy:
 
 
 class UniformProgress:
-    """*Can't Be Late*'s Uniform Progress with its hysteresis, per worker (the paper's rules).
+    """*Can't Be Late*'s Uniform Progress with its hysteresis, per worker, as in the authors' code.
 
-    With ``cp`` the committed progress and ``ep(t) = W·t/D`` the uniform line: safety net on-demand
-    to the end when ``R(t) < C(t) + 2d``; while on on-demand stay until ``cp >= ep(t + 2d)``; take
-    Spot whenever available (and keep it until preempted); when idle and ``cp < ep(t)`` go
-    on-demand, else wait.
+    With ``cp`` the committed progress and ``ep(t) = W·t/D`` the uniform line (rules of the paper,
+    in the order of ``sky_spot``'s ``rc_cr_threshold``): take Spot whenever it is available and keep
+    it until preempted; when ``cp < ep(t)`` and Spot is missing, on-demand; a worker on on-demand
+    stays there while Spot is missing or ``cp < ep(t + 2d)`` (hysteresis); safety net: an idle or
+    on-demand worker goes on-demand when the time left is under ``C(t) + 2d``, and every worker does
+    at ``C(t) + d`` (the paper keeps a running Spot try there; here it would risk a redone shard).
     """
 
     name = "uniform_progress"
@@ -72,28 +74,32 @@ class UniformProgress:
 
     def decide(self, view: View) -> list[Mode]:
         cfg = view.config
-        if self.on_demand_for_good or _safety_net_due(view, changeovers=2.0):
+        if self.on_demand_for_good or _safety_net_due(view, changeovers=1.0):
             self.on_demand_for_good = True
             return [Mode.ON_DEMAND] * len(view.slots)
+        net = _safety_net_due(view, changeovers=2.0)
         cp = cfg.work_h - view.remaining_h
 
         def ep(t: float) -> float:
             return cfg.work_h * t / cfg.deadline_h
 
+        behind = cp < ep(view.t_h)
+        behind_ahead = cp < ep(view.t_h + 2 * cfg.changeover_h)
         free_spot = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
         modes: list[Mode] = []
         for slot in view.slots:
-            if slot.mode is Mode.ON_DEMAND and cp < ep(view.t_h + 2 * cfg.changeover_h):
-                modes.append(Mode.ON_DEMAND)
-            elif slot.mode is Mode.SPOT:
+            has_spot = slot.mode is Mode.SPOT or free_spot > 0
+            if slot.mode is Mode.SPOT:
                 modes.append(Mode.SPOT)
-            elif free_spot > 0:
+                continue
+            want = Mode.SPOT if has_spot else (Mode.ON_DEMAND if behind else Mode.NONE)
+            if slot.mode is Mode.ON_DEMAND and (not has_spot or behind_ahead or net):
+                want = Mode.ON_DEMAND
+            if net and slot.mode is not Mode.SPOT:
+                want = Mode.ON_DEMAND
+            if want is Mode.SPOT:
                 free_spot -= 1
-                modes.append(Mode.SPOT)
-            elif cp < ep(view.t_h):
-                modes.append(Mode.ON_DEMAND)
-            else:
-                modes.append(Mode.NONE)
+            modes.append(want)
         return modes
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from airflow_deadline_batch.sim.engine import RunResult, SimConfig, simulate
-from airflow_deadline_batch.sim.omniscient import lower_bound
+from airflow_deadline_batch.sim.omniscient import omniscient
 from airflow_deadline_batch.sim.policies import POLICY_NAMES, make_policy
 from airflow_deadline_batch.sim.traces import Trace
 
@@ -57,11 +57,11 @@ def start_ticks(
 
 
 def run_policy(name: str, trace: Trace, config: SimConfig, ticks: Sequence[int]) -> list[RunResult]:
-    """One result per start; ``omniscient`` becomes the bound dressed as a result."""
+    """One result per start; ``omniscient`` becomes the offline reference dressed as a result."""
     if name == "omniscient":
         out = []
         for tick in ticks:
-            bound = lower_bound(trace, tick, config)
+            bound = omniscient(trace, tick, config)
             out.append(
                 RunResult(
                     policy=name,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from airflow_deadline_batch.sim.engine import SimConfig, on_demand_makespan, simulate
-from airflow_deadline_batch.sim.omniscient import lower_bound
+from airflow_deadline_batch.sim.engine import Mode, SimConfig, View, on_demand_makespan, simulate
+from airflow_deadline_batch.sim.omniscient import exact_optimum, lower_bound, relaxation_bound
 from airflow_deadline_batch.sim.policies import POLICIES, Greedy, OnDemand, SlackAware, UniformProgress
 from airflow_deadline_batch.sim.traces import Trace, constant, flapping, from_segments, regime_switching
 
@@ -140,3 +142,49 @@ def test_safety_net_never_misses_a_deadline_feasible_on_demand(
     for policy in (Greedy, SlackAware, UniformProgress):
         r = simulate(trace, seed % 50, cfg, policy())
         assert not r.missed, (policy.name, r.finish_h, cfg.deadline_h)
+
+
+class _Scripted:
+    """A policy that plays a fixed list of modes, one per tick (to enumerate every schedule)."""
+
+    name = "scripted"
+
+    def __init__(self, plan: tuple[Mode, ...]) -> None:
+        self.plan = plan
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        pass
+
+    def decide(self, view: View) -> list[Mode]:
+        return [self.plan[view.tick] if view.tick < len(self.plan) else Mode.ON_DEMAND]
+
+
+@pytest.mark.parametrize(
+    ("caps", "d", "shard"),
+    [
+        ((1, 1, 0, 1, 1, 1, 0), 0.1, 0.25),
+        ((0, 1, 1, 1, 0, 1, 1), 0.2, 0.25),
+        ((1, 0, 1, 0, 1, 1, 1), 0.1, 0.125),
+        ((1, 1, 1, 1, 1, 1, 1), 0.2, 0.5),
+    ],
+)
+def test_exact_optimum_equals_the_best_of_every_schedule(caps: tuple[int, ...], d: float, shard: float) -> None:
+    trace = Trace("hand", 600.0, caps)
+    cfg = SimConfig(work_h=0.5, deadline_h=7 / 6, workers=1, changeover_h=d, price_ratio=3.0, shard_h=shard)
+    best = min(
+        r.cost
+        for plan in itertools.product([Mode.NONE, Mode.SPOT, Mode.ON_DEMAND], repeat=len(caps))
+        if not (r := simulate(trace, 0, cfg, _Scripted(plan))).missed
+    )
+    exact = exact_optimum(trace, 0, cfg)
+    assert exact.exact and exact.cost == pytest.approx(best, abs=1e-9)
+    assert relaxation_bound(trace, 0, cfg).cost <= exact.cost + 1e-9
+
+
+def test_relaxation_bound_is_below_every_policy_with_several_workers() -> None:
+    trace = regime_switching(8, hours=200, capacity=3, mean_up_h=2.0, mean_down_h=2.0)
+    cfg = SimConfig(work_h=12.0, deadline_h=6.0, workers=3, changeover_h=0.2, price_ratio=3.0, shard_h=0.25)
+    for tick in range(0, 2000, 400):
+        bound = relaxation_bound(trace, tick, cfg).cost
+        for policy in ONLINE:
+            assert simulate(trace, tick, cfg, policy()).cost >= bound - 1e-9

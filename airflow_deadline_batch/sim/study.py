@@ -1,0 +1,159 @@
+"""The results study of ``docs/simulator.md``: every shared trace × setting, and the target check.
+
+``python -m airflow_deadline_batch.sim.study --traces DIR`` runs the 48 settings (each trace ×
+``d`` ∈ {0.1, 0.2} h; ``N = 1, W = 16 h, D = 20/30 h``; ``N = 4, W = 32 h, D = 10 h``; ``k = 3``)
+plus the paper-setting ordering check, prints the Markdown table and the target lines.
+``--synthetic`` runs the same settings on :func:`~.traces.synthetic_suite` (the tuning set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from airflow_deadline_batch.sim.engine import SimConfig
+from airflow_deadline_batch.sim.runner import Summary, compare, start_ticks
+from airflow_deadline_batch.sim.traces import Trace, load_trace, synthetic_suite
+
+ORDER = ("on_demand", "greedy", "uniform_progress", "omniscient")
+
+
+@dataclass(frozen=True)
+class Setting:
+    workers: int
+    work_h: float
+    deadline_h: float
+    changeover_h: float
+    starts: int
+    shard_h: float = 0.25
+
+    def config(self) -> SimConfig:
+        return SimConfig(
+            work_h=self.work_h,
+            deadline_h=self.deadline_h,
+            workers=self.workers,
+            changeover_h=self.changeover_h,
+            price_ratio=3.0,
+            shard_h=self.shard_h,
+        )
+
+
+def settings(starts_n1: int = 30, starts_n4: int = 20) -> list[Setting]:
+    """The 6 settings of the results table (× every trace = the table's rows)."""
+    out = [Setting(1, 16.0, dl, d, starts_n1) for d in (0.1, 0.2) for dl in (20.0, 30.0)]
+    out += [Setting(4, 32.0, 10.0, d, starts_n4) for d in (0.1, 0.2)]
+    return out
+
+
+def run_row(trace: Trace, setting: Setting, seed: int = 1) -> dict[str, Summary]:
+    cfg = setting.config()
+    ticks = start_ticks(trace, cfg, starts=setting.starts, seed=seed)
+    return {s.policy: s for s in compare(trace, cfg, ticks)}
+
+
+def _job(args: tuple[Trace, Setting]) -> tuple[str, Setting, dict[str, Summary]]:
+    trace, setting = args
+    return trace.name, setting, run_row(trace, setting)
+
+
+def run_all(
+    traces: Sequence[Trace], grid: Sequence[Setting], jobs: int = 2
+) -> list[tuple[str, Setting, dict[str, Summary]]]:
+    work = [(t, s) for s in grid for t in traces if s.workers <= max(t.capacity) or True]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_job, work))
+
+
+def targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> dict[str, float]:
+    """The issue's targets over the rows: cost ratios, rows above 1.01 × UP, misses, ordering."""
+    up = [r["slack_aware"].mean_cost / r["uniform_progress"].mean_cost for _, _, r in rows]
+    om = [r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, _, r in rows]
+    om_exact = [
+        r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, s, r in rows if s.workers == 1
+    ]
+    misses = sum(
+        1 for _, _, r in rows if r["slack_aware"].miss_rate > r["omniscient"].miss_rate + 1e-12
+    )
+    order = sum(
+        1
+        for _, _, r in rows
+        if all(r[a].mean_cost > r[b].mean_cost for a, b in zip(ORDER, ORDER[1:], strict=False))
+    )
+    return {
+        "rows": len(rows),
+        "mean_sa_over_up": sum(up) / len(up),
+        "max_sa_over_up": max(up),
+        "rows_over_1.01_up": sum(1 for x in up if x > 1.01 + 1e-12),
+        "mean_sa_over_omniscient": sum(om) / len(om),
+        "mean_sa_over_exact_optimum_n1": sum(om_exact) / len(om_exact) if om_exact else math.nan,
+        "sa_misses_where_omniscient_meets": misses,
+        "paper_order_holds": order,
+    }
+
+
+def markdown(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> str:
+    head = (
+        "| trace | N | W h | D h | d h | on_demand | greedy | uniform_progress | omniscient | "
+        "slack_aware | sa / UP | sa / omniscient | misses (sa) |\n" + "|---" * 13 + "|\n"
+    )
+    lines = []
+    for name, s, r in rows:
+        sa = r["slack_aware"]
+        lines.append(
+            f"| {name} | {s.workers} | {s.work_h:g} | {s.deadline_h:g} | {s.changeover_h:g} | "
+            + " | ".join(f"{r[p].mean_cost:.1f}" for p in ORDER)
+            + f" | {sa.mean_cost:.1f} | {sa.mean_cost / r['uniform_progress'].mean_cost:.3f} | "
+            f"{sa.mean_cost / r['omniscient'].mean_cost:.3f} | {sa.miss_rate:.2f} |"
+        )
+    return head + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m airflow_deadline_batch.sim.study")
+    parser.add_argument("--traces", type=Path, help="folder searched for *.json Spot traces")
+    parser.add_argument("--synthetic", action="store_true", help="use the synthetic suite instead")
+    parser.add_argument("--shard-hours", type=float, default=0.25, help="0.0167 ≈ the paper's no-loss model")
+    parser.add_argument("--starts-n1", type=int, default=30)
+    parser.add_argument("--starts-n4", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--table", action="store_true", help="print the Markdown table")
+    args = parser.parse_args(argv)
+    if args.synthetic:
+        traces = synthetic_suite(100) + synthetic_suite(200, capacity=4)
+    elif args.traces:
+        traces = [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
+    else:
+        parser.error("pass --traces DIR or --synthetic")
+    grid = [
+        Setting(s.workers, s.work_h, s.deadline_h, s.changeover_h, s.starts, args.shard_hours)
+        for s in settings(args.starts_n1, args.starts_n4)
+    ]
+    if args.synthetic:  # N = 1 settings on 1-GPU traces, N = 4 on 4-GPU traces
+        rows = [
+            row
+            for row in run_all(traces, grid, args.jobs)
+            if (row[1].workers == 1) == ("-" in row[0] and max(_cap(traces, row[0])) == 1)
+        ]
+    else:
+        rows = run_all(traces, grid, args.jobs)
+    if args.table:
+        print(markdown(rows))
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in targets(rows).items()))
+    for name, s, r in rows:
+        ratio = r["slack_aware"].mean_cost / r["uniform_progress"].mean_cost
+        if ratio > 1.01:
+            print(f"over 1.01 x UP: {name} N={s.workers} D={s.deadline_h:g} d={s.changeover_h:g}: {ratio:.3f}")
+    return 0
+
+
+def _cap(traces: Sequence[Trace], name: str) -> tuple[int, ...]:
+    return next(t.capacity for t in traces if t.name == name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
