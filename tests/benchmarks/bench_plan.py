@@ -154,11 +154,32 @@ def child_plan_job(path: str, workdir: str) -> dict[str, Any]:
     return {"job_id": result.job_id, "records": result.records, "invalid": result.invalid, "shards": result.shards}
 
 
-def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
-    """Run ``argv``; return (wall seconds, CPU seconds, peak RSS in MB, stdout) of that process alone.
+#: runs a Python script as ``__main__`` and reports its own peak RSS (VmHWM) on stderr at exit.
+#: ``ru_maxrss`` from ``wait4`` would not do: Linux carries the parent's high-water mark into a
+#: forked child across ``exec``, so a big benchmark driver would inflate every child's figure.
+_PEAK_WRAPPER = """
+import atexit, runpy, sys
+def _peak():
+    with open("/proc/self/status") as status:
+        kb = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    sys.stderr.write("\\n@@peak_rss_kb " + kb + "\\n")
+    sys.stderr.flush()
+atexit.register(_peak)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
-    ``os.wait4`` reaps the child with its own resource usage (``RUSAGE_CHILDREN`` would keep the
-    maximum over every child so far). A non-zero exit aborts the benchmark with the child's stderr.
+
+def python_child(script: str, *args: str) -> list[str]:
+    """The argv that runs ``script args...`` under the peak-RSS wrapper."""
+    return [sys.executable, "-c", _PEAK_WRAPPER, script, *args]
+
+
+def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
+    """Run ``argv`` (from :func:`python_child`); return its (wall s, CPU s, peak RSS MB, stdout).
+
+    Wall time is from start to reaping; CPU time is the child's own user + system time
+    (``os.wait4``). A non-zero exit aborts the benchmark with the child's stderr.
     """
     with tempfile.TemporaryFile() as err:
         started = time.perf_counter()
@@ -169,10 +190,14 @@ def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[f
         wall = time.perf_counter() - started
         proc.returncode = code = os.waitstatus_to_exitcode(status)
         proc.stdout.close()
-        if code != 0:
-            err.seek(0)
-            raise SystemExit(f"{' '.join(argv)} exited {code}:\n{err.read().decode(errors='replace')[-3000:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out.decode()
+        err.seek(0)
+        errors = err.read().decode(errors="replace")
+    if code != 0:
+        raise SystemExit(f"{' '.join(argv[3:])} exited {code}:\n{errors[-3000:]}")
+    peaks = [line.split()[1] for line in errors.splitlines() if line.startswith("@@peak_rss_kb ")]
+    if not peaks:
+        raise SystemExit(f"{' '.join(argv[3:])} did not report its peak RSS:\n{errors[-3000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, int(peaks[-1]) / 1024, out.decode()
 
 
 def child_main(name: str, args: Sequence[str]) -> None:
@@ -190,11 +215,11 @@ def cli_path() -> str:
 
 
 def commands(path: Path, workdir: Path) -> dict[str, list[str]]:
-    me = [sys.executable, str(Path(__file__).resolve()), "--child"]
+    me = str(Path(__file__).resolve())
     return {
-        "bare": [*me, "bare", str(path)],
-        "plan-cli": [cli_path(), "plan", str(path), "--deadline", "+24h", "--json"],
-        "plan-job": [*me, "plan-job", str(path), str(workdir)],
+        "bare": python_child(me, "--child", "bare", str(path)),
+        "plan-cli": python_child(cli_path(), "plan", str(path), "--deadline", "+24h", "--json"),
+        "plan-job": python_child(me, "--child", "plan-job", str(path), str(workdir)),
     }
 
 
