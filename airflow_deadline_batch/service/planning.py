@@ -14,6 +14,7 @@ import hashlib
 import math
 import tempfile
 from array import array
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -276,7 +277,11 @@ def _error_outcome(error: LineError) -> bytes:
 
 
 def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[str]]:
-    """SHA-256 of the whole input and of each shard's byte range, in one pass of large reads."""
+    """SHA-256 of the whole input and of each shard's byte range, in one pass of large reads.
+
+    The whole-input digest is updated on a second thread: hashlib releases the GIL on large
+    buffers, so the two digests of each chunk are computed side by side on two cores.
+    """
     storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
     digests: list[str] = []
@@ -284,12 +289,15 @@ def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[s
     current = hashlib.sha256()
     offset = 0
     shard = 0
-    with storage.open_read(key) as stream:
+    with storage.open_read(key) as stream, ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+        pending: Future[None] | None = None
         while True:
             chunk = stream.read(_READ_CHUNK)
             if not chunk:
                 break
-            whole.update(chunk)
+            if pending is not None:
+                pending.result()  # one chunk in flight at a time: in order, and bounded memory
+            pending = hasher.submit(whole.update, chunk)
             view = memoryview(chunk)
             while len(view):
                 if shard < len(boundaries) and offset + len(view) >= boundaries[shard]:
@@ -304,6 +312,8 @@ def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[s
                 current.update(view)
                 offset += len(view)
                 view = view[len(view):]
+        if pending is not None:
+            pending.result()
     while shard < len(boundaries):  # empty trailing ranges
         digests.append(current.hexdigest())
         current = hashlib.sha256()
