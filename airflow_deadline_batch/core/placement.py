@@ -44,7 +44,7 @@ class PolicyParams:
     #: safety net), so that a later Spot spell can still be taken
     reserve_changeovers: float = 6.0
     #: ... plus this fraction of the remaining work per worker (more work left, more to absorb)
-    reserve_work_fraction: float = 0.05
+    reserve_work_fraction: float = 0.10
     #: a fresh Spot start is skipped when Spot runs last, on average, under this many changeovers
     min_run_changeovers: float = 1.5
     #: escalate when the expected capacity is short of the rate the remaining work needs

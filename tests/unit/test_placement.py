@@ -58,9 +58,9 @@ def test_spot_missing_and_expected_capacity_short_escalates_with_the_rate_rule()
 
 
 def test_spot_missing_escalates_when_slack_reaches_the_reserve() -> None:
-    # 4 h work, 0.1 h changeover: reserve 6 x 0.1 + 0.05 x 4 = 0.8 h on top of 0.35 h of risk.
-    waits = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5.3), spot_available=False))
-    escalates = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5.2), spot_available=False))
+    # 4 h work, 0.1 h changeover: reserve 6 x 0.1 + 0.10 x 4 = 1.0 h on top of 0.35 h of risk.
+    waits = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5.5), spot_available=False))
+    escalates = choose_pool(snap(deadline=NOW + dt.timedelta(hours=5.4), spot_available=False))
     assert (waits.pool, escalates.pool) == (PoolKind.SPOT, PoolKind.ON_DEMAND)
 
 
