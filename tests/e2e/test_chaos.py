@@ -1,0 +1,131 @@
+"""Chaos: seeded runs that SIGKILL real worker processes at random instants (DESIGN §4.5).
+
+Each run plans a small input with bad lines in it and runs it with ``local.runner.run_job``:
+two subprocess workers, Spot-style preemptions at a high Poisson rate (SIGTERM, then SIGKILL
+after a notice of zero or a fraction of a second), and in half of the runs workers that also
+SIGKILL themselves between writing a microbatch object and committing it. Whatever the
+interleaving, every run must end with a published manifest and every invariant holding; the
+assertions are the invariants, never a count of kills. One run in five uses PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.local.runner import RunOptions, run_job
+from airflow_deadline_batch.service.planning import PlanRequest
+from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.inputs import mixed_input
+from tests.helpers.outcomes import (
+    assert_outcomes_match,
+    assert_store_invariants,
+    read_manifest,
+    read_outcomes,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+SEEDS = range(50)
+#: kills observed over the whole module, checked by the last test (chaos must actually happen)
+_KILLS: Counter[str] = Counter()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """How one seed stresses the run; derived from the seed so a failure replays exactly."""
+
+    seed: int
+    lines: int
+    kill_after_write_prob: float
+    notice_s: float
+    preempt_rate_per_hour: float
+    postgres: bool
+
+    @classmethod
+    def of(cls, seed: int) -> Scenario:
+        return cls(
+            seed=seed,
+            lines=80 + 20 * (seed % 4),
+            kill_after_write_prob=0.15 if seed % 2 == 0 else 0.0,
+            notice_s=0.0 if seed % 3 else 0.15,
+            # a mean of 3 s between preemptions per worker: about one attempt in three dies
+            preempt_rate_per_hour=1200.0,
+            postgres=seed % 5 == 4,
+        )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seeded_chaos_run_keeps_every_invariant(
+    seed: int, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    scenario = Scenario.of(seed)
+    mixed = mixed_input(scenario.lines, seed=seed, bad_fraction=0.05, blank_fraction=0.02)
+    input_path = mixed.write(tmp_path / "input.jsonl")
+    store_url = (
+        str(request.getfixturevalue("pg_store_url"))
+        if scenario.postgres
+        else f"sqlite:///{tmp_path / 'store.db'}"
+    )
+    store = ManifestStore.open(store_url, migrate=True)
+    worker_env = {"ADB_ECHO_DELAY_S": "0.004"}
+    if scenario.kill_after_write_prob:
+        worker_env["ADB_FAULT_KILL_AFTER_WRITE_PROB"] = str(scenario.kill_after_write_prob)
+    plan = PlanRequest(
+        input_uri=str(input_path),
+        deadline=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=2,
+        microbatch_size=10,
+        max_shards=2,
+        max_invalid_fraction=0.5,
+        max_attempts=1000,  # preemptions are the point here; a shard must never run out of tries
+        lease_ttl_s=10.0,
+    )
+    options = RunOptions(
+        workers=2,
+        preempt_rate_per_worker_hour=scenario.preempt_rate_per_hour,
+        preempt_notice_s=scenario.notice_s,
+        seed=seed,
+        lease_ttl_s=10.0,
+        poll_interval_s=0.02,
+        worker_env=worker_env,
+        worker_log=str(tmp_path / "worker.log"),
+    )
+    try:
+        summary = run_job(store, plan, options)
+        assert summary.state == "completed", (summary, (tmp_path / "worker.log").read_text()[-3000:])
+        assert summary.manifest is not None
+        manifest = read_manifest(summary.manifest)
+        assert_outcomes_match(read_outcomes(manifest), mixed)
+        assert_store_invariants(store, summary.job_id, manifest)
+        assert summary.records["total"] == len(mixed.expected)
+        outcomes = Counter(a.outcome for a in store.list_attempts(summary.job_id))
+    finally:
+        store.close()
+    _KILLS["preemptions"] += summary.preemptions
+    _KILLS["abandoned"] += outcomes[AttemptOutcome.ABANDONED]
+    _KILLS["runs"] += 1
+
+
+def test_chaos_runs_did_kill_workers() -> None:
+    """Guard against a quiet chaos suite: the seeded runs above must have killed many workers."""
+    if _KILLS["runs"] < len(SEEDS):
+        pytest.skip("only meaningful after all seeded runs in this module")
+    assert _KILLS["preemptions"] >= len(SEEDS), _KILLS
+    assert _KILLS["abandoned"] >= len(SEEDS) // 2, _KILLS
+
+
+def test_scenarios_cover_both_stores_and_both_kill_kinds() -> None:
+    scenarios = [Scenario.of(s) for s in SEEDS]
+    assert sum(s.postgres for s in scenarios) >= 5
+    assert sum(s.kill_after_write_prob > 0 for s in scenarios) >= len(SEEDS) // 3
+    assert {s.notice_s for s in scenarios} >= {0.0, 0.15}
