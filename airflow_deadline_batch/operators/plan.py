@@ -195,6 +195,8 @@ class DeadlineBatchOperator(BaseOperator):
             ti.xcom_push(key="admission_report", value=report_dict(report))
             summary = report_summary(report) if report is not None else exc.message
             self.log.error("admission rejected the job:\n%s", summary)
+            if exc.fields.get("job_id"):
+                DeadlineBatchProgressLink.persist(context, str(exc.fields["job_id"]))
             raise AirflowFailException(f"job rejected at admission: {exc.message}\n{summary}") from exc
         except (InputError, ConfigurationError) as exc:
             raise AirflowFailException(str(exc)) from exc

@@ -108,14 +108,19 @@ class CompletenessSensor(BaseSensorOperator):
             self.risk_notifier.notify_risk(context, risk)
 
     def execute(self, context: Any) -> Any:
+        """Deferrable: hand the wait to :class:`CompletenessTrigger` at once.
+
+        There is no "already finished?" shortcut: the trigger reads progress before its first
+        sleep, so a finished job costs one triggerer round trip, and every run takes the same path
+        (trigger event, then :meth:`execute_complete` verifies and publishes).
+        """
+        DeadlineBatchProgressLink.persist(context, self.job_id)
         if not self.deferrable:
             return super().execute(context)
         progress = self._progress()
         self._check_risk(context, progress)
-        event = evaluate_progress(self.job_id, progress)
-        if event is not None:
-            return self._finish(context, event)
-        if self.expire_unfinished and self._past_deadline(progress):
+        unfinished = evaluate_progress(self.job_id, progress) is None
+        if unfinished and self.expire_unfinished and self._past_deadline(progress):
             return self._finish(
                 context,
                 CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed"),
@@ -124,8 +129,10 @@ class CompletenessSensor(BaseSensorOperator):
         if self.expire_unfinished and progress.get("deadline"):
             timeout_at = min(timeout_at, dt.datetime.fromisoformat(str(progress["deadline"])))
         self.log.info(
-            "job %s not finished; deferring until every shard is terminal (at most until %s)",
+            "job %s: %s/%s records committed; deferring until every shard is terminal (at most until %s)",
             self.job_id,
+            progress.get("committed_records"),
+            progress.get("total_records"),
             timeout_at.isoformat(),
         )
         self.defer(
@@ -194,5 +201,6 @@ class CompletenessSensor(BaseSensorOperator):
         if outlet_events is not None:
             outlet_events[self.manifest_asset].extra.update(extra)
         context["ti"].xcom_push(key="manifest_uri", value=result.manifest_uri)
+        DeadlineBatchProgressLink.persist(context, self.job_id, result.manifest_uri)
         self.log.info("published manifest %s", result.manifest_uri)
         return result.manifest_uri

@@ -1,7 +1,9 @@
 """The local example DAG end to end under Airflow's real ``dag.test()``, with injected preemptions.
 
-Each run happens in a subprocess with its own ``AIRFLOW_HOME`` (Airflow reads its configuration at
-import time), on a freshly migrated SQLite metadata database.
+Each run goes through ``scripts/run_example_dag.py`` (the README's demo path) in a subprocess with
+its own ``AIRFLOW_HOME`` (Airflow reads its configuration at import time); the script migrates the
+SQLite metadata database, runs ``dag.test()`` and prints a JSON summary read back from Airflow's
+database and the manifest store. The worker engine is ``echo`` (the DAG's default).
 """
 
 from __future__ import annotations
@@ -11,27 +13,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-DAG_FILE = REPO / "dags" / "example_deadline_batch_local.py"
+SCRIPT = REPO / "scripts" / "run_example_dag.py"
 SAMPLE = REPO / "dags" / "data" / "sample_reviews.jsonl"
-RUNNER = """
-import json, runpy, sys
-dag = runpy.run_path(sys.argv[1])["dag"]
-run = dag.test(run_conf=json.loads(sys.argv[2]))
-states = {}
-for ti in run.get_task_instances():
-    states.setdefault(ti.task_id, []).append([ti.map_index, str(ti.state), ti.try_number])
-print("RESULT " + json.dumps({"state": str(run.state), "tasks": states}))
-"""
 
 
 @pytest.fixture(scope="module")
-def airflow_env(tmp_path_factory) -> dict[str, str]:
+def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("airflow_home")
     env = {
         **os.environ,
@@ -39,65 +33,79 @@ def airflow_env(tmp_path_factory) -> dict[str, str]:
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
         "ADB_EXAMPLE_DIR": str(home / "example"),
+        "ADB_ENGINE": "echo",
+        "ADB_EXAMPLE_PREEMPT_TRIES": "1",
     }
-    env.pop("ADB_STORE_URL", None)
-    subprocess.run(
-        [str(Path(sys.executable).parent / "airflow"), "db", "migrate"],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE"):
+        env.pop(name, None)
     return env
 
 
-def run_dag(env: dict[str, str], conf: dict) -> tuple[dict, str]:
+def run_dag(env: dict[str, str], conf: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+    """Run the example DAG through the script; its exit status, JSON summary and whole output."""
     proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(DAG_FILE), json.dumps(conf)],
+        [sys.executable, str(SCRIPT), "--json", "--samples", "3", "--conf", json.dumps(conf)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
     )
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT ")), output
+    return proc.returncode, json.loads(lines[-1].removeprefix("RESULT ")), output
 
 
-def states(result: dict, task_id: str) -> list[str]:
+def states(result: dict[str, Any], task_id: str) -> list[str]:
     return [state for _, state, _ in result["tasks"].get(task_id, [])]
 
 
+def file_path(uri: str) -> Path:
+    return Path(uri.removeprefix("file://"))
+
+
 def test_local_dag_publishes_one_outcome_per_line_despite_preemptions(airflow_env, tmp_path):
-    from airflow_deadline_batch.store import ManifestStore
+    code, result, output = run_dag(airflow_env, {"output_uri": str(tmp_path / "out"), "deadline": "+2h"})
 
-    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h"}
-    result, output = run_dag(airflow_env, conf)
-
-    assert result["state"] == "success", output[-5000:]
-    assert set(states(result, "shard")) == {"success"}
+    assert code == 0 and result["state"] == "success", output[-5000:]
+    assert states(result, "plan") == ["success"]
+    assert len(states(result, "shard")) >= 2 and set(states(result, "shard")) == {"success"}
     assert states(result, "verify") == ["success"] and states(result, "summarise") == ["success"]
-    assert "injecting a preemption" in output
-    assert max(t for _, _, t in result["tasks"]["shard"]) >= 2  # at least one shard was retried
+    # the injected preemption hit every shard's first try, and Airflow's retry finished each one
+    assert "injecting a preemption" in output and "preempted (worker exit" in output
+    assert {tries for _, _, tries in result["tasks"]["shard"]} == {2}
+    # the sensor deferred and dag.test() ran the CompletenessTrigger in line before it finalized
+    assert "[DAG TEST] running trigger in line" in output
 
-    store = ManifestStore(f"sqlite:///{Path(airflow_env['ADB_EXAMPLE_DIR']) / 'store.db'}")
-    (job,) = [j for j in store.list_jobs() if j.manifest_uri]
-    manifest = json.loads(Path(job.manifest_uri.removeprefix("file://")).read_text())
-    lines = [line for line in SAMPLE.read_text().splitlines() if line.strip()]
-    assert sum(manifest["outcomes"].values()) == len(lines)
+    manifest_uri = result["manifest"]
+    assert manifest_uri and file_path(manifest_uri).is_relative_to(tmp_path / "out" / result["job_id"])
+    manifest = json.loads(file_path(manifest_uri).read_text())
+    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
+    records = [number for number, line in numbered if line.strip()]  # blank lines get no outcome
+    assert len(records) < len(numbered)  # the sample has a blank line, so this checks numbering
+    assert manifest["job_id"] == result["job_id"] and result["job_state"] == "completed"
+    assert sum(manifest["outcomes"].values()) == len(records) and manifest["outcomes"] == result["outcomes"]
     seen: list[int] = []
     for entry in manifest["shards"]:
-        for row in Path(entry["uri"].removeprefix("file://")).read_text().splitlines():
+        for row in file_path(entry["uri"]).read_text().splitlines():
             seen.append(json.loads(row)["line"])
-    assert sorted(seen) == list(range(1, len(lines) + 1))
+    assert sorted(seen) == records  # one outcome per input line, none twice
+
+    (event,) = result["asset_events"]
+    assert event["task_id"] == "verify"
+    assert event["uri"] == "deadline-batch://manifests/example_deadline_batch_local/verify"
+    assert event["extra"]["manifest_uri"] == manifest_uri and event["extra"]["records"] == len(records)
+    assert len(result["samples"]) == 3 and all(s["output"].startswith("echo: ") for s in result["samples"])
 
 
 def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(airflow_env, tmp_path):
-    result, output = run_dag(airflow_env, {"output_uri": str(tmp_path / "out"), "deadline": "+1s"})
+    code, result, output = run_dag(airflow_env, {"output_uri": str(tmp_path / "out"), "deadline": "+1s"})
 
-    assert result["state"] == "failed"
+    assert code == 1 and result["state"] == "failed"
     assert states(result, "plan") == ["failed"]
-    assert "rejected at admission" in output
+    assert "job rejected at admission" in output and "infeasible" in output
+    assert "slack" in output  # the admission report's reasons reach the task log
     for task_id in ("shard", "verify", "summarise"):
         assert set(states(result, task_id)) <= {"upstream_failed"}, result
+    assert result["manifest"] is None and result["asset_events"] == []
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("manifest.json"))

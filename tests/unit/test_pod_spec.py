@@ -82,6 +82,16 @@ def job_id(store_url: str) -> str:
     return job.job_id
 
 
+class RecordingTaskInstance:
+    """The one thing the shard operator asks of its task instance outside Airflow: ``xcom_push``."""
+
+    def __init__(self) -> None:
+        self.xcom: dict[str, object] = {}
+
+    def xcom_push(self, key: str, value: object) -> None:
+        self.xcom[key] = value
+
+
 def make_operator(store_url: str, job_id: str, clock: ManualClock) -> DeadlineShardPodOperator:
     return DeadlineShardPodOperator(
         task_id="shard",
@@ -186,10 +196,13 @@ def test_committed_shard_is_a_no_op(store_url, job_id, tmp_path):
     store.complete_shard(lease)
 
     op = make_operator(store_url, job_id, ManualClock(T0))
-    decision = op.prepare_try()
-    assert decision.action is TryAction.ALREADY_DONE
-    assert op.settle_without_running(decision) is True
-    assert op.arguments == []  # nothing was prepared for a pod
+    ti = RecordingTaskInstance()
+    # the real execute(): with no kube config here, building or launching a pod would raise
+    assert op.execute({"ti": ti}) is None
+    assert ti.xcom["placement"]["action"] == TryAction.ALREADY_DONE.value
+    assert ti.xcom["placement"]["pool"] is None
+    assert op.pod_request_obj is None and op.pod is None
+    assert op.arguments == [] and op.node_selector == {}  # nothing was prepared for a pod
 
 
 def test_store_connection_secrets_never_reach_the_pod_spec(store_url, job_id, monkeypatch):
