@@ -28,6 +28,10 @@ from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, pla
 from airflow_deadline_batch.store import ManifestStore
 
 
+#: job states in which no shard can be claimed any more, so the runner stops launching workers
+_STOPPED_JOB_STATES = frozenset({JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED, JobState.PARTIAL})
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """How the local run behaves; the defaults suit a laptop."""
@@ -111,6 +115,7 @@ def run_job(
     placements = {kind.value: 0 for kind in PoolKind}
     preemptions = 0
     deadline_passed = False
+    stopped = False
     grace_s = max(1.0, options.preempt_notice_s)
     spot_pools = [p for p in request.pools if p.kind is PoolKind.SPOT]
     changeover_s = max((p.startup_seconds for p in request.pools), default=0.0)
@@ -160,10 +165,17 @@ def run_job(
                     fence_dead_worker(store, item.proc)
                 if classify_exit(code) == "succeeded":
                     continue
+                if store.get_job(plan.job_id).state in _STOPPED_JOB_STATES:
+                    # cancelled (or finished elsewhere): no retry could claim a shard; stop relaunching
+                    stopped = True
+                    break
                 shard = store.get_shard(plan.job_id, index)
                 if shard.state in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE):
                     continue
                 pending.append(index)
+            if stopped:
+                _stop_all(store, running, grace_s)
+                break
             if on_progress:
                 on_progress(store.progress(plan.job_id))
             time.sleep(options.poll_interval_s)
