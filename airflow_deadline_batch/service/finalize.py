@@ -345,7 +345,9 @@ def finalize_job(
             continue
         key = f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl"
         uri = output.put_bytes(key, lines)
-        extra.append(OutcomeObject(shard.shard_index, -1, uri, sha256_hex(lines), lines.count(b"\n"), "finalize"))
+        # seq one past the shard's microbatches: unique in the manifest, which requires seq >= 0
+        extra.append(OutcomeObject(shard.shard_index, shard.num_microbatches, uri, sha256_hex(lines),
+                                   lines.count(b"\n"), "finalize"))
     report = VerificationReport(job_id=job_id, expected=job.input_lines)
     report.model_digests = {c.model_digest for c in commits if c.shard_index >= 0 and c.model_digest}
     objects = committed_objects(store, job_id) + extra
