@@ -164,7 +164,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}"
         )
         _emit(args, payload, text)
-        return EXIT_OK if report.feasible else EXIT_REJECTED
+        if report.feasible:
+            return EXIT_OK
+        # the verdict's own reason (the last one) says why and what to change; the report is on stdout
+        why = report.reasons[-1] if report.reasons else report.verdict.value
+        sys.stderr.write(f"deadline-batch: rejected ({report.verdict.value}): {why}\n")
+        return EXIT_REJECTED
     finally:
         analysis.close()
 
