@@ -43,7 +43,7 @@ from airflow_deadline_batch.core.records import (
 from airflow_deadline_batch.core.results import ResultError, ResultRecord, Usage
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError, ObjectNotFound
-from airflow_deadline_batch.storage import join_uri, open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
     from airflow_deadline_batch.store import ManifestStore
@@ -276,11 +276,24 @@ def _error_outcome(error: LineError) -> bytes:
     ).to_json_bytes() + b"\n"
 
 
-def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[str]]:
+def hash_input(input_uri: str) -> str:
+    """SHA-256 of the whole input, in large reads."""
+    storage, key = open_uri(input_uri)
+    whole = hashlib.sha256()
+    with storage.open_read(key) as stream:
+        while chunk := stream.read(_READ_CHUNK):
+            whole.update(chunk)
+    return whole.hexdigest()
+
+
+def hash_ranges(
+    input_uri: str, cuts: tuple[ShardCut, ...], *, include_whole: bool = True
+) -> tuple[str, list[str]]:
     """SHA-256 of the whole input and of each shard's byte range, in one pass of large reads.
 
     The whole-input digest is updated on a second thread: hashlib releases the GIL on large
-    buffers, so the two digests of each chunk are computed side by side on two cores.
+    buffers, so the two digests of each chunk are computed side by side on two cores. With
+    ``include_whole=False`` (the caller hashes the whole input itself) the first item is "".
     """
     storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
@@ -295,9 +308,10 @@ def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[s
             chunk = stream.read(_READ_CHUNK)
             if not chunk:
                 break
-            if pending is not None:
-                pending.result()  # one chunk in flight at a time: in order, and bounded memory
-            pending = hasher.submit(whole.update, chunk)
+            if include_whole:
+                if pending is not None:
+                    pending.result()  # one chunk in flight at a time: in order, and bounded memory
+                pending = hasher.submit(whole.update, chunk)
             view = memoryview(chunk)
             while len(view):
                 if shard < len(boundaries) and offset + len(view) >= boundaries[shard]:
@@ -318,7 +332,7 @@ def hash_ranges(input_uri: str, cuts: tuple[ShardCut, ...]) -> tuple[str, list[s
         digests.append(current.hexdigest())
         current = hashlib.sha256()
         shard += 1
-    return whole.hexdigest(), digests
+    return (whole.hexdigest() if include_whole else ""), digests
 
 
 def job_config(request: PlanRequest, target_shard_s: float) -> dict[str, Any]:
@@ -353,14 +367,19 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
         existing = store.get_job_by_idempotency_key(request.idempotency_key)
         if existing is not None:
             return _existing_result(store, existing)
-    analysis = analyze_input(request, clock=clock)
-    try:
-        return _record(store, analysis, clock)
-    finally:
-        analysis.close()
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+        # A local input is hashed whole on a second core while the validating pass runs (file
+        # reads and hashlib release the GIL); an S3 input is not downloaded a third time for it.
+        storage, _ = open_uri(request.input_uri)
+        whole = hasher.submit(hash_input, request.input_uri) if isinstance(storage, LocalStorage) else None
+        analysis = analyze_input(request, clock=clock)
+        try:
+            return _record(store, analysis, clock, whole)
+        finally:
+            analysis.close()
 
 
-def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock) -> PlanResult:
+def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock, whole: Future[str] | None) -> PlanResult:
     from airflow_deadline_batch.store import NewCommit, NewJob, NewShard
 
     request = analysis.request
@@ -368,7 +387,9 @@ def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock) -> Plan
     job_id = new_job_id()
     output_base = join_uri(request.output_uri, job_id)
     admitted = report.feasible or (request.allow_infeasible and report.verdict.value != "rejected_invalid")
-    input_sha, range_shas = hash_ranges(request.input_uri, analysis.cuts)
+    input_sha, range_shas = hash_ranges(request.input_uri, analysis.cuts, include_whole=whole is None)
+    if whole is not None:
+        input_sha = whole.result()
     new_job = NewJob(
         job_id=job_id,
         idempotency_key=request.idempotency_key,
