@@ -6,7 +6,7 @@ Three measurements, each in its own subprocess so that its peak RSS is its own (
   set of the record IDs (the work any planner must do at the least);
 * ``plan-cli``: ``deadline-batch plan FILE --deadline +24h --json`` (validation, estimates,
   admission and shard cuts; nothing is written);
-* ``plan-job``: ``service.planning.plan_job`` into a fresh SQLite store (the above, plus the
+* ``plan-job``: ``service.planning.plan_job`` into a fresh, migrated SQLite store (the above, plus the
   second pass that hashes every shard's byte range, the validation-errors object, and the job
   with its shards written to the store).
 
@@ -143,8 +143,7 @@ def child_plan_job(path: str, workdir: str) -> dict[str, Any]:
     from airflow_deadline_batch.service.planning import PlanRequest, plan_job
     from airflow_deadline_batch.store import ManifestStore
 
-    store = ManifestStore(f"sqlite:///{workdir}/store.db")
-    store.migrate()
+    store = ManifestStore(f"sqlite:///{workdir}/store.db")  # migrated by the driver: planning needs none
     request = PlanRequest(
         input_uri=path, deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=24),
         output_uri=f"{workdir}/out", engine="echo", pools=default_local_pools("echo"), workers=2,
@@ -173,6 +172,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def python_child(script: str, *args: str) -> list[str]:
     """The argv that runs ``script args...`` under the peak-RSS wrapper."""
     return [sys.executable, "-c", _PEAK_WRAPPER, script, *args]
+
+
+def create_store(workdir: Path) -> None:
+    """An empty, migrated store for ``plan-job`` (a one-time set-up of any store, not planning)."""
+    from airflow_deadline_batch.store import ManifestStore
+
+    ManifestStore(f"sqlite:///{workdir}/store.db").migrate()
 
 
 def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
@@ -265,6 +271,8 @@ def main() -> None:
             for name in names:
                 workdir = Path(tmp) / f"{name}-{attempt}"
                 workdir.mkdir()
+                if name == "plan-job":
+                    create_store(workdir)
                 wall, cpu, rss, out = run_child(commands(path, workdir)[name], env)
                 samples[name].append((wall, cpu, rss))
                 details[name] = json.loads(out.strip().splitlines()[-1])
