@@ -9,6 +9,7 @@ notice, SIGKILL when the notice runs out — and retried until the deadline.
 from __future__ import annotations
 
 import math
+import os
 import random
 import signal
 import time
@@ -120,6 +121,11 @@ def run_job(
     spot_pools = [p for p in request.pools if p.kind is PoolKind.SPOT]
     changeover_s = max((p.startup_seconds for p in request.pools), default=0.0)
     stderr = _open_log(options.worker_log)
+    worker_env = dict(options.worker_env)
+    # N workers on one machine: split the cores between them, or CPU engines' spin-waiting
+    # OpenMP threads oversubscribe the machine and generation slows down several-fold
+    if "OMP_NUM_THREADS" not in os.environ:
+        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.workers)))
     try:
         while pending or running:
             now = time.monotonic()
@@ -145,7 +151,7 @@ def run_job(
                 placements[decision.pool.value] += 1
                 proc = start_worker(
                     store.url, plan.job_id, index, pool=decision.pool.value, lease_ttl_s=options.lease_ttl_s,
-                    grace_s=grace_s, env=options.worker_env, stderr=stderr,
+                    grace_s=grace_s, env=worker_env, stderr=stderr,
                 )
                 running[index] = _Running(proc, decision.pool, injector.next_preemption(now, decision.pool))
             for item in running.values():

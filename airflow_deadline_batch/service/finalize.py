@@ -12,7 +12,7 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -233,6 +233,9 @@ def verify_manifest(store: ManifestStore, job_id: str) -> VerificationReport:
     """Re-verify a published manifest: its checksum-listed objects give one outcome per line."""
     job = store.get_job(job_id)
     report = VerificationReport(job_id=job_id, expected=job.input_lines)
+    if job.manifest_uri is None:
+        report.problem(f"job {job_id} has no published manifest yet")
+        return report
     storage, key = open_uri(job.manifest_uri)
     data = storage.get_bytes(key)
     if job.manifest_sha256 and sha256_hex(data) != job.manifest_sha256:
@@ -255,7 +258,8 @@ def verify_manifest(store: ManifestStore, job_id: str) -> VerificationReport:
 
 
 def _unfinished_outcomes(
-    store: ManifestStore, job: Any, shard: Any, committed_lines: set[int], status: str,
+    store: ManifestStore, job: Any, shard: Any, committed_lines: set[int],
+    status: Literal["cancelled", "expired"],
 ) -> Iterator[bytes]:
     """Outcome lines (``expired`` or ``cancelled``) for a shard's records that never committed."""
     storage, key = open_uri(job.input_uri)
@@ -337,7 +341,7 @@ def finalize_job(
     output = open_storage(job.output_uri)
     extra: list[OutcomeObject] = []
     commits = store.list_commits(job_id)
-    status = "cancelled" if cancelled else "expired"
+    status: Literal["cancelled", "expired"] = "cancelled" if cancelled else "expired"
     for shard in unfinished:
         lines = b"".join(_unfinished_outcomes(store, job, shard, _committed_lines(store, commits, shard.shard_index),
                                               status))
