@@ -149,10 +149,28 @@ class _LineLedger:
         return "ok"
 
 
-def _read_object(obj: OutcomeObject, report: VerificationReport) -> bytes | None:
+class _Reader:
+    """Reads objects by URI with at most one S3 client per pass: building one costs 0.1-0.3 s,
+    and verification reads every committed object."""
+
+    def __init__(self) -> None:
+        self._client: Any = None
+
+    def get_bytes(self, uri: str) -> bytes:
+        if not uri.startswith("s3://"):
+            storage, key = open_uri(uri)
+            return storage.get_bytes(key)
+        if self._client is None:
+            from airflow_deadline_batch.storage.s3 import make_client
+
+            self._client = make_client()
+        storage, key = open_uri(uri, client=self._client)
+        return storage.get_bytes(key)
+
+
+def _read_object(obj: OutcomeObject, report: VerificationReport, reader: _Reader) -> bytes | None:
     try:
-        storage, key = open_uri(obj.uri)
-        data = storage.get_bytes(key)
+        data = reader.get_bytes(obj.uri)
     except StorageError as exc:
         report.checksum_failures += 1
         report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} unreadable: {exc}")
@@ -168,8 +186,9 @@ def _check_objects(
     objects: Iterable[OutcomeObject], ledger: _LineLedger, report: VerificationReport,
     ranges: dict[int, tuple[int, int]],
 ) -> None:
+    reader = _Reader()
     for obj in objects:
-        data = _read_object(obj, report)
+        data = _read_object(obj, report, reader)
         if data is None:
             continue
         count = 0
@@ -298,11 +317,11 @@ def _unfinished_outcomes(
 
 def _committed_lines(store: ManifestStore, commits: list[Any], shard_index: int) -> set[int]:
     lines: set[int] = set()
+    reader = _Reader()
     for c in commits:
         if c.shard_index != shard_index:
             continue
-        storage, key = open_uri(c.uri)
-        for raw in storage.get_bytes(key).splitlines():
+        for raw in reader.get_bytes(c.uri).splitlines():
             if raw.strip():
                 lines.add(orjson.loads(raw)["line"])
     return lines
