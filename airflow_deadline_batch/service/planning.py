@@ -14,9 +14,9 @@ import hashlib
 import math
 import tempfile
 from array import array
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,12 @@ from airflow_deadline_batch.core.records import (
 )
 from airflow_deadline_batch.core.results import ResultError, ResultRecord, Usage
 from airflow_deadline_batch.core.states import JobState
-from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError, ObjectNotFound
+from airflow_deadline_batch.exceptions import (
+    AdmissionRejected,
+    ConfigurationError,
+    InputError,
+    ObjectNotFound,
+)
 from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
@@ -379,7 +384,9 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
             analysis.close()
 
 
-def _record(store: ManifestStore, analysis: InputAnalysis, clock: Clock, whole: Future[str] | None) -> PlanResult:
+def _record(
+    store: ManifestStore, analysis: InputAnalysis, clock: Clock, whole: Future[str] | None
+) -> PlanResult:
     from airflow_deadline_batch.store import NewCommit, NewJob, NewShard
 
     request = analysis.request
