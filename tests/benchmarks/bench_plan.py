@@ -40,8 +40,28 @@ sys.path.insert(0, str(ROOT))
 
 #: bump when the generated input changes shape, so stale cached files are not reused
 INPUT_VERSION = 2
-WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "data", "engineers",
-         "plan", "tonight's", "batch", "summarise", "customer", "ticket", "résumé", "invoice")
+WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "data",
+    "engineers",
+    "plan",
+    "tonight's",
+    "batch",
+    "summarise",
+    "customer",
+    "ticket",
+    "résumé",
+    "invoice",
+)
 TARGET_RATIO = 3.0
 TARGET_RSS_MB = 300.0
 
@@ -72,14 +92,17 @@ def _bad_line(rng: random.Random, i: int, text: str) -> bytes:
     if kind == 3:
         return orjson.dumps({"prompt": text})
     if kind == 4:
-        return orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings",
-                             "body": {"input": text}})
+        return orjson.dumps(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": text}}
+        )
     if kind == 5:
         return orjson.dumps({"id": f"r{i}", "prompt": text, "max_tokens": -3})
     return b"\xff\xfe" + text.encode()
 
 
-def write_input(path: Path, records: int, *, seed: int, invalid: float = 0.01, record_bytes: int = 500) -> None:
+def write_input(
+    path: Path, records: int, *, seed: int, invalid: float = 0.01, record_bytes: int = 500
+) -> None:
     """Write ``records`` lines averaging about ``record_bytes`` bytes; atomically, for the cache."""
     rng = random.Random(seed)
     # texts come from a pool so generation is quick; their lengths spread from short to about 2x
@@ -96,13 +119,29 @@ def write_input(path: Path, records: int, *, seed: int, invalid: float = 0.01, r
             elif roll < 0.45:
                 line = orjson.dumps({"id": f"r{i}", "prompt": text, "max_tokens": 128, "metadata": {"n": i}})
             elif roll < 0.75:
-                line = orjson.dumps({"id": f"r{i}", "messages": [
-                    {"role": "system", "content": "Summarise in one sentence."},
-                    {"role": "user", "content": text}]})
+                line = orjson.dumps(
+                    {
+                        "id": f"r{i}",
+                        "messages": [
+                            {"role": "system", "content": "Summarise in one sentence."},
+                            {"role": "user", "content": text},
+                        ],
+                    }
+                )
             else:
-                line = orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                                     "body": {"model": "m", "max_tokens": 64, "temperature": 0,
-                                              "messages": [{"role": "user", "content": text}]}})
+                line = orjson.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "model": "m",
+                            "max_tokens": 64,
+                            "temperature": 0,
+                            "messages": [{"role": "user", "content": text}],
+                        },
+                    }
+                )
             out.write(line + b"\n")
     tmp.replace(path)
 
@@ -113,8 +152,10 @@ def ensure_input(records: int, *, seed: int, record_bytes: int = 500) -> Path:
     if not path.exists():
         started = time.perf_counter()
         write_input(path, records, seed=seed, record_bytes=record_bytes)
-        print(f"generated {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.1f} s",
-              file=sys.stderr)
+        print(
+            f"generated {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
     return path
 
 
@@ -145,12 +186,21 @@ def child_plan_job(path: str, workdir: str) -> dict[str, Any]:
 
     store = ManifestStore(f"sqlite:///{workdir}/store.db")  # migrated by the driver: planning needs none
     request = PlanRequest(
-        input_uri=path, deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=24),
-        output_uri=f"{workdir}/out", engine="echo", pools=default_local_pools("echo"), workers=2,
+        input_uri=path,
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=24),
+        output_uri=f"{workdir}/out",
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=2,
         microbatch_size=2000,
     )
     result = plan_job(store, request)
-    return {"job_id": result.job_id, "records": result.records, "invalid": result.invalid, "shards": result.shards}
+    return {
+        "job_id": result.job_id,
+        "records": result.records,
+        "invalid": result.invalid,
+        "shards": result.shards,
+    }
 
 
 #: runs a Python script as ``__main__`` and reports its own peak RSS (VmHWM) on stderr at exit.
@@ -238,12 +288,19 @@ def summarize(samples: dict[str, list[tuple[float, float, float]]]) -> list[dict
         walls = [w for w, _, _ in runs]
         cpus = [c for _, c, _ in runs]
         rss = [r for _, _, r in runs]
-        rows.append({
-            "name": name, "runs": len(runs), "wall_best_s": round(min(walls), 2),
-            "wall_spread_s": round(max(walls) - min(walls), 2), "wall_median_s": round(statistics.median(walls), 2),
-            "cpu_best_s": round(min(cpus), 2), "peak_rss_mb": round(max(rss), 1),
-            "ratio_vs_bare": round(min(walls) / best_bare, 2), "cpu_ratio_vs_bare": round(min(cpus) / best_bare_cpu, 2),
-        })
+        rows.append(
+            {
+                "name": name,
+                "runs": len(runs),
+                "wall_best_s": round(min(walls), 2),
+                "wall_spread_s": round(max(walls) - min(walls), 2),
+                "wall_median_s": round(statistics.median(walls), 2),
+                "cpu_best_s": round(min(cpus), 2),
+                "peak_rss_mb": round(max(rss), 1),
+                "ratio_vs_bare": round(min(walls) / best_bare, 2),
+                "cpu_ratio_vs_bare": round(min(cpus) / best_bare_cpu, 2),
+            }
+        )
     return rows
 
 
@@ -253,8 +310,12 @@ def main() -> None:
     parser.add_argument("--record-bytes", type=int, default=500, help="mean line size of the generated input")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=2, help="runs of each measurement (interleaved)")
-    parser.add_argument("--only", action="append", choices=("bare", "plan-cli", "plan-job"),
-                        help="measure only these (bare is always measured, for the ratio)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=("bare", "plan-cli", "plan-job"),
+        help="measure only these (bare is always measured, for the ratio)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,31 +337,54 @@ def main() -> None:
                 wall, cpu, rss, out = run_child(commands(path, workdir)[name], env)
                 samples[name].append((wall, cpu, rss))
                 details[name] = json.loads(out.strip().splitlines()[-1])
-                print(f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 shutil.rmtree(workdir, ignore_errors=True)
     rows = summarize(samples)
     result = {
-        "records": args.records, "input_mb": round(path.stat().st_size / 1e6, 1),
-        "mean_line_bytes": round(path.stat().st_size / args.records), "python": sys.version.split()[0],
-        "cpus": os.cpu_count(), "rows": rows,
-        "plan_cli": {k: details.get("plan-cli", {}).get(k) for k in ("lines", "records", "invalid", "shards",
-                                                                      "errors_by_code")},
+        "records": args.records,
+        "input_mb": round(path.stat().st_size / 1e6, 1),
+        "mean_line_bytes": round(path.stat().st_size / args.records),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "plan_cli": {
+            k: details.get("plan-cli", {}).get(k)
+            for k in ("lines", "records", "invalid", "shards", "errors_by_code")
+        },
         "plan_job": details.get("plan-job"),
         "targets": {"ratio_vs_bare": TARGET_RATIO, "peak_rss_mb": TARGET_RSS_MB},
     }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"input: {result['input_mb']} MB, {args.records} lines (~{result['mean_line_bytes']} B each), "
-          f"Python {result['python']}, {result['cpus']} CPUs, {args.repeat} runs each")
-    print(f"{'measurement':<10} {'wall s':>7} {'spread':>7} {'CPU s':>7} {'peak RSS MB':>12} {'x bare':>7} "
-          f"{'CPU x':>6}  target")
+    print(
+        f"input: {result['input_mb']} MB, {args.records} lines (~{result['mean_line_bytes']} B each), "
+        f"Python {result['python']}, {result['cpus']} CPUs, {args.repeat} runs each"
+    )
+    print(
+        f"{'measurement':<10} {'wall s':>7} {'spread':>7} {'CPU s':>7} {'peak RSS MB':>12} {'x bare':>7} "
+        f"{'CPU x':>6}  target"
+    )
     for row in rows:
-        target = "" if row["name"] == "bare" else (
-            "ok" if row["ratio_vs_bare"] <= TARGET_RATIO and row["peak_rss_mb"] <= TARGET_RSS_MB else "MISSED")
-        print(f"{row['name']:<10} {row['wall_best_s']:>7.2f} {row['wall_spread_s']:>7.2f} {row['cpu_best_s']:>7.2f} "
-              f"{row['peak_rss_mb']:>12.1f} {row['ratio_vs_bare']:>7.2f} {row['cpu_ratio_vs_bare']:>6.2f}  {target}")
+        target = (
+            ""
+            if row["name"] == "bare"
+            else (
+                "ok"
+                if row["ratio_vs_bare"] <= TARGET_RATIO and row["peak_rss_mb"] <= TARGET_RSS_MB
+                else "MISSED"
+            )
+        )
+        print(
+            f"{row['name']:<10} {row['wall_best_s']:>7.2f} {row['wall_spread_s']:>7.2f} "
+            f"{row['cpu_best_s']:>7.2f} "
+            f"{row['peak_rss_mb']:>12.1f} {row['ratio_vs_bare']:>7.2f} "
+            f"{row['cpu_ratio_vs_bare']:>6.2f}  {target}"
+        )
     print(f"plan-cli: {result['plan_cli']}")
     print(f"plan-job: {result['plan_job']}")
 

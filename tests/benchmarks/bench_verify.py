@@ -27,7 +27,6 @@ import os
 import shutil
 import sqlite3
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,9 @@ def build_job(path: Path, workdir: Path) -> dict[str, Any]:
 
     def no_finalize(store: Any, job_id: str, clock: Any, deadline_passed: bool) -> FinalizeResult:
         job = store.get_job(job_id)
-        return FinalizeResult(job_id, job.state, None, VerificationReport(job_id=job_id, expected=job.input_lines))
+        return FinalizeResult(
+            job_id, job.state, None, VerificationReport(job_id=job_id, expected=job.input_lines)
+        )
 
     runner._finalize = no_finalize  # the one step measured separately below
     if workdir.exists():
@@ -66,19 +67,31 @@ def build_job(path: Path, workdir: Path) -> dict[str, Any]:
     store = ManifestStore(f"sqlite:///{workdir}/store.db")
     store.migrate()
     request = PlanRequest(
-        input_uri=str(path), deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=24),
-        output_uri=str(workdir / "out"), engine="echo", pools=default_local_pools("echo"), workers=WORKERS,
+        input_uri=str(path),
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=24),
+        output_uri=str(workdir / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=WORKERS,
         microbatch_size=MICROBATCH,
     )
     started = time.perf_counter()
-    summary = runner.run_job(store, request, runner.RunOptions(workers=WORKERS, worker_log=str(workdir / "worker.log")))
+    summary = runner.run_job(
+        store, request, runner.RunOptions(workers=WORKERS, worker_log=str(workdir / "worker.log"))
+    )
     elapsed = time.perf_counter() - started
     progress = store.progress(summary.job_id)
     info = {
-        "job_id": summary.job_id, "store": f"sqlite:///{workdir}/store.db", "build_s": round(elapsed, 1),
-        "shards": summary.shards, "attempts": summary.attempts, "committed_records": progress.committed_records,
+        "job_id": summary.job_id,
+        "store": f"sqlite:///{workdir}/store.db",
+        "build_s": round(elapsed, 1),
+        "shards": summary.shards,
+        "attempts": summary.attempts,
+        "committed_records": progress.committed_records,
         "total_records": progress.total_records,
-        "output_mb": round(sum(f.stat().st_size for f in (workdir / "out").rglob("*") if f.is_file()) / 1e6, 1),
+        "output_mb": round(
+            sum(f.stat().st_size for f in (workdir / "out").rglob("*") if f.is_file()) / 1e6, 1
+        ),
     }
     if progress.committed_records != progress.total_records:
         raise SystemExit(f"the build did not commit every record: {info}; see {workdir / 'worker.log'}")
@@ -89,7 +102,10 @@ def build_job(path: Path, workdir: Path) -> dict[str, Any]:
 
 def snapshot(workdir: Path) -> None:
     """Keep a consistent copy of the unfinalized store (sqlite's online backup)."""
-    with sqlite3.connect(workdir / "store.db") as src, sqlite3.connect(workdir / "store.unfinalized.db") as dst:
+    with (
+        sqlite3.connect(workdir / "store.db") as src,
+        sqlite3.connect(workdir / "store.unfinalized.db") as dst,
+    ):
         src.backup(dst)
 
 
@@ -108,7 +124,8 @@ def child_bare(workdir: str) -> dict[str, Any]:
     The build runs without preemptions, so every object under ``attempts/`` was committed.
     """
     files = sorted(Path(workdir, "out").glob("*/attempts/*/*.jsonl")) + sorted(
-        Path(workdir, "out").glob("*/validation/*.jsonl"))
+        Path(workdir, "out").glob("*/validation/*.jsonl")
+    )
     lines = 0
     for file in files:
         with file.open("rb") as f:
@@ -146,11 +163,17 @@ def main() -> None:
     if cached:
         info = json.loads((workdir / "job.json").read_text())
     else:
-        print(f"building the job in {workdir} (plan + {WORKERS} echo workers) ...", file=sys.stderr, flush=True)
+        print(
+            f"building the job in {workdir} (plan + {WORKERS} echo workers) ...", file=sys.stderr, flush=True
+        )
         info = build_job(path, workdir)
-    print(f"job {info['job_id']}: {info['committed_records']} records committed by {info['shards']} shards "
-          f"({info['attempts']} attempts), {info['output_mb']} MB of outputs; built in {info['build_s']} s"
-          + (" (cached)" if cached else ""), file=sys.stderr, flush=True)
+    print(
+        f"job {info['job_id']}: {info['committed_records']} records committed by {info['shards']} shards "
+        f"({info['attempts']} attempts), {info['output_mb']} MB of outputs; built in {info['build_s']} s"
+        + (" (cached)" if cached else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     me = str(Path(__file__).resolve())
     store_url, job_id = info["store"], info["job_id"]
     commands = {
@@ -167,8 +190,11 @@ def main() -> None:
             wall, cpu, rss, out = run_child(argv, env)
             samples[name].append((wall, cpu, rss))
             details[name] = json.loads(out.strip().splitlines()[-1])
-            print(f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB",
+                file=sys.stderr,
+                flush=True,
+            )
     for name in ("finalize", "verify"):
         if not details[name].get("complete"):
             raise SystemExit(f"{name} did not find the job complete: {details[name]}")
@@ -176,21 +202,35 @@ def main() -> None:
     best_bare = min(w for w, _, _ in samples["bare"])
     for name, runs in samples.items():
         walls = [w for w, _, _ in runs]
-        rows.append({"name": name, "runs": len(runs), "wall_best_s": round(min(walls), 2),
-                     "wall_spread_s": round(max(walls) - min(walls), 2),
-                     "cpu_best_s": round(min(c for _, c, _ in runs), 2),
-                     "peak_rss_mb": round(max(r for _, _, r in runs), 1),
-                     "ratio_vs_bare": round(min(walls) / best_bare, 2)})
-    result = {"records": args.records, "job": info, "rows": rows, "python": sys.version.split()[0],
-              "cpus": os.cpu_count(),
-              "finalize": {k: details["finalize"][k] for k in ("state", "expected", "seen", "outcomes")}}
+        rows.append(
+            {
+                "name": name,
+                "runs": len(runs),
+                "wall_best_s": round(min(walls), 2),
+                "wall_spread_s": round(max(walls) - min(walls), 2),
+                "cpu_best_s": round(min(c for _, c, _ in runs), 2),
+                "peak_rss_mb": round(max(r for _, _, r in runs), 1),
+                "ratio_vs_bare": round(min(walls) / best_bare, 2),
+            }
+        )
+    result = {
+        "records": args.records,
+        "job": info,
+        "rows": rows,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "finalize": {k: details["finalize"][k] for k in ("state", "expected", "seen", "outcomes")},
+    }
     if args.json:
         print(json.dumps(result))
         return
     print(f"{'measurement':<10} {'wall s':>7} {'spread':>7} {'CPU s':>7} {'peak RSS MB':>12} {'x bare':>7}")
     for row in rows:
-        print(f"{row['name']:<10} {row['wall_best_s']:>7.2f} {row['wall_spread_s']:>7.2f} {row['cpu_best_s']:>7.2f} "
-              f"{row['peak_rss_mb']:>12.1f} {row['ratio_vs_bare']:>7.2f}")
+        print(
+            f"{row['name']:<10} {row['wall_best_s']:>7.2f} {row['wall_spread_s']:>7.2f} "
+            f"{row['cpu_best_s']:>7.2f} "
+            f"{row['peak_rss_mb']:>12.1f} {row['ratio_vs_bare']:>7.2f}"
+        )
     print(f"finalize: {result['finalize']}")
 
 

@@ -54,15 +54,28 @@ def _assert_agrees(data: bytes) -> bool:
     return True
 
 
-_text = st.one_of(st.sampled_from(["", " ", "\t\n", "hi", "héllo wörld", "日本語のテキスト", "x" * 40, "x" * 41]),
-                  st.text(max_size=45))
-_odd = st.one_of(st.none(), st.booleans(), st.integers(-2, 102), st.just(5.0), st.just("7"), _text,
-                 st.just([]), st.just(["user"]), st.just({}), st.just({"a": 1}))
+_text = st.one_of(
+    st.sampled_from(["", " ", "\t\n", "hi", "héllo wörld", "日本語のテキスト", "x" * 40, "x" * 41]),
+    st.text(max_size=45),
+)
+_odd = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 102),
+    st.just(5.0),
+    st.just("7"),
+    _text,
+    st.just([]),
+    st.just(["user"]),
+    st.just({}),
+    st.just({"a": 1}),
+)
 _role = st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer", "robot", ""]), _odd)
 _content = st.one_of(_text, _odd, st.just([{"type": "text", "text": "part"}]), st.just([{"type": "image"}]))
 _message = st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": _text}),
-    st.fixed_dictionaries({"role": _role, "content": _content}), _odd,
+    st.fixed_dictionaries({"role": _role, "content": _content}),
+    _odd,
 )
 _messages = st.one_of(st.lists(_message, min_size=1, max_size=3), _odd)
 _id = st.one_of(st.sampled_from(["r1", "a-much-longer-record-identifier"]), _odd)
@@ -70,15 +83,26 @@ _id = st.one_of(st.sampled_from(["r1", "a-much-longer-record-identifier"]), _odd
 _BASES: list[dict[str, Any]] = [
     {"id": "r1", "prompt": "hello there"},
     {"id": "r1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
-    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}},
+    {
+        "custom_id": "r1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    },
     {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}},
 ]
 _FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "id": _id, "custom_id": _id, "prompt": _text | _odd, "messages": _messages, "max_tokens": _odd,
-    "max_completion_tokens": _odd, "metadata": _odd, "method": st.sampled_from(["POST", "GET"]) | _odd,
+    "id": _id,
+    "custom_id": _id,
+    "prompt": _text | _odd,
+    "messages": _messages,
+    "max_tokens": _odd,
+    "max_completion_tokens": _odd,
+    "metadata": _odd,
+    "method": st.sampled_from(["POST", "GET"]) | _odd,
     "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]) | _odd,
-    "extra": _odd, "body": _odd,
+    "extra": _odd,
+    "body": _odd,
 }
 
 
@@ -87,12 +111,16 @@ def _near_valid(draw: Any) -> Any:
     """A valid line of one of the shapes with up to three fields changed, added or removed."""
     obj = orjson.loads(orjson.dumps(draw(st.sampled_from(_BASES))))
     for _ in range(draw(st.integers(0, 3))):
-        target = obj["body"] if "body" in obj and isinstance(obj["body"], dict) and draw(st.booleans()) else obj
+        target = (
+            obj["body"] if "body" in obj and isinstance(obj["body"], dict) and draw(st.booleans()) else obj
+        )
         key = draw(st.sampled_from(sorted(_FIELDS)))
         if draw(st.integers(0, 4)) == 0:
             target.pop(key, None)
         else:
-            target[key] = orjson.loads(orjson.dumps(draw(_FIELDS[key])))  # a copy: st.just() values are shared
+            target[key] = orjson.loads(
+                orjson.dumps(draw(_FIELDS[key]))
+            )  # a copy: st.just() values are shared
     return obj
 
 
@@ -107,36 +135,53 @@ def test_quick_parse_on_arbitrary_bytes(data: bytes) -> None:
     _assert_agrees(data)
 
 
-@pytest.mark.parametrize("obj", [
-    {"id": "r1", "prompt": "hello"},
-    {"id": "r1", "prompt": "hello", "messages": None, "max_tokens": 100, "metadata": {"k": 1}},
-    {"id": "r1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "日本"}]},
-    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "m", "max_tokens": 9, "max_completion_tokens": 9, "messages": [{"role": "user",
-                                                                                   "content": "hi"}]}},
-    {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "seed": 3}},
-])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"id": "r1", "prompt": "hello"},
+        {"id": "r1", "prompt": "hello", "messages": None, "max_tokens": 100, "metadata": {"k": 1}},
+        {
+            "id": "r1",
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "日本"}],
+        },
+        {
+            "custom_id": "r1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "m",
+                "max_tokens": 9,
+                "max_completion_tokens": 9,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        },
+        {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "seed": 3}},
+    ],
+)
 def test_common_shapes_take_the_fast_path(obj: dict[str, Any]) -> None:
     assert _assert_agrees(orjson.dumps(obj))
 
 
-@pytest.mark.parametrize("data", [
-    b'{"id": "r1", "prompt": "   "}',
-    b'{"id": "r1", "prompt": "' + b"x" * 41 + b'"}',
-    b'{"id": "r1", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}',
-    b'{"id": "r1", "messages": [{"role": ["user"], "content": "hi"}]}',
-    b'{"id": 7, "prompt": "hi"}',
-    b'{"id": "r1", "prompt": "hi", "max_tokens": true}',
-    b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 5,'
-    b' "max_completion_tokens": 6}}',
-    b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": true,'
-    b' "max_completion_tokens": 1}}',
-    b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 5.0,'
-    b' "max_completion_tokens": 5}}',
-    b'\xef\xbb\xbf{"id": "r1", "prompt": "hi"}',
-    b"[1, 2]",
-    b"",
-])
+_OPENAI_COMPLETION = b'{"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": '
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"id": "r1", "prompt": "   "}',
+        b'{"id": "r1", "prompt": "' + b"x" * 41 + b'"}',
+        b'{"id": "r1", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}',
+        b'{"id": "r1", "messages": [{"role": ["user"], "content": "hi"}]}',
+        b'{"id": 7, "prompt": "hi"}',
+        b'{"id": "r1", "prompt": "hi", "max_tokens": true}',
+        _OPENAI_COMPLETION + b'{"prompt": "hi", "max_tokens": 5, "max_completion_tokens": 6}}',
+        _OPENAI_COMPLETION + b'{"prompt": "hi", "max_tokens": true, "max_completion_tokens": 1}}',
+        _OPENAI_COMPLETION + b'{"prompt": "hi", "max_tokens": 5.0, "max_completion_tokens": 5}}',
+        b'\xef\xbb\xbf{"id": "r1", "prompt": "hi"}',
+        b"[1, 2]",
+        b"",
+    ],
+)
 def test_unusual_or_bad_lines_are_left_to_parse_line(data: bytes) -> None:
     assert quick_parse(data, LIMITS) is None
 
