@@ -7,6 +7,7 @@ manifest store, and raises ``AssertionError`` naming the first broken invariant.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 from collections.abc import Mapping
@@ -21,8 +22,15 @@ from tests.helpers.inputs import MixedInput
 STATUSES = ("succeeded", "errored", "cancelled", "expired")
 
 
+@functools.lru_cache(maxsize=1)
+def _s3_client() -> Any:
+    from airflow_deadline_batch.storage.s3 import make_client
+
+    return make_client()  # one per test process: building a client costs 0.1-0.3 s
+
+
 def read_bytes(uri: str) -> bytes:
-    storage, key = open_uri(uri)
+    storage, key = open_uri(uri, client=_s3_client()) if uri.startswith("s3://") else open_uri(uri)
     return storage.get_bytes(key)
 
 

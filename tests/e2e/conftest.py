@@ -1,0 +1,86 @@
+"""Helpers for driving the real ``deadline-batch`` console script in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+
+#: the console script installed with the package, next to the interpreter running the tests
+CLI = Path(sys.executable).parent / "deadline-batch"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """Exit code and captured output of one ``deadline-batch`` invocation."""
+
+    args: tuple[str, ...]
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict[str, Any]:
+        """The last non-empty stdout line as a JSON object (the ``--json`` contract, DESIGN §8)."""
+        lines = [line for line in self.stdout.splitlines() if line.strip()]
+        assert lines, f"no stdout from {self.args}; stderr: {self.stderr[-2000:]}"
+        return dict(orjson.loads(lines[-1]))
+
+    def describe(self) -> str:
+        command = f"deadline-batch {' '.join(self.args)} -> {self.code}"
+        return f"{command}\nstdout: {self.stdout[-3000:]}\nstderr: {self.stderr[-3000:]}"
+
+
+def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment (S3 endpoint and credentials included) without store defaults."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ADB_STORE_URL", "ADB_OUTPUT_URI")}
+    env.update(extra or {})
+    return env
+
+
+def cli_argv(*args: str) -> list[str]:
+    return [str(CLI), *args] if CLI.exists() else [sys.executable, "-m", "airflow_deadline_batch.cli", *args]
+
+
+def run_cli(*args: str, cwd: Path, env: Mapping[str, str] | None = None, timeout: float = 300) -> CliResult:
+    """Run ``deadline-batch ARGS`` to its end and capture its output."""
+    proc = subprocess.run(
+        cli_argv(*args),
+        cwd=cwd,
+        env=cli_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    return CliResult(tuple(args), proc.returncode, proc.stdout, proc.stderr)
+
+
+def assert_usage_error(result: CliResult) -> None:
+    """Exit 2, exactly one line on stderr that names the problem, and no traceback."""
+    assert result.code == 2, result.describe()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.describe()
+    assert "Traceback" not in result.stderr, result.describe()
+    assert lines[0].startswith("deadline-batch"), result.describe()
+
+
+def wait_for(
+    condition: Callable[[], T | None], *, timeout_s: float, what: str, interval_s: float = 0.05
+) -> T:
+    """Poll ``condition`` until it returns a truthy value or ``timeout_s`` passes (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)  # the polling interval of a wait with a deadline
