@@ -495,9 +495,14 @@ class ManifestStore:
                     "a manifest is recorded once and never replaced",
                     job_id=job_id,
                 )
-            return self._set_job_state(
-                conn, job, final, extra={"manifest_uri": uri, "manifest_sha256": sha256}
-            )
+            extra = {"manifest_uri": uri, "manifest_sha256": sha256}
+            if job.state is final and final is JobState.CANCELLED:
+                # a cancelled job is already final: its manifest of cancelled outcomes is recorded
+                # without a state change
+                now = _ts(self._now(conn))
+                conn.execute(sa.update(jobs).where(jobs.c.job_id == job_id).values(updated_at=now, **extra))
+                return self._job(conn, job_id)
+            return self._set_job_state(conn, job, final, extra=extra)
 
         return self._tx(record)
 

@@ -377,11 +377,6 @@ def test_verify_detects_a_tampered_object(finished_job: dict, tmp_path: Path) ->
 # ------------------------------------------------------------------------------------- cancel
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store bug: ManifestStore.record_manifest() on a cancelled job refuses cancelled -> cancelled, "
-    "so finalize cannot publish a cancelled job's manifest",
-)
 def test_cancel_stops_a_running_job_and_publishes_cancelled_outcomes(tmp_path: Path) -> None:
     mixed = mixed_input(300, seed=9)
     path = mixed.write(tmp_path / "input.jsonl")
