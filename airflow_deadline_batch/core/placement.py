@@ -45,6 +45,15 @@ class PolicyParams:
     reserve_changeovers: float = 6.0
     #: ... plus this fraction of the remaining work per worker (more work left, more to absorb)
     reserve_work_fraction: float = 0.10
+    #: the waiting reserve is capped at this fraction of the slack the uniform line leaves now
+    #: (:func:`line_slack_s`): a tight job cannot keep a reserve larger than its whole slack, it would
+    #: go on-demand at once; ``None`` or an unknown job start/total work: no cap
+    line_reserve_cap: float | None = 0.8
+    #: going back from on-demand to Spot also needs this fraction of that line slack
+    line_return_fraction: float = 0.3
+    #: a running on-demand try moves to Spot only when Spot runs last, on average, this many times
+    #: what the move throws away (a changeover plus the try's uncommitted work); 0: always move
+    switch_run_factor: float = 2.5
     #: a fresh Spot start is skipped when Spot runs last, on average, under this many changeovers
     min_run_changeovers: float = 1.5
     #: escalate when the expected capacity is short of the rate the remaining work needs
@@ -58,7 +67,18 @@ class PolicyParams:
             raise ValueError("availability_prior must be within [0, 1]")
         if not 0.0 < self.availability_discount <= 1.0:
             raise ValueError("availability_discount must be within (0, 1]")
-        if min(self.return_margin_changeovers, self.reserve_changeovers, self.min_run_changeovers) < 0:
+        if self.line_reserve_cap is not None and self.line_reserve_cap < 0:
+            raise ValueError("line_reserve_cap must be >= 0")
+        if (
+            min(
+                self.return_margin_changeovers,
+                self.reserve_changeovers,
+                self.min_run_changeovers,
+                self.line_return_fraction,
+                self.switch_run_factor,
+            )
+            < 0
+        ):
             raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
@@ -97,6 +117,13 @@ class JobSnapshot:
     spot_availability: float | None = None
     #: observed mean length of a Spot spell, in seconds (``None``: unknown)
     spot_mean_run_s: float | None = None
+    #: when the job started (with ``total_work_s``: the uniform-progress line; ``None``: unknown)
+    started_at: dt.datetime | None = None
+    #: GPU-seconds of the whole job (``None``: unknown)
+    total_work_s: float | None = None
+    #: seconds the running try has spent that leaving it throws away (changeover done so far plus
+    #: uncommitted work); 0 when unknown or not running
+    running_progress_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -109,6 +136,7 @@ class JobSnapshot:
             "changeover_s",
             "notice_s",
             "spot_preemptions_per_hour",
+            "running_progress_s",
         ):
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
@@ -121,6 +149,12 @@ class JobSnapshot:
             raise ValueError("spot_mean_run_s must be >= 0")
         if self.previous_pool is not None:
             object.__setattr__(self, "previous_pool", PoolKind(self.previous_pool))
+        if self.started_at is not None:
+            object.__setattr__(self, "started_at", ensure_aware(self.started_at, "started_at"))
+        if self.total_work_s is not None and not (
+            self.total_work_s >= 0 and not math.isinf(self.total_work_s)
+        ):
+            raise ValueError(f"total_work_s must be a finite number >= 0, got {self.total_work_s!r}")
 
 
 @dataclass(frozen=True)
@@ -203,6 +237,24 @@ def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> S
     )
 
 
+def line_slack_s(snapshot: JobSnapshot) -> float:
+    """Slack left now by a job that spends its initial slack uniformly over its window.
+
+    The initial slack is the window minus the on-demand need of the whole job (same terms as
+    :func:`od_need_s`); the line scales it by the share of the window still left, as Uniform
+    Progress's line does. 0 when the start or the total work is unknown (the rules using it are off).
+    """
+    if snapshot.started_at is None or snapshot.total_work_s is None:
+        return 0.0
+    window = (snapshot.deadline - snapshot.started_at).total_seconds()
+    if window <= 0:
+        return 0.0
+    p = snapshot.parallelism
+    initial_need = snapshot.changeover_s + snapshot.total_work_s / p + snapshot.shard_work_s * (p - 1) / p
+    time_left = max(0.0, (snapshot.deadline - snapshot.now).total_seconds())
+    return max(0.0, window - initial_need) * time_left / window
+
+
 def grace_period_s(snapshot: JobSnapshot) -> int:
     """Termination grace: the Spot notice when there is one (nothing after it counts), else a default."""
     if snapshot.notice_s > 0:
@@ -218,7 +270,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
     prev = snapshot.previous_pool
     continuing_spot = snapshot.running and prev is PoolKind.SPOT
     continuing_od = snapshot.running and prev is PoolKind.ON_DEMAND
-    margin = policy.return_margin_changeovers * d if prev is PoolKind.ON_DEMAND else 0.0
+    line = line_slack_s(snapshot)
+    margin = (
+        policy.return_margin_changeovers * d + policy.line_return_fraction * line
+        if prev is PoolKind.ON_DEMAND
+        else 0.0
+    )
     spot_needs = b.spot_risk_s + margin
     last_safe = snapshot.now + dt.timedelta(seconds=max(0.0, b.slack_s - spot_needs))
 
@@ -252,12 +309,20 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
             return decide(PoolKind.SPOT, "keep the running Spot try while it is safe")
         if continuing_od and short:
             return decide(PoolKind.ON_DEMAND, "behind the rate Spot can be expected to deliver")
+        if continuing_od and snapshot.spot_mean_run_s is not None:
+            thrown = d + snapshot.running_progress_s
+            if snapshot.spot_mean_run_s < policy.switch_run_factor * thrown:
+                return decide(
+                    PoolKind.ON_DEMAND, "keep the running on-demand try: Spot would not repay the switch"
+                )
         return decide(PoolKind.SPOT, "Spot is available and slack covers a preemption")
     # Spot is missing (or too short-lived): wait for it (free, burns slack) or escalate this worker.
     if short:
         return decide(PoolKind.ON_DEMAND, "Spot is missing and the expected capacity is short")
     per_worker = snapshot.remaining_work_s / snapshot.parallelism
     reserve = policy.reserve_changeovers * d + policy.reserve_work_fraction * per_worker
+    if policy.line_reserve_cap is not None and line > 0:
+        reserve = min(reserve, policy.line_reserve_cap * line)
     if b.slack_s < spot_needs + reserve:
         return decide(PoolKind.ON_DEMAND, "Spot is missing or short-lived and slack is down to its reserve")
     if continuing_od:

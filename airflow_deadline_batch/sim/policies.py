@@ -145,6 +145,11 @@ class SlackAware:
                 on_demand_workers=others_on_demand,
                 spot_availability=availability,
                 spot_mean_run_s=mean_run_s,
+                started_at=EPOCH,
+                total_work_s=cfg.work_h * 3600,
+                running_progress_s=(
+                    (cfg.changeover_h - slot.changeover_left_h + slot.progress_h) * 3600 if running else 0.0
+                ),
             )
             pool = choose_pool(snapshot, self.run_params).pool
             if pool is PoolKind.SPOT:

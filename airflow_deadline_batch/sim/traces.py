@@ -188,3 +188,56 @@ def synthetic_suite(seed: int = 0, capacity: int = 1) -> list[Trace]:
         flapping(seed + 7, capacity=capacity, p_up=0.8, mean_spell_ticks=8.0),
     ]
     return suite
+
+
+def gang(
+    seed: int,
+    capacity: int,
+    hours: float = 400.0,
+    gap_s: float = 600.0,
+    mean_up_h: float = 2.0,
+    mean_down_h: float = 2.0,
+    all_or_nothing: float = 0.8,
+    name: str | None = None,
+) -> Trace:
+    """Multi-GPU capacity 0..``capacity`` in spells: mostly all or nothing, else a partial level.
+
+    ``all_or_nothing`` is the share of available spells at full capacity (the multi-node traces are
+    mostly 0 or full); the others draw a level uniformly in ``1..capacity - 1``. Spell means drift
+    by regime about once a day, as in :func:`regime_switching`; a 10-minute tick makes spells coarse.
+    """
+    rng = random.Random(seed)
+    n = round(hours * 3600 / gap_s)
+    ticks: list[int] = []
+    up, down, regime_left = mean_up_h, mean_down_h, 0.0
+    state = rng.random() < mean_up_h / (mean_up_h + mean_down_h)
+    while len(ticks) < n:
+        if regime_left <= 0:
+            scale = rng.choice((0.25, 0.5, 1.0, 2.0, 4.0))
+            up, down = mean_up_h * scale, mean_down_h / scale
+            regime_left = rng.expovariate(1 / 24.0)
+        spell = rng.expovariate(1 / (up if state else down))
+        regime_left -= spell
+        level = 0
+        if state:
+            full = capacity < 2 or rng.random() < all_or_nothing
+            level = capacity if full else rng.randint(1, capacity - 1)
+        ticks.extend([level] * max(1, round(spell * 3600 / gap_s)))
+        state = not state
+    return Trace(name or f"gang{capacity}-{seed}", gap_s, tuple(ticks[:n]))
+
+
+def multi_gpu_suite(seed: int = 0, capacity: int = 4) -> list[Trace]:
+    """Varied multi-GPU traces for tuning the ``N > 1`` behaviour (gang capacity 0..``capacity``).
+
+    All-or-nothing and partial capacity, long and short spells, 5- and 10-minute ticks, and a
+    coarse-tick flapping regime (spells of one or two ticks).
+    """
+    return [
+        gang(seed + 1, capacity, mean_up_h=3.0, mean_down_h=3.0, all_or_nothing=0.95),
+        gang(seed + 2, capacity, mean_up_h=1.0, mean_down_h=1.0, all_or_nothing=0.9),
+        gang(seed + 3, capacity, mean_up_h=0.4, mean_down_h=0.5, all_or_nothing=0.5),
+        gang(seed + 4, capacity, mean_up_h=6.0, mean_down_h=1.5, all_or_nothing=0.3, gap_s=300.0),
+        gang(seed + 5, capacity, mean_up_h=0.8, mean_down_h=2.5, all_or_nothing=0.7, gap_s=300.0),
+        gang(seed + 6, capacity, mean_up_h=0.25, mean_down_h=0.3, all_or_nothing=0.6),
+    ]

@@ -13,6 +13,7 @@ from airflow_deadline_batch.core.placement import (
     JobSnapshot,
     PolicyParams,
     choose_pool,
+    line_slack_s,
     od_need_s,
 )
 from airflow_deadline_batch.core.pools import PoolKind
@@ -97,6 +98,58 @@ def test_hysteresis_keeps_a_running_on_demand_try_near_the_threshold() -> None:
     held = choose_pool(snap(**kwargs, previous_pool=PoolKind.ON_DEMAND, running=True))
     assert fresh.pool is PoolKind.SPOT
     assert held.pool is PoolKind.ON_DEMAND
+
+
+def test_a_running_on_demand_try_moves_to_spot_only_when_spot_runs_repay_the_switch() -> None:
+    # 0.1 h changeover + 0.2 h of uncommitted work thrown away: Spot must run 2.5 x 0.3 h = 0.75 h.
+    kwargs = dict(previous_pool=PoolKind.ON_DEMAND, running=True, running_progress_s=0.2 * H)
+    short = choose_pool(snap(**kwargs, spot_mean_run_s=0.5 * H))
+    long = choose_pool(snap(**kwargs, spot_mean_run_s=1.0 * H))
+    fresh = choose_pool(
+        snap(running_progress_s=0.0, previous_pool=PoolKind.ON_DEMAND, running=True, spot_mean_run_s=0.5 * H)
+    )
+    assert short.pool is PoolKind.ON_DEMAND
+    assert "repay" in short.reason
+    assert long.pool is PoolKind.SPOT
+    assert fresh.pool is PoolKind.SPOT  # only the changeover is thrown away: 0.25 h suffices
+    assert (
+        choose_pool(snap(**kwargs, spot_mean_run_s=0.5 * H), PolicyParams(switch_run_factor=0)).pool
+        is PoolKind.SPOT
+    )
+
+
+def test_line_slack_spends_the_initial_slack_uniformly_and_is_off_without_the_job_start() -> None:
+    start = NOW - dt.timedelta(hours=5)
+    # Window 10 h, 8 h of work on 1 worker, 0.1 h changeover: initial slack 1.9 h, half left now.
+    line = line_slack_s(snap(deadline=NOW + dt.timedelta(hours=5), started_at=start, total_work_s=8 * H))
+    assert line == pytest.approx(0.95 * H)
+    assert line_slack_s(snap(total_work_s=8 * H)) == 0.0
+    assert line_slack_s(snap(started_at=start)) == 0.0
+
+
+def test_the_waiting_reserve_is_capped_by_the_line_so_a_tight_job_can_wait_at_its_start() -> None:
+    # 8 h of work in 10 h, d = 0.2 h: slack 1.8 h; the plain reserve 6 d + 10 % of 8 h = 2.0 h is
+    # above it, so without the cap the job goes on-demand at its very start.
+    kwargs = dict(
+        deadline=NOW + dt.timedelta(hours=10),
+        remaining_work_s=8 * H,
+        changeover_s=0.2 * H,
+        spot_available=False,
+    )
+    policy = PolicyParams(decision_interval_s=600)
+    uncapped = choose_pool(snap(**kwargs), policy)
+    capped = choose_pool(snap(**kwargs, started_at=NOW, total_work_s=8 * H), policy)
+    assert uncapped.pool is PoolKind.ON_DEMAND
+    assert capped.pool is PoolKind.SPOT  # wait: reserve 0.8 x 1.8 h = 1.44 h < slack 1.8 h - risk
+    late = choose_pool(
+        snap(
+            **{**kwargs, "deadline": NOW + dt.timedelta(hours=8.9)},
+            started_at=NOW - dt.timedelta(hours=1.1),
+            total_work_s=8 * H,
+        ),
+        policy,
+    )
+    assert late.pool is PoolKind.ON_DEMAND  # slack 0.7 h is under the line's reserve plus the tick
 
 
 def test_re_deciding_every_tick_puts_only_one_tick_at_risk() -> None:

@@ -8,10 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim.engine import Mode, SimConfig, View, on_demand_makespan, simulate
 from airflow_deadline_batch.sim.omniscient import exact_optimum, lower_bound, relaxation_bound
 from airflow_deadline_batch.sim.policies import POLICIES, Greedy, OnDemand, SlackAware, UniformProgress
-from airflow_deadline_batch.sim.traces import Trace, constant, flapping, from_segments, regime_switching
+from airflow_deadline_batch.sim.traces import (
+    Trace,
+    constant,
+    flapping,
+    from_segments,
+    gang,
+    multi_gpu_suite,
+    regime_switching,
+)
 
 CFG = SimConfig(work_h=4.0, deadline_h=8.0, workers=1, changeover_h=0.1, price_ratio=3.0, shard_h=0.25)
 ONLINE = [OnDemand, Greedy, UniformProgress, SlackAware]
@@ -170,7 +179,9 @@ class _Scripted:
         ((1, 1, 1, 1, 1, 1, 1), 0.2, 0.5),
     ],
 )
-def test_exact_optimum_equals_the_best_of_every_schedule(caps: tuple[int, ...], d: float, shard: float) -> None:
+def test_exact_optimum_equals_the_best_of_every_schedule(
+    caps: tuple[int, ...], d: float, shard: float
+) -> None:
     trace = Trace("hand", 600.0, caps)
     cfg = SimConfig(work_h=0.5, deadline_h=7 / 6, workers=1, changeover_h=d, price_ratio=3.0, shard_h=shard)
     best = min(
@@ -190,3 +201,26 @@ def test_relaxation_bound_is_below_every_policy_with_several_workers() -> None:
         bound = relaxation_bound(trace, tick, cfg).cost
         for policy in ONLINE:
             assert simulate(trace, tick, cfg, policy()).cost >= bound - 1e-9
+
+
+def test_multi_gpu_suite_has_all_or_nothing_and_partial_capacity() -> None:
+    suite = multi_gpu_suite(3, capacity=4)
+    assert len({t.name for t in suite}) == len(suite)
+    for trace in suite:
+        assert set(trace.capacity) <= set(range(5))
+        assert 0 in trace.capacity and 4 in trace.capacity
+    assert any(0 < c < 4 for t in suite for c in t.capacity)
+    assert set(gang(1, 4, all_or_nothing=1.0).capacity) == {0, 4}
+    assert gang(1, 4) == gang(1, 4)  # seeded
+
+
+def test_slack_aware_keeps_a_running_on_demand_shard_through_a_short_spot_blip() -> None:
+    # Outage, then one 10-minute Spot tick in the middle of on-demand work, then outage again.
+    trace = from_segments([(1.0, 0), (1 / 6, 1), (6.0, 0), (10.0, 1)], gap_s=600.0)
+    cfg = SimConfig(work_h=3.0, deadline_h=5.0, changeover_h=0.2)
+    result = simulate(trace, 0, cfg, SlackAware())
+    assert not result.missed
+    assert result.spot_hours == 0.0  # the blip does not repay throwing away the on-demand shard
+    assert result.redone_hours == 0.0
+    eager = simulate(trace, 0, cfg, SlackAware(PolicyParams(switch_run_factor=0.0)))
+    assert eager.spot_hours > 0 and eager.redone_hours > 0 and eager.cost > result.cost
