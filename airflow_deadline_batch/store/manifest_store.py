@@ -35,6 +35,7 @@ from airflow_deadline_batch.exceptions import (
     ShardNotClaimable,
     StoreError,
 )
+from airflow_deadline_batch.store import pg_fast
 from airflow_deadline_batch.store.engine import BEGIN_MODE, create_store_engine, fork_safe, run_with_retry
 from airflow_deadline_batch.store.rows import (
     DEFAULT_MAX_ATTEMPTS,
@@ -197,6 +198,15 @@ def _lease_params(lease: Lease) -> dict[str, Any]:
     }
 
 
+def _pg_lease_params(lease: Lease) -> dict[str, Any]:
+    return {
+        "job": lease.job_id,
+        "index": lease.shard_index,
+        "epoch": lease.epoch,
+        "attempt": lease.attempt_id,
+    }
+
+
 def _ts(epoch_s: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(epoch_s, UTC)
 
@@ -224,6 +234,8 @@ class ManifestStore:
             else self._engine
         )
         self._pid = os.getpid()
+        #: PostgreSQL runs claim/heartbeat/commit/complete as single autocommit statements (pg_fast)
+        self._pg = self.dialect == "postgresql"
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True) -> ManifestStore:
@@ -257,6 +269,29 @@ class ManifestStore:
                 return fn(conn)
 
         return run_with_retry(attempt, passthrough=passthrough, url=self.url)
+
+    def _hot(
+        self,
+        sql: str,
+        params: dict[str, Any],
+        done: Callable[[tuple[Any, ...]], T],
+        slow: Callable[[Connection], T],
+    ) -> T:
+        """PostgreSQL: ``sql`` alone, in one round trip; if it matches nothing, ``slow`` in a transaction.
+
+        ``sql`` (see ``pg_fast``) writes everything or nothing, so the slow path, which locks the
+        shard row and re-checks every precondition, runs as if the fast statement had not been tried.
+        """
+        self._pid = fork_safe(self._engine, self._pid)
+
+        def attempt() -> T:
+            row = pg_fast.run_alone(self._engine, sql, params)
+            if row is not None:
+                return done(row)
+            with self._writer.begin() as conn:
+                return slow(conn)
+
+        return run_with_retry(attempt, url=self.url)
 
     @staticmethod
     def _now(conn: Connection) -> float:
@@ -435,14 +470,21 @@ class ManifestStore:
         ).all()
         for row in rows:
             values: dict[str, Any] = {
-                "epoch": shards.c.epoch + 1, "lease_attempt_id": None, "lease_expires_at": None,
+                "epoch": shards.c.epoch + 1,
+                "lease_attempt_id": None,
+                "lease_expires_at": None,
                 "updated_at": _ts(now),
             }
             if row.state == ShardState.LEASED.value:
                 values["state"] = ShardState.RETRYABLE_FAILURE.value
             conn.execute(sa.update(shards).where(_shard_key(job_id, row.shard_index)).values(**values))
-            self._end_attempt(conn, row.lease_attempt_id, AttemptOutcome.LOST_LEASE, now,
-                              "fenced: the job left the running state")
+            self._end_attempt(
+                conn,
+                row.lease_attempt_id,
+                AttemptOutcome.LOST_LEASE,
+                now,
+                "fenced: the job left the running state",
+            )
 
     def set_job_state(
         self,
@@ -695,7 +737,30 @@ class ManifestStore:
                 num_microbatches=shard.num_microbatches,
             )
 
-        result = self._tx(claim)
+        if self._pg:
+            pg_params = {
+                "job": job_id,
+                "index": shard_index,
+                "attempt": attempt_id,
+                "ttl": float(ttl_s),
+                "pool": pool,
+                "worker": worker,
+            }
+
+            def claimed(row: tuple[Any, ...]) -> Lease:
+                return Lease(
+                    job_id=job_id,
+                    shard_index=shard_index,
+                    attempt_id=attempt_id,
+                    epoch=row[0],
+                    expires_at=row[1],
+                    cursor=row[2],
+                    num_microbatches=row[3],
+                )
+
+            result: Lease | ShardNotClaimable = self._hot(pg_fast.CLAIM, pg_params, claimed, slow_claim)
+        else:
+            result = self._tx(claim)
         if isinstance(result, ShardNotClaimable):
             raise result  # raised after the transaction, so its bookkeeping (exhausted, lost_lease) commits
         return result
@@ -733,6 +798,9 @@ class ManifestStore:
             if fast is not None:
                 conn.execute(_ATTEMPT_HEARTBEAT, params)
                 return dataclasses.replace(lease, expires_at=fast.lease_expires_at, cursor=fast.cursor)
+            return slow_beat(conn)
+
+        def slow_beat(conn: Connection) -> Lease:
             shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
             self._check_lease(conn, shard, now, lease)
             expires = now + ttl_s
@@ -748,6 +816,13 @@ class ManifestStore:
             )
             return dataclasses.replace(lease, expires_at=expires, cursor=shard.cursor)
 
+        if self._pg:
+            return self._hot(
+                pg_fast.HEARTBEAT,
+                {**_pg_lease_params(lease), "ttl": float(ttl_s)},
+                lambda row: dataclasses.replace(lease, expires_at=row[0], cursor=row[1]),
+                slow_beat,
+            )
         return self._tx(beat)
 
     def commit_microbatch(
@@ -789,6 +864,9 @@ class ManifestStore:
             if fast is not None:
                 conn.execute(_INSERT_COMMIT, params)
                 return dataclasses.replace(lease, expires_at=fast.lease_expires_at, cursor=seq + 1)
+            return slow_commit(conn)
+
+        def slow_commit(conn: Connection) -> Lease:
             shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
             self._check_lease(conn, shard, now, lease)
             if seq != shard.cursor or seq >= shard.num_microbatches:
@@ -836,6 +914,26 @@ class ManifestStore:
             )
             return dataclasses.replace(lease, expires_at=expires, cursor=seq + 1)
 
+        if self._pg:
+            pg_params = {
+                **_pg_lease_params(lease),
+                "seq": seq,
+                "uri": uri,
+                "sha256": sha256,
+                "records": records,
+                "counts": pg_fast.jsonb({str(k): int(v) for k, v in counts.items()}),
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "elapsed_s": float(elapsed_s),
+                "model_digest": model_digest,
+                "pool": pool,
+            }
+            return self._hot(
+                pg_fast.COMMIT,
+                pg_params,
+                lambda row: dataclasses.replace(lease, expires_at=row[0], cursor=seq + 1),
+                slow_commit,
+            )
         return self._tx(commit)
 
     def complete_shard(self, lease: Lease) -> None:
@@ -846,6 +944,9 @@ class ManifestStore:
             if conn.execute(_COMPLETE, params).first() is not None:
                 conn.execute(_ATTEMPT_SUCCEEDED, params)
                 return
+            slow_complete(conn)
+
+        def slow_complete(conn: Connection) -> None:
             shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
             self._check_lease(conn, shard, now, lease)
             if shard.cursor != shard.num_microbatches:
@@ -868,7 +969,10 @@ class ManifestStore:
             )
             self._end_attempt(conn, lease.attempt_id, AttemptOutcome.SUCCEEDED, now, None)
 
-        self._tx(complete)
+        if self._pg:
+            self._hot(pg_fast.COMPLETE, _pg_lease_params(lease), lambda _row: None, slow_complete)
+        else:
+            self._tx(complete)
 
     @staticmethod
     def _end_attempt(

@@ -21,6 +21,7 @@ from airflow_deadline_batch.exceptions import (
 )
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, NewCommit, NewJob, NewShard
 from airflow_deadline_batch.store.engine import normalize_url
+from tests.fixtures.postgres import admin_execute
 
 UTC = dt.timezone.utc
 DEADLINE = dt.datetime(2030, 1, 1, 6, 0, tzinfo=UTC)
@@ -506,6 +507,62 @@ def test_progress_counts_only_commits(store: ManifestStore) -> None:
     assert (now.attempts, now.preemptions) == (2, 1)
     assert now.state is JobState.RUNNING and now.deadline == DEADLINE
     assert now.updated_at >= start.updated_at and now.fraction == pytest.approx(7 / 9)
+
+
+# -- PostgreSQL single-statement hot path ----------------------------------------------------------
+
+
+def _backend_pid(store: ManifestStore) -> int:
+    """The server process behind the store's one pooled connection."""
+    with store._engine.connect() as conn:  # noqa: SLF001 - the pooled connection is what is under test
+        return int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+
+
+def test_hot_path_reconnects_when_the_server_drops_its_connection(
+    pg_store_url: str, postgres_url: str
+) -> None:
+    store = ManifestStore.open(pg_store_url)
+    try:
+        job = create(store, shards=1)
+        lease = claim(store, job)
+        pid = _backend_pid(store)
+        admin_execute(postgres_url, f"SELECT pg_terminate_backend({pid})")
+        wait_for(lambda: _server_has_no_backend(postgres_url, pid), what=f"backend {pid} to exit")
+        lease = commit(store, lease, 0)  # runs on the dead pooled connection first, then retries
+        lease = commit(store, lease, 1)
+        store.complete_shard(lease)
+        assert store.get_shard(job.job_id, 0).state is ShardState.SUCCEEDED
+        assert [c.seq for c in store.list_commits(job.job_id)] == [0, 0, 1]
+        assert _backend_pid(store) != pid
+    finally:
+        store.close()
+
+
+def _server_has_no_backend(postgres_url: str, pid: int) -> bool:
+    import psycopg
+
+    with psycopg.connect(postgres_url.replace("postgresql+psycopg://", "postgresql://", 1)) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    return row is not None and row[0] == 0
+
+
+def test_hot_path_hands_pooled_connections_back_in_transaction_mode(pg_store_url: str) -> None:
+    store = ManifestStore.open(pg_store_url)
+    try:
+        job = create(store, shards=1, microbatches=1)
+        lease = claim(store, job)
+        lease = store.heartbeat(lease, 30.0)
+        store.complete_shard(commit(store, lease, 0))
+        raw = store._engine.raw_connection()  # noqa: SLF001
+        try:
+            assert raw.driver_connection.autocommit is False
+        finally:
+            raw.close()
+        with pytest.raises(ShardNotClaimable) as refused:  # the slow path after a fast miss
+            claim(store, job)
+        assert refused.value.reason == "succeeded"
+    finally:
+        store.close()
 
 
 # -- URLs -------------------------------------------------------------------------------------------
