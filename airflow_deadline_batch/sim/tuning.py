@@ -1,0 +1,83 @@
+"""The tuning set of ``slack_aware`` (synthetic traces only) and its score against Uniform Progress.
+
+``python -m airflow_deadline_batch.sim.tuning '{"switch_run_factor": 2.5}'`` prints the mean / max
+of slack_aware ÷ uniform_progress over every case (and per ``N``), the cases above 1.01 and the
+misses beyond on-demand's. The shared trace files are never read here: they are for evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from airflow_deadline_batch.core.placement import PolicyParams
+from airflow_deadline_batch.sim import traces
+from airflow_deadline_batch.sim.engine import SimConfig, simulate
+from airflow_deadline_batch.sim.policies import SlackAware, UniformProgress
+from airflow_deadline_batch.sim.runner import start_ticks
+
+Case = tuple[traces.Trace, SimConfig, int]
+Score = tuple[str, int, float, float, float, int]
+
+
+def cases(seed: int = 500, starts: int = 8) -> list[Case]:
+    """1-GPU regimes/droughts/flapping and gang traces for ``N = 1``; 4- and 8-GPU gangs for ``N = 4``."""
+    one = (
+        traces.synthetic_suite(seed)
+        + traces.multi_gpu_suite(seed + 50, capacity=1)
+        + [traces.gang(seed + 90, 8, mean_up_h=0.5, mean_down_h=0.6)]
+    )
+    multi = traces.multi_gpu_suite(seed + 100, capacity=4) + traces.multi_gpu_suite(seed + 200, capacity=8)
+    out: list[Case] = []
+    for d in (0.1, 0.2):
+        for deadline in (20.0, 30.0):
+            out += [(t, SimConfig(work_h=16, deadline_h=deadline, changeover_h=d), starts) for t in one]
+        out += [(t, SimConfig(work_h=32, deadline_h=10, workers=4, changeover_h=d), starts) for t in multi]
+    return out
+
+
+def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> Score:
+    """slack_aware ÷ uniform_progress (summed cost over the starts) and its misses for one case."""
+    trace, cfg, starts, params = args
+    ticks = start_ticks(trace, cfg, starts=starts, seed=7)
+    up = sum(simulate(trace, t, cfg, UniformProgress()).cost for t in ticks)
+    runs = [simulate(trace, t, cfg, SlackAware(params)) for t in ticks]
+    misses = sum(r.missed for r in runs) - (0 if cfg.on_demand_feasible() else len(ticks))
+    return trace.name, cfg.workers, cfg.deadline_h, cfg.changeover_h, sum(r.cost for r in runs) / up, misses
+
+
+def evaluate(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
+    with ProcessPoolExecutor(jobs) as pool:
+        rows = list(pool.map(score, [(t, c, s, params) for t, c, s in cases()]))
+
+    def stats(ratios: list[float]) -> tuple[float, float]:
+        return sum(ratios) / len(ratios), max(ratios)
+
+    all_ = [r[4] for r in rows]
+    mean, worst = stats(all_)
+    mean1, max1 = stats([r[4] for r in rows if r[1] == 1])
+    mean4, max4 = stats([r[4] for r in rows if r[1] > 1])
+    return {
+        "cases": len(rows),
+        "mean": mean,
+        "max": worst,
+        "over_1.01": sum(x > 1.01 for x in all_),
+        "mean_n1": mean1,
+        "max_n1": max1,
+        "mean_n4": mean4,
+        "max_n4": max4,
+        "misses": sum(r[5] for r in rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    params = PolicyParams(**json.loads(args[0])) if args else PolicyParams()
+    result = evaluate(params)
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
