@@ -145,6 +145,8 @@ def run_job(
                     spot_preemptions_per_hour=options.preempt_rate_per_worker_hour,
                     spot_available=bool(spot_pools), previous_pool=previous_pool.get(index),
                     on_demand_workers=sum(1 for r in running.values() if r.pool is PoolKind.ON_DEMAND),
+                    started_at=job.created_at,
+                    total_work_s=progress.committed_work_s + progress.remaining_work_s,
                 )
                 decision = choose_pool(snapshot)
                 previous_pool[index] = decision.pool

@@ -121,6 +121,8 @@ def build_snapshot(
         spot_preemptions_per_hour=max((p.preemptions_per_hour for p in spot), default=0.0),
         spot_available=bool(spot),
         previous_pool=previous_kind(shard.last_pool, pools),
+        started_at=job.created_at,
+        total_work_s=max(0.0, float(progress.committed_work_s) + float(progress.remaining_work_s)),
     )
 
 
