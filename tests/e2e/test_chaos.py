@@ -39,26 +39,51 @@ _KILLS: Counter[str] = Counter()
 
 @dataclass(frozen=True)
 class Scenario:
-    """How one seed stresses the run; derived from the seed so a failure replays exactly."""
+    """How one seed stresses the run; derived from the seed so a failure replays exactly.
+
+    Even seeds: workers also SIGKILL themselves between writing an object and committing it,
+    under moderate preemptions with a notice of 0 or 0.15 s. Odd seeds: the injector alone, at a
+    mean of 2 s between preemptions and no notice, so its SIGKILL lands about 20 ms (one poll)
+    after the SIGTERM; records take 20 ms each, so a shard works for longer than a worker takes
+    to start and most kills land in the middle of a microbatch, not during start-up.
+    """
 
     seed: int
     lines: int
     kill_after_write_prob: float
     notice_s: float
     preempt_rate_per_hour: float
+    echo_delay_s: float
     postgres: bool
 
     @classmethod
     def of(cls, seed: int) -> Scenario:
+        hook = seed % 2 == 0
         return cls(
             seed=seed,
-            lines=80 + 20 * (seed % 4),
-            kill_after_write_prob=0.15 if seed % 2 == 0 else 0.0,
-            notice_s=0.0 if seed % 3 else 0.15,
-            # a mean of 3 s between preemptions per worker: about one attempt in three dies
-            preempt_rate_per_hour=1200.0,
+            lines=(80 + 20 * (seed % 4)) if hook else (60 + 10 * (seed % 4)),
+            kill_after_write_prob=0.15 if hook else 0.0,
+            notice_s=(0.15 if seed % 3 == 0 else 0.0) if hook else 0.0,
+            preempt_rate_per_hour=1200.0 if hook else 1800.0,
+            echo_delay_s=0.004 if hook else 0.02,
             postgres=seed % 5 == 4,
         )
+
+
+def _plan(input_path: Path, output: Path) -> PlanRequest:
+    return PlanRequest(
+        input_uri=str(input_path),
+        deadline=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1),
+        output_uri=str(output),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=2,
+        microbatch_size=10,
+        max_shards=2,
+        max_invalid_fraction=0.5,
+        max_attempts=1000,  # preemptions are the point here; a shard must never run out of tries
+        lease_ttl_s=10.0,
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -74,22 +99,10 @@ def test_seeded_chaos_run_keeps_every_invariant(
         else f"sqlite:///{tmp_path / 'store.db'}"
     )
     store = ManifestStore.open(store_url, migrate=True)
-    worker_env = {"ADB_ECHO_DELAY_S": "0.004"}
+    worker_env = {"ADB_ECHO_DELAY_S": str(scenario.echo_delay_s)}
     if scenario.kill_after_write_prob:
         worker_env["ADB_FAULT_KILL_AFTER_WRITE_PROB"] = str(scenario.kill_after_write_prob)
-    plan = PlanRequest(
-        input_uri=str(input_path),
-        deadline=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1),
-        output_uri=str(tmp_path / "out"),
-        engine="echo",
-        pools=default_local_pools("echo"),
-        workers=2,
-        microbatch_size=10,
-        max_shards=2,
-        max_invalid_fraction=0.5,
-        max_attempts=1000,  # preemptions are the point here; a shard must never run out of tries
-        lease_ttl_s=10.0,
-    )
+    plan = _plan(input_path, tmp_path / "out")
     options = RunOptions(
         workers=2,
         preempt_rate_per_worker_hour=scenario.preempt_rate_per_hour,
@@ -112,7 +125,9 @@ def test_seeded_chaos_run_keeps_every_invariant(
     finally:
         store.close()
     _KILLS["preemptions"] += summary.preemptions
-    _KILLS["abandoned"] += outcomes[AttemptOutcome.ABANDONED]
+    _KILLS["abandoned"] += outcomes[AttemptOutcome.ABANDONED]  # attempts whose process died of a signal
+    if not scenario.kill_after_write_prob:
+        _KILLS["abandoned_by_injector"] += outcomes[AttemptOutcome.ABANDONED]
     _KILLS["runs"] += 1
 
 
@@ -122,6 +137,8 @@ def test_chaos_runs_did_kill_workers() -> None:
         pytest.skip("only meaningful after all seeded runs in this module")
     assert _KILLS["preemptions"] >= len(SEEDS), _KILLS
     assert _KILLS["abandoned"] >= len(SEEDS) // 2, _KILLS
+    # SIGKILLs by the injector itself (notice over mid-microbatch), not only the write/commit hook
+    assert _KILLS["abandoned_by_injector"] >= 5, _KILLS
 
 
 def test_scenarios_cover_both_stores_and_both_kill_kinds() -> None:
@@ -129,3 +146,31 @@ def test_scenarios_cover_both_stores_and_both_kill_kinds() -> None:
     assert sum(s.postgres for s in scenarios) >= 5
     assert sum(s.kill_after_write_prob > 0 for s in scenarios) >= len(SEEDS) // 3
     assert {s.notice_s for s in scenarios} >= {0.0, 0.15}
+
+
+def test_invariant_checks_catch_a_stray_object_and_a_tampered_commit(tmp_path: Path) -> None:
+    """The checks above can fail: a leftover attempt object or a changed committed object is caught."""
+    mixed = mixed_input(60, seed=99)
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}", migrate=True)
+    try:
+        summary = run_job(
+            store, _plan(mixed.write(tmp_path / "input.jsonl"), tmp_path / "out"), RunOptions(workers=2)
+        )
+        assert summary.manifest is not None
+        manifest = read_manifest(summary.manifest)
+        assert_store_invariants(store, summary.job_id, manifest)
+        job_dir = Path(summary.manifest).parent
+        stray = job_dir / "attempts" / "a-0000" / "shard-00000-mb-000000.jsonl"
+        stray.parent.mkdir(parents=True)
+        stray.write_bytes(b"{}\n")
+        with pytest.raises(AssertionError, match="not collected"):
+            assert_store_invariants(store, summary.job_id, manifest)
+        stray.unlink()
+        victim = Path(store.list_commits(summary.job_id)[-1].uri)
+        victim.write_bytes(victim.read_bytes() + b"\n")
+        with pytest.raises(AssertionError, match="SHA-256"):
+            assert_store_invariants(store, summary.job_id, manifest)
+        with pytest.raises(AssertionError, match="SHA-256"):
+            read_outcomes(manifest)
+    finally:
+        store.close()
