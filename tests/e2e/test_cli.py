@@ -20,11 +20,12 @@ from pathlib import Path
 import orjson
 import pytest
 
+from airflow_deadline_batch import cli
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.records import LineError, Record, ValidationLimits, Validator, iter_raw_lines
 from airflow_deadline_batch.local.runner import PreemptionInjector
 from airflow_deadline_batch.store import ManifestStore
-from tests.e2e.conftest import assert_usage_error, cli_argv, cli_env, run_cli, wait_for
+from tests.e2e.conftest import CliResult, assert_usage_error, cli_argv, cli_env, run_cli, wait_for
 from tests.helpers.inputs import BAD_KINDS, mixed_input
 from tests.helpers.outcomes import (
     assert_outcomes_match,
@@ -289,13 +290,36 @@ def migrated_store(tmp_path: Path) -> str:
     return url
 
 
-@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+#: the cases also run through the console script; the rest run ``cli.main`` in this process
+#: (same code, same streams and exit code, without a 1-2 s interpreter start per case)
+USAGE_ERRORS_VIA_SCRIPT = ("bad deadline", "missing input", "pools not json", "unknown engine")
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS_VIA_SCRIPT))
 def test_usage_errors_exit_2_with_one_line(
     case: str, sample: Path, tmp_path: Path, migrated_store: str
 ) -> None:
     args = USAGE_ERRORS[case](sample, tmp_path)
-    result = run_cli(*args, cwd=tmp_path, env={"ADB_ECHO_DELAY_S": "0"})
+    result = run_cli(*args, cwd=tmp_path)
     assert_usage_error(result)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+def test_usage_errors_in_process_exit_2_with_one_line(
+    case: str, sample: Path, tmp_path: Path, migrated_store: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ADB_STORE_URL", raising=False)
+    monkeypatch.delenv("ADB_OUTPUT_URI", raising=False)
+    args = USAGE_ERRORS[case](sample, tmp_path)
+    try:
+        code = cli.main(args)
+    except SystemExit as exc:  # argparse exits by itself
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    assert_usage_error(CliResult(tuple(args), code, captured.out, captured.err))
     assert not (tmp_path / "out").exists()
 
 
