@@ -36,7 +36,13 @@ from airflow_deadline_batch.exceptions import (
     StoreError,
 )
 from airflow_deadline_batch.store import pg_fast
-from airflow_deadline_batch.store.engine import BEGIN_MODE, create_store_engine, fork_safe, run_with_retry
+from airflow_deadline_batch.store.engine import (
+    BEGIN_MODE,
+    PING_AFTER_IDLE_S,
+    create_store_engine,
+    fork_safe,
+    run_with_retry,
+)
 from airflow_deadline_batch.store.rows import (
     DEFAULT_MAX_ATTEMPTS,
     VALIDATION_ATTEMPT_ID,
@@ -236,6 +242,7 @@ class ManifestStore:
         self._pid = os.getpid()
         #: PostgreSQL runs claim/heartbeat/commit/complete as single autocommit statements (pg_fast)
         self._pg = self.dialect == "postgresql"
+        self._hot_conn = pg_fast.HotConnection(self._engine, PING_AFTER_IDLE_S)
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True) -> ManifestStore:
@@ -247,6 +254,8 @@ class ManifestStore:
 
     def close(self) -> None:
         """Close pooled connections (the store stays usable; it reconnects on the next call)."""
+        self._check_fork()
+        self._hot_conn.release()
         self._engine.dispose()
 
     def __repr__(self) -> str:
@@ -261,7 +270,7 @@ class ManifestStore:
         write: bool = True,
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
-        self._pid = fork_safe(self._engine, self._pid)
+        self._check_fork()
         engine = self._writer if write else self._reader
 
         def attempt() -> T:
@@ -282,16 +291,22 @@ class ManifestStore:
         ``sql`` (see ``pg_fast``) writes everything or nothing, so the slow path, which locks the
         shard row and re-checks every precondition, runs as if the fast statement had not been tried.
         """
-        self._pid = fork_safe(self._engine, self._pid)
+        self._check_fork()
 
         def attempt() -> T:
-            row = pg_fast.run_alone(self._engine, sql, params)
+            row = self._hot_conn.run(sql, params)
             if row is not None:
                 return done(row)
             with self._writer.begin() as conn:
                 return slow(conn)
 
         return run_with_retry(attempt, url=self.url)
+
+    def _check_fork(self) -> None:
+        """After ``fork()`` leave the parent's connections alone and open our own."""
+        if os.getpid() != self._pid:
+            self._hot_conn.forget()
+            self._pid = fork_safe(self._engine, self._pid)
 
     @staticmethod
     def _now(conn: Connection) -> float:

@@ -15,10 +15,13 @@ neither SQLAlchemy's per-execution work nor its transaction bookkeeping.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from sqlalchemy.pool import PoolProxiedConnection
 
 from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState
 
@@ -118,16 +121,37 @@ def jsonb(value: Any) -> Any:
     return Jsonb(value)
 
 
+def _as_dbapi_error(
+    engine: Engine, exc: BaseException, sql: str | None, params: Any, driver: Any
+) -> BaseException:
+    """A driver error as SQLAlchemy's ``DBAPIError`` (``connection_invalidated`` for a lost connection).
+
+    So that :func:`~airflow_deadline_batch.store.engine.run_with_retry` classifies it as it does
+    every other statement's error; anything else comes back unchanged.
+    """
+    dialect = engine.dialect
+    if not isinstance(exc, dialect.loaded_dbapi.Error):
+        return exc
+    lost = driver is None or dialect.is_disconnect(exc, driver, None)
+    return sa.exc.DBAPIError.instance(
+        sql, params, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost, dialect=dialect
+    )
+
+
+def _checkout(engine: Engine) -> PoolProxiedConnection:
+    """A pooled connection (the pool's checkout events, such as the idle ping, run), errors wrapped."""
+    try:
+        return engine.raw_connection()
+    except BaseException as exc:
+        raise _as_dbapi_error(engine, exc, None, None, None) from exc
+
+
 def run_alone(engine: Engine, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
     """Run one statement as its own transaction on a pooled connection; its first row, or None.
 
-    Uses the pool (so checkout events, such as the idle ping, still run) but talks to psycopg
-    directly. Driver errors come back as SQLAlchemy's ``DBAPIError`` (``connection_invalidated``
-    set for a lost connection) so that :func:`~airflow_deadline_batch.store.engine.run_with_retry`
-    classifies them as it does every other statement's. After any error the connection is
-    discarded rather than returned to the pool half-reset.
+    After any error the connection is discarded rather than returned to the pool half-reset.
     """
-    raw = engine.raw_connection()
+    raw = _checkout(engine)
     driver: Any = raw.driver_connection  # a psycopg.Connection
     try:
         driver.autocommit = True
@@ -135,13 +159,86 @@ def run_alone(engine: Engine, sql: str, params: dict[str, Any]) -> tuple[Any, ..
         driver.autocommit = False
         return row
     except BaseException as exc:
-        dialect = engine.dialect
-        lost = isinstance(exc, dialect.loaded_dbapi.Error) and dialect.is_disconnect(exc, driver, None)
         raw.invalidate(exc)
-        if isinstance(exc, dialect.loaded_dbapi.Error):
-            raise sa.exc.DBAPIError.instance(
-                sql, params, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost, dialect=dialect
-            ) from exc
-        raise
+        raise _as_dbapi_error(engine, exc, sql, params, driver) from exc
     finally:
         raw.close()
+
+
+#: connections a forked child inherited: kept referenced so that it never closes the parent's sockets
+_INHERITED: list[PoolProxiedConnection] = []
+
+
+class HotConnection:
+    """One pooled connection a store keeps checked out, in autocommit mode, for its single statements.
+
+    Saves the pool's checkout/check-in and the autocommit switch on every hot call. One thread at
+    a time uses it; a thread that finds it busy (the heartbeat thread, say) takes a pooled
+    connection for that call instead. Idle for longer than ``idle_s`` it goes back to the pool
+    and is checked out again, so the pool's idle ping still runs before it is trusted; a
+    connection that fails is discarded. Not shared across ``fork()``: call :meth:`forget` in the
+    child.
+    """
+
+    def __init__(self, engine: Engine, idle_s: float) -> None:
+        self._engine = engine
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._raw: PoolProxiedConnection | None = None
+        self._used_at = 0.0
+
+    def run(self, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        """Run one statement as its own transaction; its first row, or None."""
+        if not self._lock.acquire(blocking=False):
+            return run_alone(self._engine, sql, params)
+        try:
+            raw = self._take()
+            driver: Any = raw.driver_connection
+            try:
+                row = driver.execute(sql, params).fetchone()
+            except BaseException as exc:
+                self._raw = None
+                raw.invalidate(exc)
+                raw.close()
+                raise _as_dbapi_error(self._engine, exc, sql, params, driver) from exc
+            self._used_at = time.monotonic()
+            return row
+        finally:
+            self._lock.release()
+
+    def _take(self) -> PoolProxiedConnection:
+        raw = self._raw
+        if raw is not None and time.monotonic() - self._used_at <= self._idle_s:
+            return raw
+        self._give_back()
+        raw = _checkout(self._engine)
+        try:
+            raw.driver_connection.autocommit = True  # type: ignore[union-attr]
+        except BaseException as exc:
+            raw.invalidate(exc)
+            raw.close()
+            raise _as_dbapi_error(self._engine, exc, None, None, raw.driver_connection) from exc
+        self._raw = raw
+        return raw
+
+    def _give_back(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is None:
+            return
+        try:
+            raw.driver_connection.autocommit = False  # type: ignore[union-attr]
+        except BaseException as exc:  # a broken connection: never pool it
+            raw.invalidate(exc)
+        raw.close()
+
+    def release(self) -> None:
+        """Hand the connection back to the pool (before the pool is disposed)."""
+        with self._lock:
+            self._give_back()
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's connection without touching it, and any lock it held."""
+        if self._raw is not None:
+            _INHERITED.append(self._raw)
+        self._raw = None
+        self._lock = threading.Lock()

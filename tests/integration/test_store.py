@@ -512,10 +512,11 @@ def test_progress_counts_only_commits(store: ManifestStore) -> None:
 # -- PostgreSQL single-statement hot path ----------------------------------------------------------
 
 
-def _backend_pid(store: ManifestStore) -> int:
-    """The server process behind the store's one pooled connection."""
-    with store._engine.connect() as conn:  # noqa: SLF001 - the pooled connection is what is under test
-        return int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+def _hot_backend_pid(store: ManifestStore) -> int:
+    """The server process behind the connection the store keeps for its single-statement hot path."""
+    raw = store._hot_conn._raw  # noqa: SLF001 - that connection is what is under test
+    assert raw is not None
+    return int(raw.driver_connection.info.backend_pid)  # type: ignore[union-attr]
 
 
 def test_hot_path_reconnects_when_the_server_drops_its_connection(
@@ -525,7 +526,7 @@ def test_hot_path_reconnects_when_the_server_drops_its_connection(
     try:
         job = create(store, shards=1)
         lease = claim(store, job)
-        pid = _backend_pid(store)
+        pid = _hot_backend_pid(store)
         admin_execute(postgres_url, f"SELECT pg_terminate_backend({pid})")
         wait_for(lambda: _server_has_no_backend(postgres_url, pid), what=f"backend {pid} to exit")
         lease = commit(store, lease, 0)  # runs on the dead pooled connection first, then retries
@@ -533,7 +534,7 @@ def test_hot_path_reconnects_when_the_server_drops_its_connection(
         store.complete_shard(lease)
         assert store.get_shard(job.job_id, 0).state is ShardState.SUCCEEDED
         assert [c.seq for c in store.list_commits(job.job_id)] == [0, 0, 1]
-        assert _backend_pid(store) != pid
+        assert _hot_backend_pid(store) != pid
     finally:
         store.close()
 
@@ -553,16 +554,25 @@ def test_hot_path_hands_pooled_connections_back_in_transaction_mode(pg_store_url
         lease = claim(store, job)
         lease = store.heartbeat(lease, 30.0)
         store.complete_shard(commit(store, lease, 0))
-        raw = store._engine.raw_connection()  # noqa: SLF001
-        try:
-            assert raw.driver_connection.autocommit is False
-        finally:
-            raw.close()
         with pytest.raises(ShardNotClaimable) as refused:  # the slow path after a fast miss
             claim(store, job)
         assert refused.value.reason == "succeeded"
+        store._hot_conn.release()  # noqa: SLF001 - as close() does before disposing of the pool
+        pool = store._engine.pool  # noqa: SLF001
+        held = [pool.connect() for _ in range(pool.checkedin())]
+        try:
+            assert held and all(r.driver_connection.autocommit is False for r in held)  # type: ignore[union-attr]
+        finally:
+            for raw in held:
+                raw.close()
     finally:
         store.close()
+
+
+def test_unreachable_postgres_is_a_store_error_that_names_the_fix() -> None:
+    store = ManifestStore("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
+    with pytest.raises(StoreError, match="check the --store URL"):  # after its retries (~3 s)
+        store.claim_shard("j", 0, ttl_s=30.0, worker="w1")
 
 
 # -- URLs -------------------------------------------------------------------------------------------
