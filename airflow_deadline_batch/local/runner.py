@@ -112,6 +112,7 @@ def run_job(
         if s.state not in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE)
     )
     running: dict[int, _Running] = {}
+    not_before: dict[int, float] = {}  # monotonic time before which a shard is not relaunched
     previous_pool: dict[int, PoolKind] = {}
     placements = {kind.value: 0 for kind in PoolKind}
     preemptions = 0
@@ -134,6 +135,11 @@ def run_job(
                 _stop_all(store, running, grace_s)
                 break
             while pending and len(running) < options.workers:
+                if not_before.get(pending[0], 0.0) > now:
+                    pending.rotate(-1)  # its old lease is still live: try another shard first
+                    if all(not_before.get(i, 0.0) > now for i in pending):
+                        break
+                    continue
                 index = pending.popleft()
                 progress = store.progress(plan.job_id)
                 shard = store.get_shard(plan.job_id, index)
@@ -180,6 +186,10 @@ def run_job(
                 shard = store.get_shard(plan.job_id, index)
                 if shard.state in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE):
                     continue
+                if shard.state is ShardState.LEASED and shard.lease_expires_at:
+                    # another attempt (say, a worker of a killed earlier run) still holds a live
+                    # lease: relaunching before it expires would only be refused again
+                    not_before[index] = now + max(0.0, shard.lease_expires_at - store.db_time())
                 pending.append(index)
             if stopped:
                 _stop_all(store, running, grace_s)
