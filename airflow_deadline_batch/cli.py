@@ -46,36 +46,60 @@ def build_parser() -> argparse.ArgumentParser:
 
     def job_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("input", metavar="INPUT", help="JSON Lines input: a local path or s3://bucket/key")
-        p.add_argument("--deadline", required=True, help="ISO 8601 instant with a time zone, or +DURATION (+2h)")
+        p.add_argument(
+            "--deadline", required=True, help="ISO 8601 instant with a time zone, or +DURATION (+2h)"
+        )
         p.add_argument("--workers", type=int, default=4, help="shards processed at once (default 4)")
-        p.add_argument("--engine", choices=ENGINES, default=None,
-                       help="inference engine (run: transformers; plan: echo rates unless --pools)")
+        p.add_argument(
+            "--engine",
+            choices=ENGINES,
+            default=None,
+            help="inference engine (run: transformers; plan: echo rates unless --pools)",
+        )
         p.add_argument("--model", default=None, help="model name or local directory (engine-specific)")
         p.add_argument("--max-tokens", type=int, default=None, help="default max output tokens per record")
         p.add_argument("--microbatch-size", type=int, default=None, help="records per durable commit")
         p.add_argument("--pools", metavar="FILE", default=None, help="JSON file: a list of pool definitions")
-        p.add_argument("--max-invalid-fraction", type=float, default=0.1,
-                       help="reject the job when more input lines than this are invalid (default 0.1)")
+        p.add_argument(
+            "--max-invalid-fraction",
+            type=float,
+            default=0.1,
+            help="reject the job when more input lines than this are invalid (default 0.1)",
+        )
         p.add_argument("--json", action="store_true", help="print one JSON object (the last stdout line)")
 
     run = sub.add_parser("run", help="run a whole job locally: plan, workers, verification, publication")
     job_options(run)
     run.add_argument("--output", default=None, help="output base: a directory or s3://bucket/prefix")
     run.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
-    run.add_argument("--preempt-rate", type=float, default=0.0, metavar="PER_WORKER_HOUR",
-                     help="inject Spot-style preemptions at this rate per Spot worker-hour")
-    run.add_argument("--preempt-notice", type=float, default=5.0, metavar="SECONDS",
-                     help="seconds between SIGTERM and SIGKILL of a preempted worker (default 5)")
+    run.add_argument(
+        "--preempt-rate",
+        type=float,
+        default=0.0,
+        metavar="PER_WORKER_HOUR",
+        help="inject Spot-style preemptions at this rate per Spot worker-hour",
+    )
+    run.add_argument(
+        "--preempt-notice",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between SIGTERM and SIGKILL of a preempted worker (default 5)",
+    )
     run.add_argument("--seed", type=int, default=0, help="seed of the preemption injector")
-    run.add_argument("--idempotency-key", default=None, help="repeat a submission without creating a second job")
+    run.add_argument(
+        "--idempotency-key", default=None, help="repeat a submission without creating a second job"
+    )
     run.add_argument("--lease-ttl", type=float, default=30.0, help="worker lease time-to-live in seconds")
 
     plan = sub.add_parser("plan", help="validate the input and report feasibility; nothing runs")
     job_options(plan)
 
-    for name, text in (("status", "show a job's committed progress"),
-                       ("verify", "verify a job's outcomes; exit 0 only if complete and intact"),
-                       ("cancel", "cancel a job: running workers stop at their next commit")):
+    for name, text in (
+        ("status", "show a job's committed progress"),
+        ("verify", "verify a job's outcomes; exit 0 only if complete and intact"),
+        ("cancel", "cancel a job: running workers stop at their next commit"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("job_id", metavar="JOB_ID")
         p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
@@ -132,9 +156,16 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> Any:
         extra["lease_ttl_s"] = args.lease_ttl
     input_uri = args.input if "://" in args.input else str(Path(args.input).resolve())
     return PlanRequest(
-        input_uri=input_uri, deadline=deadline, output_uri=output, engine=engine, model=args.model,
-        generation=generation, pools=_load_pools(args.pools, engine), workers=args.workers,
-        max_invalid_fraction=args.max_invalid_fraction, **extra,
+        input_uri=input_uri,
+        deadline=deadline,
+        output_uri=output,
+        engine=engine,
+        model=args.model,
+        generation=generation,
+        pools=_load_pools(args.pools, engine),
+        workers=args.workers,
+        max_invalid_fraction=args.max_invalid_fraction,
+        **extra,
     )
 
 
@@ -154,9 +185,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         report = analysis.report
         payload = {
-            "feasible": report.feasible, "verdict": report.verdict.value, "report": report.to_dict(),
-            "lines": analysis.total_lines, "records": analysis.work.records, "invalid": analysis.work.invalid,
-            "errors_by_code": dict(analysis.errors_by_code), "shards": len(analysis.cuts),
+            "feasible": report.feasible,
+            "verdict": report.verdict.value,
+            "report": report.to_dict(),
+            "lines": analysis.total_lines,
+            "records": analysis.work.records,
+            "invalid": analysis.work.invalid,
+            "errors_by_code": dict(analysis.errors_by_code),
+            "shards": len(analysis.cuts),
             "target_shard_s": round(analysis.target_shard_s, 3),
         }
         text = report.summary() + (
@@ -196,8 +232,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     store.migrate()
     log_path = Path(output) / "worker.log" if "://" not in output else None
     options = RunOptions(
-        workers=args.workers, preempt_rate_per_worker_hour=args.preempt_rate,
-        preempt_notice_s=args.preempt_notice, seed=args.seed, lease_ttl_s=args.lease_ttl,
+        workers=args.workers,
+        preempt_rate_per_worker_hour=args.preempt_rate,
+        preempt_notice_s=args.preempt_notice,
+        seed=args.seed,
+        lease_ttl_s=args.lease_ttl,
         worker_log=str(log_path) if log_path else None,
     )
     with ProgressDisplay(enabled=sys.stderr.isatty()) as display:
@@ -221,7 +260,9 @@ def _open_store(args: argparse.Namespace) -> Any:
 
     url = args.store or default_store_url()
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-        raise ConfigurationError(f"no manifest store at {url}: pass --store with the URL the job was run with")
+        raise ConfigurationError(
+            f"no manifest store at {url}: pass --store with the URL the job was run with"
+        )
     store = ManifestStore(url)
     store.migrate()
     return store
@@ -232,12 +273,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     job = store.get_job(args.job_id)
     progress = store.progress(args.job_id)
     payload = {
-        "job_id": job.job_id, "state": str(job.state.value if hasattr(job.state, "value") else job.state),
-        "deadline": job.deadline.isoformat(), "manifest": job.manifest_uri,
-        "records": {"total": progress.total_records, "committed": progress.committed_records,
-                    "succeeded": progress.succeeded, "errored": progress.errored},
-        "shards": {"total": progress.shards_total, **{str(k): v for k, v in progress.shards_by_state.items()}},
-        "attempts": progress.attempts, "preemptions": progress.preemptions,
+        "job_id": job.job_id,
+        "state": str(job.state.value if hasattr(job.state, "value") else job.state),
+        "deadline": job.deadline.isoformat(),
+        "manifest": job.manifest_uri,
+        "records": {
+            "total": progress.total_records,
+            "committed": progress.committed_records,
+            "succeeded": progress.succeeded,
+            "errored": progress.errored,
+        },
+        "shards": {
+            "total": progress.shards_total,
+            **{str(k): v for k, v in progress.shards_by_state.items()},
+        },
+        "attempts": progress.attempts,
+        "preemptions": progress.preemptions,
         "remaining_work_s": round(progress.remaining_work_s, 3),
     }
     pct = 100.0 * progress.committed_records / progress.total_records if progress.total_records else 100.0
@@ -274,8 +325,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "verify": cmd_verify,
-                "cancel": cmd_cancel}
+    handlers = {
+        "run": cmd_run,
+        "plan": cmd_plan,
+        "status": cmd_status,
+        "verify": cmd_verify,
+        "cancel": cmd_cancel,
+    }
     try:
         if args.command == "simulate":
             from airflow_deadline_batch.sim.cli import run_simulate
@@ -286,8 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = exc.fields.get("report")
         if getattr(args, "json", False) and report is not None:
             data = report.to_dict() if hasattr(report, "to_dict") else report
-            sys.stdout.write(orjson.dumps({"state": "rejected", "job_id": exc.fields.get("job_id"),
-                                           "report": data}, default=str).decode() + "\n")
+            sys.stdout.write(
+                orjson.dumps(
+                    {"state": "rejected", "job_id": exc.fields.get("job_id"), "report": data}, default=str
+                ).decode()
+                + "\n"
+            )
         elif report is not None and hasattr(report, "summary"):
             sys.stderr.write(report.summary().rstrip("\n") + "\n")
         sys.stderr.write(f"deadline-batch: rejected: {exc.message}\n")
@@ -296,8 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"deadline-batch: error: {exc.message.splitlines()[0] if exc.message else exc}\n")
         return exc.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write("deadline-batch: interrupted; committed work is kept, rerun with the same "
-                         "--idempotency-key to resume\n")
+        sys.stderr.write(
+            "deadline-batch: interrupted; committed work is kept, rerun with the same "
+            "--idempotency-key to resume\n"
+        )
         return 130
 
 

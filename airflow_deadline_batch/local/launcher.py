@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,9 +18,16 @@ EXIT_RETRYABLE = 75
 
 
 def worker_command(
-    store_url: str | None, job_id: str, shard_index: int, *, pool: str | None = None,
-    lease_ttl_s: float = 60.0, grace_s: float = 30.0, worker_name: str | None = None,
-    engine_options: Sequence[str] = (), python: str = sys.executable,
+    store_url: str | None,
+    job_id: str,
+    shard_index: int,
+    *,
+    pool: str | None = None,
+    lease_ttl_s: float = 60.0,
+    grace_s: float = 30.0,
+    worker_name: str | None = None,
+    engine_options: Sequence[str] = (),
+    python: str = sys.executable,
 ) -> list[str]:
     """The argv of one worker process (``python -m airflow_deadline_batch.worker ...``).
 
@@ -29,7 +37,16 @@ def worker_command(
     argv = [python, "-m", "airflow_deadline_batch.worker"]
     if store_url is not None:
         argv += ["--store", store_url]
-    argv += ["--job", job_id, "--shard", str(shard_index), "--lease-ttl", f"{lease_ttl_s:g}", "--grace", f"{grace_s:g}"]
+    argv += [
+        "--job",
+        job_id,
+        "--shard",
+        str(shard_index),
+        "--lease-ttl",
+        f"{lease_ttl_s:g}",
+        "--grace",
+        f"{grace_s:g}",
+    ]
     if pool:
         argv += ["--pool", pool]
     if worker_name:
@@ -54,15 +71,20 @@ class WorkerProcess:
 
     def signal(self, signum: int) -> None:
         if self.popen.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.popen.pid, signum)
-            except ProcessLookupError:
-                pass
 
 
 def start_worker(
-    store_url: str, job_id: str, shard_index: int, *, pool: str | None = None, lease_ttl_s: float = 60.0,
-    grace_s: float = 30.0, env: Mapping[str, str] | None = None, stderr: int | None = None,
+    store_url: str,
+    job_id: str,
+    shard_index: int,
+    *,
+    pool: str | None = None,
+    lease_ttl_s: float = 60.0,
+    grace_s: float = 30.0,
+    env: Mapping[str, str] | None = None,
+    stderr: int | None = None,
     worker_name: str | None = None,
 ) -> WorkerProcess:
     full_env = dict(os.environ)
@@ -70,8 +92,15 @@ def start_worker(
         full_env.update(env)
     # the store URL travels in the environment too, so `ps` shows no credentials on a shared host
     full_env["ADB_STORE_URL"] = store_url
-    argv = worker_command(None, job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s,
-                          worker_name=worker_name)
+    argv = worker_command(
+        None,
+        job_id,
+        shard_index,
+        pool=pool,
+        lease_ttl_s=lease_ttl_s,
+        grace_s=grace_s,
+        worker_name=worker_name,
+    )
     popen = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr)
     return WorkerProcess(job_id, shard_index, pool, popen)
 
@@ -86,30 +115,45 @@ def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:
     attempt = shard.lease_attempt_id
     if not attempt:
         return False
-    return store.abandon_attempt(proc.job_id, proc.shard_index, attempt,
-                                 reason=f"worker pid {proc.pid} exited with {proc.popen.returncode}")
+    return store.abandon_attempt(
+        proc.job_id,
+        proc.shard_index,
+        attempt,
+        reason=f"worker pid {proc.pid} exited with {proc.popen.returncode}",
+    )
 
 
 def classify_exit(returncode: int) -> str:
     """``succeeded``, ``retryable`` (preempted, killed, lost lease) or ``terminal``."""
     if returncode == EXIT_OK:
         return "succeeded"
-    if returncode == EXIT_RETRYABLE or returncode < 0 or returncode in (128 + signal.SIGKILL, 128 + signal.SIGTERM):
+    if (
+        returncode == EXIT_RETRYABLE
+        or returncode < 0
+        or returncode in (128 + signal.SIGKILL, 128 + signal.SIGTERM)
+    ):
         return "retryable"
     return "terminal"
 
 
 def run_worker_subprocess(
-    store_url: str, job_id: str, shard_index: int, *, pool: str | None = None, lease_ttl_s: float = 60.0,
-    grace_s: float = 30.0, env: Mapping[str, str] | None = None,
+    store_url: str,
+    job_id: str,
+    shard_index: int,
+    *,
+    pool: str | None = None,
+    lease_ttl_s: float = 60.0,
+    grace_s: float = 30.0,
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """Run one worker to its end and return its exit code (0 / 75 / 1).
 
     If the process dies from a signal, its lease is fenced at once so the next try need not wait
     for the lease to expire; the result is reported as retryable (75).
     """
-    proc = start_worker(store_url, job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s,
-                        env=env)
+    proc = start_worker(
+        store_url, job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s, env=env
+    )
     try:
         code = proc.popen.wait()
     except BaseException:

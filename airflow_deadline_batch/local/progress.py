@@ -20,9 +20,13 @@ class ProgressDisplay:
     def __enter__(self) -> ProgressDisplay:
         if self.enabled:
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-                console=Console(stderr=True), transient=False,
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=False,
             )
             self._progress.start()
         return self
@@ -38,12 +42,16 @@ class ProgressDisplay:
             return
         shards = progress.shards_by_state
         done = shards.get("succeeded", 0)
-        detail = (f"shards {done}/{progress.shards_total}, attempts {progress.attempts}, "
-                  f"preemptions {progress.preemptions}")
-        self._progress.update(self._task, completed=progress.committed_records, total=progress.total_records,
-                              detail=detail)
+        detail = (
+            f"shards {done}/{progress.shards_total}, attempts {progress.attempts}, "
+            f"preemptions {progress.preemptions}"
+        )
+        self._progress.update(
+            self._task, completed=progress.committed_records, total=progress.total_records, detail=detail
+        )
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._progress is not None:
             self._progress.stop()

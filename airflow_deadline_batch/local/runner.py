@@ -23,11 +23,15 @@ from airflow_deadline_batch.core.placement import JobSnapshot, choose_pool
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import VerificationError
-from airflow_deadline_batch.local.launcher import WorkerProcess, classify_exit, fence_dead_worker, start_worker
+from airflow_deadline_batch.local.launcher import (
+    WorkerProcess,
+    classify_exit,
+    fence_dead_worker,
+    start_worker,
+)
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.store import ManifestStore
-
 
 #: job states in which no shard can be claimed any more, so the runner stops launching workers
 _STOPPED_JOB_STATES = frozenset({JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED, JobState.PARTIAL})
@@ -74,9 +78,16 @@ class RunSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "job_id": self.job_id, "state": self.state, "manifest": self.manifest, "records": self.records,
-            "attempts": self.attempts, "preemptions": self.preemptions, "deadline_met": self.deadline_met,
-            "shards": self.shards, "elapsed_s": round(self.elapsed_s, 3), "placements": self.placements,
+            "job_id": self.job_id,
+            "state": self.state,
+            "manifest": self.manifest,
+            "records": self.records,
+            "attempts": self.attempts,
+            "preemptions": self.preemptions,
+            "deadline_met": self.deadline_met,
+            "shards": self.shards,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "placements": self.placements,
             "problems": self.problems,
         }
 
@@ -95,8 +106,13 @@ class PreemptionInjector:
 
 
 def run_job(
-    store: ManifestStore, request: PlanRequest, options: RunOptions, *, clock: Clock | None = None,
-    on_progress: Callable[[Any], None] | None = None, on_plan: Callable[[PlanResult], None] | None = None,
+    store: ManifestStore,
+    request: PlanRequest,
+    options: RunOptions,
+    *,
+    clock: Clock | None = None,
+    on_progress: Callable[[Any], None] | None = None,
+    on_plan: Callable[[PlanResult], None] | None = None,
 ) -> RunSummary:
     """Run one job to a published manifest (or to the deadline) with local subprocess workers."""
     clock = clock or SystemClock()
@@ -108,7 +124,8 @@ def run_job(
     deadline = job.deadline
     injector = PreemptionInjector(options.preempt_rate_per_worker_hour, options.seed)
     pending: deque[int] = deque(
-        s.shard_index for s in store.list_shards(plan.job_id)
+        s.shard_index
+        for s in store.list_shards(plan.job_id)
         if s.state not in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE)
     )
     running: dict[int, _Running] = {}
@@ -143,13 +160,20 @@ def run_job(
                 index = pending.popleft()
                 progress = store.progress(plan.job_id)
                 shard = store.get_shard(plan.job_id, index)
-                remaining_share = 1.0 - (shard.cursor / shard.num_microbatches if shard.num_microbatches else 1.0)
+                remaining_share = 1.0 - (
+                    shard.cursor / shard.num_microbatches if shard.num_microbatches else 1.0
+                )
                 snapshot = JobSnapshot(
-                    now=clock.now(), deadline=deadline, remaining_work_s=progress.remaining_work_s,
-                    shard_work_s=shard.est_work_s * remaining_share, parallelism=options.workers,
-                    changeover_s=changeover_s, notice_s=options.preempt_notice_s,
+                    now=clock.now(),
+                    deadline=deadline,
+                    remaining_work_s=progress.remaining_work_s,
+                    shard_work_s=shard.est_work_s * remaining_share,
+                    parallelism=options.workers,
+                    changeover_s=changeover_s,
+                    notice_s=options.preempt_notice_s,
                     spot_preemptions_per_hour=options.preempt_rate_per_worker_hour,
-                    spot_available=bool(spot_pools), previous_pool=previous_pool.get(index),
+                    spot_available=bool(spot_pools),
+                    previous_pool=previous_pool.get(index),
                     on_demand_workers=sum(1 for r in running.values() if r.pool is PoolKind.ON_DEMAND),
                     started_at=job.created_at,
                     total_work_s=progress.committed_work_s + progress.remaining_work_s,
@@ -158,8 +182,14 @@ def run_job(
                 previous_pool[index] = decision.pool
                 placements[decision.pool.value] += 1
                 proc = start_worker(
-                    store.url, plan.job_id, index, pool=decision.pool.value, lease_ttl_s=options.lease_ttl_s,
-                    grace_s=grace_s, env=worker_env, stderr=stderr,
+                    store.url,
+                    plan.job_id,
+                    index,
+                    pool=decision.pool.value,
+                    lease_ttl_s=options.lease_ttl_s,
+                    grace_s=grace_s,
+                    env=worker_env,
+                    stderr=stderr,
                 )
                 running[index] = _Running(proc, decision.pool, injector.next_preemption(now, decision.pool))
             for item in running.values():
@@ -211,11 +241,19 @@ def run_job(
     records = dict(result.report.outcomes)
     records["total"] = result.report.expected
     return RunSummary(
-        job_id=plan.job_id, state=str(JobState(job.state).value), manifest=result.manifest_uri, records=records,
-        attempts=progress.attempts, preemptions=preemptions,
-        deadline_met=result.manifest_uri is not None and job.completed_at is not None
-        and job.completed_at <= deadline and job.state == JobState.COMPLETED,
-        shards=plan.shards, elapsed_s=time.monotonic() - started, placements=placements,
+        job_id=plan.job_id,
+        state=str(JobState(job.state).value),
+        manifest=result.manifest_uri,
+        records=records,
+        attempts=progress.attempts,
+        preemptions=preemptions,
+        deadline_met=result.manifest_uri is not None
+        and job.completed_at is not None
+        and job.completed_at <= deadline
+        and job.state == JobState.COMPLETED,
+        shards=plan.shards,
+        elapsed_s=time.monotonic() - started,
+        placements=placements,
         problems=list(result.report.problems),
     )
 

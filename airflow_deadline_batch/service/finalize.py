@@ -9,7 +9,6 @@ a second publisher loses cleanly and returns the first one's manifest.
 from __future__ import annotations
 
 import datetime as dt
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -71,8 +70,12 @@ class VerificationReport:
     @property
     def complete(self) -> bool:
         return (
-            self.seen == self.expected and not self.duplicates and not self.unknown
-            and not self.checksum_failures and not self.pending_shards and not self.failed_shards
+            self.seen == self.expected
+            and not self.duplicates
+            and not self.unknown
+            and not self.checksum_failures
+            and not self.pending_shards
+            and not self.failed_shards
             and not self.problems
         )
 
@@ -82,11 +85,18 @@ class VerificationReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "job_id": self.job_id, "complete": self.complete, "expected": self.expected,
-            "seen": self.seen, "missing": self.missing, "duplicates": self.duplicates,
-            "unknown": self.unknown, "checksum_failures": self.checksum_failures,
-            "outcomes": dict(self.outcomes), "pending_shards": list(self.pending_shards),
-            "failed_shards": list(self.failed_shards), "problems": list(self.problems),
+            "job_id": self.job_id,
+            "complete": self.complete,
+            "expected": self.expected,
+            "seen": self.seen,
+            "missing": self.missing,
+            "duplicates": self.duplicates,
+            "unknown": self.unknown,
+            "checksum_failures": self.checksum_failures,
+            "outcomes": dict(self.outcomes),
+            "pending_shards": list(self.pending_shards),
+            "failed_shards": list(self.failed_shards),
+            "problems": list(self.problems),
         }
 
     def summary(self) -> str:
@@ -183,7 +193,9 @@ def _read_object(obj: OutcomeObject, report: VerificationReport, reader: _Reader
 
 
 def _check_objects(
-    objects: Iterable[OutcomeObject], ledger: _LineLedger, report: VerificationReport,
+    objects: Iterable[OutcomeObject],
+    ledger: _LineLedger,
+    report: VerificationReport,
     ranges: dict[int, tuple[int, int]],
 ) -> None:
     reader = _Reader()
@@ -264,8 +276,14 @@ def verify_manifest(store: ManifestStore, job_id: str) -> VerificationReport:
     manifest = orjson.loads(data)
     index = {"validation": -1}
     objects = [
-        OutcomeObject(index.get(s["shard_id"], int(s["shard_id"]) if s["shard_id"].isdigit() else -2),
-                      s.get("seq", 0), s["uri"], s["sha256"], s["records"], s["attempt_id"])
+        OutcomeObject(
+            index.get(s["shard_id"], int(s["shard_id"]) if s["shard_id"].isdigit() else -2),
+            s.get("seq", 0),
+            s["uri"],
+            s["sha256"],
+            s["records"],
+            s["attempt_id"],
+        )
         for s in manifest["shards"]
     ]
     ranges = _shard_ranges(store, job_id)
@@ -277,7 +295,10 @@ def verify_manifest(store: ManifestStore, job_id: str) -> VerificationReport:
 
 
 def _unfinished_outcomes(
-    store: ManifestStore, job: Any, shard: Any, committed_lines: set[int],
+    store: ManifestStore,
+    job: Any,
+    shard: Any,
+    committed_lines: set[int],
     status: Literal["cancelled", "expired"],
 ) -> Iterator[bytes]:
     """Outcome lines (``expired`` or ``cancelled``) for a shard's records that never committed."""
@@ -286,7 +307,8 @@ def _unfinished_outcomes(
     if sha256_hex(data) != shard.input_sha256:
         raise ChecksumMismatch(
             f"input range of shard {shard.shard_index} changed since planning: restore {job.input_uri}",
-            job_id=job.job_id, shard_index=shard.shard_index,
+            job_id=job.job_id,
+            shard_index=shard.shard_index,
         )
     import io
 
@@ -297,22 +319,36 @@ def _unfinished_outcomes(
         max_prompt_chars=config.get("max_prompt_chars", ValidationLimits().max_prompt_chars),
         max_tokens_limit=config.get("max_tokens_limit", ValidationLimits().max_tokens_limit),
     )
-    message = ("the job's deadline passed before this record was processed" if status == "expired"
-               else "the job was cancelled before this record was processed")
-    for raw in iter_raw_lines(io.BytesIO(data), start_line=shard.first_line, start_offset=shard.byte_start,
-                              max_line_bytes=limits.max_line_bytes):
+    message = (
+        "the job's deadline passed before this record was processed"
+        if status == "expired"
+        else "the job was cancelled before this record was processed"
+    )
+    for raw in iter_raw_lines(
+        io.BytesIO(data),
+        start_line=shard.first_line,
+        start_offset=shard.byte_start,
+        max_line_bytes=limits.max_line_bytes,
+    ):
         if raw.line in excluded or raw.line in committed_lines:
             continue
         parsed = parse_line(raw, limits)
         if parsed is None:
             continue
         record_id = getattr(parsed, "id", None)
-        yield ResultRecord(
-            line=raw.line, id=record_id, status=status, output=None,
-            error=ResultError(code=status, message=message),
-            usage=Usage(prompt_tokens=0, completion_tokens=0),
-            shard_id=display_shard_id(shard.shard_index), attempt_id="finalize",
-        ).to_json_bytes() + b"\n"
+        yield (
+            ResultRecord(
+                line=raw.line,
+                id=record_id,
+                status=status,
+                output=None,
+                error=ResultError(code=status, message=message),
+                usage=Usage(prompt_tokens=0, completion_tokens=0),
+                shard_id=display_shard_id(shard.shard_index),
+                attempt_id="finalize",
+            ).to_json_bytes()
+            + b"\n"
+        )
 
 
 def _committed_lines(store: ManifestStore, commits: list[Any], shard_index: int) -> set[int]:
@@ -328,7 +364,11 @@ def _committed_lines(store: ManifestStore, commits: list[Any], shard_index: int)
 
 
 def finalize_job(
-    store: ManifestStore, job_id: str, *, clock: Clock | None = None, expire_unfinished: bool = False,
+    store: ManifestStore,
+    job_id: str,
+    *,
+    clock: Clock | None = None,
+    expire_unfinished: bool = False,
 ) -> FinalizeResult:
     """Verify the job and publish its manifest once every input line has a terminal outcome.
 
@@ -362,15 +402,26 @@ def finalize_job(
     commits = store.list_commits(job_id)
     status: Literal["cancelled", "expired"] = "cancelled" if cancelled else "expired"
     for shard in unfinished:
-        lines = b"".join(_unfinished_outcomes(store, job, shard, _committed_lines(store, commits, shard.shard_index),
-                                              status))
+        lines = b"".join(
+            _unfinished_outcomes(
+                store, job, shard, _committed_lines(store, commits, shard.shard_index), status
+            )
+        )
         if not lines:
             continue
         key = f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl"
         uri = output.put_bytes(key, lines)
         # seq one past the shard's microbatches: unique in the manifest, which requires seq >= 0
-        extra.append(OutcomeObject(shard.shard_index, shard.num_microbatches, uri, sha256_hex(lines),
-                                   lines.count(b"\n"), "finalize"))
+        extra.append(
+            OutcomeObject(
+                shard.shard_index,
+                shard.num_microbatches,
+                uri,
+                sha256_hex(lines),
+                lines.count(b"\n"),
+                "finalize",
+            )
+        )
     report = VerificationReport(job_id=job_id, expected=job.input_lines)
     report.model_digests = {c.model_digest for c in commits if c.shard_index >= 0 and c.model_digest}
     objects = committed_objects(store, job_id) + extra
@@ -396,8 +447,9 @@ def finalize_job(
     return FinalizeResult(job_id, final_state, uri, report, manifest)
 
 
-def build_manifest(job: Any, objects: list[OutcomeObject], report: VerificationReport,
-                   now: dt.datetime) -> dict[str, Any]:
+def build_manifest(
+    job: Any, objects: list[OutcomeObject], report: VerificationReport, now: dt.datetime
+) -> dict[str, Any]:
     config = job.config
     digests = sorted(report.model_digests)
     manifest = {
@@ -405,14 +457,23 @@ def build_manifest(job: Any, objects: list[OutcomeObject], report: VerificationR
         "manifest_version": 1,
         "created_at": job.created_at.isoformat(),
         "deadline": job.deadline.isoformat(),
-        "model": {"name": config.get("model") or config.get("engine"), "digest": digests[0] if digests else None},
+        "model": {
+            "name": config.get("model") or config.get("engine"),
+            "digest": digests[0] if digests else None,
+        },
         "prompt_template_version": config.get("prompt_template_version"),
         "generation": config.get("generation", {}),
         "input": {"uri": job.input_uri, "sha256": job.input_sha256, "records": job.input_lines},
         "outcomes": dict(report.outcomes),
         "shards": [
-            {"shard_id": display_shard_id(o.shard_index), "seq": o.seq, "uri": o.uri, "sha256": o.sha256,
-             "records": o.records, "attempt_id": o.attempt_id}
+            {
+                "shard_id": display_shard_id(o.shard_index),
+                "seq": o.seq,
+                "uri": o.uri,
+                "sha256": o.sha256,
+                "records": o.records,
+                "attempt_id": o.attempt_id,
+            }
             for o in objects
         ],
         "completed_at": now.isoformat(),

@@ -172,7 +172,7 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
     rec_work = array("d")
     invalid_lines = array("q")
     errors: Counter[str] = Counter()
-    spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)
+    spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
     prompt_tokens = 0
     output_tokens = 0
     gpu_seconds = 0.0
@@ -225,11 +225,18 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
     spool.seek(0)
     records = len(rec_line)
     invalid = len(invalid_lines)
-    work = WorkSummary(records=records, invalid=invalid, lines=records + invalid,
-                       prompt_tokens=prompt_tokens, output_tokens=output_tokens, gpu_seconds=gpu_seconds)
+    work = WorkSummary(
+        records=records,
+        invalid=invalid,
+        lines=records + invalid,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        gpu_seconds=gpu_seconds,
+    )
     policy = AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction)
-    report = assess(work, request.pools, deadline=request.deadline, now=now, policy=policy,
-                    max_parallel=request.workers)
+    report = assess(
+        work, request.pools, deadline=request.deadline, now=now, policy=policy, max_parallel=request.workers
+    )
     target = _shard_target(request, pool, gpu_seconds, records)
     ranges = cut_contiguous(rec_work, target_seconds=target, max_shards=request.max_shards) if records else []
     cuts: list[ShardCut] = []
@@ -241,16 +248,29 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
         last_line = total_lines if last else rec_line[b - 1]
         lo = bisect.bisect_left(invalid_lines, prev_last_line + 1)
         hi = bisect.bisect_right(invalid_lines, last_line)
-        cuts.append(ShardCut(
-            index=index, byte_start=prev_end_offset, byte_end=end_offset,
-            first_line=prev_last_line + 1, line_count=last_line - prev_last_line, records=b - a,
-            excluded_lines=tuple(invalid_lines[lo:hi]), est_work_s=math.fsum(rec_work[a:b]),
-        ))
+        cuts.append(
+            ShardCut(
+                index=index,
+                byte_start=prev_end_offset,
+                byte_end=end_offset,
+                first_line=prev_last_line + 1,
+                line_count=last_line - prev_last_line,
+                records=b - a,
+                excluded_lines=tuple(invalid_lines[lo:hi]),
+                est_work_s=math.fsum(rec_work[a:b]),
+            )
+        )
         prev_end_offset, prev_last_line = end_offset, last_line
     return InputAnalysis(
-        request=request, report=report, work=work, total_lines=total_lines,
-        outcome_lines=records + invalid, errors_by_code=dict(errors), cuts=tuple(cuts),
-        target_shard_s=target, error_spool=spool,
+        request=request,
+        report=report,
+        work=work,
+        total_lines=total_lines,
+        outcome_lines=records + invalid,
+        errors_by_code=dict(errors),
+        cuts=tuple(cuts),
+        target_shard_s=target,
+        error_spool=spool,
     )
 
 
@@ -261,8 +281,9 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
     mtbi = 3600.0 / rate if rate > 0 else math.inf
     per_worker = gpu_seconds / max(1, min(request.workers, pool.gpus * len(request.pools)))
     reserve = max(60.0, 0.1 * per_worker)
-    target = target_shard_seconds(checkpoint_cost_s=request.checkpoint_cost_s, mtbi_s=mtbi,
-                                  recovery_reserve_s=reserve)
+    target = target_shard_seconds(
+        checkpoint_cost_s=request.checkpoint_cost_s, mtbi_s=mtbi, recovery_reserve_s=reserve
+    )
     if records and gpu_seconds > 0:
         # two shards per worker, so a slow or preempted shard does not idle the rest ...
         target = min(target, gpu_seconds / (2 * request.workers))
@@ -274,11 +295,19 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
 
 
 def _error_outcome(error: LineError) -> bytes:
-    return ResultRecord(
-        line=error.line, id=error.id, status="errored", output=None,
-        error=ResultError(code=error.code.value, message=error.message),
-        usage=Usage(prompt_tokens=0, completion_tokens=0), shard_id="validation", attempt_id="plan",
-    ).to_json_bytes() + b"\n"
+    return (
+        ResultRecord(
+            line=error.line,
+            id=error.id,
+            status="errored",
+            output=None,
+            error=ResultError(code=error.code.value, message=error.message),
+            usage=Usage(prompt_tokens=0, completion_tokens=0),
+            shard_id="validation",
+            attempt_id="plan",
+        ).to_json_bytes()
+        + b"\n"
+    )
 
 
 def hash_input(input_uri: str) -> str:
@@ -330,7 +359,7 @@ def hash_ranges(
                     continue
                 current.update(view)
                 offset += len(view)
-                view = view[len(view):]
+                view = view[len(view) :]
         if pending is not None:
             pending.result()
     while shard < len(boundaries):  # empty trailing ranges
@@ -414,13 +443,20 @@ def _record(
         job, _ = store.create_job(new_job, [], None)
         raise AdmissionRejected(
             f"job {job.job_id} rejected at admission ({report.verdict.value}): " + "; ".join(report.reasons),
-            report=report, job_id=job.job_id,
+            report=report,
+            job_id=job.job_id,
         )
     shards = [
         NewShard(
-            shard_index=c.index, byte_start=c.byte_start, byte_end=c.byte_end, first_line=c.first_line,
-            line_count=c.line_count, records=c.records, excluded_lines=c.excluded_lines,
-            input_sha256=range_shas[c.index], est_work_s=c.est_work_s,
+            shard_index=c.index,
+            byte_start=c.byte_start,
+            byte_end=c.byte_end,
+            first_line=c.first_line,
+            line_count=c.line_count,
+            records=c.records,
+            excluded_lines=c.excluded_lines,
+            input_sha256=range_shas[c.index],
+            est_work_s=c.est_work_s,
             num_microbatches=microbatch_count(c.records, request.microbatch_size),
         )
         for c in analysis.cuts
@@ -431,7 +467,9 @@ def _record(
         data = analysis.error_spool.read()
         uri = storage.put_bytes(VALIDATION_KEY, data)
         validation = NewCommit(
-            uri=uri, sha256=sha256_hex(data), records=analysis.work.invalid,
+            uri=uri,
+            sha256=sha256_hex(data),
+            records=analysis.work.invalid,
             counts={"errored": analysis.work.invalid},
         )
     job, created = store.create_job(new_job, shards, validation)
@@ -441,9 +479,13 @@ def _record(
             storage.delete(VALIDATION_KEY)
         return _existing_result(store, job)
     return PlanResult(
-        job_id=job.job_id, created=True, report=report,
+        job_id=job.job_id,
+        created=True,
+        report=report,
         shard_specs=[shard_spec(job.job_id, s.shard_index) for s in shards],
-        shards=len(shards), records=analysis.work.records, invalid=analysis.work.invalid,
+        shards=len(shards),
+        records=analysis.work.records,
+        invalid=analysis.work.invalid,
     )
 
 
@@ -451,14 +493,17 @@ def _existing_result(store: ManifestStore, job: Any) -> PlanResult:
     shards = store.list_shards(job.job_id)
     if job.state == JobState.REJECTED:
         raise AdmissionRejected(
-            f"job {job.job_id} was rejected at admission: "
-            + "; ".join(job.admission.get("reasons", [])),
-            report=job.admission, job_id=job.job_id,
+            f"job {job.job_id} was rejected at admission: " + "; ".join(job.admission.get("reasons", [])),
+            report=job.admission,
+            job_id=job.job_id,
         )
     return PlanResult(
-        job_id=job.job_id, created=False, report=job.admission,
+        job_id=job.job_id,
+        created=False,
+        report=job.admission,
         shard_specs=[shard_spec(job.job_id, s.shard_index) for s in shards],
-        shards=len(shards), records=sum(s.records for s in shards),
+        shards=len(shards),
+        records=sum(s.records for s in shards),
         invalid=job.input_lines - sum(s.records for s in shards),
     )
 

@@ -69,14 +69,13 @@ def relaxation_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
         return Bound(cost=od_only, spot_hours=0.0, on_demand_hours=od_only / k, feasible=False)
     budget = n * config.deadline_h
     best = Bound(cost=(work + d) * k, spot_hours=0.0, on_demand_hours=work + d, feasible=True)
-    left, spot, used = work, 0.0, 0
+    left, spot = work, 0.0
     for length in spells(trace, start_tick, config.deadline_h, n):
         w = min(length - d, left)
         if w <= 0:
             break
         left -= w
         spot += w + d
-        used += 1
         od = left + d if left > 1e-12 else 0.0
         if spot + od > budget + 1e-9:  # every segment's changeover eats worker-time
             break
@@ -108,7 +107,9 @@ def exact_optimum(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
     feasible = config.on_demand_feasible()
     od_cost = (config.work_h + d_h) * k
     if not feasible:
-        return Bound(cost=od_cost, spot_hours=0.0, on_demand_hours=config.work_h + d_h, feasible=False, exact=True)
+        return Bound(
+            cost=od_cost, spot_hours=0.0, on_demand_hours=config.work_h + d_h, feasible=False, exact=True
+        )
     scale, unit = _resolution(trace.gap_s, d_h * 3600, config.shard_size_h * 3600)
     hours_per_unit = unit / scale / 3600.0
     gap = round(trace.gap_s * scale) // unit
@@ -144,7 +145,9 @@ def exact_optimum(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
             if fin[j] < best[0]:
                 best[0], best[1] = float(fin[j]), float(spot[j] + s * need[j])
 
-    def start(pool: str, cost: np.ndarray, spot: np.ndarray, t0: float, into_run: tuple, into_pend: dict) -> None:
+    def start(
+        pool: str, cost: np.ndarray, spot: np.ndarray, t0: float, into_run: tuple, into_pend: dict
+    ) -> None:
         """A (re)start now: changeover ``co0``, then progress from the start of a shard."""
         p, s = price[pool], (1.0 if pool == "spot" else 0.0)
         if co0 >= gap:
@@ -157,7 +160,9 @@ def exact_optimum(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
             return
         _progress_1d(pool, co0, cost, spot, t0, into_run)
 
-    def _progress_1d(pool: str, co: int, cost: np.ndarray, spot: np.ndarray, t0: float, into_run: tuple) -> None:
+    def _progress_1d(
+        pool: str, co: int, cost: np.ndarray, spot: np.ndarray, t0: float, into_run: tuple
+    ) -> None:
         p, s = price[pool], (1.0 if pool == "spot" else 0.0)
         finish(cost, spot, co + (m - c_idx) * shard, p, s, t0)
         total = gap - co
@@ -238,4 +243,12 @@ def lower_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
     return omniscient(trace, start_tick, config)
 
 
-__all__ = ["Bound", "exact_optimum", "lower_bound", "omniscient", "on_demand_makespan", "relaxation_bound", "spells"]
+__all__ = [
+    "Bound",
+    "exact_optimum",
+    "lower_bound",
+    "omniscient",
+    "on_demand_makespan",
+    "relaxation_bound",
+    "spells",
+]

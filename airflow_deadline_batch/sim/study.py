@@ -73,12 +73,8 @@ def targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> dict[str
     """The issue's targets over the rows: cost ratios, rows above 1.01 × UP, misses, ordering."""
     up = [r["slack_aware"].mean_cost / r["uniform_progress"].mean_cost for _, _, r in rows]
     om = [r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, _, r in rows]
-    om_exact = [
-        r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, s, r in rows if s.workers == 1
-    ]
-    misses = sum(
-        1 for _, _, r in rows if r["slack_aware"].miss_rate > r["omniscient"].miss_rate + 1e-12
-    )
+    om_exact = [r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, s, r in rows if s.workers == 1]
+    misses = sum(1 for _, _, r in rows if r["slack_aware"].miss_rate > r["omniscient"].miss_rate + 1e-12)
     order = sum(
         1
         for _, _, r in rows
@@ -147,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, s, r in rows:
         ratio = r["slack_aware"].mean_cost / r["uniform_progress"].mean_cost
         if ratio > 1.01:
-            print(f"over 1.01 x UP: {name} N={s.workers} D={s.deadline_h:g} d={s.changeover_h:g}: {ratio:.3f}")
+            print(
+                f"over 1.01 x UP: {name} N={s.workers} D={s.deadline_h:g} d={s.changeover_h:g}: {ratio:.3f}"
+            )
     return 0
 
 
