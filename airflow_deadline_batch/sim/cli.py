@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.sim.engine import SimConfig
 from airflow_deadline_batch.sim.policies import POLICY_NAMES
-from airflow_deadline_batch.sim.runner import Summary, compare, start_ticks
 from airflow_deadline_batch.sim.traces import load_trace
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.sim.runner import Summary
 
 
 def add_simulate_parser(subparsers: Any) -> None:
@@ -105,6 +107,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.starts < 1:
         raise ConfigurationError("--starts must be >= 1")
     hours = _start_hours(args.start_hours)
+    # the runner brings NumPy (the omniscient bound): import it only when simulating
+    from airflow_deadline_batch.sim.runner import compare, start_ticks
+
     traces = [load_trace(path) for path in args.trace]
     summaries: list[Summary] = []
     for trace in traces:
