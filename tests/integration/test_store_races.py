@@ -9,12 +9,13 @@ from __future__ import annotations
 import datetime as dt
 import multiprocessing as mp
 import queue
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from airflow_deadline_batch.exceptions import ShardNotClaimable, StoreError
+from airflow_deadline_batch.exceptions import LeaseLost, ShardNotClaimable, StoreError
 from airflow_deadline_batch.store import Lease, ManifestStore, NewJob, NewShard
 
 pytestmark = pytest.mark.integration
@@ -70,16 +71,23 @@ def _racer(url: str, race: Race, barrier: Any, results: Any, racer: int) -> None
 
 def run_race(url: str, race: Race) -> dict[int, list[str]]:
     """Run ``race`` in two processes for ROUNDS rounds; outcomes per round."""
-    barrier = CTX.Barrier(RACERS)
+    return run_roles(url, [race] * RACERS)
+
+
+def run_roles(url: str, roles: list[Race]) -> dict[int, list[str]]:
+    """Run ``roles[i]`` in process ``i``, all meeting at a barrier each round; outcomes per round, by role."""
+    barrier = CTX.Barrier(len(roles))
     results = CTX.Queue()
-    procs = [CTX.Process(target=_racer, args=(url, race, barrier, results, i)) for i in range(RACERS)]
+    procs = [
+        CTX.Process(target=_racer, args=(url, race, barrier, results, i)) for i, race in enumerate(roles)
+    ]
     for proc in procs:
         proc.start()
     rounds: dict[int, list[str]] = {}
     try:
-        for _ in range(ROUNDS * RACERS):
-            round_, _racer_id, outcome = results.get(timeout=JOIN_TIMEOUT_S)
-            rounds.setdefault(round_, []).append(outcome)
+        for _ in range(ROUNDS * len(roles)):
+            round_, racer_id, outcome = results.get(timeout=JOIN_TIMEOUT_S)
+            rounds.setdefault(round_, [""] * len(roles))[racer_id] = outcome
     except queue.Empty:
         pytest.fail(f"racers stopped reporting; results so far: {rounds}")
     finally:
@@ -87,7 +95,7 @@ def run_race(url: str, race: Race) -> dict[int, list[str]]:
             proc.join(timeout=JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
-    assert [p.exitcode for p in procs] == [0] * RACERS
+    assert [p.exitcode for p in procs] == [0] * len(roles)
     return rounds
 
 
@@ -156,6 +164,50 @@ def test_same_idempotency_key_from_two_processes_creates_one_job(
     jobs = store.list_jobs(limit=1000)
     assert len(jobs) == ROUNDS
     assert all(len(store.list_shards(j.job_id)) == 2 for j in jobs)
+
+
+def test_no_commit_lands_after_a_concurrent_cancel_returns(store: ManifestStore, store_url: str) -> None:
+    """A worker commits as fast as it can while another process cancels the job: once cancel_job
+    has returned, the commits it left are all there ever are (the in-flight one is fenced)."""
+    microbatches = 10_000
+    leases = []
+    for _ in range(ROUNDS):
+        job, shards = plan(shards=1, microbatches=microbatches)
+        row, _ = store.create_job(job, shards)
+        leases.append(store.claim_shard(row.job_id, 0, ttl_s=600, worker="parent"))
+
+    def committer(racer_store: ManifestStore, round_: int) -> str:
+        lease = leases[round_]
+        for seq in range(microbatches):
+            try:
+                lease = racer_store.commit_microbatch(
+                    lease,
+                    seq=seq,
+                    uri=f"file:///out/mb-{seq}",
+                    sha256="a" * 64,
+                    records=1,
+                    counts={"succeeded": 1},
+                    prompt_tokens=1,
+                    completion_tokens=1,
+                    elapsed_s=0.0,
+                    model_digest=None,
+                )
+            except LeaseLost as exc:
+                return f"{seq} ({'job is cancelled' in str(exc)})"
+        return "never fenced"
+
+    def canceller(racer_store: ManifestStore, round_: int) -> str:
+        job_id = leases[round_].job_id
+        deadline = time.monotonic() + 60
+        while racer_store.get_shard(job_id, 0).cursor < 1 and time.monotonic() < deadline:
+            pass  # cancel mid-stream, once the committer is under way
+        racer_store.cancel_job(job_id)
+        return f"{len(racer_store.list_commits(job_id))} (True)"
+
+    rounds = run_roles(store_url, [committer, canceller])
+    for round_, (committed, seen_after_cancel) in sorted(rounds.items()):
+        assert committed == seen_after_cancel, f"round {round_}: {rounds[round_]}"
+        assert len(store.list_commits(leases[round_].job_id)) == int(committed.split()[0])
 
 
 def _migrate(url: str, barrier: Any) -> None:
