@@ -41,21 +41,21 @@ WITH claimed AS (
      SET state = {_LEASED}, epoch = s.epoch + 1, lease_attempt_id = %(attempt)s,
          lease_expires_at = {_NOW} + %(ttl)s::double precision, lease_ttl_s = %(ttl)s::double precision,
          attempts = s.attempts + 1, last_pool = %(pool)s, updated_at = clock_timestamp()
+    FROM adb_jobs AS j
    WHERE {_KEY}
      AND s.state IN ('{ShardState.PENDING.value}', '{ShardState.RETRYABLE_FAILURE.value}')
-     AND EXISTS (SELECT 1 FROM adb_jobs j WHERE j.job_id = s.job_id AND j.state IN ({_ACTIVE})
-                    AND s.attempts < j.max_attempts)
-  RETURNING s.epoch, s.lease_expires_at, s.cursor, s.num_microbatches
+     AND j.job_id = s.job_id AND j.state IN ({_ACTIVE}) AND s.attempts < j.max_attempts
+  RETURNING s.epoch, s.lease_expires_at, s.cursor, s.num_microbatches, j.state AS job_state
 ), attempt AS (
   INSERT INTO adb_attempts (attempt_id, job_id, shard_index, epoch, worker, pool, started_at, outcome,
                             heartbeat_at)
   SELECT %(attempt)s::text, %(job)s::text, %(index)s::integer, epoch, %(worker)s::text, %(pool)s::text,
-         clock_timestamp(), {_RUNNING},
-         clock_timestamp()
+         clock_timestamp(), {_RUNNING}, clock_timestamp()
     FROM claimed
 ), run_job AS (
   UPDATE adb_jobs SET state = '{JobState.RUNNING.value}', updated_at = clock_timestamp()
-   WHERE job_id = %(job)s AND state = '{JobState.ADMITTED.value}' AND EXISTS (SELECT 1 FROM claimed)
+   WHERE job_id = %(job)s AND state = '{JobState.ADMITTED.value}'
+     AND EXISTS (SELECT 1 FROM claimed WHERE job_state = '{JobState.ADMITTED.value}')
 )
 SELECT epoch, lease_expires_at, cursor, num_microbatches FROM claimed
 """
