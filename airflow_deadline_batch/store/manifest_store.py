@@ -4,6 +4,8 @@ Every public method is one transaction. Lease time comes from the database clock
 never from the caller's. Row-lock order is always shard → attempt → job (or job alone), so two
 operations never wait on each other in a cycle. On SQLite every write transaction starts with
 ``BEGIN IMMEDIATE`` and so runs alone; on PostgreSQL the shard row is locked ``FOR UPDATE``.
+On PostgreSQL, claim, heartbeat, commit and complete first try one self-contained statement in
+autocommit mode (``pg_fast``); only when it matches nothing does the slow path's transaction run.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -138,12 +138,19 @@ def _as_dbapi_error(
     )
 
 
+def _reraise(engine: Engine, exc: BaseException, sql: str | None, params: Any, driver: Any) -> NoReturn:
+    converted = _as_dbapi_error(engine, exc, sql, params, driver)
+    if converted is exc:
+        raise exc
+    raise converted from exc
+
+
 def _checkout(engine: Engine) -> PoolProxiedConnection:
     """A pooled connection (the pool's checkout events, such as the idle ping, run), errors wrapped."""
     try:
         return engine.raw_connection()
     except BaseException as exc:
-        raise _as_dbapi_error(engine, exc, None, None, None) from exc
+        _reraise(engine, exc, None, None, None)
 
 
 def run_alone(engine: Engine, sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -160,7 +167,7 @@ def run_alone(engine: Engine, sql: str, params: dict[str, Any]) -> tuple[Any, ..
         return row
     except BaseException as exc:
         raw.invalidate(exc)
-        raise _as_dbapi_error(engine, exc, sql, params, driver) from exc
+        _reraise(engine, exc, sql, params, driver)
     finally:
         raw.close()
 
@@ -200,7 +207,7 @@ class HotConnection:
                 self._raw = None
                 raw.invalidate(exc)
                 raw.close()
-                raise _as_dbapi_error(self._engine, exc, sql, params, driver) from exc
+                _reraise(self._engine, exc, sql, params, driver)
             self._used_at = time.monotonic()
             return row
         finally:
@@ -217,7 +224,7 @@ class HotConnection:
         except BaseException as exc:
             raw.invalidate(exc)
             raw.close()
-            raise _as_dbapi_error(self._engine, exc, None, None, raw.driver_connection) from exc
+            _reraise(self._engine, exc, None, None, raw.driver_connection)
         self._raw = raw
         return raw
 
