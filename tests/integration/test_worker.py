@@ -347,7 +347,8 @@ def test_sigterm_abandons_a_microbatch_that_cannot_fit_in_the_grace(
     sqlite_store: ManifestStore, tmp_path: Path, workers: Workers
 ) -> None:
     store, store_url = sqlite_store, f"sqlite:///{tmp_path / 'store.db'}"
-    job = create_test_job(store, str(tmp_path / "data"), input_lines(8), microbatch_size=2)
+    # 20 microbatches of ~0.8 s: however late a loaded machine delivers the signal, it lands mid-shard
+    job = create_test_job(store, str(tmp_path / "data"), input_lines(40), microbatch_size=2)
     worker = workers.start(
         store_url, job.job_id, "--grace", "0.5", "--engine-option", "delay_s_per_record=0.4"
     )
