@@ -124,7 +124,9 @@ _CLAIM = (
         shards.c.lease_expires_at,
         shards.c.cursor,
         shards.c.num_microbatches,
-        sa.select(jobs.c.state).where(jobs.c.job_id == shards.c.job_id).scalar_subquery().label("job_state"),
+        # keyed by the bound job ID, not a correlation: SQLite renders RETURNING columns without
+        # their table, and ``job_id = job_id`` would read whichever job comes first
+        sa.select(jobs.c.state).where(jobs.c.job_id == _B("b_job")).scalar_subquery().label("job_state"),
     )
 )
 _INSERT_ATTEMPT = sa.insert(attempts).values(

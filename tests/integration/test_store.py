@@ -594,3 +594,14 @@ def test_store_urls_are_normalized(url: str, expected: str) -> None:
 def test_unsupported_store_urls_name_the_fix(url: str) -> None:
     with pytest.raises(ConfigurationError, match="sqlite:///"):
         normalize_url(url)
+
+
+def test_first_claim_moves_its_own_job_to_running_whatever_other_jobs_are(store: ManifestStore) -> None:
+    # regression: on SQLite the claim read the state of the first job in the table, so a job
+    # planned after a cancelled one stayed `admitted` for its whole run
+    first = create(store)
+    store.cancel_job(first.job_id)
+    second = create(store)
+    claim(store, second)
+    assert store.get_job(second.job_id).state is JobState.RUNNING
+    assert store.get_job(first.job_id).state is JobState.CANCELLED
