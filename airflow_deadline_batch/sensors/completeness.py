@@ -189,6 +189,15 @@ class CompletenessSensor(BaseSensorOperator):
                 f"job {self.job_id} ended {getattr(result.state, 'value', result.state)} without a published "
                 f"manifest: {summary}"
             )
+        state = str(getattr(result.state, "value", result.state))
+        if state != "completed" and not (state == "partial" and self.expire_unfinished):
+            # every line has an outcome, but some are not results (shards failed, cancelled):
+            # downstream tasks must opt in to partial output
+            raise AirflowFailException(
+                f"job {self.job_id} ended {state}; its manifest {result.manifest_uri} lists failed, "
+                f"expired or cancelled outcomes: {summary}. Set expire_unfinished=True to accept "
+                "partial output downstream"
+            )
         outcomes = dict(getattr(result.report, "outcomes", {}) or {})
         extra = {
             "job_id": self.job_id,

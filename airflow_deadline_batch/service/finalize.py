@@ -299,9 +299,13 @@ def _unfinished_outcomes(
     job: Any,
     shard: Any,
     committed_lines: set[int],
-    status: Literal["cancelled", "expired"],
+    status: Literal["cancelled", "expired", "errored"],
 ) -> Iterator[bytes]:
-    """Outcome lines (``expired`` or ``cancelled``) for a shard's records that never committed."""
+    """Outcome lines for a shard's records that never committed.
+
+    ``expired`` (the deadline passed), ``cancelled`` (the job was), or ``errored`` with code
+    ``shard_failed`` (the shard failed for good: attempts exhausted or a terminal error).
+    """
     storage, key = open_uri(job.input_uri)
     data = storage.read_range(key, shard.byte_start, shard.byte_end)
     if sha256_hex(data) != shard.input_sha256:
@@ -319,11 +323,14 @@ def _unfinished_outcomes(
         max_prompt_chars=config.get("max_prompt_chars", ValidationLimits().max_prompt_chars),
         max_tokens_limit=config.get("max_tokens_limit", ValidationLimits().max_tokens_limit),
     )
-    message = (
-        "the job's deadline passed before this record was processed"
-        if status == "expired"
-        else "the job was cancelled before this record was processed"
-    )
+    if status == "expired":
+        code, message = "expired", "the job's deadline passed before this record was processed"
+    elif status == "cancelled":
+        code, message = "cancelled", "the job was cancelled before this record was processed"
+    else:
+        code = "shard_failed"
+        reason = shard.last_error or "see the worker's log"
+        message = f"shard {display_shard_id(shard.shard_index)} failed for good: {reason}"[:500]
     for raw in iter_raw_lines(
         io.BytesIO(data),
         start_line=shard.first_line,
@@ -342,7 +349,7 @@ def _unfinished_outcomes(
                 id=record_id,
                 status=status,
                 output=None,
-                error=ResultError(code=status, message=message),
+                error=ResultError(code=code, message=message),
                 usage=Usage(prompt_tokens=0, completion_tokens=0),
                 shard_id=display_shard_id(shard.shard_index),
                 attempt_id="finalize",
@@ -375,8 +382,11 @@ def finalize_job(
     With ``expire_unfinished`` (the deadline passed) or for a cancelled job, the shards that did not
     finish are fenced (the job leaves the running state, so no lease can commit any more) and
     their uncommitted records get ``expired`` / ``cancelled`` outcomes: the manifest is then
-    published as ``partial`` / ``cancelled``. Without it, an unfinished job is left as it is and
-    the report says what is missing. Idempotent: a published job returns its manifest.
+    published as ``partial`` / ``cancelled``. Shards that failed for good (attempts exhausted,
+    terminal errors) give their uncommitted records ``errored`` outcomes with code
+    ``shard_failed`` once no other shard can still run, and the job is published as ``partial``:
+    every line still gets exactly one terminal outcome. Otherwise an unfinished job is left as it
+    is and the report says what is missing. Idempotent: a published job returns its manifest.
     """
     clock = clock or SystemClock()
     job = store.get_job(job_id)
@@ -385,7 +395,8 @@ def finalize_job(
     shards = store.list_shards(job_id)
     unfinished = [s for s in shards if s.state != ShardState.SUCCEEDED]
     cancelled = job.state == JobState.CANCELLED
-    if unfinished and not (expire_unfinished or cancelled):
+    live = [s for s in unfinished if s.state != ShardState.TERMINAL_FAILURE]
+    if live and not (expire_unfinished or cancelled):
         return FinalizeResult(job_id, JobState(job.state), None, verify_job(store, job_id))
     if not cancelled and job.state != JobState.FINALIZING:
         try:
@@ -400,8 +411,14 @@ def finalize_job(
     output = open_storage(job.output_uri)
     extra: list[OutcomeObject] = []
     commits = store.list_commits(job_id)
-    status: Literal["cancelled", "expired"] = "cancelled" if cancelled else "expired"
     for shard in unfinished:
+        status: Literal["cancelled", "expired", "errored"] = (
+            "cancelled"
+            if cancelled
+            else "errored"
+            if shard.state == ShardState.TERMINAL_FAILURE
+            else "expired"
+        )
         lines = b"".join(
             _unfinished_outcomes(
                 store, job, shard, _committed_lines(store, commits, shard.shard_index), status
