@@ -405,7 +405,10 @@ def finalize_job(
             job = store.get_job(job_id)
             if job.manifest_uri:
                 return finalize_job(store, job_id, clock=clock)
-            raise
+            if job.state != JobState.FINALIZING:
+                raise
+            # another finalizer moved it first: carry on; the manifest's conditional create
+            # decides which of us publishes, and the loser adopts the winner's manifest
         shards = store.list_shards(job_id)
         unfinished = [s for s in shards if s.state != ShardState.SUCCEEDED]
     output = open_storage(job.output_uri)
