@@ -15,7 +15,7 @@ import math
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -404,17 +404,34 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
         # A local input is hashed whole on a second core while the validating pass runs (file
         # reads and hashlib release the GIL); an S3 input is not downloaded a third time for it.
-        storage, _ = open_uri(request.input_uri)
+        storage, key = open_uri(request.input_uri)
+        before = _input_version(storage, key)
         whole = hasher.submit(hash_input, request.input_uri) if isinstance(storage, LocalStorage) else None
         analysis = analyze_input(request, clock=clock)
         try:
-            return _record(store, analysis, clock, whole)
+            return _record(store, analysis, clock, whole, lambda: _input_version(storage, key) == before)
         finally:
             analysis.close()
 
 
+def _input_version(storage: Any, key: str) -> tuple[Any, ...]:
+    """What changes when the input is rewritten: size, and for a local file its inode and mtime.
+
+    Planning reads the input more than once (validation, then range hashes); a rewrite between
+    the reads would give shards checksums of bytes that were never validated.
+    """
+    if isinstance(storage, LocalStorage):
+        st = (storage.root / key).stat()
+        return (st.st_size, st.st_ino, st.st_mtime_ns)
+    return (storage.size(key),)
+
+
 def _record(
-    store: ManifestStore, analysis: InputAnalysis, clock: Clock, whole: Future[str] | None
+    store: ManifestStore,
+    analysis: InputAnalysis,
+    clock: Clock,
+    whole: Future[str] | None,
+    unchanged: Callable[[], bool],
 ) -> PlanResult:
     from airflow_deadline_batch.store import NewCommit, NewJob, NewShard
 
@@ -426,6 +443,11 @@ def _record(
     input_sha, range_shas = hash_ranges(request.input_uri, analysis.cuts, include_whole=whole is None)
     if whole is not None:
         input_sha = whole.result()
+    if not unchanged():
+        raise InputError(
+            f"input {request.input_uri} changed while it was being planned: "
+            "plan again once it is no longer being written"
+        )
     new_job = NewJob(
         job_id=job_id,
         idempotency_key=request.idempotency_key,

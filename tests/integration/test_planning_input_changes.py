@@ -1,0 +1,41 @@
+"""An input rewritten while it is being planned is refused, not planned from two different files."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import airflow_deadline_batch.service.planning as planning
+from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.exceptions import InputError
+from airflow_deadline_batch.store import ManifestStore
+
+SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
+
+
+def test_a_same_length_rewrite_between_the_planning_passes_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(SAMPLE.read_bytes())
+    validate = planning.analyze_input
+
+    def validate_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+        analysis = validate(*args, **kwargs)
+        # same length, different bytes: turns a valid ID into a duplicate after validation
+        path.write_bytes(path.read_bytes().replace(b"review-0003", b"review-0004", 1))
+        return analysis
+
+    monkeypatch.setattr(planning, "analyze_input", validate_then_rewrite)
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    request = planning.PlanRequest(
+        input_uri=str(path), deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"), engine="echo", pools=default_local_pools("echo"),
+    )
+    with pytest.raises(InputError, match="changed while it was being planned"):
+        planning.plan_job(store, request)
+    assert store.list_jobs() == []
+    store.close()
