@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -108,12 +109,15 @@ def start_worker(
 def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:
     """After a worker died without releasing (SIGKILL), end its attempt so a retry can claim now.
 
-    Only the attempt that still holds the lease is ended, so a shard that another live attempt
-    owns is never touched.
+    Only an attempt of *this* process (the worker names its attempts ``host:pid``) that still
+    holds the lease is ended: a live worker of another launch that holds the shard is left alone.
     """
     shard = store.get_shard(proc.job_id, proc.shard_index)
     attempt = shard.lease_attempt_id
     if not attempt:
+        return False
+    owner = f"{socket.gethostname()}:{proc.pid}"
+    if not any(a.attempt_id == attempt and a.worker == owner for a in store.list_attempts(proc.job_id)):
         return False
     return store.abandon_attempt(
         proc.job_id,
