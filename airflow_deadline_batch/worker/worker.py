@@ -630,9 +630,12 @@ class ShardWorker:
         records: Sequence[Record],
         params: GenerationParams,
     ) -> None:
-        self.phase = Phase.GENERATING
         self._generate_records = len(records)
         self._generate_started = started = time.monotonic()
+        self.phase = Phase.GENERATING  # after the fields the SIGTERM handler reads
+        if self._stop_requested_at is not None:
+            # a notice that landed after the loop's check saw no GENERATING phase: decide now
+            self._decide_current_microbatch(time.monotonic())
         generations, rejected = generate_microbatch(engine, records, params)
         gen_s = time.monotonic() - started
         self.phase = Phase.WRITING
