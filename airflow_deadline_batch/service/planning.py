@@ -420,10 +420,13 @@ def _input_version(storage: Any, key: str) -> tuple[Any, ...]:
     Planning reads the input more than once (validation, then range hashes); a rewrite between
     the reads would give shards checksums of bytes that were never validated.
     """
-    if isinstance(storage, LocalStorage):
-        st = (storage.root / key).stat()
-        return (st.st_size, st.st_ino, st.st_mtime_ns)
-    return (storage.size(key),)
+    try:
+        if isinstance(storage, LocalStorage):
+            st = (storage.root / key).stat()
+            return (st.st_size, st.st_ino, st.st_mtime_ns)
+        return (storage.size(key),)
+    except (FileNotFoundError, ObjectNotFound):
+        raise InputError(f"input {storage.uri(key)} does not exist: check the path or URI") from None
 
 
 def _record(
