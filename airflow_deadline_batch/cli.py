@@ -7,6 +7,7 @@ Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import orjson
 
 from airflow_deadline_batch.core.clock import SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
+from airflow_deadline_batch.core.feasibility import AdmissionPolicy, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
 
@@ -291,13 +293,34 @@ def cmd_status(args: argparse.Namespace) -> int:
         "preemptions": progress.preemptions,
         "remaining_work_s": round(progress.remaining_work_s, 3),
     }
+    # slack from committed work only (invariant 4): what on-call needs before the deadline is missed
+    workers = max(1, int(job.config.get("workers") or 1))
+    efficiency = AdmissionPolicy().efficiency
+    now = SystemClock().now()
+    finished = job.completed_at is not None
+    predicted = (
+        job.completed_at
+        if job.completed_at is not None
+        else now + dt.timedelta(seconds=progress.remaining_work_s / (workers * efficiency))
+    )
+    slack_s = (job.deadline - predicted).total_seconds()
+    payload["predicted_finish"] = predicted.isoformat()
+    payload["slack_s"] = round(slack_s, 3)
     pct = 100.0 * progress.committed_records / progress.total_records if progress.total_records else 100.0
     text = (
         f"job {job.job_id}: {payload['state']}, deadline {job.deadline.isoformat()}\n"
         f"committed {progress.committed_records}/{progress.total_records} records ({pct:.1f}%): "
         f"succeeded {progress.succeeded}, errored {progress.errored}\n"
         f"shards: {payload['shards']}\nattempts: {progress.attempts}, preemptions: {progress.preemptions}\n"
-        f"manifest: {job.manifest_uri or 'not published'}"
+        + (
+            f"finished {predicted.isoformat(timespec='seconds')}, "
+            f"{format_duration(abs(slack_s))} {'before' if slack_s >= 0 else 'after'} the deadline\n"
+            if finished
+            else f"remaining work {format_duration(progress.remaining_work_s)} GPU-time on {workers} "
+            f"worker(s): predicted finish {predicted.isoformat(timespec='seconds')}, "
+            f"slack {format_duration(slack_s, signed=True)}\n"
+        )
+        + f"manifest: {job.manifest_uri or 'not published'}"
     )
     _emit(args, payload, text)
     return EXIT_OK
