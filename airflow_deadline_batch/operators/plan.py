@@ -158,7 +158,10 @@ class DeadlineBatchOperator(BaseOperator):
     def build_request(self, context: Mapping[str, Any], now: dt.datetime) -> Any:
         from airflow_deadline_batch.service.planning import PlanRequest
 
-        pools = tuple(PoolSpec.from_dict(p) for p in self.pools) if self.pools else default_local_pools()
+        if self.pools:
+            pools = tuple(PoolSpec.from_dict(p) for p in self.pools)
+        else:  # the embedded default: CPU "pools" rated for this engine
+            pools = default_local_pools(self.engine)
         try:
             deadline = parse_deadline(self.deadline, now)
         except ValueError as exc:
