@@ -17,8 +17,8 @@ import orjson
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
-from airflow_deadline_batch.core.records import ValidationLimits, iter_raw_lines, parse_line
 from airflow_deadline_batch.core.results import OutputManifest, ResultError, ResultRecord, Usage
+from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
@@ -314,15 +314,6 @@ def _unfinished_outcomes(
             job_id=job.job_id,
             shard_index=shard.shard_index,
         )
-    import io
-
-    excluded = set(shard.excluded_lines)
-    config = job.config
-    limits = ValidationLimits(
-        max_line_bytes=config.get("max_line_bytes", ValidationLimits().max_line_bytes),
-        max_prompt_chars=config.get("max_prompt_chars", ValidationLimits().max_prompt_chars),
-        max_tokens_limit=config.get("max_tokens_limit", ValidationLimits().max_tokens_limit),
-    )
     if status == "expired":
         code, message = "expired", "the job's deadline passed before this record was processed"
     elif status == "cancelled":
@@ -331,22 +322,13 @@ def _unfinished_outcomes(
         code = "shard_failed"
         reason = shard.last_error or "see the worker's log"
         message = f"shard {display_shard_id(shard.shard_index)} failed for good: {reason}"[:500]
-    for raw in iter_raw_lines(
-        io.BytesIO(data),
-        start_line=shard.first_line,
-        start_offset=shard.byte_start,
-        max_line_bytes=limits.max_line_bytes,
-    ):
-        if raw.line in excluded or raw.line in committed_lines:
+    for record in parse_shard(data, shard, limits_from_config(job.config)):
+        if record.line in committed_lines:
             continue
-        parsed = parse_line(raw, limits)
-        if parsed is None:
-            continue
-        record_id = getattr(parsed, "id", None)
         yield (
             ResultRecord(
-                line=raw.line,
-                id=record_id,
+                line=record.line,
+                id=record.id,
                 status=status,
                 output=None,
                 error=ResultError(code=code, message=message),

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import io
 import logging
 import os
 import signal
@@ -49,13 +48,10 @@ from airflow_deadline_batch.core.estimate import estimate_prompt_tokens
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
 from airflow_deadline_batch.core.packing import microbatch_count, microbatch_order
 from airflow_deadline_batch.core.records import (
-    LineError,
     Record,
-    ValidationLimits,
-    iter_raw_lines,
-    parse_line,
 )
 from airflow_deadline_batch.core.results import ResultRecord, Usage
+from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
@@ -151,47 +147,6 @@ class ShardInput:
 
 
 # ------------------------------------------------------------------------------------- pure helpers
-
-
-def limits_from_config(config: Mapping[str, Any]) -> ValidationLimits:
-    """The validation limits the planner used, so the worker parses lines exactly as it did."""
-    defaults = ValidationLimits()
-    return ValidationLimits(
-        max_line_bytes=int(config.get("max_line_bytes") or defaults.max_line_bytes),
-        max_prompt_chars=int(config.get("max_prompt_chars") or defaults.max_prompt_chars),
-        max_tokens_limit=int(config.get("max_tokens_limit") or defaults.max_tokens_limit),
-    )
-
-
-def parse_shard(data: bytes, shard: ShardRow, limits: ValidationLimits) -> list[Record]:
-    """Records of a shard's byte range in line order; a line the planner accepted must still parse."""
-    excluded = set(shard.excluded_lines)
-    records: list[Record] = []
-    stream = io.BytesIO(data)
-    for raw in iter_raw_lines(
-        stream,
-        start_line=shard.first_line,
-        start_offset=shard.byte_start,
-        max_line_bytes=limits.max_line_bytes,
-    ):
-        if raw.line in excluded:
-            continue
-        outcome = parse_line(raw, limits)
-        if outcome is None:
-            continue
-        if isinstance(outcome, LineError):  # never echo the line: it is user data
-            raise InputError(
-                f"line {outcome.line} of shard {shard.shard_id} no longer parses "
-                f"({outcome.code.value}); the input changed after planning: re-plan the job",
-                line=outcome.line,
-            )
-        records.append(outcome)
-    if len(records) != shard.records:
-        raise InputError(
-            f"shard {shard.shard_id} has {len(records)} records, the plan says {shard.records}; "
-            "the input changed after planning: re-plan the job"
-        )
-    return records
 
 
 def order_for_microbatches(records: Sequence[Record]) -> tuple[Record, ...]:
