@@ -42,7 +42,5 @@ def parse_deadline(value: str | dt.datetime, now: dt.datetime) -> dt.datetime:
             "(2026-12-01T06:00:00Z) or +DURATION (+2h)"
         ) from None
     if parsed.tzinfo is None:
-        raise ValueError(
-            f"deadline {value!r} has no time zone: add one, for example {text}Z for UTC"
-        )
+        raise ValueError(f"deadline {value!r} has no time zone: add one, for example {text}Z for UTC")
     return parsed.astimezone(UTC)

@@ -70,8 +70,7 @@ def estimate_texts_tokens(texts: str | Sequence[str]) -> int:
     """
     if isinstance(texts, str):
         return estimate_text_tokens(texts) + COMPLETION_OVERHEAD_TOKENS
-    return (sum(map(estimate_text_tokens, texts)) + MESSAGE_OVERHEAD_TOKENS * len(texts)
-            + CHAT_PRIMING_TOKENS)
+    return sum(map(estimate_text_tokens, texts)) + MESSAGE_OVERHEAD_TOKENS * len(texts) + CHAT_PRIMING_TOKENS
 
 
 def expected_output_tokens(
@@ -106,13 +105,19 @@ class WorkModel:
 
     def seconds(self, prompt_tokens: int, output_tokens: int) -> float:
         """GPU-seconds for one record."""
-        return (prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
-                + self.per_record_overhead_s)
+        return (
+            prompt_tokens / self.prefill_tokens_per_s
+            + output_tokens / self.decode_tokens_per_s
+            + self.per_record_overhead_s
+        )
 
     def total_seconds(self, prompt_tokens: int, output_tokens: int, records: int) -> float:
         """GPU-seconds for many records given their token totals (the rates are linear)."""
-        return (prompt_tokens / self.prefill_tokens_per_s + output_tokens / self.decode_tokens_per_s
-                + records * self.per_record_overhead_s)
+        return (
+            prompt_tokens / self.prefill_tokens_per_s
+            + output_tokens / self.decode_tokens_per_s
+            + records * self.per_record_overhead_s
+        )
 
     @classmethod
     def from_pool(cls, pool: PoolSpec, per_record_overhead_s: float = 0.0) -> WorkModel:
@@ -141,9 +146,14 @@ class WorkSummary:
         return self.invalid / outcomes if outcomes else 0.0
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"records": self.records, "invalid": self.invalid, "lines": self.lines,
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
-                "gpu_seconds": self.gpu_seconds}
+        return {
+            "records": self.records,
+            "invalid": self.invalid,
+            "lines": self.lines,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "gpu_seconds": self.gpu_seconds,
+        }
 
 
 class WorkSummaryBuilder:
@@ -177,8 +187,11 @@ class WorkSummaryBuilder:
             self.invalid += 1
             return 0.0
         prompt = estimate_prompt_tokens(outcome.request, self.counter)
-        output = expected_output_tokens(outcome.request, default_max_tokens=self.default_max_tokens,
-                                        quantile_fraction=self.quantile_fraction)
+        output = expected_output_tokens(
+            outcome.request,
+            default_max_tokens=self.default_max_tokens,
+            quantile_fraction=self.quantile_fraction,
+        )
         seconds = self.work_model.seconds(prompt, output)
         self.records += 1
         self.prompt_tokens += prompt
@@ -187,6 +200,11 @@ class WorkSummaryBuilder:
         return seconds
 
     def build(self) -> WorkSummary:
-        return WorkSummary(records=self.records, invalid=self.invalid, lines=self.lines,
-                           prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
-                           gpu_seconds=self.gpu_seconds)
+        return WorkSummary(
+            records=self.records,
+            invalid=self.invalid,
+            lines=self.lines,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            gpu_seconds=self.gpu_seconds,
+        )

@@ -65,8 +65,12 @@ class AdmissionPolicy:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
         if not 0.0 <= self.max_invalid_fraction <= 1.0:
             raise ValueError(f"max_invalid_fraction must be in [0, 1], got {self.max_invalid_fraction}")
-        for name in ("recovery_reserve_fraction", "min_recovery_reserve_s", "checkpoint_cost_s",
-                     "per_record_overhead_s"):
+        for name in (
+            "recovery_reserve_fraction",
+            "min_recovery_reserve_s",
+            "checkpoint_cost_s",
+            "per_record_overhead_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -116,8 +120,11 @@ class PlanOption:
         where = f"{self.gpus} GPU{'s' if self.gpus != 1 else ''} on {', '.join(self.pools)}"
         if self.predicted_finish is None:
             return f"plan {self.name} ({where}) would never finish: preemptions cost more than the work gains"
-        extra = (f", incl. {format_duration(self.preemption_overhead_seconds)} expected preemption overhead"
-                 if self.preemption_overhead_seconds > 0 else "")
+        extra = (
+            f", incl. {format_duration(self.preemption_overhead_seconds)} expected preemption overhead"
+            if self.preemption_overhead_seconds > 0
+            else ""
+        )
         return (
             f"plan {self.name} ({where}): {format_duration(self.lead_seconds)} queue and startup + "
             f"{format_duration(self.run_seconds)} of work{extra}, finish at {_iso(self.predicted_finish)}, "
@@ -256,8 +263,11 @@ def _evaluate(
         shard = shard_seconds
         if shard is None:
             mtbi = 3600.0 / pool.preemptions_per_hour if pool.preemptions_per_hour > 0 else math.inf
-            shard = target_shard_seconds(checkpoint_cost_s=policy.checkpoint_cost_s, mtbi_s=mtbi,
-                                         recovery_reserve_s=policy.recovery_reserve(nominal_run))
+            shard = target_shard_seconds(
+                checkpoint_cost_s=policy.checkpoint_cost_s,
+                mtbi_s=mtbi,
+                recovery_reserve_s=policy.recovery_reserve(nominal_run),
+            )
         useful = policy.efficiency * max(0.0, 1.0 - preemption_loss_fraction(pool, shard))
         rate += n * useful / seconds
         ideal_rate += n * policy.efficiency / seconds
@@ -272,9 +282,17 @@ def _evaluate(
     billed = max(p.startup_seconds for p, _ in allocation) + run  # queueing is not billed
     cost = sum(n * p.price_per_gpu_hour for p, n in allocation) * billed / 3600.0
     option = PlanOption(
-        name=plan.name, pools=tuple(p.name for p, _ in allocation), gpus=gpus, predicted_finish=finish,
-        slack_seconds=slack, cost_units=cost, feasible=slack >= 0, lead_seconds=lead, run_seconds=run,
-        reserve_seconds=reserve, preemption_overhead_seconds=run - ideal_run,
+        name=plan.name,
+        pools=tuple(p.name for p, _ in allocation),
+        gpus=gpus,
+        predicted_finish=finish,
+        slack_seconds=slack,
+        cost_units=cost,
+        feasible=slack >= 0,
+        lead_seconds=lead,
+        run_seconds=run,
+        reserve_seconds=reserve,
+        preemption_overhead_seconds=run - ideal_run,
     )
     per_gpu = 0.0 if gpus == 0 or not math.isfinite(rate) else rate / gpus
     return option, per_gpu
@@ -322,8 +340,15 @@ def assess(
         f"deadline {_iso(deadline)} is {format_duration(time_left, signed=True)} from now ({_iso(now)})",
     ]
     evaluated = [
-        _evaluate(p, work, now=now, deadline=deadline, policy=policy, max_parallel=max_parallel,
-                  shard_seconds=shard_seconds)
+        _evaluate(
+            p,
+            work,
+            now=now,
+            deadline=deadline,
+            policy=policy,
+            max_parallel=max_parallel,
+            shard_seconds=shard_seconds,
+        )
         for p in plans
     ]
     options = tuple(o for o, _ in evaluated)
@@ -379,19 +404,26 @@ def _infeasible_reasons(
     if time_left <= 0:
         return [f"infeasible: the deadline passed {format_duration(-time_left)} ago; set a later deadline"]
     if not plans:
-        return ["infeasible: no Spot pool is configured and the policy forbids on-demand; "
-                "add a Spot pool or set allow_on_demand=True"]
+        return [
+            "infeasible: no Spot pool is configured and the policy forbids on-demand; "
+            "add a Spot pool or set allow_on_demand=True"
+        ]
     reasons = []
     for option, per_gpu in evaluated:
         available = time_left - option.lead_seconds
-        run_max = min(available - policy.min_recovery_reserve_s,
-                      available / (1.0 + policy.recovery_reserve_fraction))
+        run_max = min(
+            available - policy.min_recovery_reserve_s, available / (1.0 + policy.recovery_reserve_fraction)
+        )
         if run_max <= 0:
-            reasons.append(f"plan {option.name} cannot meet the deadline with any number of GPUs: queue, "
-                           "startup and the minimum recovery reserve alone exceed the time left")
+            reasons.append(
+                f"plan {option.name} cannot meet the deadline with any number of GPUs: queue, "
+                "startup and the minimum recovery reserve alone exceed the time left"
+            )
         elif per_gpu <= 0:
-            reasons.append(f"plan {option.name} cannot meet the deadline: its expected preemptions cost "
-                           "more GPU time than they leave for work")
+            reasons.append(
+                f"plan {option.name} cannot meet the deadline: its expected preemptions cost "
+                "more GPU time than they leave for work"
+            )
         else:
             # the plan's average per-GPU rate, scaled until the run fits before the reserve
             needed = max(option.gpus + 1, math.ceil(1.0 / (per_gpu * run_max) - 1e-9))

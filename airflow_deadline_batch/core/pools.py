@@ -46,8 +46,13 @@ class PoolSpec:
         for attr in ("prefill_tokens_per_s", "decode_tokens_per_s"):
             if getattr(self, attr) <= 0:
                 raise ValueError(f"pool {self.name!r}: {attr} must be > 0")
-        for attr in ("price_per_gpu_hour", "startup_seconds", "queue_wait_seconds",
-                     "preemptions_per_hour", "preemption_notice_seconds"):
+        for attr in (
+            "price_per_gpu_hour",
+            "startup_seconds",
+            "queue_wait_seconds",
+            "preemptions_per_hour",
+            "preemption_notice_seconds",
+        ):
             if getattr(self, attr) < 0:
                 raise ValueError(f"pool {self.name!r}: {attr} must be >= 0")
         object.__setattr__(self, "tolerations", tuple(dict(t) for t in self.tolerations))
@@ -100,9 +105,24 @@ def default_local_pools(engine: str = "transformers") -> tuple[PoolSpec, ...]:
     """
     prefill, decode, startup = _LOCAL_RATES.get(engine, _LOCAL_RATES["transformers"])
     return (
-        PoolSpec(name="local-spot", kind=PoolKind.SPOT, gpus=4, price_per_gpu_hour=1.0,
-                 prefill_tokens_per_s=prefill, decode_tokens_per_s=decode, startup_seconds=startup,
-                 preemptions_per_hour=6.0, preemption_notice_seconds=5.0),
-        PoolSpec(name="local-on-demand", kind=PoolKind.ON_DEMAND, gpus=4, price_per_gpu_hour=3.0,
-                 prefill_tokens_per_s=prefill, decode_tokens_per_s=decode, startup_seconds=startup),
+        PoolSpec(
+            name="local-spot",
+            kind=PoolKind.SPOT,
+            gpus=4,
+            price_per_gpu_hour=1.0,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=decode,
+            startup_seconds=startup,
+            preemptions_per_hour=6.0,
+            preemption_notice_seconds=5.0,
+        ),
+        PoolSpec(
+            name="local-on-demand",
+            kind=PoolKind.ON_DEMAND,
+            gpus=4,
+            price_per_gpu_hour=3.0,
+            prefill_tokens_per_s=prefill,
+            decode_tokens_per_s=decode,
+            startup_seconds=startup,
+        ),
     )

@@ -156,8 +156,12 @@ def iter_raw_lines(
     ``data=None``, so memory stays bounded by about ``max_line_bytes`` whatever the input.
     ``start_line``/``start_offset`` let a reader of a byte range keep file-wide numbering.
     """
-    return starmap(RawLine, iter_line_tuples(
-        stream, start_line=start_line, start_offset=start_offset, max_line_bytes=max_line_bytes))
+    return starmap(
+        RawLine,
+        iter_line_tuples(
+            stream, start_line=start_line, start_offset=start_offset, max_line_bytes=max_line_bytes
+        ),
+    )
 
 
 def iter_line_tuples(

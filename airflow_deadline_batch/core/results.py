@@ -83,8 +83,15 @@ class ResultRecord(_Frozen):
         cls, *, line: int, id: str | None, output: str, usage: Usage, shard_id: str, attempt_id: str
     ) -> ResultRecord:
         """A record the engine answered."""
-        return cls(line=line, id=id, status="succeeded", output=output, usage=usage,
-                   shard_id=shard_id, attempt_id=attempt_id)
+        return cls(
+            line=line,
+            id=id,
+            status="succeeded",
+            output=output,
+            usage=usage,
+            shard_id=shard_id,
+            attempt_id=attempt_id,
+        )
 
     @classmethod
     def failed(
@@ -100,31 +107,48 @@ class ResultRecord(_Frozen):
         usage: Usage | None = None,
     ) -> ResultRecord:
         """A record without output (``errored`` by default, or ``cancelled`` / ``expired``)."""
-        return cls(line=line, id=id, status=status, error=ResultError(code=code, message=message),
-                   usage=usage or Usage(), shard_id=shard_id, attempt_id=attempt_id)
+        return cls(
+            line=line,
+            id=id,
+            status=status,
+            error=ResultError(code=code, message=message),
+            usage=usage or Usage(),
+            shard_id=shard_id,
+            attempt_id=attempt_id,
+        )
 
     @classmethod
     def from_line_error(
         cls, error: LineError, *, shard_id: str = VALIDATION_SHARD_ID, attempt_id: str = VALIDATION_ATTEMPT_ID
     ) -> ResultRecord:
         """The ``errored`` outcome of an invalid input line (written by the planner)."""
-        return cls.failed(line=error.line, id=error.id, code=error.code.value, message=error.message,
-                          shard_id=shard_id, attempt_id=attempt_id)
+        return cls.failed(
+            line=error.line,
+            id=error.id,
+            code=error.code.value,
+            message=error.message,
+            shard_id=shard_id,
+            attempt_id=attempt_id,
+        )
 
     def to_json_bytes(self) -> bytes:
         """One JSONL line (without the newline), keys in DESIGN §4.2 order."""
         error = self.error
-        return orjson.dumps({
-            "line": self.line,
-            "id": self.id,
-            "status": self.status,
-            "output": self.output,
-            "error": None if error is None else {"code": error.code, "message": error.message},
-            "usage": {"prompt_tokens": self.usage.prompt_tokens,
-                      "completion_tokens": self.usage.completion_tokens},
-            "shard_id": self.shard_id,
-            "attempt_id": self.attempt_id,
-        })
+        return orjson.dumps(
+            {
+                "line": self.line,
+                "id": self.id,
+                "status": self.status,
+                "output": self.output,
+                "error": None if error is None else {"code": error.code, "message": error.message},
+                "usage": {
+                    "prompt_tokens": self.usage.prompt_tokens,
+                    "completion_tokens": self.usage.completion_tokens,
+                },
+                "shard_id": self.shard_id,
+                "attempt_id": self.attempt_id,
+            }
+        )
 
     @classmethod
     def parse_line(cls, data: bytes | str) -> ResultRecord:

@@ -27,8 +27,23 @@ from airflow_deadline_batch.core.estimate import WorkModel, WorkSummaryBuilder  
 from airflow_deadline_batch.core.packing import cut_contiguous  # noqa: E402
 from airflow_deadline_batch.core.records import Record, ValidationLimits, Validator, iter_raw_lines  # noqa: E402
 
-WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "data", "engineers",
-         "plan", "tonight's", "batch")
+WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "data",
+    "engineers",
+    "plan",
+    "tonight's",
+    "batch",
+)
 
 
 def write_input(path: Path, records: int, invalid: float, seed: int) -> int:
@@ -45,13 +60,29 @@ def write_input(path: Path, records: int, invalid: float, seed: int) -> int:
             elif roll < 0.5:
                 line = orjson.dumps({"id": f"r{i}", "prompt": text, "max_tokens": 128, "metadata": {"n": i}})
             elif roll < 0.8:
-                line = orjson.dumps({"id": f"r{i}", "messages": [
-                    {"role": "system", "content": "Summarise in one sentence."},
-                    {"role": "user", "content": text}]})
+                line = orjson.dumps(
+                    {
+                        "id": f"r{i}",
+                        "messages": [
+                            {"role": "system", "content": "Summarise in one sentence."},
+                            {"role": "user", "content": text},
+                        ],
+                    }
+                )
             else:
-                line = orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                                     "body": {"model": "m", "max_tokens": 64, "temperature": 0,
-                                              "messages": [{"role": "user", "content": text}]}})
+                line = orjson.dumps(
+                    {
+                        "custom_id": f"r{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {
+                            "model": "m",
+                            "max_tokens": 64,
+                            "temperature": 0,
+                            "messages": [{"role": "user", "content": text}],
+                        },
+                    }
+                )
             out.write(line + b"\n")
     return path.stat().st_size
 

@@ -31,12 +31,22 @@ def test_shards_that_fail_for_good_are_published_as_errored_outcomes(tmp_path: P
     input_path = mixed.write(tmp_path / "input.jsonl")
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     request = PlanRequest(
-        input_uri=str(input_path), deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
-        output_uri=str(tmp_path / "out"), engine="echo", pools=default_local_pools("echo"), workers=2,
-        microbatch_size=10, max_shards=2, max_invalid_fraction=0.5, max_attempts=1,
+        input_uri=str(input_path),
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=2,
+        microbatch_size=10,
+        max_shards=2,
+        max_invalid_fraction=0.5,
+        max_attempts=1,
     )
-    options = RunOptions(workers=2, worker_env={"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1.0"},
-                         worker_log=str(tmp_path / "worker.log"))
+    options = RunOptions(
+        workers=2,
+        worker_env={"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1.0"},
+        worker_log=str(tmp_path / "worker.log"),
+    )
     try:
         summary = run_job(store, request, options)
         assert summary.state == "partial", summary

@@ -22,10 +22,17 @@ def test_status_of_an_unfinished_job_predicts_its_finish_and_slack(
     url = f"sqlite:///{tmp_path / 'store.db'}"
     store = ManifestStore.open(url)
     deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2)
-    plan = plan_job(store, PlanRequest(
-        input_uri=str(SAMPLE), deadline=deadline, output_uri=str(tmp_path / "out"), engine="transformers",
-        pools=default_local_pools("transformers"), workers=2,
-    ))
+    plan = plan_job(
+        store,
+        PlanRequest(
+            input_uri=str(SAMPLE),
+            deadline=deadline,
+            output_uri=str(tmp_path / "out"),
+            engine="transformers",
+            pools=default_local_pools("transformers"),
+            workers=2,
+        ),
+    )
     progress = store.progress(plan.job_id)
     store.close()
     assert main(["status", plan.job_id, "--store", url, "--json"]) == 0

@@ -26,8 +26,12 @@ def test_concurrent_finalizers_publish_one_manifest(
     # run every shard to success but leave the job unfinalized
     monkeypatch.setattr(runner, "_finalize", lambda store, job_id, clock, passed: None)
     request = PlanRequest(
-        input_uri=str(SAMPLE), deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
-        output_uri=str(tmp_path / "out"), engine="echo", pools=default_local_pools("echo"), workers=2,
+        input_uri=str(SAMPLE),
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=2,
     )
     with pytest.raises(AttributeError):  # the summary reads the (skipped) finalize result
         runner.run_job(store, request, runner.RunOptions(workers=2))

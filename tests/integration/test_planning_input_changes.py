@@ -32,8 +32,11 @@ def test_a_same_length_rewrite_between_the_planning_passes_is_refused(
     monkeypatch.setattr(planning, "analyze_input", validate_then_rewrite)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     request = planning.PlanRequest(
-        input_uri=str(path), deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
-        output_uri=str(tmp_path / "out"), engine="echo", pools=default_local_pools("echo"),
+        input_uri=str(path),
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
     )
     with pytest.raises(InputError, match="changed while it was being planned"):
         planning.plan_job(store, request)

@@ -27,7 +27,9 @@ def test_bad_durations_and_deadlines_name_the_fix(text: str) -> None:
 
 def test_iso_deadlines_are_converted_to_utc() -> None:
     assert parse_deadline("2026-12-01T06:00:00Z", NOW) == dt.datetime(2026, 12, 1, 6, tzinfo=dt.timezone.utc)
-    assert parse_deadline("2026-12-01T07:00:00+01:00", NOW) == dt.datetime(2026, 12, 1, 6, tzinfo=dt.timezone.utc)
+    assert parse_deadline("2026-12-01T07:00:00+01:00", NOW) == dt.datetime(
+        2026, 12, 1, 6, tzinfo=dt.timezone.utc
+    )
 
 
 def test_naive_deadline_is_refused_with_a_fix() -> None:

@@ -25,21 +25,35 @@ MIN = 60.0
 
 # The seed's example: 12,000 documents x 2 GPU-seconds, 4 GPUs at 80 % efficiency, a 15-minute
 # recovery reserve (max(15 min, 10 % of 125 min)), a deadline 150 minutes away.
-SEED_WORK = WorkSummary(records=12_000, invalid=0, lines=12_000, prompt_tokens=0, output_tokens=0,
-                        gpu_seconds=24_000.0)
+SEED_WORK = WorkSummary(
+    records=12_000, invalid=0, lines=12_000, prompt_tokens=0, output_tokens=0, gpu_seconds=24_000.0
+)
 SEED_POLICY = AdmissionPolicy(efficiency=0.8, min_recovery_reserve_s=15 * MIN, recovery_reserve_fraction=0.1)
 DEADLINE = NOW + dt.timedelta(minutes=150)
 
 
 def spot(queue_s: float = 0.0, gpus: int = 4, rate: float = 0.0, **kw: object) -> PoolSpec:
-    return PoolSpec(name="spot", kind=PoolKind.SPOT, gpus=gpus, startup_seconds=0.0,
-                    queue_wait_seconds=queue_s, preemptions_per_hour=rate, price_per_gpu_hour=1.0,
-                    **kw)  # type: ignore[arg-type]
+    return PoolSpec(
+        name="spot",
+        kind=PoolKind.SPOT,
+        gpus=gpus,
+        startup_seconds=0.0,
+        queue_wait_seconds=queue_s,
+        preemptions_per_hour=rate,
+        price_per_gpu_hour=1.0,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def on_demand(queue_s: float = 0.0, gpus: int = 4) -> PoolSpec:
-    return PoolSpec(name="od", kind=PoolKind.ON_DEMAND, gpus=gpus, startup_seconds=0.0,
-                    queue_wait_seconds=queue_s, price_per_gpu_hour=3.0)
+    return PoolSpec(
+        name="od",
+        kind=PoolKind.ON_DEMAND,
+        gpus=gpus,
+        startup_seconds=0.0,
+        queue_wait_seconds=queue_s,
+        price_per_gpu_hour=3.0,
+    )
 
 
 def check(pools: list[PoolSpec], **kw: object) -> AdmissionReport:
@@ -75,8 +89,9 @@ def test_seed_example_with_twenty_minutes_of_queue_wait_is_infeasible() -> None:
 
 
 def test_seed_example_escalates_to_on_demand_when_spot_queues() -> None:
-    report = assess(SEED_WORK, [spot(queue_s=20 * MIN), on_demand()], deadline=DEADLINE, now=NOW,
-                    policy=SEED_POLICY)
+    report = assess(
+        SEED_WORK, [spot(queue_s=20 * MIN), on_demand()], deadline=DEADLINE, now=NOW, policy=SEED_POLICY
+    )
     assert report.verdict is Verdict.FEASIBLE_WITH_ON_DEMAND
     assert [o.name for o in report.options] == ["spot", "spot+on_demand", "on_demand"]
     assert [o.feasible for o in report.options] == [False, True, True]
@@ -115,8 +130,9 @@ def test_on_demand_forbidden_by_policy() -> None:
 
 def test_preemptions_cost_slack_on_spot() -> None:
     calm = assess(SEED_WORK, [spot()], deadline=DEADLINE, now=NOW, policy=SEED_POLICY, shard_seconds=600)
-    stormy_pool = PoolSpec(name="spot", kind=PoolKind.SPOT, gpus=4, startup_seconds=60.0,
-                           preemptions_per_hour=2.0)
+    stormy_pool = PoolSpec(
+        name="spot", kind=PoolKind.SPOT, gpus=4, startup_seconds=60.0, preemptions_per_hour=2.0
+    )
     stormy = check([stormy_pool], shard_seconds=600)
     assert stormy.chosen is None or stormy.slack_seconds < calm.slack_seconds
     option = stormy.options[0]
@@ -127,8 +143,9 @@ def test_preemptions_cost_slack_on_spot() -> None:
 
 
 def test_preemptions_that_eat_all_the_time_never_finish() -> None:
-    pool = PoolSpec(name="spot", kind=PoolKind.SPOT, gpus=4, startup_seconds=1000.0,
-                    preemptions_per_hour=10.0)
+    pool = PoolSpec(
+        name="spot", kind=PoolKind.SPOT, gpus=4, startup_seconds=1000.0, preemptions_per_hour=10.0
+    )
     report = assess(SEED_WORK, [pool], deadline=DEADLINE, now=NOW, policy=SEED_POLICY)
     assert report.verdict is Verdict.INFEASIBLE
     assert report.options[0].predicted_finish is None
@@ -168,8 +185,9 @@ def test_too_many_invalid_records_are_rejected() -> None:
 
 
 def test_tokens_are_priced_at_each_pools_rates() -> None:
-    work = WorkSummary(records=10, invalid=0, lines=10, prompt_tokens=20_000, output_tokens=3_000,
-                       gpu_seconds=0.0)
+    work = WorkSummary(
+        records=10, invalid=0, lines=10, prompt_tokens=20_000, output_tokens=3_000, gpu_seconds=0.0
+    )
     fast = PoolSpec(name="fast", kind=PoolKind.SPOT, prefill_tokens_per_s=10_000, decode_tokens_per_s=1_000)
     assert work_seconds_on(work, fast) == pytest.approx(2 + 3)
     assert work_seconds_on(work, fast, per_record_overhead_s=0.5) == pytest.approx(2 + 3 + 5)

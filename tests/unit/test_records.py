@@ -44,7 +44,7 @@ def lines_of(data: bytes, max_line_bytes: int = 4096) -> list[RawLine]:
 
 
 def test_split_lf_crlf_blank_and_final_line_without_newline() -> None:
-    data = b'a\r\n\nb\n  \nc'
+    data = b"a\r\n\nb\n  \nc"
     got = lines_of(data)
     assert [(r.line, r.data) for r in got] == [(1, b"a"), (2, b""), (3, b"b"), (4, b"  "), (5, b"c")]
     assert [(r.offset, r.end_offset) for r in got] == [(0, 3), (3, 4), (4, 6), (6, 9), (9, 10)]
@@ -117,15 +117,24 @@ def test_huge_line_is_skipped_in_bounded_memory() -> None:
 def test_native_prompt_record() -> None:
     rec = parse({"id": "r1", "prompt": "Summarise this.", "max_tokens": 64, "metadata": {"k": 1}})
     assert rec == Record(2, "r1", Request("completion", "Summarise this.", None, 64, {}), rec.nbytes)  # type: ignore[union-attr]
-    assert isinstance(rec, Record) and rec.nbytes == len(orjson.dumps(
-        {"id": "r1", "prompt": "Summarise this.", "max_tokens": 64, "metadata": {"k": 1}}))
+    assert isinstance(rec, Record) and rec.nbytes == len(
+        orjson.dumps({"id": "r1", "prompt": "Summarise this.", "max_tokens": 64, "metadata": {"k": 1}})
+    )
 
 
 def test_native_messages_record_with_text_parts() -> None:
-    rec = parse({"id": "r2", "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]},
-    ]})
+    rec = parse(
+        {
+            "id": "r2",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}],
+                },
+            ],
+        }
+    )
     assert isinstance(rec, Record)
     assert rec.request.kind == "chat"
     assert rec.request.messages == (Message("system", "Be brief."), Message("user", "Hello world"))
@@ -133,19 +142,37 @@ def test_native_messages_record_with_text_parts() -> None:
 
 
 def test_openai_chat_line_passes_params_through() -> None:
-    rec = parse({"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": {
-        "model": "gpt-x", "messages": [{"role": "user", "content": "Hi"}],
-        "max_completion_tokens": 20, "temperature": 0.2, "seed": 7, "stop": ["\n"],
-    }})
+    rec = parse(
+        {
+            "custom_id": "c1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "gpt-x",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_completion_tokens": 20,
+                "temperature": 0.2,
+                "seed": 7,
+                "stop": ["\n"],
+            },
+        }
+    )
     assert isinstance(rec, Record)
     assert rec.id == "c1"
-    assert rec.request == Request("chat", None, (Message("user", "Hi"),), 20,
-                                  {"temperature": 0.2, "seed": 7, "stop": ["\n"]})
+    assert rec.request == Request(
+        "chat", None, (Message("user", "Hi"),), 20, {"temperature": 0.2, "seed": 7, "stop": ["\n"]}
+    )
 
 
 def test_openai_completion_line() -> None:
-    rec = parse({"custom_id": "c2", "method": "POST", "url": "/v1/completions",
-                 "body": {"model": "m", "prompt": "Once upon", "max_tokens": 5, "top_p": 0.9}})
+    rec = parse(
+        {
+            "custom_id": "c2",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "Once upon", "max_tokens": 5, "top_p": 0.9},
+        }
+    )
     assert isinstance(rec, Record)
     assert rec.request == Request("completion", "Once upon", None, 5, {"top_p": 0.9})
 
@@ -173,22 +200,50 @@ ERROR_CASES = [
     ("empty id", {"id": "", "prompt": "x"}, ErrorCode.MISSING_ID, None),
     ("openai no custom_id", {"method": "POST", "url": CHAT, "body": {}}, ErrorCode.MISSING_ID, None),
     ("empty prompt", {"id": "a", "prompt": "  \n "}, ErrorCode.EMPTY_PROMPT, "a"),
-    ("empty messages", {"id": "a", "messages": [{"role": "user", "content": " "}]},
-     ErrorCode.EMPTY_PROMPT, "a"),
+    (
+        "empty messages",
+        {"id": "a", "messages": [{"role": "user", "content": " "}]},
+        ErrorCode.EMPTY_PROMPT,
+        "a",
+    ),
     ("long prompt", {"id": "a", "prompt": "x" * 101}, ErrorCode.PROMPT_TOO_LONG, "a"),
-    ("long messages", {"id": "a", "messages": [{"role": "user", "content": "x" * 60}] * 2},
-     ErrorCode.PROMPT_TOO_LONG, "a"),
-    ("embeddings url", {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}},
-     ErrorCode.UNSUPPORTED_URL, "a"),
+    (
+        "long messages",
+        {"id": "a", "messages": [{"role": "user", "content": "x" * 60}] * 2},
+        ErrorCode.PROMPT_TOO_LONG,
+        "a",
+    ),
+    (
+        "embeddings url",
+        {"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        ErrorCode.UNSUPPORTED_URL,
+        "a",
+    ),
     ("max_tokens zero", {"id": "a", "prompt": "x", "max_tokens": 0}, ErrorCode.INVALID_MAX_TOKENS, "a"),
     ("max_tokens bool", {"id": "a", "prompt": "x", "max_tokens": True}, ErrorCode.INVALID_MAX_TOKENS, "a"),
     ("max_tokens float", {"id": "a", "prompt": "x", "max_tokens": 10.5}, ErrorCode.INVALID_MAX_TOKENS, "a"),
     ("max_tokens string", {"id": "a", "prompt": "x", "max_tokens": "10"}, ErrorCode.INVALID_MAX_TOKENS, "a"),
-    ("max_tokens over limit", {"id": "a", "prompt": "x", "max_tokens": 1001},
-     ErrorCode.INVALID_MAX_TOKENS, "a"),
-    ("max tokens disagree", {"custom_id": "a", "method": "POST", "url": CHAT, "body": {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6}},
-     ErrorCode.INVALID_MAX_TOKENS, "a"),
+    (
+        "max_tokens over limit",
+        {"id": "a", "prompt": "x", "max_tokens": 1001},
+        ErrorCode.INVALID_MAX_TOKENS,
+        "a",
+    ),
+    (
+        "max tokens disagree",
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": CHAT,
+            "body": {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 5,
+                "max_completion_tokens": 6,
+            },
+        },
+        ErrorCode.INVALID_MAX_TOKENS,
+        "a",
+    ),
     ("invalid utf-8", b'{"id": "a", "prompt": "caf\xe9"}', ErrorCode.INVALID_ENCODING, None),
     ("binary junk", b"\x00\xff\xfe\x80\x81garbage", ErrorCode.INVALID_ENCODING, None),
     ("lone surrogate", b'{"id": "a", "prompt": "\\ud800"}', ErrorCode.INVALID_ENCODING, None),
@@ -196,29 +251,54 @@ ERROR_CASES = [
     ("array", [1, 2], ErrorCode.INVALID_RECORD, None),
     ("string", "hello", ErrorCode.INVALID_RECORD, None),
     ("neither", {"id": "a"}, ErrorCode.INVALID_RECORD, "a"),
-    ("both", {"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
-     ErrorCode.INVALID_RECORD, "a"),
+    (
+        "both",
+        {"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+        ErrorCode.INVALID_RECORD,
+        "a",
+    ),
     ("unknown field", {"id": "a", "prompt": "x", "promt": "y"}, ErrorCode.INVALID_RECORD, "a"),
     ("bad role", {"id": "a", "messages": [{"role": "robot", "content": "x"}]}, ErrorCode.INVALID_RECORD, "a"),
     ("message not object", {"id": "a", "messages": ["hi"]}, ErrorCode.INVALID_RECORD, "a"),
     ("messages empty list", {"id": "a", "messages": []}, ErrorCode.INVALID_RECORD, "a"),
-    ("image part", {"id": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     ErrorCode.INVALID_RECORD, "a"),
+    (
+        "image part",
+        {"id": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        ErrorCode.INVALID_RECORD,
+        "a",
+    ),
     ("prompt not string", {"id": "a", "prompt": ["x"]}, ErrorCode.INVALID_RECORD, "a"),
     ("metadata not object", {"id": "a", "prompt": "x", "metadata": [1]}, ErrorCode.INVALID_RECORD, "a"),
-    ("method GET", {"custom_id": "a", "method": "GET", "url": CHAT, "body": {}},
-     ErrorCode.INVALID_RECORD, "a"),
-    ("body not object", {"custom_id": "a", "method": "POST", "url": CHAT, "body": "x"},
-     ErrorCode.INVALID_RECORD, "a"),
-    ("chat body without messages", {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"prompt": "x"}},
-     ErrorCode.INVALID_RECORD, "a"),
-    ("completion body without prompt", {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                                        "body": {"messages": []}}, ErrorCode.INVALID_RECORD, "a"),
+    (
+        "method GET",
+        {"custom_id": "a", "method": "GET", "url": CHAT, "body": {}},
+        ErrorCode.INVALID_RECORD,
+        "a",
+    ),
+    (
+        "body not object",
+        {"custom_id": "a", "method": "POST", "url": CHAT, "body": "x"},
+        ErrorCode.INVALID_RECORD,
+        "a",
+    ),
+    (
+        "chat body without messages",
+        {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"prompt": "x"}},
+        ErrorCode.INVALID_RECORD,
+        "a",
+    ),
+    (
+        "completion body without prompt",
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"messages": []}},
+        ErrorCode.INVALID_RECORD,
+        "a",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("data", "code", "record_id"), [c[1:] for c in ERROR_CASES],
-                         ids=[c[0] for c in ERROR_CASES])
+@pytest.mark.parametrize(
+    ("data", "code", "record_id"), [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
+)
 def test_error_codes(data: object, code: ErrorCode, record_id: str | None) -> None:
     outcome = parse_line(raw(None), LIMITS) if data is None else parse(data)
     assert isinstance(outcome, LineError)
@@ -265,27 +345,37 @@ def feed_all(data: bytes, limits: ValidationLimits = LIMITS) -> tuple[Validator,
 
 
 def test_duplicates_first_occurrence_wins_even_when_invalid() -> None:
-    data = b"\n".join([
-        b'{"id": "a", "prompt": "one"}',
-        b'{"id": "a", "prompt": "two"}',
-        b'',
-        b'{"id": "b", "prompt": ""}',
-        b'{"id": "b", "prompt": "valid but repeated"}',
-        b'{"id": "c", "prompt": "three"}',
-    ]) + b"\n"
+    data = (
+        b"\n".join(
+            [
+                b'{"id": "a", "prompt": "one"}',
+                b'{"id": "a", "prompt": "two"}',
+                b"",
+                b'{"id": "b", "prompt": ""}',
+                b'{"id": "b", "prompt": "valid but repeated"}',
+                b'{"id": "c", "prompt": "three"}',
+            ]
+        )
+        + b"\n"
+    )
     validator, outcomes = feed_all(data)
     summary = [(o.line, o.id, getattr(o, "code", "ok")) for o in outcomes if o is not None]
     assert summary == [
-        (1, "a", "ok"), (2, "a", ErrorCode.DUPLICATE_ID), (4, "b", ErrorCode.EMPTY_PROMPT),
-        (5, "b", ErrorCode.DUPLICATE_ID), (6, "c", "ok"),
+        (1, "a", "ok"),
+        (2, "a", ErrorCode.DUPLICATE_ID),
+        (4, "b", ErrorCode.EMPTY_PROMPT),
+        (5, "b", ErrorCode.DUPLICATE_ID),
+        (6, "c", "ok"),
     ]
     assert validator.lines == 6 and validator.records == 2 and validator.invalid == 3
     assert validator.errors == {ErrorCode.DUPLICATE_ID: 2, ErrorCode.EMPTY_PROMPT: 1}
 
 
 def test_same_id_across_shapes_is_a_duplicate() -> None:
-    data = (b'{"id": "x", "prompt": "p"}\n'
-            b'{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}\n')
+    data = (
+        b'{"id": "x", "prompt": "p"}\n'
+        b'{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}\n'
+    )
     _, outcomes = feed_all(data)
     assert isinstance(outcomes[1], LineError) and outcomes[1].code is ErrorCode.DUPLICATE_ID
 
@@ -293,9 +383,12 @@ def test_same_id_across_shapes_is_a_duplicate() -> None:
 # ------------------------------------------------------------------------------------------ properties
 
 _line = st.one_of(
-    st.just(b""), st.just(b"   "), st.just(b"\r"),
-    st.builds(lambda i, p: orjson.dumps({"id": f"id{i}", "prompt": p}),
-              st.integers(0, 5), st.text(max_size=20)),
+    st.just(b""),
+    st.just(b"   "),
+    st.just(b"\r"),
+    st.builds(
+        lambda i, p: orjson.dumps({"id": f"id{i}", "prompt": p}), st.integers(0, 5), st.text(max_size=20)
+    ),
     st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"")),
     st.just(b"x" * 80),
 )

@@ -29,7 +29,15 @@ def test_result_record_round_trip_has_exactly_the_design_keys() -> None:
     rec = ResultRecord.succeeded(line=3, id="r1", output="ok", usage=usage, shard_id="00001", attempt_id="a")
     data = rec.to_json_bytes()
     assert list(orjson.loads(data)) == [
-        "line", "id", "status", "output", "error", "usage", "shard_id", "attempt_id"]
+        "line",
+        "id",
+        "status",
+        "output",
+        "error",
+        "usage",
+        "shard_id",
+        "attempt_id",
+    ]
     assert orjson.loads(data) == rec.model_dump()
     assert ResultRecord.parse_line(data) == rec
 
@@ -44,21 +52,31 @@ def test_errored_from_line_error() -> None:
 
 @pytest.mark.parametrize("status", ["cancelled", "expired"])
 def test_cancelled_and_expired_need_an_error(status: str) -> None:
-    rec = ResultRecord.failed(line=1, id="x", code=status, message="deadline passed", status=status,  # type: ignore[arg-type]
-                              shard_id="00000", attempt_id="a-1")
+    rec = ResultRecord.failed(
+        line=1,
+        id="x",
+        code=status,
+        message="deadline passed",
+        status=status,  # type: ignore[arg-type]
+        shard_id="00000",
+        attempt_id="a-1",
+    )
     assert rec.status == status and rec.output is None
 
 
-@pytest.mark.parametrize("fields", [
-    {"status": "succeeded", "output": None},
-    {"status": "succeeded", "output": "x", "error": {"code": "c", "message": "m"}},
-    {"status": "errored", "output": None, "error": None},
-    {"status": "errored", "output": "x", "error": {"code": "c", "message": "m"}},
-    {"status": "expired"},
-    {"status": "unknown", "output": "x"},
-    {"status": "succeeded", "output": "x", "line": 0},
-    {"status": "succeeded", "output": "x", "extra": 1},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"status": "succeeded", "output": None},
+        {"status": "succeeded", "output": "x", "error": {"code": "c", "message": "m"}},
+        {"status": "errored", "output": None, "error": None},
+        {"status": "errored", "output": "x", "error": {"code": "c", "message": "m"}},
+        {"status": "expired"},
+        {"status": "unknown", "output": "x"},
+        {"status": "succeeded", "output": "x", "line": 0},
+        {"status": "succeeded", "output": "x", "extra": 1},
+    ],
+)
 def test_result_record_rejects_inconsistent_outcomes(fields: dict[str, object]) -> None:
     base: dict[str, object] = {"line": 1, "id": "x", "shard_id": "00000", "attempt_id": "a-1"}
     with pytest.raises(ValidationError):
@@ -87,10 +105,17 @@ def manifest(**overrides: object) -> OutputManifest:
         "input": InputInfo(uri="s3://b/in.jsonl", sha256=SHA, records=5),
         "outcomes": OutcomeCounts(succeeded=3, errored=2),
         "shards": (
-            ManifestShard(shard_id="validation", seq=0, uri="file:///o/validation/errors.jsonl", sha256=SHA,
-                          records=1, attempt_id="plan"),
-            ManifestShard(shard_id="00000", seq=0, uri="file:///o/a/0", sha256=SHA, records=4,
-                          attempt_id="a-1"),
+            ManifestShard(
+                shard_id="validation",
+                seq=0,
+                uri="file:///o/validation/errors.jsonl",
+                sha256=SHA,
+                records=1,
+                attempt_id="plan",
+            ),
+            ManifestShard(
+                shard_id="00000", seq=0, uri="file:///o/a/0", sha256=SHA, records=4, attempt_id="a-1"
+            ),
         ),
         "completed_at": dt.datetime(2026, 1, 1, 5, 0, tzinfo=UTC),
     }
@@ -102,9 +127,19 @@ def test_manifest_json_is_stable_sorted_and_round_trips() -> None:
     m = manifest()
     data = m.to_json_bytes()
     parsed = orjson.loads(data)
-    assert set(parsed) == {"job_id", "manifest_version", "created_at", "deadline", "model",
-                           "prompt_template_version", "generation", "input", "outcomes", "shards",
-                           "completed_at"}
+    assert set(parsed) == {
+        "job_id",
+        "manifest_version",
+        "created_at",
+        "deadline",
+        "model",
+        "prompt_template_version",
+        "generation",
+        "input",
+        "outcomes",
+        "shards",
+        "completed_at",
+    }
     assert list(parsed) == sorted(parsed)
     assert parsed["manifest_version"] == 1
     assert parsed["deadline"] == "2026-01-01T06:00:00Z"  # normalised to UTC
@@ -113,16 +148,27 @@ def test_manifest_json_is_stable_sorted_and_round_trips() -> None:
     assert OutputManifest.from_json_bytes(data).to_json_bytes() == data
 
 
-@pytest.mark.parametrize("overrides", [
-    {"outcomes": OutcomeCounts(succeeded=3, errored=1)},
-    {"input": InputInfo(uri="s3://b/in.jsonl", sha256=SHA, records=6)},
-    {"shards": (ManifestShard(shard_id="00000", seq=0, uri="u1", sha256=SHA, records=2, attempt_id="a"),
-                ManifestShard(shard_id="00000", seq=0, uri="u2", sha256=SHA, records=3, attempt_id="a"))},
-    {"shards": (ManifestShard(shard_id="00000", seq=0, uri="u", sha256=SHA, records=2, attempt_id="a"),
-                ManifestShard(shard_id="00000", seq=1, uri="u", sha256=SHA, records=3, attempt_id="a"))},
-    {"created_at": dt.datetime(2026, 1, 1)},
-    {"manifest_version": 2},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"outcomes": OutcomeCounts(succeeded=3, errored=1)},
+        {"input": InputInfo(uri="s3://b/in.jsonl", sha256=SHA, records=6)},
+        {
+            "shards": (
+                ManifestShard(shard_id="00000", seq=0, uri="u1", sha256=SHA, records=2, attempt_id="a"),
+                ManifestShard(shard_id="00000", seq=0, uri="u2", sha256=SHA, records=3, attempt_id="a"),
+            )
+        },
+        {
+            "shards": (
+                ManifestShard(shard_id="00000", seq=0, uri="u", sha256=SHA, records=2, attempt_id="a"),
+                ManifestShard(shard_id="00000", seq=1, uri="u", sha256=SHA, records=3, attempt_id="a"),
+            )
+        },
+        {"created_at": dt.datetime(2026, 1, 1)},
+        {"manifest_version": 2},
+    ],
+)
 def test_manifest_rejects_inconsistencies(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         manifest(**overrides)

@@ -25,8 +25,17 @@ J, S, A = JobState, ShardState, AttemptOutcome
 
 
 def test_values_match_the_design() -> None:
-    assert [s.value for s in J] == ["submitted", "admitted", "running", "finalizing", "completed",
-                                    "partial", "failed", "cancelled", "rejected"]
+    assert [s.value for s in J] == [
+        "submitted",
+        "admitted",
+        "running",
+        "finalizing",
+        "completed",
+        "partial",
+        "failed",
+        "cancelled",
+        "rejected",
+    ]
     assert [s.value for s in S] == ["pending", "leased", "succeeded", "retryable_failure", "terminal_failure"]
     assert {J.COMPLETED, J.PARTIAL, J.FAILED, J.CANCELLED, J.REJECTED} == TERMINAL_JOB_STATES
     assert {S.SUCCEEDED, S.TERMINAL_FAILURE} == TERMINAL_SHARD_STATES
@@ -44,13 +53,25 @@ def test_tables_are_total_and_terminal_states_have_no_exit() -> None:
 
 
 JOB_ALLOWED = [
-    (J.SUBMITTED, J.ADMITTED), (J.SUBMITTED, J.REJECTED), (J.ADMITTED, J.RUNNING),
-    (J.RUNNING, J.FINALIZING), (J.FINALIZING, J.COMPLETED), (J.FINALIZING, J.PARTIAL),
-    (J.RUNNING, J.CANCELLED), (J.RUNNING, J.FAILED), (J.ADMITTED, J.FINALIZING),
+    (J.SUBMITTED, J.ADMITTED),
+    (J.SUBMITTED, J.REJECTED),
+    (J.ADMITTED, J.RUNNING),
+    (J.RUNNING, J.FINALIZING),
+    (J.FINALIZING, J.COMPLETED),
+    (J.FINALIZING, J.PARTIAL),
+    (J.RUNNING, J.CANCELLED),
+    (J.RUNNING, J.FAILED),
+    (J.ADMITTED, J.FINALIZING),
 ]
 JOB_FORBIDDEN = [
-    (J.COMPLETED, J.RUNNING), (J.REJECTED, J.ADMITTED), (J.SUBMITTED, J.RUNNING), (J.RUNNING, J.ADMITTED),
-    (J.RUNNING, J.COMPLETED), (J.CANCELLED, J.CANCELLED), (J.ADMITTED, J.REJECTED), (J.PARTIAL, J.COMPLETED),
+    (J.COMPLETED, J.RUNNING),
+    (J.REJECTED, J.ADMITTED),
+    (J.SUBMITTED, J.RUNNING),
+    (J.RUNNING, J.ADMITTED),
+    (J.RUNNING, J.COMPLETED),
+    (J.CANCELLED, J.CANCELLED),
+    (J.ADMITTED, J.REJECTED),
+    (J.PARTIAL, J.COMPLETED),
 ]
 
 
@@ -77,13 +98,21 @@ def test_job_error_message_names_states_and_job() -> None:
 
 
 SHARD_ALLOWED = [
-    (S.PENDING, S.LEASED), (S.LEASED, S.SUCCEEDED), (S.LEASED, S.RETRYABLE_FAILURE),
-    (S.RETRYABLE_FAILURE, S.LEASED), (S.LEASED, S.TERMINAL_FAILURE), (S.LEASED, S.LEASED),
-    (S.RETRYABLE_FAILURE, S.TERMINAL_FAILURE), (S.PENDING, S.TERMINAL_FAILURE),
+    (S.PENDING, S.LEASED),
+    (S.LEASED, S.SUCCEEDED),
+    (S.LEASED, S.RETRYABLE_FAILURE),
+    (S.RETRYABLE_FAILURE, S.LEASED),
+    (S.LEASED, S.TERMINAL_FAILURE),
+    (S.LEASED, S.LEASED),
+    (S.RETRYABLE_FAILURE, S.TERMINAL_FAILURE),
+    (S.PENDING, S.TERMINAL_FAILURE),
 ]
 SHARD_FORBIDDEN = [
-    (S.SUCCEEDED, S.LEASED), (S.PENDING, S.SUCCEEDED), (S.TERMINAL_FAILURE, S.LEASED),
-    (S.RETRYABLE_FAILURE, S.SUCCEEDED), (S.SUCCEEDED, S.SUCCEEDED),
+    (S.SUCCEEDED, S.LEASED),
+    (S.PENDING, S.SUCCEEDED),
+    (S.TERMINAL_FAILURE, S.LEASED),
+    (S.RETRYABLE_FAILURE, S.SUCCEEDED),
+    (S.SUCCEEDED, S.SUCCEEDED),
 ]
 
 
