@@ -15,11 +15,12 @@ from typing import Any
 
 import orjson
 
+from airflow_deadline_batch.core.results import RESULT_STATUSES, OutputManifest, ResultRecord
 from airflow_deadline_batch.storage import open_storage, open_uri
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.inputs import MixedInput
 
-STATUSES = ("succeeded", "errored", "cancelled", "expired")
+STATUSES = RESULT_STATUSES
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,7 +36,10 @@ def read_bytes(uri: str) -> bytes:
 
 
 def read_manifest(uri: str) -> dict[str, Any]:
-    return dict(orjson.loads(read_bytes(uri)))
+    """The published manifest as a dict, after checking it against the format (``OutputManifest``)."""
+    data = read_bytes(uri)
+    OutputManifest.from_json_bytes(data)
+    return dict(orjson.loads(data))
 
 
 def read_outcomes(manifest: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
@@ -46,7 +50,10 @@ def read_outcomes(manifest: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
         assert hashlib.sha256(data).hexdigest() == entry["sha256"], (
             f"{entry['uri']} fails its manifest SHA-256"
         )
-        records = [orjson.loads(raw) for raw in data.splitlines() if raw.strip()]
+        lines = [raw for raw in data.splitlines() if raw.strip()]
+        for raw in lines:  # every line follows the result record format (``ResultRecord``)
+            ResultRecord.parse_line(raw)
+        records = [orjson.loads(raw) for raw in lines]
         assert len(records) == entry["records"], (
             f"{entry['uri']} holds {len(records)}, manifest says {entry['records']}"
         )
