@@ -1,4 +1,4 @@
-"""Result records (one JSONL line per input line, DESIGN §4.2) and the output manifest (§4.3).
+"""Result records (one JSONL line per input line, docs/design.md §4.2) and the output manifest (§4.3).
 
 Both are frozen pydantic models so that whatever reads an output object or a manifest checks
 it against the contract; the hot paths (one result line per record) serialise with orjson.
@@ -141,7 +141,7 @@ class ResultRecord(_Frozen):
         )
 
     def to_json_bytes(self) -> bytes:
-        """One JSONL line (without the newline), keys in DESIGN §4.2 order."""
+        """One JSONL line (without the newline), keys in docs/design.md §4.2 order."""
         error = self.error
         return orjson.dumps(
             {
@@ -210,10 +210,10 @@ class ManifestShard(_Frozen):
 
 
 class OutputManifest(_Frozen):
-    """The published, immutable description of a finished job's outputs (DESIGN §4.3).
+    """The published, immutable description of a finished job's outputs (docs/design.md §4.3).
 
     It refuses to exist unless its counts agree: the outcomes, the records of the listed
-    objects and the input's records are one and the same number (invariant 1).
+    objects and the input's records are one and the same number (docs/design.md §4.5 invariant 1).
     """
 
     job_id: str = Field(min_length=1)

@@ -1,9 +1,10 @@
 """Verification and publication: prove one terminal outcome per input line, then publish once.
 
-The manifest store's commits are the truth (an object in storage means nothing until committed,
-invariant 3). Verification reads every committed object, checks its SHA-256 and every line in it,
-and counts each input line exactly once. Publication is a conditional create of ``manifest.json``:
-a second publisher loses cleanly and returns the first one's manifest.
+The manifest store's commits are the truth (an object in storage means nothing until committed:
+docs/design.md §4.5 invariant 3). Verification reads every committed object, checks its SHA-256
+and every line in it, and counts each input line exactly once. Publication is a conditional
+create of ``manifest.json`` (docs/design.md §4.3): a second publisher loses cleanly and returns
+the first one's manifest.
 """
 
 from __future__ import annotations
@@ -546,7 +547,10 @@ def build_manifest(
 
 
 def collect_garbage(store: ManifestStore, job_id: str) -> int:
-    """Delete attempt objects that never committed (fenced, killed or late attempts): invariant 2."""
+    """Delete attempt objects that never committed (fenced, killed or late attempts).
+
+    docs/design.md §4.5 invariant 2: a late or fenced attempt's output is garbage-collected.
+    """
     job = store.get_job(job_id)
     committed = {c.uri for c in store.list_commits(job_id)}
     storage = open_storage(job.output_uri)

@@ -1,6 +1,6 @@
 """The shard worker: claim a shard, generate its microbatches, commit each one fenced by the lease.
 
-It runs inside a Kubernetes pod (or as a local subprocess) and follows DESIGN §6:
+It runs inside a Kubernetes pod (or as a local subprocess) and follows docs/design.md §6:
 
 1. claim the shard (a CAS that bumps the lease epoch and records a fresh attempt ID);
 2. check the engine's model digest against the job's pin, read the shard's byte range of the input

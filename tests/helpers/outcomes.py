@@ -1,4 +1,4 @@
-"""Checks of a published job against DESIGN §4.5, shared by the CLI and chaos tests.
+"""Checks of a published job against docs/design.md §4.5, shared by the CLI and chaos tests.
 
 Every function reads the real outputs (``manifest.json`` and every object it lists, through
 the package's own storage layer, so local paths and ``s3://`` URIs both work) and the real
@@ -99,11 +99,11 @@ def assert_store_invariants(store: ManifestStore, job_id: str, manifest: Mapping
     """Fencing, completeness, garbage collection and progress, read from the store and storage.
 
     * every commit belongs to an attempt of the same shard with the same epoch, made while that
-      attempt was alive (committed no later than the attempt ended): invariant 2;
+      attempt was alive (committed no later than the attempt ended): docs/design.md §4.5 invariant 2;
     * each shard has exactly one commit per microbatch ``0..n-1`` and its objects' SHA-256 hold;
     * the manifest lists exactly the committed objects, and no attempt object outside them
       remains under ``<job>/attempts/`` (uncommitted attempts were garbage-collected);
-    * progress counts equal the committed outcomes: invariant 4.
+    * progress counts equal the committed outcomes: docs/design.md §4.5 invariant 4.
     """
     job = store.get_job(job_id)
     assert job.manifest_uri, f"job {job_id} has no published manifest (state {job.state})"

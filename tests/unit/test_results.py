@@ -1,4 +1,4 @@
-"""Result records and the output manifest (DESIGN §4.2, §4.3)."""
+"""Result records and the output manifest (docs/design.md §4.2, §4.3)."""
 
 from __future__ import annotations
 
