@@ -36,6 +36,7 @@ from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
     InvalidTransition,
     ObjectExists,
+    ObjectNotFound,
     StorageError,
     VerificationError,
 )
@@ -70,6 +71,9 @@ class VerificationReport:
     duplicates: int = 0
     unknown: int = 0
     checksum_failures: int = 0
+    #: of those, objects storage could not serve for a reason other than their absence (an
+    #: outage, lost credentials): they may well be intact, so the job is not failed for them
+    unreadable: int = 0
     pending_shards: list[int] = field(default_factory=list)
     failed_shards: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -124,6 +128,10 @@ class VerificationReport:
             lines.append(f"  duplicated: {self.duplicates}, unknown lines: {self.unknown}")
         if self.checksum_failures:
             lines.append(f"  objects failing their checksum: {self.checksum_failures}")
+        if self.unreadable:
+            lines.append(
+                f"  objects storage could not serve: {self.unreadable} (finalize again once storage is back)"
+            )
         if self.pending_shards:
             lines.append(f"  shards not finished: {_fmt_list(self.pending_shards)}")
         if self.failed_shards:
@@ -198,6 +206,8 @@ def _read_object(obj: OutcomeObject, report: VerificationReport, reader: _Reader
         data = reader.get_bytes(obj.uri)
     except StorageError as exc:
         report.checksum_failures += 1
+        if not isinstance(exc, ObjectNotFound):
+            report.unreadable += 1
         report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} unreadable: {exc}")
         return None
     if sha256_hex(data) != obj.sha256:
@@ -493,12 +503,14 @@ def _verify_or_fail(
     """The report of a job whose every line has exactly one outcome; otherwise fail the job.
 
     An incomplete job moves to ``failed`` (a cancelled one stays ``cancelled``) and
-    :class:`VerificationError` carries the report.
+    :class:`VerificationError` carries the report. When storage could not serve an object (an
+    outage rather than a missing or corrupt object), the job stays ``finalizing`` instead, so
+    finalizing again once storage is back can still publish it (docs/design.md §10).
     """
     report = VerificationReport(job_id=job.job_id, expected=job.input_lines)
     _verify_outcomes(store, job, report, commits, extra)
     if not report.complete:
-        if not cancelled:
+        if not cancelled and not report.unreadable:
             store.set_job_state(job.job_id, JobState.FAILED, error=report.summary().splitlines()[0])
         raise VerificationError(report.summary(), report=report, job_id=job.job_id)
     return report
