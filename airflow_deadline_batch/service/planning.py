@@ -191,7 +191,7 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
 class _InputScan:
     """What the validating pass keeps: three numbers per record, invalid line numbers, totals.
 
-    ``error_spool`` holds the ``errored`` outcome of every invalid line (rewound when the pass
+    ``spool`` holds the ``errored`` outcome of every invalid line (rewound when the pass
     ends); whoever takes the scan closes it (through :meth:`InputAnalysis.close`).
     """
 
