@@ -1,7 +1,7 @@
 """Input records: split a JSON Lines stream into lines, parse each line, report every bad one.
 
 Every non-blank input line becomes exactly one :class:`Record` or one :class:`LineError`
-(DESIGN §4.1); blank lines are not records and get no outcome, but they still count for line
+(docs/design.md §4.1); blank lines are not records and get no outcome, but they still count for line
 numbers. This module is the hot loop of planning a million records, so it reads with buffered
 ``readline(limit)`` calls, parses with orjson and keeps only 16-byte digests of seen IDs.
 """
@@ -444,7 +444,7 @@ def _parse_object(data: bytes, limits: ValidationLimits) -> tuple[str, Request]:
 def parse_line(raw: RawLine, limits: ValidationLimits) -> Record | LineError | None:
     """Parse one raw line into a :class:`Record`, a :class:`LineError`, or None for a blank line.
 
-    Accepts the native shape and OpenAI Batch API lines (DESIGN §4.1). The error keeps the
+    Accepts the native shape and OpenAI Batch API lines (docs/design.md §4.1). The error keeps the
     record's ID whenever it could be read. Duplicate IDs are the :class:`Validator`'s job.
     """
     data = raw.data

@@ -1,4 +1,4 @@
-"""Result records (one JSONL line per input line, DESIGN §4.2) and the output manifest (§4.3).
+"""Result records (one JSONL line per input line, docs/design.md §4.2) and the output manifest (§4.3).
 
 Both are frozen pydantic models so that whatever reads an output object or a manifest checks
 it against the contract; the hot paths (one result line per record) serialise with orjson.
@@ -7,7 +7,8 @@ it against the contract; the hot paths (one result line per record) serialise wi
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -16,7 +17,9 @@ from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.records import LineError
 
 __all__ = [
+    "FINALIZE_ATTEMPT_ID",
     "MANIFEST_VERSION",
+    "RESULT_STATUSES",
     "VALIDATION_ATTEMPT_ID",
     "VALIDATION_SHARD_ID",
     "InputInfo",
@@ -28,14 +31,20 @@ __all__ = [
     "ResultRecord",
     "ResultStatus",
     "Usage",
+    "encode_results",
 ]
 
 MANIFEST_VERSION: Literal[1] = 1
 #: ``shard_id`` / ``attempt_id`` of the outcomes of invalid lines, written by the planner
 VALIDATION_SHARD_ID = "validation"
 VALIDATION_ATTEMPT_ID = "plan"
+#: ``attempt_id`` of the outcomes the finalizer writes for records that never committed
+#: (``expired``, ``cancelled``, or ``errored`` with code ``shard_failed``)
+FINALIZE_ATTEMPT_ID = "finalize"
 
 ResultStatus = Literal["succeeded", "errored", "cancelled", "expired"]
+#: every terminal status, in the order reports and manifests list them
+RESULT_STATUSES: tuple[ResultStatus, ...] = get_args(ResultStatus)
 _SHA256 = r"^[0-9a-f]{64}$"
 
 
@@ -132,7 +141,7 @@ class ResultRecord(_Frozen):
         )
 
     def to_json_bytes(self) -> bytes:
-        """One JSONL line (without the newline), keys in DESIGN §4.2 order."""
+        """One JSONL line (without the newline), keys in docs/design.md §4.2 order."""
         error = self.error
         return orjson.dumps(
             {
@@ -154,6 +163,11 @@ class ResultRecord(_Frozen):
     def parse_line(cls, data: bytes | str) -> ResultRecord:
         """Read one JSONL line back; raises pydantic's ``ValidationError`` (a ``ValueError``)."""
         return cls.model_validate_json(data)
+
+
+def encode_results(results: Iterable[ResultRecord]) -> bytes:
+    """JSON Lines bytes of result records, one line each, every line ending in a newline."""
+    return b"".join(r.to_json_bytes() + b"\n" for r in results)
 
 
 class ModelInfo(_Frozen):
@@ -196,10 +210,10 @@ class ManifestShard(_Frozen):
 
 
 class OutputManifest(_Frozen):
-    """The published, immutable description of a finished job's outputs (DESIGN §4.3).
+    """The published, immutable description of a finished job's outputs (docs/design.md §4.3).
 
     It refuses to exist unless its counts agree: the outcomes, the records of the listed
-    objects and the input's records are one and the same number (invariant 1).
+    objects and the input's records are one and the same number (docs/design.md §4.5 invariant 1).
     """
 
     job_id: str = Field(min_length=1)

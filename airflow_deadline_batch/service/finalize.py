@@ -1,9 +1,10 @@
 """Verification and publication: prove one terminal outcome per input line, then publish once.
 
-The manifest store's commits are the truth (an object in storage means nothing until committed,
-invariant 3). Verification reads every committed object, checks its SHA-256 and every line in it,
-and counts each input line exactly once. Publication is a conditional create of ``manifest.json``:
-a second publisher loses cleanly and returns the first one's manifest.
+The manifest store's commits are the truth (an object in storage means nothing until committed:
+docs/design.md §4.5 invariant 3). Verification reads every committed object, checks its SHA-256
+and every line in it, and counts each input line exactly once. Publication is a conditional
+create of ``manifest.json`` (docs/design.md §4.3): a second publisher loses cleanly and returns
+the first one's manifest.
 """
 
 from __future__ import annotations
@@ -17,13 +18,25 @@ import orjson
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
-from airflow_deadline_batch.core.results import OutputManifest, ResultError, ResultRecord, Usage
+from airflow_deadline_batch.core.results import (
+    FINALIZE_ATTEMPT_ID,
+    RESULT_STATUSES,
+    VALIDATION_SHARD_ID,
+    InputInfo,
+    ManifestShard,
+    ModelInfo,
+    OutcomeCounts,
+    OutputManifest,
+    ResultRecord,
+    encode_results,
+)
 from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
     InvalidTransition,
     ObjectExists,
+    ObjectNotFound,
     StorageError,
     VerificationError,
 )
@@ -31,7 +44,7 @@ from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import ManifestStore
 
 MANIFEST_KEY = "manifest.json"
-STATUSES = ("succeeded", "errored", "cancelled", "expired")
+STATUSES = RESULT_STATUSES
 _MAX_PROBLEMS = 20
 
 
@@ -58,6 +71,9 @@ class VerificationReport:
     duplicates: int = 0
     unknown: int = 0
     checksum_failures: int = 0
+    #: of those, objects storage could not serve for a reason other than their absence (an
+    #: outage, lost credentials): they may well be intact, so the job is not failed for them
+    unreadable: int = 0
     pending_shards: list[int] = field(default_factory=list)
     failed_shards: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -112,6 +128,10 @@ class VerificationReport:
             lines.append(f"  duplicated: {self.duplicates}, unknown lines: {self.unknown}")
         if self.checksum_failures:
             lines.append(f"  objects failing their checksum: {self.checksum_failures}")
+        if self.unreadable:
+            lines.append(
+                f"  objects storage could not serve: {self.unreadable} (finalize again once storage is back)"
+            )
         if self.pending_shards:
             lines.append(f"  shards not finished: {_fmt_list(self.pending_shards)}")
         if self.failed_shards:
@@ -137,10 +157,13 @@ def _fmt_list(values: list[int], limit: int = 10) -> str:
 
 
 def committed_objects(store: ManifestStore, job_id: str) -> list[OutcomeObject]:
-    return [
-        OutcomeObject(c.shard_index, c.seq, c.uri, c.sha256, c.records, c.attempt_id)
-        for c in store.list_commits(job_id)
-    ]
+    return [_outcome_object(c) for c in store.list_commits(job_id)]
+
+
+def _outcome_object(commit: Any) -> OutcomeObject:
+    return OutcomeObject(
+        commit.shard_index, commit.seq, commit.uri, commit.sha256, commit.records, commit.attempt_id
+    )
 
 
 class _LineLedger:
@@ -183,6 +206,8 @@ def _read_object(obj: OutcomeObject, report: VerificationReport, reader: _Reader
         data = reader.get_bytes(obj.uri)
     except StorageError as exc:
         report.checksum_failures += 1
+        if not isinstance(exc, ObjectNotFound):
+            report.unreadable += 1
         report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} unreadable: {exc}")
         return None
     if sha256_hex(data) != obj.sha256:
@@ -250,11 +275,20 @@ def verify_job(store: ManifestStore, job_id: str) -> VerificationReport:
             report.failed_shards.append(shard.shard_index)
         elif shard.state != ShardState.SUCCEEDED:
             report.pending_shards.append(shard.shard_index)
-    ledger = _LineLedger(job.input_total_lines)
-    commits = store.list_commits(job_id)
+    return _verify_outcomes(store, job, report, store.list_commits(job_id), [])
+
+
+def _verify_outcomes(
+    store: ManifestStore,
+    job: Any,
+    report: VerificationReport,
+    commits: list[Any],
+    extra: list[OutcomeObject],
+) -> VerificationReport:
+    """Count the outcomes of the committed objects (and ``extra`` ones) into ``report``."""
     report.model_digests = {c.model_digest for c in commits if c.shard_index >= 0 and c.model_digest}
-    objects = [OutcomeObject(c.shard_index, c.seq, c.uri, c.sha256, c.records, c.attempt_id) for c in commits]
-    _check_objects(objects, ledger, report, _shard_ranges(store, job_id))
+    objects = [_outcome_object(c) for c in commits] + extra
+    _check_objects(objects, _LineLedger(job.input_total_lines), report, _shard_ranges(store, job.job_id))
     if len(report.model_digests) > 1:
         report.problem(f"shards ran on {len(report.model_digests)} different model digests")
     return report
@@ -273,35 +307,36 @@ def verify_manifest(store: ManifestStore, job_id: str) -> VerificationReport:
         report.checksum_failures += 1
         report.problem(f"manifest {job.manifest_uri} does not match the SHA-256 recorded at publication")
         return report
-    manifest = orjson.loads(data)
-    index = {"validation": -1}
+    try:
+        manifest = OutputManifest.from_json_bytes(data)
+    except ValueError as exc:
+        report.problem(f"manifest {job.manifest_uri} does not follow the manifest format: {exc}")
+        return report
     objects = [
-        OutcomeObject(
-            index.get(s["shard_id"], int(s["shard_id"]) if s["shard_id"].isdigit() else -2),
-            s.get("seq", 0),
-            s["uri"],
-            s["sha256"],
-            s["records"],
-            s["attempt_id"],
-        )
-        for s in manifest["shards"]
+        OutcomeObject(_shard_index(s.shard_id), s.seq, s.uri, s.sha256, s.records, s.attempt_id)
+        for s in manifest.shards
     ]
-    ranges = _shard_ranges(store, job_id)
-    _check_objects(objects, _LineLedger(job.input_total_lines), report, ranges)
-    counted = {k: manifest["outcomes"].get(k, 0) for k in STATUSES}
+    _check_objects(objects, _LineLedger(job.input_total_lines), report, _shard_ranges(store, job_id))
+    counted = manifest.outcomes.model_dump()
     if counted != report.outcomes:
         report.problem(f"manifest outcome counts {counted} differ from the objects' {report.outcomes}")
     return report
 
 
+def _shard_index(shard_id: str) -> int:
+    """The shard index behind a manifest's ``shard_id`` (-1: the validation object; -2: unknown)."""
+    if shard_id == VALIDATION_SHARD_ID:
+        return -1
+    return int(shard_id) if shard_id.isdigit() else -2
+
+
 def _unfinished_outcomes(
-    store: ManifestStore,
     job: Any,
     shard: Any,
     committed_lines: set[int],
     status: Literal["cancelled", "expired", "errored"],
-) -> Iterator[bytes]:
-    """Outcome lines for a shard's records that never committed.
+) -> Iterator[ResultRecord]:
+    """Outcomes for a shard's records that never committed.
 
     ``expired`` (the deadline passed), ``cancelled`` (the job was), or ``errored`` with code
     ``shard_failed`` (the shard failed for good: attempts exhausted or a terminal error).
@@ -325,24 +360,19 @@ def _unfinished_outcomes(
     for record in parse_shard(data, shard, limits_from_config(job.config)):
         if record.line in committed_lines:
             continue
-        yield (
-            ResultRecord(
-                line=record.line,
-                id=record.id,
-                status=status,
-                output=None,
-                error=ResultError(code=code, message=message),
-                usage=Usage(prompt_tokens=0, completion_tokens=0),
-                shard_id=display_shard_id(shard.shard_index),
-                attempt_id="finalize",
-            ).to_json_bytes()
-            + b"\n"
+        yield ResultRecord.failed(
+            line=record.line,
+            id=record.id,
+            status=status,
+            code=code,
+            message=message,
+            shard_id=display_shard_id(shard.shard_index),
+            attempt_id=FINALIZE_ATTEMPT_ID,
         )
 
 
-def _committed_lines(store: ManifestStore, commits: list[Any], shard_index: int) -> set[int]:
+def _committed_lines(commits: list[Any], shard_index: int, reader: _Reader) -> set[int]:
     lines: set[int] = set()
-    reader = _Reader()
     for c in commits:
         if c.shard_index != shard_index:
             continue
@@ -369,34 +399,79 @@ def finalize_job(
     ``shard_failed`` once no other shard can still run, and the job is published as ``partial``:
     every line still gets exactly one terminal outcome. Otherwise an unfinished job is left as it
     is and the report says what is missing. Idempotent: a published job returns its manifest.
+
+    The steps: return a published job's manifest; leave a job with live shards alone (unless it
+    expires or is cancelled); move it to ``finalizing`` (which fences its unfinished shards);
+    write the outcomes of the records that never committed; verify every outcome object; publish
+    the manifest with a conditional create; record it; delete uncommitted attempt objects.
     """
     clock = clock or SystemClock()
     job = store.get_job(job_id)
     if job.manifest_uri:
-        return FinalizeResult(job_id, JobState(job.state), job.manifest_uri, verify_manifest(store, job_id))
-    shards = store.list_shards(job_id)
-    unfinished = [s for s in shards if s.state != ShardState.SUCCEEDED]
+        return _published(store, job)
     cancelled = job.state == JobState.CANCELLED
-    live = [s for s in unfinished if s.state != ShardState.TERMINAL_FAILURE]
-    if live and not (expire_unfinished or cancelled):
+    if _has_live_shards(store.list_shards(job_id)) and not (expire_unfinished or cancelled):
         return FinalizeResult(job_id, JobState(job.state), None, verify_job(store, job_id))
-    if not cancelled and job.state != JobState.FINALIZING:
-        try:
-            store.set_job_state(job_id, JobState.FINALIZING)
-        except InvalidTransition:
-            job = store.get_job(job_id)
-            if job.manifest_uri:
-                return finalize_job(store, job_id, clock=clock)
-            if job.state != JobState.FINALIZING:
-                raise
-            # another finalizer moved it first: carry on; the manifest's conditional create
-            # decides which of us publishes, and the loser adopts the winner's manifest
-        shards = store.list_shards(job_id)
-        unfinished = [s for s in shards if s.state != ShardState.SUCCEEDED]
-    output = open_storage(job.output_uri)
-    extra: list[OutcomeObject] = []
+    if not cancelled:
+        job = _enter_finalizing(store, job)
+        if job.manifest_uri:  # lost the race to a finalizer that has already published
+            return _published(store, job)
     commits = store.list_commits(job_id)
-    for shard in unfinished:
+    output = open_storage(job.output_uri)
+    extra = _write_unfinished_outcomes(store, job, commits, output, cancelled)
+    report = _verify_or_fail(store, job, commits, extra, cancelled=cancelled)
+    final_state = JobState.CANCELLED if cancelled else (JobState.PARTIAL if extra else JobState.COMPLETED)
+    manifest = build_manifest(job, [_outcome_object(c) for c in commits] + extra, report, clock.now())
+    uri, body = _publish(output, manifest)
+    store.record_manifest(job_id, uri=uri, sha256=sha256_hex(body), state=final_state)
+    collect_garbage(store, job_id)
+    return FinalizeResult(job_id, final_state, uri, report, orjson.loads(body))
+
+
+def _published(store: ManifestStore, job: Any) -> FinalizeResult:
+    """The result of a job whose manifest is already published (re-verified, not rewritten)."""
+    return FinalizeResult(
+        job.job_id, JobState(job.state), job.manifest_uri, verify_manifest(store, job.job_id)
+    )
+
+
+def _has_live_shards(shards: list[Any]) -> bool:
+    """Whether a shard may still commit: neither succeeded nor failed for good."""
+    return any(s.state not in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE) for s in shards)
+
+
+def _enter_finalizing(store: ManifestStore, job: Any) -> Any:
+    """Move the job to ``finalizing`` (fencing its unfinished shards); the job as it is then.
+
+    Another finalizer may have moved it first: then it is either still ``finalizing`` (carry on;
+    the manifest's conditional create decides which of us publishes, and the loser adopts the
+    winner's manifest) or already published (the caller returns that manifest).
+    """
+    if job.state == JobState.FINALIZING:
+        return job
+    try:
+        store.set_job_state(job.job_id, JobState.FINALIZING)
+    except InvalidTransition:
+        job = store.get_job(job.job_id)
+        if not job.manifest_uri and job.state != JobState.FINALIZING:
+            raise
+    return job
+
+
+def _write_unfinished_outcomes(
+    store: ManifestStore, job: Any, commits: list[Any], output: Any, cancelled: bool
+) -> list[OutcomeObject]:
+    """Write one object of terminal outcomes per unfinished shard, for its uncommitted records.
+
+    ``cancelled`` for a cancelled job, ``errored`` (``shard_failed``) for a shard that failed for
+    good, ``expired`` otherwise. Each object's ``seq`` is one past the shard's microbatches:
+    unique in the manifest, which requires ``seq >= 0``.
+    """
+    extra: list[OutcomeObject] = []
+    reader = _Reader()
+    for shard in store.list_shards(job.job_id):
+        if shard.state == ShardState.SUCCEEDED:
+            continue
         status: Literal["cancelled", "expired", "errored"] = (
             "cancelled"
             if cancelled
@@ -404,87 +479,90 @@ def finalize_job(
             if shard.state == ShardState.TERMINAL_FAILURE
             else "expired"
         )
-        lines = b"".join(
-            _unfinished_outcomes(
-                store, job, shard, _committed_lines(store, commits, shard.shard_index), status
-            )
-        )
-        if not lines:
+        committed = _committed_lines(commits, shard.shard_index, reader)
+        data = encode_results(_unfinished_outcomes(job, shard, committed, status))
+        if not data:
             continue
-        key = f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl"
-        uri = output.put_bytes(key, lines)
-        # seq one past the shard's microbatches: unique in the manifest, which requires seq >= 0
+        uri = output.put_bytes(f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl", data)
         extra.append(
             OutcomeObject(
                 shard.shard_index,
                 shard.num_microbatches,
                 uri,
-                sha256_hex(lines),
-                lines.count(b"\n"),
-                "finalize",
+                sha256_hex(data),
+                data.count(b"\n"),
+                FINALIZE_ATTEMPT_ID,
             )
         )
-    report = VerificationReport(job_id=job_id, expected=job.input_lines)
-    report.model_digests = {c.model_digest for c in commits if c.shard_index >= 0 and c.model_digest}
-    objects = committed_objects(store, job_id) + extra
-    _check_objects(objects, _LineLedger(job.input_total_lines), report, _shard_ranges(store, job_id))
-    if len(report.model_digests) > 1:
-        report.problem(f"shards ran on {len(report.model_digests)} different model digests")
+    return extra
+
+
+def _verify_or_fail(
+    store: ManifestStore, job: Any, commits: list[Any], extra: list[OutcomeObject], *, cancelled: bool
+) -> VerificationReport:
+    """The report of a job whose every line has exactly one outcome; otherwise fail the job.
+
+    An incomplete job moves to ``failed`` (a cancelled one stays ``cancelled``) and
+    :class:`VerificationError` carries the report. When storage could not serve an object (an
+    outage rather than a missing or corrupt object), the job stays ``finalizing`` instead, so
+    finalizing again once storage is back can still publish it (docs/design.md §10).
+    """
+    report = VerificationReport(job_id=job.job_id, expected=job.input_lines)
+    _verify_outcomes(store, job, report, commits, extra)
     if not report.complete:
-        if not cancelled:
-            store.set_job_state(job_id, JobState.FAILED, error=report.summary().splitlines()[0])
-        raise VerificationError(report.summary(), report=report, job_id=job_id)
-    final_state = JobState.CANCELLED if cancelled else (JobState.PARTIAL if extra else JobState.COMPLETED)
-    manifest = build_manifest(job, objects, report, clock.now())
-    body = orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n"
+        if not cancelled and not report.unreadable:
+            store.set_job_state(job.job_id, JobState.FAILED, error=report.summary().splitlines()[0])
+        raise VerificationError(report.summary(), report=report, job_id=job.job_id)
+    return report
+
+
+def _publish(output: Any, manifest: OutputManifest) -> tuple[str, bytes]:
+    """Create ``manifest.json`` once; a loser of the race adopts the winner's (URI, bytes)."""
+    body = manifest.to_json_bytes()
     try:
-        uri = output.create_bytes(MANIFEST_KEY, body)
+        return output.create_bytes(MANIFEST_KEY, body), body
     except ObjectExists:
         # another finalizer published first: its manifest stands, ours is discarded
-        uri = output.uri(MANIFEST_KEY)
-        body = output.get_bytes(MANIFEST_KEY)
-        manifest = orjson.loads(body)
-    store.record_manifest(job_id, uri=uri, sha256=sha256_hex(body), state=final_state)
-    collect_garbage(store, job_id)
-    return FinalizeResult(job_id, final_state, uri, report, manifest)
+        return output.uri(MANIFEST_KEY), output.get_bytes(MANIFEST_KEY)
 
 
 def build_manifest(
     job: Any, objects: list[OutcomeObject], report: VerificationReport, now: dt.datetime
-) -> dict[str, Any]:
+) -> OutputManifest:
+    """The output manifest of a verified job (docs/design.md §4.3)."""
     config = job.config
     digests = sorted(report.model_digests)
-    manifest = {
-        "job_id": job.job_id,
-        "manifest_version": 1,
-        "created_at": job.created_at.isoformat(),
-        "deadline": job.deadline.isoformat(),
-        "model": {
-            "name": config.get("model") or config.get("engine"),
-            "digest": digests[0] if digests else None,
-        },
-        "prompt_template_version": config.get("prompt_template_version"),
-        "generation": config.get("generation", {}),
-        "input": {"uri": job.input_uri, "sha256": job.input_sha256, "records": job.input_lines},
-        "outcomes": dict(report.outcomes),
-        "shards": [
-            {
-                "shard_id": display_shard_id(o.shard_index),
-                "seq": o.seq,
-                "uri": o.uri,
-                "sha256": o.sha256,
-                "records": o.records,
-                "attempt_id": o.attempt_id,
-            }
+    return OutputManifest(
+        job_id=job.job_id,
+        created_at=job.created_at,
+        deadline=job.deadline,
+        model=ModelInfo(
+            name=config.get("model") or config.get("engine"), digest=digests[0] if digests else None
+        ),
+        prompt_template_version=config.get("prompt_template_version"),
+        generation=config.get("generation", {}),
+        input=InputInfo(uri=job.input_uri, sha256=job.input_sha256, records=job.input_lines),
+        outcomes=OutcomeCounts(**report.outcomes),
+        shards=tuple(
+            ManifestShard(
+                shard_id=display_shard_id(o.shard_index),
+                seq=o.seq,
+                uri=o.uri,
+                sha256=o.sha256,
+                records=o.records,
+                attempt_id=o.attempt_id,
+            )
             for o in objects
-        ],
-        "completed_at": now.isoformat(),
-    }
-    return OutputManifest.model_validate(manifest).model_dump(mode="json")
+        ),
+        completed_at=now,
+    )
 
 
 def collect_garbage(store: ManifestStore, job_id: str) -> int:
-    """Delete attempt objects that never committed (fenced, killed or late attempts): invariant 2."""
+    """Delete attempt objects that never committed (fenced, killed or late attempts).
+
+    docs/design.md §4.5 invariant 2: a late or fenced attempt's output is garbage-collected.
+    """
     job = store.get_job(job_id)
     committed = {c.uri for c in store.list_commits(job_id)}
     storage = open_storage(job.output_uri)

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
@@ -40,7 +40,7 @@ from airflow_deadline_batch.core.records import (
     Validator,
     iter_line_tuples,
 )
-from airflow_deadline_batch.core.results import ResultError, ResultRecord, Usage
+from airflow_deadline_batch.core.results import ResultRecord, encode_results
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
@@ -161,91 +161,136 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
     Memory stays proportional to the number of records (three numbers each) plus the ID digests
     the duplicate check needs; invalid lines are spooled to a temporary file as outcomes.
     """
-    clock = clock or SystemClock()
-    now = clock.now()
-    limits = request.limits
+    now = (clock or SystemClock()).now()
     pool = request.reference_pool()
-    model = WorkModel.from_pool(pool)
-    validator = Validator(limits)
-    rec_line = array("q")
-    rec_end = array("q")
-    rec_work = array("d")
-    invalid_lines = array("q")
-    errors: Counter[str] = Counter()
-    spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
-    prompt_tokens = 0
-    output_tokens = 0
-    gpu_seconds = 0.0
-    total_lines = 0
-    file_size = 0
-    default_max = request.default_max_tokens
+    scan = _scan_input(request, WorkModel.from_pool(pool))
+    work = scan.summary()
+    report = assess(
+        work,
+        request.pools,
+        deadline=request.deadline,
+        now=now,
+        policy=AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction),
+        max_parallel=request.workers,
+    )
+    target = _shard_target(request, pool, work.gpu_seconds, work.records)
+    return InputAnalysis(
+        request=request,
+        report=report,
+        work=work,
+        total_lines=scan.total_lines,
+        outcome_lines=work.lines,
+        errors_by_code=dict(scan.errors),
+        cuts=_cut_shards(scan, target, request.max_shards),
+        target_shard_s=target,
+        error_spool=scan.spool,
+    )
+
+
+@dataclass(eq=False)
+class _InputScan:
+    """What the validating pass keeps: three numbers per record, invalid line numbers, totals.
+
+    ``spool`` holds the ``errored`` outcome of every invalid line (rewound when the pass
+    ends); whoever takes the scan closes it (through :meth:`InputAnalysis.close`).
+    """
+
+    work_model: WorkModel
+    rec_line: array[int] = field(default_factory=lambda: array("q"))
+    rec_end: array[int] = field(default_factory=lambda: array("q"))
+    rec_work: array[float] = field(default_factory=lambda: array("d"))
+    invalid_lines: array[int] = field(default_factory=lambda: array("q"))
+    errors: Counter[str] = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    gpu_seconds: float = 0.0
+    total_lines: int = 0
+    file_size: int = 0
+    spool: Any = field(
+        default_factory=lambda: tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
+    )
+
+    def add_record(self, line: int, end_offset: int, prompt_tokens: int, output_tokens: int) -> None:
+        """Count one valid record: its estimated tokens and GPU-seconds, where it ends."""
+        work = self.work_model.seconds(prompt_tokens, output_tokens)
+        self.prompt_tokens += prompt_tokens
+        self.output_tokens += output_tokens
+        self.gpu_seconds += work
+        self.rec_line.append(line)
+        self.rec_end.append(end_offset)
+        self.rec_work.append(work)
+
+    def add_error(self, error: LineError) -> None:
+        """Count one invalid line and spool its ``errored`` outcome."""
+        self.invalid_lines.append(error.line)
+        self.errors[error.code.value] += 1
+        self.spool.write(encode_results([ResultRecord.from_line_error(error)]))
+
+    def summary(self) -> WorkSummary:
+        records = len(self.rec_line)
+        invalid = len(self.invalid_lines)
+        return WorkSummary(
+            records=records,
+            invalid=invalid,
+            lines=records + invalid,
+            prompt_tokens=self.prompt_tokens,
+            output_tokens=self.output_tokens,
+            gpu_seconds=self.gpu_seconds,
+        )
+
+
+def _open_input(input_uri: str) -> BinaryIO:
     try:
-        storage, key = open_uri(request.input_uri)
-        stream = storage.open_read(key)
+        storage, key = open_uri(input_uri)
+        return storage.open_read(key)
     except ObjectNotFound:
-        raise InputError(f"input {request.input_uri} does not exist: check the path or URI") from None
-    seconds = model.seconds
+        raise InputError(f"input {input_uri} does not exist: check the path or URI") from None
+
+
+def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
+    """The validating pass: every line once, in order; the spool is rewound at the end."""
+    limits = request.limits
+    default_max = request.default_max_tokens
+    validator = Validator(limits)
     feed_quick = validator.feed_quick
-    with stream:
+    scan = _InputScan(work_model)
+    add_record = scan.add_record
+    line = end_offset = 0
+    with _open_input(request.input_uri) as stream:
         for line, offset, end_offset, data in iter_line_tuples(stream, max_line_bytes=limits.max_line_bytes):
-            total_lines = line
-            file_size = end_offset
             # the common case skips building Record objects (same numbers: see quick_parse)
             quick = feed_quick(data) if data is not None else None
             if quick is not None:
-                p = estimate_texts_tokens(quick[1])
-                o = quick[2] or default_max  # a valid max_tokens is >= 1, as expected_output_tokens says
-                w = seconds(p, o)
-                prompt_tokens += p
-                output_tokens += o
-                gpu_seconds += w
-                rec_line.append(line)
-                rec_end.append(end_offset)
-                rec_work.append(w)
+                # a valid max_tokens is >= 1, as expected_output_tokens says
+                add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
                 continue
-            raw = RawLine(line, offset, end_offset, data)
-            outcome = validator.feed(raw)
-            if outcome is None:
-                continue
+            outcome = validator.feed(RawLine(line, offset, end_offset, data))
             if isinstance(outcome, Record):
-                p = estimate_prompt_tokens(outcome.request)
-                o = expected_output_tokens(outcome.request, default_max_tokens=default_max)
-                w = seconds(p, o)
-                prompt_tokens += p
-                output_tokens += o
-                gpu_seconds += w
-                rec_line.append(raw.line)
-                rec_end.append(raw.end_offset)
-                rec_work.append(w)
-            else:
-                assert isinstance(outcome, LineError)
-                invalid_lines.append(outcome.line)
-                errors[outcome.code.value] += 1
-                spool.write(_error_outcome(outcome))
-    spool.seek(0)
-    records = len(rec_line)
-    invalid = len(invalid_lines)
-    work = WorkSummary(
-        records=records,
-        invalid=invalid,
-        lines=records + invalid,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        gpu_seconds=gpu_seconds,
-    )
-    policy = AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction)
-    report = assess(
-        work, request.pools, deadline=request.deadline, now=now, policy=policy, max_parallel=request.workers
-    )
-    target = _shard_target(request, pool, gpu_seconds, records)
-    ranges = cut_contiguous(rec_work, target_seconds=target, max_shards=request.max_shards) if records else []
+                add_record(
+                    line,
+                    end_offset,
+                    estimate_prompt_tokens(outcome.request),
+                    expected_output_tokens(outcome.request, default_max_tokens=default_max),
+                )
+            elif outcome is not None:
+                scan.add_error(outcome)
+    scan.total_lines, scan.file_size = line, end_offset
+    scan.spool.seek(0)
+    return scan
+
+
+def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[ShardCut, ...]:
+    """Contiguous byte ranges by cumulative work; the last one runs to the end of the input."""
+    records = len(scan.rec_line)
+    ranges = cut_contiguous(scan.rec_work, target_seconds=target_s, max_shards=max_shards) if records else []
+    invalid_lines = scan.invalid_lines
     cuts: list[ShardCut] = []
     prev_end_offset = 0
     prev_last_line = 0
     for index, (a, b) in enumerate(ranges):
         last = index == len(ranges) - 1
-        end_offset = file_size if last else rec_end[b - 1]
-        last_line = total_lines if last else rec_line[b - 1]
+        end_offset = scan.file_size if last else scan.rec_end[b - 1]
+        last_line = scan.total_lines if last else scan.rec_line[b - 1]
         lo = bisect.bisect_left(invalid_lines, prev_last_line + 1)
         hi = bisect.bisect_right(invalid_lines, last_line)
         cuts.append(
@@ -257,21 +302,11 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
                 line_count=last_line - prev_last_line,
                 records=b - a,
                 excluded_lines=tuple(invalid_lines[lo:hi]),
-                est_work_s=math.fsum(rec_work[a:b]),
+                est_work_s=math.fsum(scan.rec_work[a:b]),
             )
         )
         prev_end_offset, prev_last_line = end_offset, last_line
-    return InputAnalysis(
-        request=request,
-        report=report,
-        work=work,
-        total_lines=total_lines,
-        outcome_lines=records + invalid,
-        errors_by_code=dict(errors),
-        cuts=tuple(cuts),
-        target_shard_s=target,
-        error_spool=spool,
-    )
+    return tuple(cuts)
 
 
 def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, records: int) -> float:
@@ -292,22 +327,6 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
         # ... and every worker still gets a shard
         target = min(target, gpu_seconds / request.workers)
     return max(target, 1e-6)
-
-
-def _error_outcome(error: LineError) -> bytes:
-    return (
-        ResultRecord(
-            line=error.line,
-            id=error.id,
-            status="errored",
-            output=None,
-            error=ResultError(code=error.code.value, message=error.message),
-            usage=Usage(prompt_tokens=0, completion_tokens=0),
-            shard_id="validation",
-            attempt_id="plan",
-        ).to_json_bytes()
-        + b"\n"
-    )
 
 
 def hash_input(input_uri: str) -> str:

@@ -1,6 +1,6 @@
 """The shard worker: claim a shard, generate its microbatches, commit each one fenced by the lease.
 
-It runs inside a Kubernetes pod (or as a local subprocess) and follows DESIGN §6:
+It runs inside a Kubernetes pod (or as a local subprocess) and follows docs/design.md §6:
 
 1. claim the shard (a CAS that bumps the lease epoch and records a fresh attempt ID);
 2. check the engine's model digest against the job's pin, read the shard's byte range of the input
@@ -47,10 +47,8 @@ from typing import Any
 from airflow_deadline_batch.core.estimate import estimate_prompt_tokens
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
 from airflow_deadline_batch.core.packing import microbatch_count, microbatch_order
-from airflow_deadline_batch.core.records import (
-    Record,
-)
-from airflow_deadline_batch.core.results import ResultRecord, Usage
+from airflow_deadline_batch.core.records import Record
+from airflow_deadline_batch.core.results import ResultRecord, Usage, encode_results
 from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.exceptions import (
@@ -209,10 +207,6 @@ def result_records(
                 )
             )
     return results
-
-
-def encode_results(results: Sequence[ResultRecord]) -> bytes:
-    return b"".join(r.to_json_bytes() + b"\n" for r in results)
 
 
 def generate_microbatch(

@@ -28,7 +28,7 @@ class CliResult:
     stderr: str
 
     def json(self) -> dict[str, Any]:
-        """The last non-empty stdout line as a JSON object (the ``--json`` contract, DESIGN §8)."""
+        """The last non-empty stdout line as a JSON object (the ``--json`` contract, docs/design.md §8)."""
         lines = [line for line in self.stdout.splitlines() if line.strip()]
         assert lines, f"no stdout from {self.args}; stderr: {self.stderr[-2000:]}"
         return dict(orjson.loads(lines[-1]))

@@ -1,4 +1,4 @@
-"""Chaos: seeded runs that SIGKILL real worker processes at random instants (DESIGN §4.5).
+"""Chaos: seeded runs that SIGKILL real worker processes at random instants (docs/design.md §4.5).
 
 Each run plans a small input with bad lines in it and runs it with ``local.runner.run_job``:
 two subprocess workers, Spot-style preemptions at a high Poisson rate (SIGTERM, then SIGKILL

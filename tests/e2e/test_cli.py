@@ -1,4 +1,4 @@
-"""The ``deadline-batch`` command end to end (DESIGN §8), through the installed console script.
+"""The ``deadline-batch`` command end to end (docs/design.md §8), through the installed console script.
 
 The main test runs a few thousand lines holding every kind of bad line with four subprocess
 workers and frequent injected preemptions, once on SQLite and a local directory and once on

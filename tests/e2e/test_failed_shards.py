@@ -1,4 +1,4 @@
-"""Shards that fail for good still give every line exactly one terminal outcome (DESIGN §4.5 #1).
+"""Failed shards still give every line exactly one terminal outcome (docs/design.md §4.5 invariant 1).
 
 Every worker kills itself (a real SIGKILL) right after writing its first object and before
 committing it, and a shard has a single attempt: every shard ends ``terminal_failure`` without a

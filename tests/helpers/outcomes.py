@@ -1,4 +1,4 @@
-"""Checks of a published job against DESIGN §4.5, shared by the CLI and chaos tests.
+"""Checks of a published job against docs/design.md §4.5, shared by the CLI and chaos tests.
 
 Every function reads the real outputs (``manifest.json`` and every object it lists, through
 the package's own storage layer, so local paths and ``s3://`` URIs both work) and the real
@@ -15,11 +15,12 @@ from typing import Any
 
 import orjson
 
+from airflow_deadline_batch.core.results import RESULT_STATUSES, OutputManifest, ResultRecord
 from airflow_deadline_batch.storage import open_storage, open_uri
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.inputs import MixedInput
 
-STATUSES = ("succeeded", "errored", "cancelled", "expired")
+STATUSES = RESULT_STATUSES
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,7 +36,10 @@ def read_bytes(uri: str) -> bytes:
 
 
 def read_manifest(uri: str) -> dict[str, Any]:
-    return dict(orjson.loads(read_bytes(uri)))
+    """The published manifest as a dict, after checking it against the format (``OutputManifest``)."""
+    data = read_bytes(uri)
+    OutputManifest.from_json_bytes(data)
+    return dict(orjson.loads(data))
 
 
 def read_outcomes(manifest: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
@@ -46,7 +50,10 @@ def read_outcomes(manifest: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
         assert hashlib.sha256(data).hexdigest() == entry["sha256"], (
             f"{entry['uri']} fails its manifest SHA-256"
         )
-        records = [orjson.loads(raw) for raw in data.splitlines() if raw.strip()]
+        lines = [raw for raw in data.splitlines() if raw.strip()]
+        for raw in lines:  # every line follows the result record format (``ResultRecord``)
+            ResultRecord.parse_line(raw)
+        records = [orjson.loads(raw) for raw in lines]
         assert len(records) == entry["records"], (
             f"{entry['uri']} holds {len(records)}, manifest says {entry['records']}"
         )
@@ -92,11 +99,11 @@ def assert_store_invariants(store: ManifestStore, job_id: str, manifest: Mapping
     """Fencing, completeness, garbage collection and progress, read from the store and storage.
 
     * every commit belongs to an attempt of the same shard with the same epoch, made while that
-      attempt was alive (committed no later than the attempt ended): invariant 2;
+      attempt was alive (committed no later than the attempt ended): docs/design.md §4.5 invariant 2;
     * each shard has exactly one commit per microbatch ``0..n-1`` and its objects' SHA-256 hold;
     * the manifest lists exactly the committed objects, and no attempt object outside them
       remains under ``<job>/attempts/`` (uncommitted attempts were garbage-collected);
-    * progress counts equal the committed outcomes: invariant 4.
+    * progress counts equal the committed outcomes: docs/design.md §4.5 invariant 4.
     """
     job = store.get_job(job_id)
     assert job.manifest_uri, f"job {job_id} has no published manifest (state {job.state})"

@@ -25,7 +25,7 @@ import pytest
 from airflow_deadline_batch.core.ids import new_job_id
 from airflow_deadline_batch.core.packing import microbatch_count
 from airflow_deadline_batch.core.records import LineError, Record, ValidationLimits, Validator, iter_raw_lines
-from airflow_deadline_batch.core.results import ResultRecord
+from airflow_deadline_batch.core.results import ResultRecord, encode_results
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.storage import join_uri, open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import ManifestStore, NewCommit, NewJob, NewShard
@@ -100,7 +100,7 @@ def create_test_job(
     output_uri = join_uri(base_uri, "out", job_id)
     validation = None
     if errors:
-        blob = b"".join(ResultRecord.from_line_error(e).to_json_bytes() + b"\n" for e in errors)
+        blob = encode_results(ResultRecord.from_line_error(e) for e in errors)
         uri = open_storage(output_uri).put_bytes("validation/errors.jsonl", blob)
         validation = NewCommit(
             uri=uri, sha256=sha256_hex(blob), records=len(errors), counts={"errored": len(errors)}

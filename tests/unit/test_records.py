@@ -1,4 +1,4 @@
-"""Input splitting, parsing and validation (DESIGN §4.1)."""
+"""Input splitting, parsing and validation (docs/design.md §4.1)."""
 
 from __future__ import annotations
 

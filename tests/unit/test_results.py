@@ -1,4 +1,4 @@
-"""Result records and the output manifest (DESIGN §4.2, §4.3)."""
+"""Result records and the output manifest (docs/design.md §4.2, §4.3)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from airflow_deadline_batch.core.records import ErrorCode, LineError
 from airflow_deadline_batch.core.results import (
+    RESULT_STATUSES,
     InputInfo,
     ManifestShard,
     ModelInfo,
@@ -18,6 +19,7 @@ from airflow_deadline_batch.core.results import (
     ResultError,
     ResultRecord,
     Usage,
+    encode_results,
 )
 
 SHA = "a" * 64
@@ -48,6 +50,22 @@ def test_errored_from_line_error() -> None:
     assert rec.error == ResultError(code="invalid_json", message="bad json; fix it")
     assert (rec.shard_id, rec.attempt_id) == ("validation", "plan")
     assert ResultRecord.parse_line(rec.to_json_bytes()) == rec
+
+
+def test_encode_results_writes_one_line_per_record_each_ending_in_a_newline() -> None:
+    recs = [
+        ResultRecord.from_line_error(LineError(2, "x", ErrorCode.DUPLICATE_ID, "repeats line 1")),
+        ResultRecord.succeeded(line=1, id="x", output="ok", usage=Usage(), shard_id="00000", attempt_id="a"),
+    ]
+    data = encode_results(iter(recs))
+    assert data == recs[0].to_json_bytes() + b"\n" + recs[1].to_json_bytes() + b"\n"
+    assert [ResultRecord.parse_line(raw) for raw in data.splitlines()] == recs
+    assert encode_results([]) == b""
+
+
+def test_result_statuses_are_the_design_statuses_in_order() -> None:
+    assert RESULT_STATUSES == ("succeeded", "errored", "cancelled", "expired")
+    assert tuple(OutcomeCounts().model_dump()) == RESULT_STATUSES
 
 
 @pytest.mark.parametrize("status", ["cancelled", "expired"])

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 256
 
-#: error codes an engine puts in an errored Generation (DESIGN §4.2 ``error.code``)
+#: error codes an engine puts in an errored Generation (docs/design.md §4.2 ``error.code``)
 ENGINE_ERROR = "engine_error"
 PROMPT_TOO_LONG = "prompt_too_long"
 REQUEST_REJECTED = "request_rejected"
