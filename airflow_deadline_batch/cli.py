@@ -1,4 +1,4 @@
-"""The ``deadline-batch`` command (DESIGN §8): run, plan, status, verify, cancel, simulate.
+"""The ``deadline-batch`` command (docs/design.md §8): run, plan, status, verify, cancel, simulate.
 
 Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at admission;
 4 finished without a complete manifest. User errors are one line on stderr, never a traceback.
@@ -18,11 +18,11 @@ import orjson
 
 from airflow_deadline_batch.core.clock import SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
+from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
 
-EXIT_OK, EXIT_USAGE, EXIT_REJECTED, EXIT_INCOMPLETE = 0, 2, 3, 4
 DEFAULT_HOME = ".deadline-batch"
 ENGINES = ("echo", "transformers", "vllm", "openai")
 

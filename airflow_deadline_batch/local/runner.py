@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
+from airflow_deadline_batch.core.exit_codes import WorkerExit, worker_exit
 from airflow_deadline_batch.core.placement import JobSnapshot, choose_pool
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import VerificationError
 from airflow_deadline_batch.local.launcher import (
     WorkerProcess,
-    classify_exit,
     fence_dead_worker,
     start_worker,
 )
@@ -62,7 +62,7 @@ class _Running:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """The ``--json`` summary of DESIGN §8 (and a little more)."""
+    """The ``--json`` summary of docs/design.md §8 (and a little more)."""
 
     job_id: str
     state: str
@@ -207,7 +207,7 @@ def run_job(
                 del running[index]
                 if code < 0:
                     fence_dead_worker(store, item.proc)
-                if classify_exit(code) == "succeeded":
+                if worker_exit(code) is WorkerExit.SUCCEEDED:
                     continue
                 if store.get_job(plan.job_id).state in _STOPPED_JOB_STATES:
                     # cancelled (or finished elsewhere): no retry could claim a shard; stop relaunching

@@ -22,7 +22,9 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 from kubernetes.client import models as k8s
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
+from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
 from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.operators.placement import (
@@ -33,8 +35,6 @@ from airflow_deadline_batch.operators.placement import (
     pod_placement,
 )
 
-WORKER_MODULE = "airflow_deadline_batch.worker"
-EXIT_OK, EXIT_TERMINAL, EXIT_RETRYABLE = 0, 1, 75
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
 PREEMPTION_REASONS = frozenset(
     {
@@ -116,25 +116,6 @@ def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassific
         f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
         code,
     )
-
-
-def worker_arguments(
-    job_id: str, shard_index: int, *, pool: str, lease_ttl_s: float, grace_s: float, extra: Sequence[str] = ()
-) -> list[str]:
-    """The worker's command-line arguments; the store URL comes from ``ADB_STORE_URL`` (a Secret)."""
-    return [
-        "--job",
-        job_id,
-        "--shard",
-        str(shard_index),
-        "--pool",
-        pool,
-        "--lease-ttl",
-        f"{lease_ttl_s:g}",
-        "--grace",
-        f"{grace_s:g}",
-        *extra,
-    ]
 
 
 class _ShardTryMixin:

@@ -1,8 +1,8 @@
 """``CompletenessTrigger``: waits in the triggerer until every shard of a job is terminal.
 
-It polls the manifest store's committed progress (never attempts, DESIGN §4.5.4) in a worker thread
-and yields exactly one typed event. ``run()`` never raises: a store failure becomes an ``error``
-event so the sensor can report it instead of the triggerer logging a traceback.
+It polls the manifest store's committed progress (never attempts: docs/design.md §4.5, invariant 4)
+in a worker thread and yields exactly one typed event. ``run()`` never raises: a store failure
+becomes an ``error`` event so the sensor can report it instead of the triggerer logging a traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_deadline_batch.core.clock import UTC, ensure_aware
 
-#: shard states after which nothing more will happen to a shard (DESIGN §4.4)
+#: shard states after which nothing more will happen to a shard (docs/design.md §4.4)
 TERMINAL_SHARD_STATES = frozenset({"succeeded", "terminal_failure"})
 FAILED_SHARD_STATES = frozenset({"terminal_failure"})
 #: job states in which no shard will run again

@@ -1,4 +1,4 @@
-"""Admission and slack (DESIGN §5), including the seed's worked example."""
+"""Admission and slack (docs/design.md §5), including the seed's worked example."""
 
 from __future__ import annotations
 

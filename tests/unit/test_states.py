@@ -1,4 +1,4 @@
-"""State machines of jobs, shards and attempts (DESIGN §4.4)."""
+"""State machines of jobs, shards and attempts (docs/design.md §4.4)."""
 
 from __future__ import annotations
 
