@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import IO
 
 from airflow_deadline_batch.core.exit_codes import EXIT_RETRYABLE
 from airflow_deadline_batch.core.worker_command import worker_arguments, worker_command
@@ -44,7 +45,7 @@ def start_worker(
     lease_ttl_s: float = 60.0,
     grace_s: float = 30.0,
     env: Mapping[str, str] | None = None,
-    stderr: int | None = None,
+    stderr: IO[bytes] | int | None = None,
     worker_name: str | None = None,
 ) -> WorkerProcess:
     full_env = dict(os.environ)

@@ -31,8 +31,8 @@ from airflow_deadline_batch.operators.placement import (
     TryAction,
     TryDecision,
     decide_for_try,
-    parse_pools,
     pod_placement,
+    read_job_view,
 )
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
@@ -131,13 +131,9 @@ class _ShardTryMixin:
 
     def decide(self, context: Any | None = None) -> TryDecision:
         store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
-        job = store.get_job(self.job_id)
-        shard = store.get_shard(self.job_id, int(self.shard_index))
-        progress = store.progress(self.job_id)
-        pools = parse_pools(self.pools, job.config)
-        decision = decide_for_try(
-            job=job, shard=shard, progress=progress, pools=pools, now=(self.clock or SystemClock()).now()
-        )
+        now = (self.clock or SystemClock()).now()
+        view = read_job_view(store, self.job_id, now=now, pools=self.pools)
+        decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
         if context is not None:
             context["ti"].xcom_push(key="placement", value=decision.to_dict())
