@@ -9,16 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
 from airflow_deadline_batch.core.clock import SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
-from airflow_deadline_batch.core.feasibility import format_duration
+from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
 
@@ -41,7 +41,7 @@ def default_output() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line and exit 2, as for every other usage error
+    def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -375,16 +375,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_simulate(args)
         return handlers[args.command](args)
     except AdmissionRejected as exc:
-        report = exc.fields.get("report")
+        # the planner's report, or the recorded one (plain values) of an earlier rejected submission
+        report: AdmissionReport | Mapping[str, Any] | None = exc.fields.get("report")
         if getattr(args, "json", False) and report is not None:
-            data = report.to_dict() if hasattr(report, "to_dict") else report
+            data = report.to_dict() if isinstance(report, AdmissionReport) else dict(report)
             sys.stdout.write(
                 orjson.dumps(
                     {"state": "rejected", "job_id": exc.fields.get("job_id"), "report": data}, default=str
                 ).decode()
                 + "\n"
             )
-        elif report is not None and hasattr(report, "summary"):
+        elif isinstance(report, AdmissionReport):
             sys.stderr.write(report.summary().rstrip("\n") + "\n")
         sys.stderr.write(f"deadline-batch: rejected: {exc.message}\n")
         return EXIT_REJECTED

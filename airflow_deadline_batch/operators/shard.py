@@ -127,7 +127,7 @@ class _ShardTryMixin:
     store_conn_id: str | None
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None
     clock: Clock | None
-    log: Any
+    log: Any  # the operator's task logger (Airflow's, structured)
 
     def decide(self, context: Any | None = None) -> TryDecision:
         store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
