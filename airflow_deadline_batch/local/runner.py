@@ -119,7 +119,7 @@ def run_job(
     plan = plan_job(store, request, clock=clock)
     if on_plan:
         on_plan(plan)
-    run = _LocalRun(store, plan.job_id, options, clock)
+    run = LocalRun(store, plan.job_id, options, clock)
     run.work_until_done(on_progress)
     result = _finalize(store, plan.job_id, clock, run.deadline_passed)
     if on_progress:
@@ -127,7 +127,7 @@ def run_job(
     return _summary(store, plan, result, run, time.monotonic() - started)
 
 
-class _LocalRun:
+class LocalRun:
     """The launch loop of one job: keep ``workers`` shards running until none is left to run."""
 
     def __init__(self, store: ManifestStore, job_id: str, options: RunOptions, clock: Clock) -> None:
@@ -257,7 +257,7 @@ def _worker_env(options: RunOptions) -> dict[str, str]:
 
 
 def _summary(
-    store: ManifestStore, plan: PlanResult, result: FinalizeResult, run: _LocalRun, elapsed_s: float
+    store: ManifestStore, plan: PlanResult, result: FinalizeResult, run: LocalRun, elapsed_s: float
 ) -> RunSummary:
     progress = store.progress(plan.job_id)
     job = store.get_job(plan.job_id)
@@ -305,4 +305,4 @@ def _stop_all(store: ManifestStore, running: dict[int, _Running], grace_s: float
 
 
 def _open_log(path: str | None) -> IO[bytes]:
-    return open(path or os.devnull, "ab")  # noqa: SIM115 - closed by _LocalRun.work_until_done
+    return open(path or os.devnull, "ab")  # noqa: SIM115 - closed by LocalRun.work_until_done

@@ -9,7 +9,7 @@ import pytest
 from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome
-from airflow_deadline_batch.local.runner import RunOptions, _LocalRun
+from airflow_deadline_batch.local.runner import LocalRun, RunOptions
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, LocalShardOperator
 from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
@@ -74,7 +74,7 @@ def job_id(store_url: str) -> str:
 
 def decisions(store_url: str, job_id: str, index: int, clock: ManualClock) -> list[TryDecision]:
     """The runner's decision and both shard operators' decisions for one shard, now."""
-    runner = _LocalRun(ManifestStore(store_url), job_id, RunOptions(workers=WORKERS), clock)
+    runner = LocalRun(ManifestStore(store_url), job_id, RunOptions(workers=WORKERS), clock)
     operators = [
         cls(task_id="shard", job_id=job_id, shard_index=index, store_url=store_url, clock=clock, **extra)
         for cls, extra in ((LocalShardOperator, {}), (DeadlineShardPodOperator, {"image": "worker:0.1"}))
