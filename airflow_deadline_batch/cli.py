@@ -1,4 +1,4 @@
-"""The ``deadline-batch`` command (DESIGN §8): run, plan, status, verify, cancel, simulate.
+"""The ``deadline-batch`` command (docs/design.md §8): run, plan, status, verify, cancel, simulate.
 
 Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at admission;
 4 finished without a complete manifest. User errors are one line on stderr, never a traceback.
@@ -7,22 +7,25 @@ Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
 from airflow_deadline_batch.core.clock import SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
-from airflow_deadline_batch.core.feasibility import AdmissionPolicy, format_duration
+from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
+from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
 
-EXIT_OK, EXIT_USAGE, EXIT_REJECTED, EXIT_INCOMPLETE = 0, 2, 3, 4
+if TYPE_CHECKING:
+    from airflow_deadline_batch.service.planning import PlanRequest
+    from airflow_deadline_batch.store import ManifestStore
+
 DEFAULT_HOME = ".deadline-batch"
 ENGINES = ("echo", "transformers", "vllm", "openai")
 
@@ -38,7 +41,7 @@ def default_output() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line and exit 2, as for every other usage error
+    def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -134,7 +137,7 @@ def _load_pools(path: str | None, engine: str) -> tuple[PoolSpec, ...]:
         raise ConfigurationError(f"pools file {path}: {exc}") from None
 
 
-def _plan_request(args: argparse.Namespace, engine: str, output: str) -> Any:
+def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanRequest:
     from airflow_deadline_batch.service.planning import PlanRequest
 
     clock = SystemClock()
@@ -257,7 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if summary.state == "completed" else EXIT_INCOMPLETE
 
 
-def _open_store(args: argparse.Namespace) -> Any:
+def _open_store(args: argparse.Namespace) -> ManifestStore:
     from airflow_deadline_batch.store import ManifestStore
 
     url = args.store or default_store_url()
@@ -271,14 +274,20 @@ def _open_store(args: argparse.Namespace) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.operators.placement import read_job_view
+
     store = _open_store(args)
-    job = store.get_job(args.job_id)
     progress = store.progress(args.job_id)
+    # predicted finish and slack from committed work only (invariant 4), on the rates measured so far:
+    # the job view every placement decision uses, so on-call sees the slack the placement sees
+    view = read_job_view(store, args.job_id, now=SystemClock().now())
+    manifest = store.get_job(args.job_id).manifest_uri
+    rates = view.rates()
     payload = {
-        "job_id": job.job_id,
-        "state": str(job.state.value if hasattr(job.state, "value") else job.state),
-        "deadline": job.deadline.isoformat(),
-        "manifest": job.manifest_uri,
+        "job_id": view.job_id,
+        "state": view.state.value,
+        "deadline": view.deadline.isoformat(),
+        "manifest": manifest,
         "records": {
             "total": progress.total_records,
             "committed": progress.committed_records,
@@ -291,36 +300,40 @@ def cmd_status(args: argparse.Namespace) -> int:
         },
         "attempts": progress.attempts,
         "preemptions": progress.preemptions,
-        "remaining_work_s": round(progress.remaining_work_s, 3),
+        "remaining_work_s": round(view.remaining_work_s, 3),
+        "work_scale": round(view.work_scale, 4),
+        "rates": [r.to_dict() for r in rates],
+        "predicted_finish": view.predicted_finish.isoformat(),
+        "slack_s": round(view.slack_s, 3),
     }
-    # slack from committed work only (invariant 4): what on-call needs before the deadline is missed
-    workers = max(1, int(job.config.get("workers") or 1))
-    efficiency = AdmissionPolicy().efficiency
-    now = SystemClock().now()
-    finished = job.completed_at is not None
-    predicted = (
-        job.completed_at
-        if job.completed_at is not None
-        else now + dt.timedelta(seconds=progress.remaining_work_s / (workers * efficiency))
-    )
-    slack_s = (job.deadline - predicted).total_seconds()
-    payload["predicted_finish"] = predicted.isoformat()
-    payload["slack_s"] = round(slack_s, 3)
+    predicted, slack_s = view.predicted_finish, view.slack_s
     pct = 100.0 * progress.committed_records / progress.total_records if progress.total_records else 100.0
+    rate_lines = "".join(
+        f"  {r.pool} ({r.kind.value}): "
+        + (
+            f"{r.tokens_per_s:,.0f} tokens/s measured over {r.microbatches} microbatch(es) "
+            f"(nominal {r.nominal_tokens_per_s:,.0f})"
+            if r.microbatches
+            else f"{r.nominal_tokens_per_s:,.0f} tokens/s nominal, not measured yet"
+        )
+        + "\n"
+        for r in rates
+    )
     text = (
-        f"job {job.job_id}: {payload['state']}, deadline {job.deadline.isoformat()}\n"
+        f"job {view.job_id}: {view.state.value}, deadline {view.deadline.isoformat()}\n"
         f"committed {progress.committed_records}/{progress.total_records} records ({pct:.1f}%): "
         f"succeeded {progress.succeeded}, errored {progress.errored}\n"
         f"shards: {payload['shards']}\nattempts: {progress.attempts}, preemptions: {progress.preemptions}\n"
+        f"rates (work x{view.work_scale:.2f} of the planned estimate):\n{rate_lines}"
         + (
             f"finished {predicted.isoformat(timespec='seconds')}, "
             f"{format_duration(abs(slack_s))} {'before' if slack_s >= 0 else 'after'} the deadline\n"
-            if finished
-            else f"remaining work {format_duration(progress.remaining_work_s)} GPU-time on {workers} "
-            f"worker(s): predicted finish {predicted.isoformat(timespec='seconds')}, "
-            f"slack {format_duration(slack_s, signed=True)}\n"
+            if view.finished
+            else f"remaining work {format_duration(view.remaining_work_s)} GPU-time on {view.parallelism} "
+            f"worker(s) plus a {format_duration(view.changeover_s)} changeover: predicted finish "
+            f"{predicted.isoformat(timespec='seconds')}, slack {format_duration(slack_s, signed=True)}\n"
         )
-        + f"manifest: {job.manifest_uri or 'not published'}"
+        + f"manifest: {manifest or 'not published'}"
     )
     _emit(args, payload, text)
     return EXIT_OK
@@ -362,16 +375,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_simulate(args)
         return handlers[args.command](args)
     except AdmissionRejected as exc:
-        report = exc.fields.get("report")
+        # the planner's report, or the recorded one (plain values) of an earlier rejected submission
+        report: AdmissionReport | Mapping[str, Any] | None = exc.fields.get("report")
         if getattr(args, "json", False) and report is not None:
-            data = report.to_dict() if hasattr(report, "to_dict") else report
+            data = report.to_dict() if isinstance(report, AdmissionReport) else dict(report)
             sys.stdout.write(
                 orjson.dumps(
                     {"state": "rejected", "job_id": exc.fields.get("job_id"), "report": data}, default=str
                 ).decode()
                 + "\n"
             )
-        elif report is not None and hasattr(report, "summary"):
+        elif isinstance(report, AdmissionReport):
             sys.stderr.write(report.summary().rstrip("\n") + "\n")
         sys.stderr.write(f"deadline-batch: rejected: {exc.message}\n")
         return EXIT_REJECTED

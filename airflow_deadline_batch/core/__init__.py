@@ -1,1 +1,1 @@
-"""Pure domain logic: no Airflow, Kubernetes, boto3 or SQLAlchemy imports (DESIGN §3)."""
+"""Pure domain logic: no Airflow, Kubernetes, boto3 or SQLAlchemy imports (docs/design.md §3)."""

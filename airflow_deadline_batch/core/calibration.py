@@ -1,27 +1,34 @@
-"""Calibration: service rates, startup time, preemption rate and Spot availability, learned online.
+"""Calibration: per-pool service rates learned from committed microbatches, and Spot availability.
 
-Pure functions over plain values. The prior comes from the pool's :class:`PoolSpec`; each committed
-microbatch (a :class:`RateSample`) moves the estimate by an exponentially weighted step whose
-weight grows with the sample's size, and single outliers are clipped so one slow microbatch (a cold
-cache, a noisy neighbour) cannot swing the remaining-work estimate.
+Pure functions over plain values. A pool's prior is its :class:`PoolSpec` rates; each committed
+microbatch (a :class:`RateSample`: tokens, seconds and the pool it ran on) moves that pool's
+estimate by an exponentially weighted step whose weight grows with the sample's size, and single
+outliers are clipped so one slow microbatch (a cold cache, a noisy neighbour) cannot swing the
+remaining-work estimate. :mod:`core.job_view` folds a job's commits into a :class:`Calibration`
+and takes remaining work, predicted finish, slack and placement from it.
+
+:class:`AvailabilityEstimate` learns how often Spot capacity is there (the simulator's
+``slack_aware`` policy feeds it the capacity it sees).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.pools import PoolSpec
 
 #: tokens of evidence the prior is worth (a few microbatches' worth)
 PRIOR_TOKENS = 20_000.0
 #: a sample may move the rate by at most this factor either way
 MAX_STEP_RATIO = 4.0
+#: completion share of the prior blend when nothing has been measured yet
+DEFAULT_COMPLETION_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class RateSample:
-    """One committed microbatch: tokens processed in ``elapsed_s`` on ``pool`` (a pool name or kind)."""
+    """One committed microbatch: tokens processed in ``elapsed_s`` on ``pool`` (a pool name)."""
 
     pool: str
     records: int
@@ -36,21 +43,42 @@ class RateSample:
 
 @dataclass(frozen=True)
 class PoolEstimate:
-    """What is known of one pool: effective tokens/s, startup seconds, preemptions per hour."""
+    """What is known of one pool's speed for the job's model.
+
+    ``prior_tokens_per_s`` is the pool's nominal rate for the job's mix of prompt and completion
+    tokens; ``tokens_per_s`` the learned one (equal to the prior until a microbatch commits).
+    """
 
     tokens_per_s: float
-    startup_s: float
-    preemptions_per_hour: float
+    prior_tokens_per_s: float
     evidence_tokens: float = PRIOR_TOKENS
-    busy_hours: float = 0.0
-    preemptions: int = 0
-    startups: int = 0
+    samples: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.samples > 0
+
+    @property
+    def slowdown(self) -> float:
+        """Seconds this pool really takes per nominal second (1.0 before any measurement)."""
+        return self.prior_tokens_per_s / self.tokens_per_s
 
 
-def prior_tokens_per_s(spec: PoolSpec, completion_share: float = 0.5) -> float:
+def prior_tokens_per_s(spec: PoolSpec, completion_share: float = DEFAULT_COMPLETION_SHARE) -> float:
     """Blended tokens/s from a pool's prefill and decode rates (harmonic: time adds up, not rate)."""
     share = min(max(completion_share, 0.0), 1.0)
     return 1.0 / ((1 - share) / spec.prefill_tokens_per_s + share / spec.decode_tokens_per_s)
+
+
+def completion_share(samples: Iterable[RateSample]) -> float:
+    """Share of completion tokens in the samples (:data:`DEFAULT_COMPLETION_SHARE` without any)."""
+    prompt = completion = 0
+    for sample in samples:
+        prompt += max(0, sample.prompt_tokens)
+        completion += max(0, sample.completion_tokens)
+    total = prompt + completion
+    return completion / total if total else DEFAULT_COMPLETION_SHARE
 
 
 @dataclass(frozen=True)
@@ -60,26 +88,20 @@ class Calibration:
     pools: Mapping[str, PoolEstimate] = field(default_factory=dict)
 
     @classmethod
-    def from_specs(cls, specs: Iterable[PoolSpec], completion_share: float = 0.5) -> Calibration:
-        return cls(
-            {
-                s.name: PoolEstimate(
-                    tokens_per_s=prior_tokens_per_s(s, completion_share),
-                    startup_s=s.startup_seconds,
-                    preemptions_per_hour=s.preemptions_per_hour,
-                )
-                for s in specs
-            }
-        )
+    def from_specs(
+        cls, specs: Iterable[PoolSpec], completion_share: float = DEFAULT_COMPLETION_SHARE
+    ) -> Calibration:
+        estimates = {}
+        for spec in specs:
+            prior = prior_tokens_per_s(spec, completion_share)
+            estimates[spec.name] = PoolEstimate(tokens_per_s=prior, prior_tokens_per_s=prior)
+        return cls(estimates)
 
     def estimate(self, pool: str) -> PoolEstimate:
         try:
             return self.pools[pool]
         except KeyError:
             raise KeyError(f"no calibration for pool {pool!r}; known: {sorted(self.pools)}") from None
-
-    def _with(self, pool: str, est: PoolEstimate) -> Calibration:
-        return Calibration({**self.pools, pool: est})
 
     def observe_rate(self, sample: RateSample) -> Calibration:
         """Fold one committed microbatch into its pool's tokens/s (size-weighted, clipped)."""
@@ -91,64 +113,31 @@ class Calibration:
         weight = sample.tokens / (est.evidence_tokens + sample.tokens)
         # Average time per token (not rate) so that slow and fast samples weigh by the time they took.
         seconds_per_token = (1 - weight) / est.tokens_per_s + weight / measured
-        return self._with(
-            sample.pool,
-            replace(
-                est,
-                tokens_per_s=1.0 / seconds_per_token,
-                evidence_tokens=min(est.evidence_tokens + sample.tokens, 2 * PRIOR_TOKENS),
-                busy_hours=est.busy_hours + sample.elapsed_s / 3600.0,
-            ),
+        updated = replace(
+            est,
+            tokens_per_s=1.0 / seconds_per_token,
+            evidence_tokens=min(est.evidence_tokens + sample.tokens, 2 * PRIOR_TOKENS),
+            samples=est.samples + 1,
+            busy_s=est.busy_s + sample.elapsed_s,
         )
+        return Calibration({**self.pools, sample.pool: updated})
 
-    def observe_startup(self, pool: str, seconds: float, alpha: float = 0.3) -> Calibration:
-        """Exponentially weighted startup time (pod scheduling + model load)."""
-        est = self.estimate(pool)
-        return self._with(
-            pool,
-            replace(
-                est,
-                startup_s=(1 - alpha) * est.startup_s + alpha * max(0.0, seconds),
-                startups=est.startups + 1,
-            ),
-        )
-
-    def observe_preemption(self, pool: str) -> Calibration:
-        est = self.estimate(pool)
-        return self._with(
-            pool,
-            replace(
-                est,
-                preemptions=est.preemptions + 1,
-                preemptions_per_hour=preemption_rate(
-                    est.preemptions + 1, est.busy_hours, est.preemptions_per_hour
-                ),
-            ),
-        )
+    def observe_all(self, samples: Iterable[RateSample]) -> Calibration:
+        """Fold samples in order (oldest first)."""
+        calibration = self
+        for sample in samples:
+            calibration = calibration.observe_rate(sample)
+        return calibration
 
 
-def preemption_rate(
-    preemptions: int, busy_hours: float, prior_per_hour: float, prior_hours: float = 2.0
-) -> float:
-    """Preemptions per hour: the observed count over exposure, with the prior as pseudo-exposure."""
-    return (preemptions + prior_per_hour * prior_hours) / (busy_hours + prior_hours)
+def calibrate(specs: Iterable[PoolSpec], samples: Iterable[RateSample]) -> Calibration:
+    """The calibration of a job's pools after its committed microbatches (oldest first).
 
-
-def re_estimate_remaining(
-    remaining_tokens: float, calibration: Calibration, pool: str, reference_pool: str | None = None
-) -> float:
-    """Remaining GPU-seconds at the reference pool's learned rate (what placement calls remaining work)."""
-    est = calibration.estimate(reference_pool or pool)
-    return max(0.0, remaining_tokens) / est.tokens_per_s
-
-
-def rate_by_kind(calibration: Calibration, kinds: Mapping[str, PoolKind]) -> dict[PoolKind, float]:
-    """Slowest learned tokens/s per pool kind (the conservative figure for deadlines)."""
-    out: dict[PoolKind, float] = {}
-    for name, kind in kinds.items():
-        rate = calibration.estimate(name).tokens_per_s
-        out[kind] = min(out.get(kind, rate), rate)
-    return out
+    The priors blend each pool's prefill and decode rates in the measured share of completion
+    tokens, so a measured rate is compared with the nominal rate for the same mix of tokens.
+    """
+    samples = list(samples)
+    return Calibration.from_specs(specs, completion_share(samples)).observe_all(samples)
 
 
 @dataclass(frozen=True)
@@ -198,21 +187,3 @@ class AvailabilityEstimate:
     @property
     def value(self) -> float:
         return (self.weighted_sum + self.prior * self.prior_hours) / (self.weight + self.prior_hours)
-
-
-def observed_availability(
-    history: Sequence[int],
-    workers: int,
-    gap_s: float,
-    *,
-    prior: float = 0.5,
-    prior_hours: float = 6.0,
-    half_life_hours: float = 24.0,
-) -> float:
-    """:class:`AvailabilityEstimate` over a whole capacity history (oldest first)."""
-    if gap_s <= 0:
-        raise ValueError("gap_s must be > 0")
-    est = AvailabilityEstimate(prior=prior, prior_hours=prior_hours, half_life_hours=half_life_hours)
-    for cap in history:
-        est = est.observe(cap, workers, gap_s / 3600.0)
-    return est.value

@@ -1,4 +1,4 @@
-"""Token and GPU-time estimates of the work in a batch (DESIGN §5).
+"""Token and GPU-time estimates of the work in a batch (docs/design.md §5).
 
 Without a tokenizer, prompt tokens come from a calibrated heuristic (about one token per four
 bytes of ASCII text, one per character otherwise, which covers CJK and errs high for accented

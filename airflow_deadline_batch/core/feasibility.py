@@ -1,4 +1,4 @@
-"""Admission: is the deadline feasible, under which plan, and with how much slack (DESIGN §5).
+"""Admission: is the deadline feasible, under which plan, and with how much slack (docs/design.md §5).
 
 ``slack = deadline − now − (queue wait + remaining work / (ready GPUs × efficiency) + recovery
 reserve)``. Plans on Spot capacity also pay the expected cost of preemptions (a restart plus

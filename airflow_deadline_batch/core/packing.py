@@ -1,4 +1,4 @@
-"""Shard sizing and cutting (DESIGN §5).
+"""Shard sizing and cutting (docs/design.md §5).
 
 A shard is a contiguous run of records whose expected duration is near Young's optimum
 ``sqrt(2 · C · M)`` (checkpoint cost ``C``, mean time between interruptions ``M``), so that a

@@ -1,7 +1,7 @@
 """Placement: Spot or on-demand for the next try of a shard, decided from the job's slack.
 
 One implementation, used by the simulator's ``slack_aware`` policy, the local runner and the Airflow
-shard operator alike. The rule (DESIGN §5), all in seconds of wall time per worker:
+shard operator alike. The rule (docs/design.md §5), all in seconds of wall time per worker:
 
 * ``od_need`` = changeover + remaining work / parallelism + list-scheduling imbalance: the time the
   job still needs if every worker went on-demand now. ``slack = time left − od_need``.

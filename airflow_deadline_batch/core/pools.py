@@ -19,8 +19,11 @@ class PoolKind(str, enum.Enum):
 class PoolSpec:
     """One node pool a shard can be placed on.
 
-    Rates are per GPU and measured for the job's model (the calibration updates them while a job
-    runs). ``node_selector``, ``tolerations`` and ``labels`` are passed to the pod as they are.
+    Rates are per GPU, nominal for the job's model: the planner prices the work at them, and they
+    are the prior of :mod:`core.calibration`. They are never changed here; while a job runs,
+    :mod:`core.job_view` learns each pool's rate from the committed microbatches and takes predicted
+    finish, slack and placement from the learned rates. ``node_selector``, ``tolerations`` and
+    ``labels`` are passed to the pod as they are.
     """
 
     name: str
@@ -101,7 +104,7 @@ def default_local_pools(engine: str = "transformers") -> tuple[PoolSpec, ...]:
     """The embedded default: a laptop's CPU 'pools', a Spot-like one and a dependable one.
 
     Rates are rough CPU figures for the engine (the small default model for ``transformers``);
-    the calibration replaces them with measured ones as soon as microbatches commit.
+    once microbatches commit, the job view uses the rates measured from them instead.
     """
     prefill, decode, startup = _LOCAL_RATES.get(engine, _LOCAL_RATES["transformers"])
     return (

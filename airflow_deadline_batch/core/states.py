@@ -1,4 +1,4 @@
-"""Job, shard and attempt states and the transitions allowed between them (DESIGN §4.4).
+"""Job, shard and attempt states and the transitions allowed between them (docs/design.md §4.4).
 
 The store checks every state change against these tables, so an impossible transition (a
 completed job running again, a succeeded shard leased again) fails loudly instead of corrupting

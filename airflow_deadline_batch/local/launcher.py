@@ -8,53 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import IO
 
+from airflow_deadline_batch.core.exit_codes import EXIT_RETRYABLE
+from airflow_deadline_batch.core.worker_command import worker_arguments, worker_command
 from airflow_deadline_batch.store import ManifestStore
-
-EXIT_OK = 0
-EXIT_TERMINAL = 1
-EXIT_RETRYABLE = 75
-
-
-def worker_command(
-    store_url: str | None,
-    job_id: str,
-    shard_index: int,
-    *,
-    pool: str | None = None,
-    lease_ttl_s: float = 60.0,
-    grace_s: float = 30.0,
-    worker_name: str | None = None,
-    engine_options: Sequence[str] = (),
-    python: str = sys.executable,
-) -> list[str]:
-    """The argv of one worker process (``python -m airflow_deadline_batch.worker ...``).
-
-    With ``store_url=None`` the worker reads the DSN from ``ADB_STORE_URL`` (a Kubernetes Secret
-    in a pod), so no credentials appear in the command line.
-    """
-    argv = [python, "-m", "airflow_deadline_batch.worker"]
-    if store_url is not None:
-        argv += ["--store", store_url]
-    argv += [
-        "--job",
-        job_id,
-        "--shard",
-        str(shard_index),
-        "--lease-ttl",
-        f"{lease_ttl_s:g}",
-        "--grace",
-        f"{grace_s:g}",
-    ]
-    if pool:
-        argv += ["--pool", pool]
-    if worker_name:
-        argv += ["--worker-name", worker_name]
-    for option in engine_options:
-        argv += ["--engine-option", option]
-    return argv
 
 
 @dataclass
@@ -85,7 +45,7 @@ def start_worker(
     lease_ttl_s: float = 60.0,
     grace_s: float = 30.0,
     env: Mapping[str, str] | None = None,
-    stderr: int | None = None,
+    stderr: IO[bytes] | int | None = None,
     worker_name: str | None = None,
 ) -> WorkerProcess:
     full_env = dict(os.environ)
@@ -94,13 +54,10 @@ def start_worker(
     # the store URL travels in the environment too, so `ps` shows no credentials on a shared host
     full_env["ADB_STORE_URL"] = store_url
     argv = worker_command(
-        None,
-        job_id,
-        shard_index,
-        pool=pool,
-        lease_ttl_s=lease_ttl_s,
-        grace_s=grace_s,
-        worker_name=worker_name,
+        sys.executable,
+        worker_arguments(
+            job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s, worker_name=worker_name
+        ),
     )
     popen = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr)
     return WorkerProcess(job_id, shard_index, pool, popen)
@@ -125,19 +82,6 @@ def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:
         attempt,
         reason=f"worker pid {proc.pid} exited with {proc.popen.returncode}",
     )
-
-
-def classify_exit(returncode: int) -> str:
-    """``succeeded``, ``retryable`` (preempted, killed, lost lease) or ``terminal``."""
-    if returncode == EXIT_OK:
-        return "succeeded"
-    if (
-        returncode == EXIT_RETRYABLE
-        or returncode < 0
-        or returncode in (128 + signal.SIGKILL, 128 + signal.SIGTERM)
-    ):
-        return "retryable"
-    return "terminal"
 
 
 def run_worker_subprocess(

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.service.planning import PlanResult
+    from airflow_deadline_batch.store import Progress as JobProgress
 
 
 class ProgressDisplay:
@@ -15,7 +19,7 @@ class ProgressDisplay:
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
         self._progress: Progress | None = None
-        self._task: Any = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> ProgressDisplay:
         if self.enabled:
@@ -31,13 +35,13 @@ class ProgressDisplay:
             self._progress.start()
         return self
 
-    def planned(self, plan: Any) -> None:
+    def planned(self, plan: PlanResult) -> None:
         if self._progress is not None:
             self._task = self._progress.add_task(
                 f"job {plan.job_id}", total=plan.records + plan.invalid, detail=f"{plan.shards} shards"
             )
 
-    def update(self, progress: Any) -> None:
+    def update(self, progress: JobProgress) -> None:
         if self._progress is None or self._task is None:
             return
         shards = progress.shards_by_state

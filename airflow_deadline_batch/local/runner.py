@@ -1,7 +1,8 @@
 """The embedded runner behind ``deadline-batch run``: plan, launch local workers, preempt, publish.
 
 Workers are real subprocesses running the same program as the Kubernetes pods. Each launch is
-placed by the same policy the shard operator uses (``core.placement.choose_pool``); workers on
+placed by the shard operator's own decision (``operators.placement.decide_for_try`` over the
+job's ``core.job_view.JobView``), so the same store state places a shard the same way; workers on
 the Spot-like pool are preempted at a seeded Poisson rate the way a cloud does it — SIGTERM as the
 notice, SIGKILL when the notice runs out — and retried until the deadline.
 """
@@ -16,25 +17,23 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
-from airflow_deadline_batch.core.placement import JobSnapshot, choose_pool
+from airflow_deadline_batch.core.exit_codes import WorkerExit, worker_exit
+from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
 from airflow_deadline_batch.exceptions import VerificationError
 from airflow_deadline_batch.local.launcher import (
     WorkerProcess,
-    classify_exit,
     fence_dead_worker,
     start_worker,
 )
+from airflow_deadline_batch.operators.placement import TryAction, TryDecision, decide_for_try, read_job_view
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
-from airflow_deadline_batch.store import ManifestStore
-
-#: job states in which no shard can be claimed any more, so the runner stops launching workers
-_STOPPED_JOB_STATES = frozenset({JobState.CANCELLED, JobState.FAILED, JobState.COMPLETED, JobState.PARTIAL})
+from airflow_deadline_batch.store import ManifestStore, Progress
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +61,7 @@ class _Running:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """The ``--json`` summary of DESIGN §8 (and a little more)."""
+    """The ``--json`` summary of docs/design.md §8 (and a little more)."""
 
     job_id: str
     state: str
@@ -111,7 +110,7 @@ def run_job(
     options: RunOptions,
     *,
     clock: Clock | None = None,
-    on_progress: Callable[[Any], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
     on_plan: Callable[[PlanResult], None] | None = None,
 ) -> RunSummary:
     """Run one job to a published manifest (or to the deadline) with local subprocess workers."""
@@ -120,140 +119,164 @@ def run_job(
     plan = plan_job(store, request, clock=clock)
     if on_plan:
         on_plan(plan)
-    job = store.get_job(plan.job_id)
-    deadline = job.deadline
-    injector = PreemptionInjector(options.preempt_rate_per_worker_hour, options.seed)
-    pending: deque[int] = deque(
-        s.shard_index
-        for s in store.list_shards(plan.job_id)
-        if s.state not in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE)
-    )
-    running: dict[int, _Running] = {}
-    not_before: dict[int, float] = {}  # monotonic time before which a shard is not relaunched
-    previous_pool: dict[int, PoolKind] = {}
-    placements = {kind.value: 0 for kind in PoolKind}
-    preemptions = 0
-    deadline_passed = False
-    stopped = False
-    grace_s = max(1.0, options.preempt_notice_s)
-    spot_pools = [p for p in request.pools if p.kind is PoolKind.SPOT]
-    changeover_s = max((p.startup_seconds for p in request.pools), default=0.0)
-    stderr = _open_log(options.worker_log)
-    worker_env = dict(options.worker_env)
+    run = LocalRun(store, plan.job_id, options, clock)
+    run.work_until_done(on_progress)
+    result = _finalize(store, plan.job_id, clock, run.deadline_passed)
+    if on_progress:
+        on_progress(store.progress(plan.job_id))
+    return _summary(store, plan, result, run, time.monotonic() - started)
+
+
+class LocalRun:
+    """The launch loop of one job: keep ``workers`` shards running until none is left to run."""
+
+    def __init__(self, store: ManifestStore, job_id: str, options: RunOptions, clock: Clock) -> None:
+        self.store, self.job_id, self.options, self.clock = store, job_id, options, clock
+        self.deadline = store.get_job(job_id).deadline
+        self.injector = PreemptionInjector(options.preempt_rate_per_worker_hour, options.seed)
+        self.pending: deque[int] = deque(
+            s.shard_index for s in store.list_shards(job_id) if s.state not in TERMINAL_SHARD_STATES
+        )
+        self.running: dict[int, _Running] = {}
+        self.not_before: dict[int, float] = {}  # monotonic time before which a shard is not relaunched
+        self.placements = {kind.value: 0 for kind in PoolKind}
+        self.preemptions = 0
+        self.deadline_passed = False
+        self.stopped = False
+        self.grace_s = max(1.0, options.preempt_notice_s)
+        self.worker_env = _worker_env(options)
+
+    def work_until_done(self, on_progress: Callable[[Progress], None] | None) -> None:
+        """Launch, preempt and reap until every shard is terminal, the job stops or the deadline passes."""
+        stderr = _open_log(self.options.worker_log)
+        try:
+            while (self.pending or self.running) and not self.stopped:
+                now = time.monotonic()
+                if self.clock.now() >= self.deadline:
+                    self.deadline_passed = True
+                    break
+                self.launch_ready(now, stderr)
+                self.inject_preemptions(now)
+                self.reap_exited(now)
+                if on_progress and not self.stopped:
+                    on_progress(self.store.progress(self.job_id))
+                if not self.stopped:
+                    time.sleep(self.options.poll_interval_s)
+        finally:
+            _stop_all(self.store, self.running, self.grace_s)
+            stderr.close()
+
+    def launch_ready(self, now: float, stderr: IO[bytes]) -> None:
+        """Fill the free worker slots with shards whose old lease (if any) has expired."""
+        while self.pending and len(self.running) < self.options.workers and not self.stopped:
+            index = self._next_ready(now)
+            if index is None:
+                return
+            self.launch(index, now, stderr)
+
+    def _next_ready(self, now: float) -> int | None:
+        if all(self.not_before.get(i, 0.0) > now for i in self.pending):
+            return None
+        while self.not_before.get(self.pending[0], 0.0) > now:
+            self.pending.rotate(-1)  # its old lease is still live: try another shard first
+        return self.pending.popleft()
+
+    def decide(self, index: int) -> TryDecision:
+        """The shard operator's decision for this shard, from the same store state."""
+        view = read_job_view(self.store, self.job_id, now=self.clock.now(), parallelism=self.options.workers)
+        return decide_for_try(view, self.store.get_shard(self.job_id, index))
+
+    def launch(self, index: int, now: float, stderr: IO[bytes]) -> None:
+        """Place one shard and start its worker (or drop it: committed, failed for good, job stopped)."""
+        decision = self.decide(index)
+        if decision.action is TryAction.JOB_STOPPED:
+            self.stopped = True
+            return
+        if decision.pool is None:
+            return  # already committed, or failed for good: nothing to launch
+        pool = decision.pool
+        self.placements[pool.kind.value] += 1
+        proc = start_worker(
+            self.store.url,
+            self.job_id,
+            index,
+            pool=pool.name,
+            lease_ttl_s=self.options.lease_ttl_s,
+            grace_s=self.grace_s,
+            env=self.worker_env,
+            stderr=stderr,
+        )
+        self.running[index] = _Running(proc, pool.kind, self.injector.next_preemption(now, pool.kind))
+
+    def inject_preemptions(self, now: float) -> None:
+        """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out."""
+        for item in self.running.values():
+            if item.term_sent_at is None and now >= item.preempt_at:
+                item.proc.signal(signal.SIGTERM)
+                item.term_sent_at = now
+                self.preemptions += 1
+            elif item.term_sent_at is not None and now - item.term_sent_at >= self.options.preempt_notice_s:
+                item.proc.signal(signal.SIGKILL)
+
+    def reap_exited(self, now: float) -> None:
+        """Collect exited workers: fence the killed ones, queue their shards again unless done."""
+        for index in list(self.running):
+            item = self.running[index]
+            code = item.proc.popen.poll()
+            if code is None:
+                continue
+            del self.running[index]
+            if code < 0:
+                fence_dead_worker(self.store, item.proc)
+            if worker_exit(code) is WorkerExit.SUCCEEDED:
+                continue
+            if is_stopped(self.store.get_job(self.job_id).state):
+                # cancelled (or finished elsewhere): no retry could claim a shard; stop relaunching
+                self.stopped = True
+                return
+            self.requeue(index, now)
+
+    def requeue(self, index: int, now: float) -> None:
+        shard = self.store.get_shard(self.job_id, index)
+        if shard.state in TERMINAL_SHARD_STATES:
+            return
+        if shard.state is ShardState.LEASED and shard.lease_expires_at:
+            # another attempt (say, a worker of a killed earlier run) still holds a live
+            # lease: relaunching before it expires would only be refused again
+            self.not_before[index] = now + max(0.0, shard.lease_expires_at - self.store.db_time())
+        self.pending.append(index)
+
+
+def _worker_env(options: RunOptions) -> dict[str, str]:
+    env = dict(options.worker_env)
     # N workers on one machine: split the cores between them, or CPU engines' spin-waiting
     # OpenMP threads oversubscribe the machine and generation slows down several-fold
     if "OMP_NUM_THREADS" not in os.environ:
-        worker_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.workers)))
-    try:
-        while pending or running:
-            now = time.monotonic()
-            if clock.now() >= deadline:
-                deadline_passed = True
-                _stop_all(store, running, grace_s)
-                break
-            while pending and len(running) < options.workers:
-                if not_before.get(pending[0], 0.0) > now:
-                    pending.rotate(-1)  # its old lease is still live: try another shard first
-                    if all(not_before.get(i, 0.0) > now for i in pending):
-                        break
-                    continue
-                index = pending.popleft()
-                progress = store.progress(plan.job_id)
-                shard = store.get_shard(plan.job_id, index)
-                remaining_share = 1.0 - (
-                    shard.cursor / shard.num_microbatches if shard.num_microbatches else 1.0
-                )
-                snapshot = JobSnapshot(
-                    now=clock.now(),
-                    deadline=deadline,
-                    remaining_work_s=progress.remaining_work_s,
-                    shard_work_s=shard.est_work_s * remaining_share,
-                    parallelism=options.workers,
-                    changeover_s=changeover_s,
-                    notice_s=options.preempt_notice_s,
-                    spot_preemptions_per_hour=options.preempt_rate_per_worker_hour,
-                    spot_available=bool(spot_pools),
-                    previous_pool=previous_pool.get(index),
-                    on_demand_workers=sum(1 for r in running.values() if r.pool is PoolKind.ON_DEMAND),
-                    started_at=job.created_at,
-                    total_work_s=progress.committed_work_s + progress.remaining_work_s,
-                )
-                decision = choose_pool(snapshot)
-                previous_pool[index] = decision.pool
-                placements[decision.pool.value] += 1
-                proc = start_worker(
-                    store.url,
-                    plan.job_id,
-                    index,
-                    pool=decision.pool.value,
-                    lease_ttl_s=options.lease_ttl_s,
-                    grace_s=grace_s,
-                    env=worker_env,
-                    stderr=stderr,
-                )
-                running[index] = _Running(proc, decision.pool, injector.next_preemption(now, decision.pool))
-            for item in running.values():
-                if item.term_sent_at is None and now >= item.preempt_at:
-                    item.proc.signal(signal.SIGTERM)
-                    item.term_sent_at = now
-                    preemptions += 1
-                elif item.term_sent_at is not None and now - item.term_sent_at >= options.preempt_notice_s:
-                    item.proc.signal(signal.SIGKILL)
-            for index in list(running):
-                item = running[index]
-                code = item.proc.popen.poll()
-                if code is None:
-                    continue
-                del running[index]
-                if code < 0:
-                    fence_dead_worker(store, item.proc)
-                if classify_exit(code) == "succeeded":
-                    continue
-                if store.get_job(plan.job_id).state in _STOPPED_JOB_STATES:
-                    # cancelled (or finished elsewhere): no retry could claim a shard; stop relaunching
-                    stopped = True
-                    break
-                shard = store.get_shard(plan.job_id, index)
-                if shard.state in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE):
-                    continue
-                if shard.state is ShardState.LEASED and shard.lease_expires_at:
-                    # another attempt (say, a worker of a killed earlier run) still holds a live
-                    # lease: relaunching before it expires would only be refused again
-                    not_before[index] = now + max(0.0, shard.lease_expires_at - store.db_time())
-                pending.append(index)
-            if stopped:
-                _stop_all(store, running, grace_s)
-                break
-            if on_progress:
-                on_progress(store.progress(plan.job_id))
-            time.sleep(options.poll_interval_s)
-    except BaseException:
-        _stop_all(store, running, grace_s)
-        raise
-    finally:
-        if stderr is not None:
-            stderr.close()
-    result = _finalize(store, plan.job_id, clock, deadline_passed)
-    if on_progress:
-        on_progress(store.progress(plan.job_id))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.workers)))
+    return env
+
+
+def _summary(
+    store: ManifestStore, plan: PlanResult, result: FinalizeResult, run: LocalRun, elapsed_s: float
+) -> RunSummary:
     progress = store.progress(plan.job_id)
     job = store.get_job(plan.job_id)
     records = dict(result.report.outcomes)
     records["total"] = result.report.expected
     return RunSummary(
         job_id=plan.job_id,
-        state=str(JobState(job.state).value),
+        state=job.state.value,
         manifest=result.manifest_uri,
         records=records,
         attempts=progress.attempts,
-        preemptions=preemptions,
+        preemptions=run.preemptions,
         deadline_met=result.manifest_uri is not None
         and job.completed_at is not None
-        and job.completed_at <= deadline
-        and job.state == JobState.COMPLETED,
+        and job.completed_at <= job.deadline
+        and job.state is JobState.COMPLETED,
         shards=plan.shards,
-        elapsed_s=time.monotonic() - started,
-        placements=placements,
+        elapsed_s=elapsed_s,
+        placements=run.placements,
         problems=list(result.report.problems),
     )
 
@@ -281,7 +304,5 @@ def _stop_all(store: ManifestStore, running: dict[int, _Running], grace_s: float
     running.clear()
 
 
-def _open_log(path: str | None) -> Any:
-    import os
-
-    return open(path or os.devnull, "ab")  # noqa: SIM115 - closed by run_job
+def _open_log(path: str | None) -> IO[bytes]:
+    return open(path or os.devnull, "ab")  # noqa: SIM115 - closed by LocalRun.work_until_done

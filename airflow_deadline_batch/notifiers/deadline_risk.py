@@ -1,6 +1,7 @@
 """Predictive "deadline at risk" alerts, delivered through any Airflow notifier.
 
-:func:`assess_risk` is pure: from committed progress it predicts the finish and the slack, and says
+:func:`assess_risk` is pure: from the job's :class:`~airflow_deadline_batch.core.job_view.JobView`
+(committed progress, measured rates) it takes the predicted finish and the slack, and says
 whether on-call should hear about it *now*, while there is still time to act (add GPUs, move to
 on-demand). :class:`DeadlineRiskNotifier` renders one message and forwards the context, with the
 assessment under ``deadline_risk``, to the wrapped notifiers (Slack, PagerDuty, SMTP, ...).
@@ -18,7 +19,7 @@ from typing import Any
 
 from airflow.sdk import BaseNotifier
 
-from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.job_view import JobView
 from airflow_deadline_batch.triggers.completeness import plain
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class RiskAssessment:
     deadline: dt.datetime
     predicted_finish: dt.datetime
     slack_s: float
+    #: expected GPU-seconds of work left (all workers together)
     remaining_work_s: float
     committed_records: int
     total_records: int
@@ -57,50 +59,33 @@ class RiskAssessment:
         return plain(self)
 
 
-def assess_risk(
-    progress: Any,
-    now: dt.datetime,
-    deadline: dt.datetime | None = None,
-    threshold_s: float = 600.0,
-    *,
-    parallelism: int = 1,
-) -> RiskAssessment | None:
-    """Predict the finish from committed progress; ``None`` while slack stays above ``threshold_s``.
+def assess_risk(view: JobView, threshold_s: float = 600.0) -> RiskAssessment | None:
+    """The job's risk from its :class:`JobView`; ``None`` while slack stays above ``threshold_s``.
 
-    ``progress`` is the store's ``Progress`` (or its plain dict); its ``remaining_work_s`` is
-    divided by ``parallelism`` (workers running at once) to get wall-clock time left.
+    Predicted finish and slack are the view's (committed work, measured rates, the job's workers:
+    the numbers placement decides with). A stopped job is never at risk any more.
     """
-    data: Mapping[str, Any] = progress if isinstance(progress, Mapping) else plain(progress)
-    now = ensure_aware(now, "now")
-    raw_deadline = deadline if deadline is not None else data.get("deadline")
-    if raw_deadline is None:
+    if view.stopped:
         return None
-    if isinstance(raw_deadline, str):
-        raw_deadline = dt.datetime.fromisoformat(raw_deadline)
-    deadline = ensure_aware(raw_deadline, "deadline")
-    if str(data.get("state") or "") in {"completed", "partial", "failed", "cancelled", "rejected"}:
-        return None
-    remaining_s = max(0.0, float(data.get("remaining_work_s") or 0.0)) / max(1, parallelism)
-    predicted = now + dt.timedelta(seconds=remaining_s)
-    slack_s = (deadline - predicted).total_seconds()
+    slack_s = view.slack_s
     if slack_s >= threshold_s:
         return None
-    if now >= deadline:
+    if view.now >= view.deadline:
         level, reason = RiskLevel.MISSED, "the deadline has passed with work remaining"
     elif slack_s < 0:
         level, reason = RiskLevel.LATE, f"predicted to finish {-slack_s:.0f} s after the deadline"
     else:
         level, reason = RiskLevel.THIN, f"slack {slack_s:.0f} s is below the {threshold_s:.0f} s threshold"
     return RiskAssessment(
-        job_id=str(data.get("job_id") or ""),
+        job_id=view.job_id,
         level=level,
         reason=reason,
-        deadline=deadline,
-        predicted_finish=predicted,
+        deadline=view.deadline,
+        predicted_finish=view.predicted_finish,
         slack_s=slack_s,
-        remaining_work_s=remaining_s,
-        committed_records=int(data.get("committed_records") or 0),
-        total_records=int(data.get("total_records") or 0),
+        remaining_work_s=view.remaining_work_s,
+        committed_records=view.committed_records,
+        total_records=view.total_records,
     )
 
 

@@ -1,9 +1,10 @@
 """The per-try decision of a shard task, as small pure functions over store rows.
 
-Both shard operators (Kubernetes pod and local subprocess) call :func:`decide_for_try` at the start
-of every try: it re-reads nothing itself, it only turns the job, the shard and the job's committed
-progress into a :class:`TryDecision` (run / skip, which pool, timeouts), so a retry after a
-preemption escalates to on-demand by itself once slack has shrunk.
+Both shard operators (Kubernetes pod and local subprocess) and the local runner call
+:func:`decide_for_try` before every try: it re-reads nothing itself, it only turns the job's
+:class:`~airflow_deadline_batch.core.job_view.JobView` and the shard into a :class:`TryDecision`
+(run / skip, which pool, timeouts), so a retry after a preemption escalates to on-demand by itself
+once slack has shrunk. :func:`read_job_view` reads that view from the store for all of them.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ import dataclasses
 import datetime as dt
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from airflow_deadline_batch.core.placement import JobSnapshot, PlacementDecision, PolicyParams, choose_pool
+from airflow_deadline_batch.core.job_view import JobView, build_job_view
+from airflow_deadline_batch.core.placement import PlacementDecision, PolicyParams, choose_pool
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
-from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.store import ManifestStore, ShardRow
 
 #: label/annotation prefix of everything this package puts on a pod
 LABEL_PREFIX = "deadline-batch.io"
 #: capacity-type values as Karpenter spells them
 CAPACITY_VALUES = {PoolKind.SPOT: "spot", PoolKind.ON_DEMAND: "on-demand"}
-_STOPPED_JOB_STATES = frozenset(
-    {JobState.COMPLETED, JobState.PARTIAL, JobState.FAILED, JobState.CANCELLED, JobState.REJECTED}
-)
 
 
 class TryAction(str, enum.Enum):
@@ -88,84 +90,56 @@ def pool_for(kind: PoolKind, pools: Sequence[PoolSpec]) -> PoolSpec:
     return pools[0]
 
 
-def previous_kind(last_pool: str | None, pools: Sequence[PoolSpec]) -> PoolKind | None:
-    """The kind of the shard's previous try, from the pool name (or kind) the worker recorded."""
-    if not last_pool:
-        return None
-    for pool in pools:
-        if last_pool in (pool.name, pool.kind.value):
-            return pool.kind
-    return None
-
-
-def build_snapshot(
+def read_job_view(
+    store: ManifestStore,
+    job_id: str,
     *,
-    job: Any,
-    shard: Any,
-    progress: Any,
-    pools: Sequence[PoolSpec],
     now: dt.datetime,
+    pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
     parallelism: int | None = None,
-) -> JobSnapshot:
-    """The placement inputs for one shard: job slack from committed progress, this shard's work left."""
-    spot = [p for p in pools if p.kind is PoolKind.SPOT]
-    done = shard.cursor / shard.num_microbatches if shard.num_microbatches else 1.0
-    return JobSnapshot(
+) -> JobView:
+    """The job's :class:`JobView` from the store: its row, its shards and its commits.
+
+    ``pools`` (the operator's, else the job's) and ``parallelism`` (else the job's ``workers``)
+    are what :func:`decide_for_try` places with.
+    """
+    job = store.get_job(job_id)
+    return build_job_view(
+        job,
+        store.list_shards(job_id),
+        store.list_commits(job_id),
         now=now,
-        deadline=job.deadline,
-        remaining_work_s=max(0.0, float(progress.remaining_work_s)),
-        shard_work_s=max(0.0, float(shard.est_work_s) * (1.0 - done)),
-        parallelism=max(1, int(parallelism or job.config.get("workers") or 1)),
-        changeover_s=max((p.startup_seconds + p.queue_wait_seconds for p in pools), default=0.0),
-        notice_s=max((p.preemption_notice_seconds for p in spot), default=0.0),
-        spot_preemptions_per_hour=max((p.preemptions_per_hour for p in spot), default=0.0),
-        spot_available=bool(spot),
-        previous_pool=previous_kind(shard.last_pool, pools),
-        started_at=job.created_at,
-        total_work_s=max(0.0, float(progress.committed_work_s) + float(progress.remaining_work_s)),
+        pools=parse_pools(pools, job.config),
+        parallelism=parallelism,
     )
 
 
-def decide_for_try(
-    *,
-    job: Any,
-    shard: Any,
-    progress: Any,
-    pools: Sequence[PoolSpec],
-    now: dt.datetime,
-    parallelism: int | None = None,
-    policy: PolicyParams | None = None,
-) -> TryDecision:
+def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | None = None) -> TryDecision:
     """Decide this try: skip a committed shard, stop on a stopped job, else choose the pool."""
-    job_id, index = job.job_id, shard.shard_index
-    if ShardState(shard.state) is ShardState.SUCCEEDED:
+    job_id, index = view.job_id, shard.shard_index
+    if shard.state is ShardState.SUCCEEDED:
         return TryDecision(
             job_id,
             index,
             TryAction.ALREADY_DONE,
             f"shard {index} of job {job_id} is already committed; nothing to run",
         )
-    if ShardState(shard.state) is ShardState.TERMINAL_FAILURE:
+    if shard.state is ShardState.TERMINAL_FAILURE:
         return TryDecision(
             job_id,
             index,
             TryAction.SHARD_FAILED,
             f"shard {index} of job {job_id} failed for good: {shard.last_error or 'no detail'}",
         )
-    if JobState(job.state) in _STOPPED_JOB_STATES:
+    if view.stopped:
         return TryDecision(
             job_id,
             index,
             TryAction.JOB_STOPPED,
-            f"job {job_id} is {JobState(job.state).value}; shard {index} will not run",
+            f"job {job_id} is {view.state.value}; shard {index} will not run",
         )
-    placement = choose_pool(
-        build_snapshot(
-            job=job, shard=shard, progress=progress, pools=pools, now=now, parallelism=parallelism
-        ),
-        policy,
-    )
-    pool = pool_for(placement.pool, pools)
+    placement = choose_pool(view.snapshot(index), policy)
+    pool = pool_for(placement.pool, view.pools)
     reason = placement.reason
     if pool.kind is not placement.pool:
         reason += f"; the job has no {placement.pool.value} pool, so it runs on {pool.name}"

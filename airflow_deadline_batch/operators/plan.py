@@ -11,33 +11,39 @@ import contextlib
 import datetime as dt
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
+from airflow_deadline_batch.core.feasibility import AdmissionReport
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
+from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.triggers.completeness import plain
 
+if TYPE_CHECKING:
+    from airflow_deadline_batch.service.planning import PlanRequest
+    from airflow_deadline_batch.store import ManifestStore
 
-def report_dict(report: Any) -> dict[str, Any]:
+
+def report_dict(report: AdmissionReport | Mapping[str, Any] | None) -> dict[str, Any]:
     """The admission report as plain values (XCom-safe)."""
     if report is None:
         return {}
-    if hasattr(report, "to_dict"):
-        return plain(report.to_dict())
-    return plain(report)
+    if isinstance(report, AdmissionReport):
+        return dict(plain(report.to_dict()))
+    return dict(plain(report))
 
 
-def report_summary(report: Any) -> str:
-    if hasattr(report, "summary"):
-        return str(report.summary())
+def report_summary(report: AdmissionReport | Mapping[str, Any]) -> str:
+    if isinstance(report, AdmissionReport):
+        return report.summary()
     data = report_dict(report)
     reasons = data.get("reasons") or []
     return f"verdict {data.get('verdict', '?')}: " + "; ".join(map(str, reasons))
@@ -155,7 +161,7 @@ class DeadlineBatchOperator(BaseOperator):
         self.risk_notifier = risk_notifier
         self.clock = clock
 
-    def build_request(self, context: Mapping[str, Any], now: dt.datetime) -> Any:
+    def build_request(self, context: Mapping[str, Any], now: dt.datetime) -> PlanRequest:
         from airflow_deadline_batch.service.planning import PlanRequest
 
         if self.pools:
@@ -215,14 +221,10 @@ class DeadlineBatchOperator(BaseOperator):
         self._warn_if_thin(context, store, result.job_id, clock)
         return [shard_kwargs(spec) for spec in result.shard_specs]
 
-    def _warn_if_thin(self, context: Any, store: Any, job_id: str, clock: Clock) -> None:
+    def _warn_if_thin(self, context: Any, store: ManifestStore, job_id: str, clock: Clock) -> None:
         if self.risk_notifier is None:
             return
-        risk = assess_risk(
-            store.progress(job_id),
-            clock.now(),
-            threshold_s=self.risk_notifier.threshold_s,
-            parallelism=self.workers,
-        )
+        view = read_job_view(store, job_id, now=clock.now(), parallelism=self.workers)
+        risk = assess_risk(view, threshold_s=self.risk_notifier.threshold_s)
         if risk is not None:
             self.risk_notifier.notify_risk(context, risk)

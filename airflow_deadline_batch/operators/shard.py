@@ -22,19 +22,19 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException, Airfl
 from kubernetes.client import models as k8s
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
+from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
 from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.operators.placement import (
     TryAction,
     TryDecision,
     decide_for_try,
-    parse_pools,
     pod_placement,
+    read_job_view,
 )
 
-WORKER_MODULE = "airflow_deadline_batch.worker"
-EXIT_OK, EXIT_TERMINAL, EXIT_RETRYABLE = 0, 1, 75
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
 PREEMPTION_REASONS = frozenset(
     {
@@ -118,25 +118,6 @@ def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassific
     )
 
 
-def worker_arguments(
-    job_id: str, shard_index: int, *, pool: str, lease_ttl_s: float, grace_s: float, extra: Sequence[str] = ()
-) -> list[str]:
-    """The worker's command-line arguments; the store URL comes from ``ADB_STORE_URL`` (a Secret)."""
-    return [
-        "--job",
-        job_id,
-        "--shard",
-        str(shard_index),
-        "--pool",
-        pool,
-        "--lease-ttl",
-        f"{lease_ttl_s:g}",
-        "--grace",
-        f"{grace_s:g}",
-        *extra,
-    ]
-
-
 class _ShardTryMixin:
     """What both shard operators share: open the store, decide the try, record the decision."""
 
@@ -146,17 +127,13 @@ class _ShardTryMixin:
     store_conn_id: str | None
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None
     clock: Clock | None
-    log: Any
+    log: Any  # the operator's task logger (Airflow's, structured)
 
     def decide(self, context: Any | None = None) -> TryDecision:
         store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
-        job = store.get_job(self.job_id)
-        shard = store.get_shard(self.job_id, int(self.shard_index))
-        progress = store.progress(self.job_id)
-        pools = parse_pools(self.pools, job.config)
-        decision = decide_for_try(
-            job=job, shard=shard, progress=progress, pools=pools, now=(self.clock or SystemClock()).now()
-        )
+        now = (self.clock or SystemClock()).now()
+        view = read_job_view(store, self.job_id, now=now, pools=self.pools)
+        decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
         if context is not None:
             context["ti"].xcom_push(key="placement", value=decision.to_dict())

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import html
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.plugins_manager import AirflowPlugin
 
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
 
+if TYPE_CHECKING:
+    from airflow_deadline_batch.store import ManifestStore
 
-def _store() -> Any:
+
+def _store() -> ManifestStore:
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
     conn_id = os.environ.get("ADB_STORE_CONN_ID")

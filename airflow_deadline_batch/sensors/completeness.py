@@ -16,9 +16,11 @@ from airflow.sdk import Asset, BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_deadline_batch.core.clock import UTC, SystemClock
+from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
+from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.triggers.completeness import (
     CompletenessEvent,
     CompletenessStatus,
@@ -47,6 +49,7 @@ class CompletenessSensor(BaseSensorOperator):
         ``expired`` and publish a partial manifest instead of waiting on.
     :param manifest_asset: the Asset to emit (default: one per DAG and task).
     :param risk_notifier: called once when the job's deadline is predicted to be at risk.
+    :param parallelism: workers the job runs at once, for the risk prediction (default: the job's).
     """
 
     template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
@@ -64,7 +67,7 @@ class CompletenessSensor(BaseSensorOperator):
         expire_unfinished: bool = False,
         manifest_asset: Asset | None = None,
         risk_notifier: DeadlineRiskNotifier | None = None,
-        parallelism: int = 1,
+        parallelism: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(poke_interval=poke_interval, **kwargs)
@@ -94,15 +97,13 @@ class CompletenessSensor(BaseSensorOperator):
             return False
         return dt.datetime.now(UTC) >= dt.datetime.fromisoformat(str(deadline))
 
-    def _check_risk(self, context: Any, progress: dict[str, Any]) -> None:
+    def _check_risk(self, context: Any) -> None:
         if self.risk_notifier is None or self._risk_sent:
             return
-        risk = assess_risk(
-            progress,
-            dt.datetime.now(UTC),
-            threshold_s=self.risk_notifier.threshold_s,
-            parallelism=self.parallelism,
+        view = read_job_view(
+            self._hook().get_store(), self.job_id, now=dt.datetime.now(UTC), parallelism=self.parallelism
         )
+        risk = assess_risk(view, threshold_s=self.risk_notifier.threshold_s)
         if risk is not None:
             self._risk_sent = True
             self.risk_notifier.notify_risk(context, risk)
@@ -118,7 +119,7 @@ class CompletenessSensor(BaseSensorOperator):
         if not self.deferrable:
             return super().execute(context)
         progress = self._progress()
-        self._check_risk(context, progress)
+        self._check_risk(context)
         unfinished = evaluate_progress(self.job_id, progress) is None
         if unfinished and self.expire_unfinished and self._past_deadline(progress):
             return self._finish(
@@ -148,7 +149,7 @@ class CompletenessSensor(BaseSensorOperator):
 
     def poke(self, context: Any) -> bool:
         progress = self._progress()
-        self._check_risk(context, progress)
+        self._check_risk(context)
         event = evaluate_progress(self.job_id, progress)
         if event is None and self.expire_unfinished and self._past_deadline(progress):
             event = CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed")
@@ -186,11 +187,12 @@ class CompletenessSensor(BaseSensorOperator):
         self.log.info("verification of job %s: %s", self.job_id, summary)
         if result.manifest_uri is None:
             raise AirflowFailException(
-                f"job {self.job_id} ended {getattr(result.state, 'value', result.state)} without a published "
-                f"manifest: {summary}"
+                f"job {self.job_id} ended {result.state.value} without a published manifest: {summary}"
             )
-        state = str(getattr(result.state, "value", result.state))
-        if state != "completed" and not (state == "partial" and self.expire_unfinished):
+        state = result.state.value
+        if result.state is not JobState.COMPLETED and not (
+            result.state is JobState.PARTIAL and self.expire_unfinished
+        ):
             # every line has an outcome, but some are not results (shards failed, cancelled):
             # downstream tasks must opt in to partial output
             raise AirflowFailException(
@@ -198,12 +200,12 @@ class CompletenessSensor(BaseSensorOperator):
                 f"expired or cancelled outcomes: {summary}. Set expire_unfinished=True to accept "
                 "partial output downstream"
             )
-        outcomes = dict(getattr(result.report, "outcomes", {}) or {})
+        outcomes = result.report.outcomes
         extra = {
             "job_id": self.job_id,
             "manifest_uri": result.manifest_uri,
-            "state": str(getattr(result.state, "value", result.state)),
-            "records": int(getattr(result.report, "expected", 0) or 0),
+            "state": state,
+            "records": result.report.expected,
             "outcomes": {str(k): int(v) for k, v in outcomes.items()},
         }
         outlet_events = context.get("outlet_events") if hasattr(context, "get") else None

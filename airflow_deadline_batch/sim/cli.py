@@ -1,4 +1,4 @@
-"""The ``deadline-batch simulate`` subcommand (flags and ``--json`` lines: DESIGN §8)."""
+"""The ``deadline-batch simulate`` subcommand (flags and ``--json`` lines: docs/design.md §8)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from airflow_deadline_batch.sim.traces import Trace
 
 @dataclass(frozen=True)
 class Summary:
-    """One (trace, policy) line of ``simulate --json`` (DESIGN §8)."""
+    """One (trace, policy) line of ``simulate --json`` (docs/design.md §8)."""
 
     trace: str
     policy: str

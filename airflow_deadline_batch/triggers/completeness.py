@@ -1,8 +1,8 @@
 """``CompletenessTrigger``: waits in the triggerer until every shard of a job is terminal.
 
-It polls the manifest store's committed progress (never attempts, DESIGN §4.5.4) in a worker thread
-and yields exactly one typed event. ``run()`` never raises: a store failure becomes an ``error``
-event so the sensor can report it instead of the triggerer logging a traceback.
+It polls the manifest store's committed progress (never attempts: docs/design.md §4.5, invariant 4)
+in a worker thread and yields exactly one typed event. ``run()`` never raises: a store failure
+becomes an ``error`` event so the sensor can report it instead of the triggerer logging a traceback.
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ import dataclasses
 import datetime as dt
 import enum
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_deadline_batch.core.clock import UTC, ensure_aware
+from airflow_deadline_batch.core.job_view import is_stopped
+from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, ShardState
 
-#: shard states after which nothing more will happen to a shard (DESIGN §4.4)
-TERMINAL_SHARD_STATES = frozenset({"succeeded", "terminal_failure"})
-FAILED_SHARD_STATES = frozenset({"terminal_failure"})
-#: job states in which no shard will run again
-STOPPED_JOB_STATES = frozenset({"completed", "partial", "failed", "cancelled", "rejected"})
+if TYPE_CHECKING:
+    from airflow_deadline_batch.store import ManifestStore
 
 
 class CompletenessStatus(str, enum.Enum):
@@ -78,10 +77,10 @@ def plain(value: Any) -> Any:
 
 def evaluate_progress(job_id: str, progress: Mapping[str, Any]) -> CompletenessEvent | None:
     """Decide from plain progress whether the wait is over (pure; ``None`` means keep polling)."""
-    by_state = {str(k): int(v) for k, v in (progress.get("shards_by_state") or {}).items()}
+    by_state = {ShardState(k): int(v) for k, v in (progress.get("shards_by_state") or {}).items()}
     total_shards = sum(by_state.values())
     unfinished = sum(n for s, n in by_state.items() if s not in TERMINAL_SHARD_STATES)
-    failed = sum(n for s, n in by_state.items() if s in FAILED_SHARD_STATES)
+    failed = by_state.get(ShardState.TERMINAL_FAILURE, 0)
     job_state = str(progress.get("state") or "")
     counts = (
         f"{progress.get('committed_records', 0)}/{progress.get('total_records', 0)} records "
@@ -101,7 +100,7 @@ def evaluate_progress(job_id: str, progress: Mapping[str, Any]) -> CompletenessE
             dict(progress),
             f"job {job_id}: {failed} shard(s) failed terminally ({counts})",
         )
-    if job_state in STOPPED_JOB_STATES:
+    if job_state and is_stopped(job_state):
         return CompletenessEvent(
             CompletenessStatus.FAILED,
             job_id,
@@ -150,10 +149,10 @@ class CompletenessTrigger(BaseTrigger):
             },
         )
 
-    def _read_progress(self, store: Any) -> dict[str, Any]:
+    def _read_progress(self, store: ManifestStore) -> dict[str, Any]:
         return plain(store.progress(self.job_id))
 
-    def _open_store(self) -> Any:
+    def _open_store(self) -> ManifestStore:
         from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
         return ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()

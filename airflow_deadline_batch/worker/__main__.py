@@ -1,7 +1,8 @@
-"""``python -m airflow_deadline_batch.worker``: run one attempt at one shard (DESIGN §6).
+"""``python -m airflow_deadline_batch.worker``: run one attempt at one shard (docs/design.md §6).
 
-Exit codes: 0 done, 75 retryable, 1 terminal. ``--store`` defaults to env ``ADB_STORE_URL`` so a
-Kubernetes Secret can carry the DSN without it appearing in the pod spec's command line.
+Exit codes (``core.exit_codes``): 0 done, 75 retryable, 1 terminal. ``--store`` defaults to env
+``ADB_STORE_URL`` so a Kubernetes Secret can carry the DSN without it appearing in the pod spec's
+command line.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from airflow_deadline_batch.core.exit_codes import EXIT_TERMINAL
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.worker.worker import (
-    EXIT_TERMINAL,
     WorkerConfig,
     configure_logging,
     log,

@@ -45,6 +45,7 @@ from types import FrameType
 from typing import Any
 
 from airflow_deadline_batch.core.estimate import estimate_prompt_tokens
+from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
 from airflow_deadline_batch.core.packing import microbatch_count, microbatch_order
 from airflow_deadline_batch.core.records import Record
@@ -64,9 +65,8 @@ from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
 from airflow_deadline_batch.worker.engines import Engine, Generation, GenerationParams, get_engine
 
-EXIT_DONE = 0
-EXIT_TERMINAL = 1
-EXIT_RETRYABLE = 75
+#: the worker's exit codes (docs/design.md §6), defined once in core.exit_codes
+EXIT_DONE = EXIT_OK
 
 ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
 ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"

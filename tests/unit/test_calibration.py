@@ -1,4 +1,4 @@
-"""Calibration: learned rates, startup, preemption rate, availability and remaining work."""
+"""Calibration: rates learned from committed microbatches, and Spot availability."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from airflow_deadline_batch.core.calibration import (
     AvailabilityEstimate,
     Calibration,
     RateSample,
-    observed_availability,
-    preemption_rate,
+    calibrate,
+    completion_share,
     prior_tokens_per_s,
-    re_estimate_remaining,
 )
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 
@@ -37,30 +36,32 @@ def test_rate_converges_to_measurements_and_resists_one_outlier() -> None:
     after = cal.observe_rate(RateSample("spot", 10, 4000, 1000, 10_000.0))  # 0.5 tokens/s outlier
     assert after.estimate("spot").tokens_per_s > 300
     assert cal.observe_rate(RateSample("spot", 0, 0, 0, 0.0)) is cal
-
-
-def test_remaining_work_follows_the_learned_rate() -> None:
-    cal = Calibration.from_specs([SPOT])
-    before = re_estimate_remaining(1_000_000, cal, "spot")
-    for _ in range(40):
-        cal = cal.observe_rate(RateSample("spot", 10, 4000, 1000, 10.0))
-    assert re_estimate_remaining(1_000_000, cal, "spot") == pytest.approx(2000, rel=0.05)
-    assert before != pytest.approx(2000, rel=0.05)
-
-
-def test_startup_and_preemption_rate() -> None:
-    cal = Calibration.from_specs([SPOT]).observe_startup("spot", 200)
-    assert cal.estimate("spot").startup_s == pytest.approx(130)
-    assert preemption_rate(0, 10.0, 1.0) == pytest.approx(2 / 12)
-    assert cal.observe_preemption("spot").estimate("spot").preemptions == 1
     with pytest.raises(KeyError, match="known"):
         cal.estimate("nope")
 
 
+def test_calibrate_compares_the_measured_rate_with_the_nominal_one_for_the_same_token_mix() -> None:
+    samples = [RateSample("spot", 10, 4000, 1000, 10.0)] * 40  # 500 tokens/s, 20 % completion
+    assert completion_share(samples) == pytest.approx(0.2)
+    cal = calibrate([SPOT], samples)
+    est = cal.estimate("spot")
+    assert est.prior_tokens_per_s == pytest.approx(prior_tokens_per_s(SPOT, 0.2))
+    assert est.measured and est.samples == 40 and est.busy_s == pytest.approx(400)
+    assert est.slowdown == pytest.approx(prior_tokens_per_s(SPOT, 0.2) / 500, rel=0.05)
+    untouched = calibrate([SPOT], []).estimate("spot")
+    assert not untouched.measured and untouched.slowdown == 1.0
+
+
 def test_availability_and_spell_length() -> None:
-    assert observed_availability([], 1, 300, prior=0.4) == pytest.approx(0.4)
-    assert observed_availability([1] * 500, 1, 300) > 0.9
-    assert observed_availability([1, 0] * 500, 2, 300) < 0.3
+    def availability(history: list[int], workers: int, prior: float = 0.5) -> float:
+        est = AvailabilityEstimate(prior=prior)
+        for cap in history:
+            est = est.observe(cap, workers, 300 / 3600)
+        return est.value
+
+    assert availability([], 1, prior=0.4) == pytest.approx(0.4)
+    assert availability([1] * 500, 1) > 0.9
+    assert availability([1, 0] * 500, 2) < 0.3
     est = AvailabilityEstimate(prior_run_hours=1.0)
     for cap in [1, 1, 0] * 50:
         est = est.observe(cap, 1, 0.1)

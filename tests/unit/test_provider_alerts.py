@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from airflow.sdk import BaseNotifier
 
+from airflow_deadline_batch.core.job_view import JobView, build_job_view
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.links.progress import progress_url
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, RiskLevel, assess_risk
 from airflow_deadline_batch.plugins.progress import render_progress_html
@@ -15,16 +21,46 @@ NOW = dt.datetime(2026, 3, 1, 4, 0, tzinfo=dt.timezone.utc)
 DEADLINE = dt.datetime(2026, 3, 1, 6, 0, tzinfo=dt.timezone.utc)
 
 
-def progress(remaining_work_s: float, **extra) -> dict:
-    return {
-        "job_id": "j-1",
-        "state": "running",
-        "deadline": DEADLINE.isoformat(),
-        "total_records": 100,
-        "committed_records": 40,
-        "remaining_work_s": remaining_work_s,
-        **extra,
-    }
+POOL = PoolSpec(name="gpu", kind=PoolKind.ON_DEMAND, startup_seconds=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    state: JobState
+    job_id: str = "j-1"
+    deadline: dt.datetime = DEADLINE
+    created_at: dt.datetime = NOW - dt.timedelta(hours=1)
+    completed_at: dt.datetime | None = None
+    input_lines: int = 100
+    config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"pools": [POOL.to_dict()]})
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    shard_index: int
+    est_work_s: float
+    state: ShardState = ShardState.PENDING
+    num_microbatches: int = 10
+    cursor: int = 0
+    last_pool: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    records: int = 40
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    elapsed_s: float = 0.0
+    pool: str | None = None
+    committed_at: dt.datetime = NOW
+
+
+def view(
+    remaining_work_s: float, parallelism: int = 1, now: dt.datetime = NOW, state: JobState = JobState.RUNNING
+) -> JobView:
+    """A job with ``remaining_work_s`` left in one shard per worker, 40 of 100 records committed."""
+    shards = [Shard(i, remaining_work_s / parallelism) for i in range(parallelism)]
+    return build_job_view(Job(state), shards, [Commit()], now=now, parallelism=parallelism)
 
 
 @pytest.mark.parametrize(
@@ -33,21 +69,22 @@ def progress(remaining_work_s: float, **extra) -> dict:
         (3600, 1, NOW, None),  # 1 h of slack, threshold 10 min
         (6700, 1, NOW, RiskLevel.THIN),  # 500 s of slack, under 600
         (8000, 1, NOW, RiskLevel.LATE),  # finishes 800 s late
-        (8000, 4, NOW, None),  # four workers make it
+        (8000, 4, NOW, None),  # four workers make it (2000 s each, plus 1500 s of imbalance)
         (10, 1, DEADLINE + dt.timedelta(seconds=1), RiskLevel.MISSED),
     ],
 )
 def test_assess_risk(remaining, parallelism, now, level):
-    risk = assess_risk(progress(remaining), now, threshold_s=600, parallelism=parallelism)
+    risk = assess_risk(view(remaining, parallelism, now), threshold_s=600)
     assert (risk.level if risk else None) is level
 
 
-def test_assess_risk_is_silent_for_finished_jobs():
-    assert assess_risk(progress(99_999, state="completed"), NOW, threshold_s=600) is None
+def test_assess_risk_is_silent_for_stopped_jobs():
+    assert assess_risk(view(99_999, state=JobState.COMPLETED), threshold_s=600) is None
+    assert assess_risk(view(99_999, state=JobState.REJECTED), threshold_s=600) is None
 
 
 def test_assess_risk_predicts_finish_and_slack():
-    risk = assess_risk(progress(8000), NOW, threshold_s=600)
+    risk = assess_risk(view(8000), threshold_s=600)
     assert risk.predicted_finish == NOW + dt.timedelta(seconds=8000)
     assert risk.slack_s == pytest.approx(-800)
     assert risk.to_dict()["level"] == "late"
@@ -72,12 +109,12 @@ def test_notifier_renders_and_forwards_to_wrapped_notifiers():
     notifier = DeadlineRiskNotifier(
         notifiers=[RecordingNotifier("on-call: {{ deadline_risk.reason }}")], threshold_s=600
     )
-    risk = assess_risk(progress(8000), NOW, threshold_s=600)
+    risk = assess_risk(view(8000), threshold_s=600)
     message = notifier.notify_risk({}, risk)
     assert "j-1" in message and "800 s after the deadline" in message and "40/100" in message
     assert RecordingNotifier.sent == ["on-call: predicted to finish 800 s after the deadline"]
     # the notifier is reusable: a second alert renders afresh
-    second = notifier.notify_risk({}, assess_risk(progress(6700), NOW, threshold_s=600))
+    second = notifier.notify_risk({}, assess_risk(view(6700), threshold_s=600))
     assert "below the 600 s threshold" in second
     assert len(RecordingNotifier.sent) == 2
 

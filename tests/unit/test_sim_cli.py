@@ -1,4 +1,4 @@
-"""``simulate`` through run_simulate: the --json contract (docs/design.md §8), the table, the plot, errors."""
+"""``simulate`` through run_simulate: the --json contract (docs/design.md §8), table, plot, errors."""
 
 from __future__ import annotations
 

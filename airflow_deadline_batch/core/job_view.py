@@ -1,0 +1,341 @@
+"""One view of a running job: stopped or not, work left, measured rates, predicted finish, slack.
+
+:func:`build_job_view` turns the store's rows (anything with the fields of the protocols below;
+``store.rows`` has them) into a frozen :class:`JobView`. The CLI's ``status``, the local runner,
+the shard operators (through ``operators.placement.decide_for_try``), the completeness sensor and
+the deadline-risk notifier all read a job through it, so they agree on every number:
+
+* **Stopped**: a job in a terminal state (:data:`core.states.TERMINAL_JOB_STATES`) runs no shard.
+* **Work**: each shard's estimated GPU-seconds (the planner's, at the reference pool's nominal
+  rates: Spot first, docs/design.md §5) times the share of its microbatches not yet committed
+  (a succeeded shard has none left), counted from commits only (docs/design.md §4.5, invariant 4).
+* **Rates**: :func:`core.calibration.calibrate` folds every committed microbatch (tokens, seconds,
+  pool) into per-pool rates. Estimated work is converted to expected seconds by the *slowdown*
+  (nominal rate ÷ learned rate) of the reference pool, or, before it has run anything, of the
+  pool measured longest (the job's model is fixed; pools of one job run the same engine).
+* **Predicted finish and slack**: one formula, :func:`core.placement.od_need_s`: a changeover (the
+  slowest pool's startup plus its queue wait: what a relaunch costs), the work left spread over
+  the job's workers, and one shard of list-scheduling imbalance. The job's slack is the slack the
+  placement of its largest unfinished shard sees, the smallest any of its shards sees.
+
+**Efficiency factor: 1.0 on calibrated rates.** A measured rate is end to end already (a
+microbatch's elapsed time includes everything its worker did for it), so discounting it again
+would count the overhead twice; before the first commit the pool's nominal rate is what the
+planner priced the work at. Admission's ``AdmissionPolicy.efficiency`` (docs/design.md §5) is a
+different quantity: the margin a plan that has not run yet must keep, with its recovery reserve.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from airflow_deadline_batch.core.calibration import Calibration, PoolEstimate, RateSample, calibrate
+from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.placement import JobSnapshot, od_need_s
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.states import TERMINAL_JOB_STATES, JobState, ShardState
+
+__all__ = [
+    "CommitFields",
+    "JobFields",
+    "JobView",
+    "PoolRate",
+    "ShardFields",
+    "build_job_view",
+    "changeover_s",
+    "is_stopped",
+    "pool_named",
+    "reference_pool",
+    "shard_done_fraction",
+]
+
+
+class JobFields(Protocol):
+    """The job row fields the view reads (``store.rows.JobRow`` has them)."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def state(self) -> JobState: ...
+    @property
+    def deadline(self) -> dt.datetime: ...
+    @property
+    def created_at(self) -> dt.datetime: ...
+    @property
+    def completed_at(self) -> dt.datetime | None: ...
+    @property
+    def input_lines(self) -> int: ...
+    @property
+    def config(self) -> Mapping[str, Any]: ...
+
+
+class ShardFields(Protocol):
+    """The shard row fields the view reads (``store.rows.ShardRow`` has them)."""
+
+    @property
+    def shard_index(self) -> int: ...
+    @property
+    def state(self) -> ShardState: ...
+    @property
+    def est_work_s(self) -> float: ...
+    @property
+    def num_microbatches(self) -> int: ...
+    @property
+    def cursor(self) -> int: ...
+    @property
+    def last_pool(self) -> str | None: ...
+
+
+class CommitFields(Protocol):
+    """The commit row fields the view reads (``store.rows.CommitRow`` has them)."""
+
+    @property
+    def records(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def elapsed_s(self) -> float: ...
+    @property
+    def pool(self) -> str | None: ...
+    @property
+    def committed_at(self) -> dt.datetime: ...
+
+
+def is_stopped(state: JobState | str) -> bool:
+    """Whether a job in ``state`` will run no shard any more (terminal: completed, partial, ...)."""
+    return JobState(state) in TERMINAL_JOB_STATES
+
+
+def shard_done_fraction(shard: ShardFields) -> float:
+    """Share of a shard's work committed: its committed microbatches, all of it once succeeded."""
+    if shard.state is ShardState.SUCCEEDED or shard.num_microbatches == 0:
+        return 1.0
+    return min(shard.cursor, shard.num_microbatches) / shard.num_microbatches
+
+
+def changeover_s(pools: Iterable[PoolSpec]) -> float:
+    """What a (re)launch costs in wall time: the slowest pool's startup plus its queue wait."""
+    return max((p.startup_seconds + p.queue_wait_seconds for p in pools), default=0.0)
+
+
+def reference_pool(pools: Sequence[PoolSpec]) -> PoolSpec:
+    """The pool whose nominal rates the planner priced the work at: the first Spot pool, else the first."""
+    return next((p for p in pools if p.kind is PoolKind.SPOT), pools[0])
+
+
+def pool_named(name: str | None, pools: Sequence[PoolSpec]) -> PoolSpec | None:
+    """The pool a worker recorded (by name, or by kind: ``spot`` / ``on_demand``); None if unknown."""
+    if not name:
+        return None
+    for pool in pools:
+        if pool.name == name:
+            return pool
+    return next((p for p in pools if p.kind.value == name), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolRate:
+    """One pool's rate for the job's model: nominal, learned, and how much was measured."""
+
+    pool: str
+    kind: PoolKind
+    nominal_tokens_per_s: float
+    tokens_per_s: float
+    microbatches: int
+    busy_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "kind": self.kind.value,
+            "nominal_tokens_per_s": round(self.nominal_tokens_per_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "measured": self.microbatches > 0,
+            "microbatches": self.microbatches,
+            "busy_s": round(self.busy_s, 3),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobView:
+    """A job at one instant, in expected wall-clock seconds on calibrated rates (see the module doc)."""
+
+    job_id: str
+    state: JobState
+    now: dt.datetime
+    deadline: dt.datetime
+    started_at: dt.datetime
+    completed_at: dt.datetime | None
+    parallelism: int
+    pools: tuple[PoolSpec, ...]
+    calibration: Calibration
+    #: expected seconds per estimated second of work (the calibrated slowdown, 1.0 before data)
+    work_scale: float
+    #: expected seconds of each shard's work not committed yet, by shard index
+    shard_work_s: Mapping[int, float]
+    #: expected seconds of the work committed so far
+    committed_work_s: float
+    #: shards leased by an attempt on an on-demand pool (workers of the job on on-demand now)
+    on_demand_shards: frozenset[int]
+    #: pool kind of each shard's last try, by shard index (None: never tried or unknown pool)
+    last_kinds: Mapping[int, PoolKind | None]
+    total_records: int
+    committed_records: int
+
+    @property
+    def stopped(self) -> bool:
+        return is_stopped(self.state)
+
+    @property
+    def finished(self) -> bool:
+        return self.completed_at is not None
+
+    @property
+    def remaining_work_s(self) -> float:
+        """Expected GPU-seconds of the work not committed yet (the whole job, on one worker)."""
+        return sum(self.shard_work_s.values())
+
+    @property
+    def changeover_s(self) -> float:
+        return changeover_s(self.pools)
+
+    def snapshot(self, shard_index: int | None = None, *, running: bool = False) -> JobSnapshot:
+        """The placement inputs for one shard (by default the largest unfinished one)."""
+        if shard_index is None:
+            shard_index = max(self.shard_work_s, key=lambda i: self.shard_work_s[i], default=-1)
+        spot = [p for p in self.pools if p.kind is PoolKind.SPOT]
+        remaining = self.remaining_work_s
+        return JobSnapshot(
+            now=self.now,
+            deadline=self.deadline,
+            remaining_work_s=remaining,
+            shard_work_s=self.shard_work_s.get(shard_index, 0.0),
+            parallelism=self.parallelism,
+            changeover_s=self.changeover_s,
+            notice_s=max((p.preemption_notice_seconds for p in spot), default=0.0),
+            spot_preemptions_per_hour=max((p.preemptions_per_hour for p in spot), default=0.0),
+            spot_available=bool(spot),
+            previous_pool=self.last_kinds.get(shard_index),
+            on_demand_workers=len(self.on_demand_shards - {shard_index}),
+            running=running,
+            started_at=self.started_at,
+            total_work_s=self.committed_work_s + remaining,
+        )
+
+    @property
+    def predicted_finish(self) -> dt.datetime:
+        """When the job ends: its completion time once finished, else now plus :func:`od_need_s`."""
+        if self.completed_at is not None:
+            return self.completed_at
+        return self.now + dt.timedelta(seconds=od_need_s(self.snapshot()))
+
+    @property
+    def slack_s(self) -> float:
+        """Deadline minus predicted finish (negative: predicted late)."""
+        return (self.deadline - self.predicted_finish).total_seconds()
+
+    def rates(self) -> list[PoolRate]:
+        """Each pool's nominal and learned rate, in the order of the job's pools."""
+        out = []
+        for pool in self.pools:
+            est = self.calibration.estimate(pool.name)
+            out.append(
+                PoolRate(
+                    pool=pool.name,
+                    kind=pool.kind,
+                    nominal_tokens_per_s=est.prior_tokens_per_s,
+                    tokens_per_s=est.tokens_per_s,
+                    microbatches=est.samples,
+                    busy_s=est.busy_s,
+                )
+            )
+        return out
+
+
+def _work_scale(calibration: Calibration, pools: Sequence[PoolSpec]) -> float:
+    """The reference pool's slowdown, or the slowdown of the pool measured longest before it has run."""
+    ref = calibration.estimate(reference_pool(pools).name)
+    if ref.measured:
+        return ref.slowdown
+    measured: list[PoolEstimate] = [e for e in calibration.pools.values() if e.measured]
+    if not measured:
+        return 1.0
+    return max(measured, key=lambda e: e.busy_s).slowdown
+
+
+def _samples(commits: Iterable[CommitFields], pools: Sequence[PoolSpec]) -> list[RateSample]:
+    out = []
+    for commit in sorted(commits, key=lambda c: c.committed_at):
+        pool = pool_named(commit.pool, pools)
+        if pool is None:
+            continue  # the validation object, or a pool the job no longer has: nothing to learn
+        out.append(
+            RateSample(
+                pool=pool.name,
+                records=commit.records,
+                prompt_tokens=commit.prompt_tokens,
+                completion_tokens=commit.completion_tokens,
+                elapsed_s=commit.elapsed_s,
+            )
+        )
+    return out
+
+
+def build_job_view(
+    job: JobFields,
+    shards: Iterable[ShardFields],
+    commits: Iterable[CommitFields],
+    *,
+    now: dt.datetime,
+    pools: Sequence[PoolSpec] | None = None,
+    parallelism: int | None = None,
+) -> JobView:
+    """The :class:`JobView` of ``job`` at ``now`` from its shards and commits (pure).
+
+    ``pools`` default to the pools the job was planned with, ``parallelism`` to its ``workers``.
+    """
+    if pools is None:
+        pools = tuple(PoolSpec.from_dict(p) for p in job.config.get("pools") or ())
+    pools = tuple(pools)
+    if not pools:
+        raise ValueError(f"job {job.job_id} has no pools: plan it with pools or pass them")
+    commits = list(commits)
+    calibration = calibrate(pools, _samples(commits, pools))
+    scale = _work_scale(calibration, pools)
+    shard_work: dict[int, float] = {}
+    last_kinds: dict[int, PoolKind | None] = {}
+    on_demand: set[int] = set()
+    committed = 0.0
+    for shard in shards:
+        done = shard_done_fraction(shard)
+        work = max(0.0, float(shard.est_work_s)) * scale
+        committed += work * done
+        if done < 1.0:
+            shard_work[shard.shard_index] = work * (1.0 - done)
+        last = pool_named(shard.last_pool, pools)
+        last_kinds[shard.shard_index] = last.kind if last is not None else None
+        if shard.state is ShardState.LEASED and last is not None and last.kind is PoolKind.ON_DEMAND:
+            on_demand.add(shard.shard_index)
+    return JobView(
+        job_id=job.job_id,
+        state=JobState(job.state),
+        now=ensure_aware(now, "now"),
+        deadline=job.deadline,
+        started_at=job.created_at,
+        completed_at=job.completed_at,
+        parallelism=max(1, int(parallelism or job.config.get("workers") or 1)),
+        pools=pools,
+        calibration=calibration,
+        work_scale=scale,
+        shard_work_s=shard_work,
+        committed_work_s=committed,
+        on_demand_shards=frozenset(on_demand),
+        last_kinds=last_kinds,
+        total_records=job.input_lines,
+        committed_records=sum(c.records for c in commits),
+    )

@@ -1,0 +1,50 @@
+"""The worker's command line (docs/design.md §6), built in one place for a pod and a subprocess.
+
+The store URL is normally left out: the worker reads it from ``ADB_STORE_URL`` (a Kubernetes
+Secret in a pod, the environment of a local subprocess), so no credentials appear in ``ps`` or in
+the pod spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["WORKER_MODULE", "worker_arguments", "worker_command"]
+
+#: the module run as ``python -m`` in a pod and in a local subprocess
+WORKER_MODULE = "airflow_deadline_batch.worker"
+
+
+def worker_arguments(
+    job_id: str,
+    shard_index: int,
+    *,
+    pool: str | None = None,
+    lease_ttl_s: float = 60.0,
+    grace_s: float = 30.0,
+    worker_name: str | None = None,
+    engine_options: Sequence[str] = (),
+    store_url: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The arguments after ``python -m airflow_deadline_batch.worker``.
+
+    ``engine_options`` are ``KEY=VALUE`` items (each becomes ``--engine-option``); ``extra`` is
+    appended as it is.
+    """
+    argv = ["--job", job_id, "--shard", str(shard_index)]
+    if pool:
+        argv += ["--pool", pool]
+    argv += ["--lease-ttl", f"{lease_ttl_s:g}", "--grace", f"{grace_s:g}"]
+    if worker_name:
+        argv += ["--worker-name", worker_name]
+    for option in engine_options:
+        argv += ["--engine-option", option]
+    if store_url is not None:
+        argv += ["--store", store_url]
+    return [*argv, *extra]
+
+
+def worker_command(python: str, arguments: Sequence[str]) -> list[str]:
+    """The whole argv of a worker process: ``python -m airflow_deadline_batch.worker ARGUMENTS``."""
+    return [python, "-m", WORKER_MODULE, *arguments]

@@ -1,0 +1,134 @@
+"""The local runner and the Airflow shard operators place a shard the same way for one store state."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from airflow_deadline_batch.core.clock import ManualClock
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.local.runner import LocalRun, RunOptions
+from airflow_deadline_batch.operators.placement import TryAction, TryDecision
+from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, LocalShardOperator
+from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+
+T0 = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+SPOT = PoolSpec(
+    name="gpu-spot",
+    kind=PoolKind.SPOT,
+    startup_seconds=120,
+    queue_wait_seconds=30,
+    preemptions_per_hour=0.5,
+    preemption_notice_seconds=120,
+)
+ON_DEMAND = PoolSpec(
+    name="gpu-on-demand",
+    kind=PoolKind.ON_DEMAND,
+    price_per_gpu_hour=3.0,
+    startup_seconds=60,
+    queue_wait_seconds=300,
+)
+WORKERS = 3
+
+
+@pytest.fixture()
+def store_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+@pytest.fixture()
+def job_id(store_url: str) -> str:
+    """A three-hour job of 6 shards of 30 GPU-minutes each, run by 3 workers."""
+    store = ManifestStore(store_url)
+    store.migrate()
+    job, _ = store.create_job(
+        NewJob(
+            deadline=T0 + dt.timedelta(hours=3),
+            input_uri="/data/in.jsonl",
+            input_sha256="0" * 64,
+            input_lines=60,
+            input_total_lines=60,
+            output_uri="/data/out",
+            config={"workers": WORKERS, "engine": "echo", "pools": [SPOT.to_dict(), ON_DEMAND.to_dict()]},
+        ),
+        [
+            NewShard(
+                shard_index=i,
+                byte_start=i * 100,
+                byte_end=(i + 1) * 100,
+                first_line=i * 10 + 1,
+                line_count=10,
+                records=10,
+                num_microbatches=5,
+                input_sha256="0" * 64,
+                est_work_s=1800.0,
+            )
+            for i in range(6)
+        ],
+        None,
+    )
+    return job.job_id
+
+
+def decisions(store_url: str, job_id: str, index: int, clock: ManualClock) -> list[TryDecision]:
+    """The runner's decision and both shard operators' decisions for one shard, now."""
+    runner = LocalRun(ManifestStore(store_url), job_id, RunOptions(workers=WORKERS), clock)
+    operators = [
+        cls(task_id="shard", job_id=job_id, shard_index=index, store_url=store_url, clock=clock, **extra)
+        for cls, extra in ((LocalShardOperator, {}), (DeadlineShardPodOperator, {"image": "worker:0.1"}))
+    ]
+    return [runner.decide(index), *(op.decide() for op in operators)]
+
+
+def commit(store: ManifestStore, lease, seq: int, pool: str, elapsed_s: float):
+    return store.commit_microbatch(
+        lease,
+        seq=seq,
+        uri=f"file:///out/{lease.shard_index}/{seq}",
+        sha256="0" * 64,
+        records=2,
+        counts={"succeeded": 2},
+        prompt_tokens=6000,
+        completion_tokens=6000,
+        elapsed_s=elapsed_s,
+        model_digest=None,
+        pool=pool,
+    )
+
+
+def test_runner_and_operators_decide_alike_as_the_job_runs(store_url: str, job_id: str) -> None:
+    clock = ManualClock(T0)
+    store = ManifestStore(store_url)
+
+    # a fresh job: plenty of slack, Spot for everyone
+    fresh = decisions(store_url, job_id, 0, clock)
+    assert fresh[0].action is TryAction.RUN and fresh[0].pool == SPOT
+    assert fresh[1:] == [fresh[0], fresh[0]]
+
+    # shard 0 commits two slow microbatches on Spot and is preempted; shard 1 runs on on-demand
+    lease = store.claim_shard(job_id, 0, ttl_s=60, worker="w0", pool=SPOT.name)
+    lease = commit(store, lease, 0, SPOT.name, elapsed_s=400.0)
+    lease = commit(store, lease, 1, SPOT.name, elapsed_s=400.0)
+    store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
+    on_demand = store.claim_shard(job_id, 1, ttl_s=3600, worker="w1", pool=ON_DEMAND.name)
+    commit(store, on_demand, 0, ON_DEMAND.name, elapsed_s=300.0)
+    clock.advance(1800)
+    later = decisions(store_url, job_id, 0, clock)
+    assert later[0].action is TryAction.RUN
+    assert later[1:] == [later[0], later[0]]
+    assert later[0].placement is not None and fresh[0].placement is not None
+    assert later[0].placement.slack_s < fresh[0].placement.slack_s - 1800
+
+    # close to the deadline: both escalate shard 0 to on-demand, with the same reason and timeouts
+    clock.advance(3600)
+    late = decisions(store_url, job_id, 0, clock)
+    assert late[0].pool == ON_DEMAND
+    assert late[1:] == [late[0], late[0]]
+
+    # a cancelled job: every path stops
+    store.cancel_job(job_id)
+    stopped = decisions(store_url, job_id, 2, clock)
+    assert {d.action for d in stopped} == {TryAction.JOB_STOPPED}
+    assert stopped[1:] == [stopped[0], stopped[0]]
