@@ -214,7 +214,7 @@ class DriverStatement:
     """
 
     sql: str
-    #: the statement's literal values (states, increments), already processed for the driver
+    #: the statement's constants that could not be rendered into ``sql``, processed for the driver
     constants: Mapping[str, Any]
     #: the caller's parameters by name, with the bind processor its type needs (JSONB: a wrapper)
     processors: Mapping[str, Callable[[Any], Any] | None]
@@ -235,17 +235,29 @@ class DriverStatement:
         compiled = statement.compile(dialect=dialect)
         if "POSTCOMPILE" in compiled.string:  # an expanding IN would need SQLAlchemy at each execution
             raise ValueError(f"statement needs per-execution rendering: {compiled.string[:200]}")
+        sql = compiled.string
         constants: dict[str, Any] = {}
         processors: dict[str, Callable[[Any], Any] | None] = {}
         for bind, name in compiled.bind_names.items():
-            process = bind.type.dialect_impl(dialect).bind_processor(dialect)
+            impl = bind.type.dialect_impl(dialect)
             if bind.required:
-                processors[name] = process
+                processors[name] = impl.bind_processor(dialect)
+                continue
+            # A constant of the statement (a state, an increment; the module's own values, never
+            # input) is rendered into the SQL, so that it is not sent as a parameter every time.
+            value = bind.effective_value
+            literal = impl.literal_processor(dialect)
+            if value is None:
+                rendered = "NULL"
+            elif literal is not None:
+                rendered = literal(value).replace("%", "%%")  # the driver's paramstyle is pyformat
             else:
-                value = bind.effective_value
+                process = impl.bind_processor(dialect)
                 constants[name] = process(value) if process is not None else value
+                continue
+            sql = sql.replace(f"%({name})s", rendered)
         keys = tuple(str(column.key) for column in statement.selected_columns)
-        return cls(compiled.string, constants, processors, keys)
+        return cls(sql, constants, processors, keys)
 
     def parameters(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """The driver's parameters: the constants and the caller's ``params``, processed."""

@@ -1,4 +1,4 @@
-"""The lease operations, each defined once: claim, exhaust, heartbeat, commit and complete.
+"""The lease operations, each defined once: claim (or take over), exhaust, heartbeat, commit, complete.
 
 Each operation is ONE conditional ``UPDATE ... RETURNING`` of the shard row. Its WHERE clause is
 the whole precondition (the fencing token: epoch + attempt ID; a live lease on the DATABASE clock;
@@ -126,14 +126,10 @@ _HOLDS_LIVE_LEASE = sa.and_(
     shards.c.lease_expires_at > db_epoch(),
     _JOB_IS_ACTIVE,
 )
-#: never leased, released after a failure, or leased by an attempt whose lease has expired
-_CLAIMABLE = sa.and_(
-    _KEY,
-    sa.or_(
-        _one_of(shards.c.state, [ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value]),
-        sa.and_(shards.c.state == ShardState.LEASED.value, shards.c.lease_expires_at <= db_epoch()),
-    ),
-)
+#: claimable: never leased or released after a failure (held by no attempt), or its lease expired
+_NOT_HELD = _one_of(shards.c.state, [ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value])
+_LEASE_EXPIRED = sa.and_(shards.c.state == ShardState.LEASED.value, shards.c.lease_expires_at <= db_epoch())
+_CLAIMABLE = sa.and_(_KEY, sa.or_(_NOT_HELD, _LEASE_EXPIRED))
 # keyed by the bound job ID, not a correlation: SQLite renders RETURNING columns without their
 # table, and ``job_id = job_id`` would read whichever job comes first
 _MAX_ATTEMPTS = sa.select(jobs.c.max_attempts).where(jobs.c.job_id == _JOB).scalar_subquery()
@@ -238,32 +234,45 @@ def _as_text(value: sa.ColumnElement[Any]) -> sa.ColumnElement[str]:
     return sa.cast(value, sa.String())
 
 
-#: take the lease with a fresh attempt and a bumped epoch (the fencing token); returns the new lease
-CLAIM = lease_statement(
-    "claim",
-    sa.update(shards)
-    .where(
-        _CLAIMABLE,
-        sa.exists().where(
-            jobs.c.job_id == shards.c.job_id,
-            _one_of(jobs.c.state, _ACTIVE),
-            shards.c.attempts < jobs.c.max_attempts,
-        ),
+def _claim(name: str, shard_state: sa.ColumnElement[bool], *bookkeeping: Bookkeeping) -> LeaseStatement:
+    """Take the lease with a fresh attempt and a bumped epoch (the fencing token); returns the new lease."""
+    return lease_statement(
+        name,
+        sa.update(shards)
+        .where(
+            _KEY,
+            shard_state,
+            sa.exists().where(
+                jobs.c.job_id == shards.c.job_id,
+                _one_of(jobs.c.state, _ACTIVE),
+                shards.c.attempts < jobs.c.max_attempts,
+            ),
+        )
+        .values(
+            state=ShardState.LEASED.value,
+            epoch=shards.c.epoch + 1,
+            lease_attempt_id=_ATTEMPT,
+            lease_expires_at=db_epoch() + _TTL,
+            lease_ttl_s=_TTL,
+            attempts=shards.c.attempts + 1,
+            last_pool=_POOL,
+            updated_at=db_timestamp(),
+        )
+        .returning(shards.c.epoch, shards.c.lease_expires_at, shards.c.cursor, shards.c.num_microbatches),
+        _insert_attempt,
+        *bookkeeping,
+        _run_job,
     )
-    .values(
-        state=ShardState.LEASED.value,
-        epoch=shards.c.epoch + 1,
-        lease_attempt_id=_ATTEMPT,
-        lease_expires_at=db_epoch() + _TTL,
-        lease_ttl_s=_TTL,
-        attempts=shards.c.attempts + 1,
-        last_pool=_POOL,
-        updated_at=db_timestamp(),
-    )
-    .returning(shards.c.epoch, shards.c.lease_expires_at, shards.c.cursor, shards.c.num_microbatches),
-    _insert_attempt,
+
+
+#: claim a shard that no attempt holds (never leased, or released after a failure)
+CLAIM = _claim("claim", _NOT_HELD)
+#: claim a shard whose lease has expired, ending the attempt that held it as ``lost_lease``; a
+#: statement of its own so that the common claim does not pay for looking for that attempt
+TAKE_OVER = _claim(
+    "take_over",
+    _LEASE_EXPIRED,
     _end_superseded_attempts(lambda f: "lease expired; taken over at epoch " + _as_text(f.c.epoch)),
-    _run_job,
 )
 
 #: a claimable shard of an active job that is out of attempts fails terminally; returns last_error
@@ -333,7 +342,7 @@ COMPLETE = lease_statement(
 )
 
 #: every lease operation (a PostgreSQL store compiles their combined statements when it is created)
-OPERATIONS = (CLAIM, EXHAUST, HEARTBEAT, COMMIT, COMPLETE)
+OPERATIONS = (CLAIM, TAKE_OVER, EXHAUST, HEARTBEAT, COMMIT, COMPLETE)
 
 # The transitions the statements above make must be allowed by core.states (the one definition of
 # them); checked once, at import.
@@ -370,7 +379,7 @@ def read_snapshot(conn: Connection, job_id: str, shard_index: int) -> ShardSnaps
 
 
 def claim_refusal(snap: ShardSnapshot) -> ShardNotClaimable | None:
-    """Why CLAIM (and EXHAUST) matched nothing, or None if the shard is claimable now (it changed)."""
+    """Why CLAIM, TAKE_OVER and EXHAUST matched nothing, or None if the shard is claimable now."""
     shard = snap.shard
     where = f"shard {shard.shard_id} of job {shard.job_id}"
     key = {"job_id": shard.job_id, "shard_index": shard.shard_index}

@@ -496,7 +496,9 @@ class ManifestStore:
                 return leases.exhausted(job_id, shard_index, spent["last_error"])
             return leases.claim_refusal(self._snapshot(job_id, shard_index))
 
-        claimed = self._fenced(leases.CLAIM, params, refuse, job_id=job_id, shard_index=shard_index)
+        claimed = self._fenced(
+            (leases.CLAIM, leases.TAKE_OVER), params, refuse, job_id=job_id, shard_index=shard_index
+        )
         return Lease(
             job_id=job_id,
             shard_index=shard_index,
@@ -511,7 +513,7 @@ class ManifestStore:
         """Extend the lease to ``db_now + ttl_s``; :class:`LeaseLost` if fenced, expired or job inactive."""
         params = {**_lease_params(lease), "b_ttl": float(ttl_s)}
         beat = self._fenced(
-            leases.HEARTBEAT,
+            (leases.HEARTBEAT,),
             params,
             lambda: leases.lease_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
             job_id=lease.job_id,
@@ -553,7 +555,7 @@ class ManifestStore:
             "b_pool": pool,
         }
         committed = self._fenced(
-            leases.COMMIT,
+            (leases.COMMIT,),
             params,
             lambda: leases.commit_refusal(self._snapshot(lease.job_id, lease.shard_index), lease, seq),
             job_id=lease.job_id,
@@ -564,7 +566,7 @@ class ManifestStore:
     def complete_shard(self, lease: Lease) -> None:
         """Mark the shard succeeded; needs every microbatch committed and the live lease."""
         self._fenced(
-            leases.COMPLETE,
+            (leases.COMPLETE,),
             _lease_params(lease),
             lambda: leases.complete_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
             job_id=lease.job_id,
@@ -573,29 +575,30 @@ class ManifestStore:
 
     def _fenced(
         self,
-        op: leases.LeaseStatement,
+        ops: tuple[leases.LeaseStatement, ...],
         params: Mapping[str, Any],
         refuse: Callable[[], StoreError | None],
         *,
         job_id: str,
         shard_index: int,
     ) -> Mapping[str, Any]:
-        """``op``'s returned row; when it matches nothing, the error ``refuse`` finds.
+        """The row of the first of ``ops`` that matches; when none does, the error ``refuse`` finds.
 
-        ``refuse`` reads the rows after the statement, in a transaction of its own, so a row may
+        ``refuse`` reads the rows after the statements, in a transaction of its own, so a row may
         have changed in between (a live lease expired, say, and the shard became claimable): then
         it finds no reason and the operation is tried again, a few times at most.
         """
         for _ in range(RACE_TRIES):
-            row = self._run_lease_statement(op, params)
-            if row is not None:
-                return row
+            for op in ops:
+                row = self._run_lease_statement(op, params)
+                if row is not None:
+                    return row
             error = refuse()
             if error is not None:
                 raise error
         raise StoreError(
-            f"shard {shard_id(shard_index)} of job {job_id}: {op.name} matched nothing {RACE_TRIES} times "
-            "and yet no reason was found (the shard kept changing); retry",
+            f"shard {shard_id(shard_index)} of job {job_id}: {ops[0].name} matched nothing {RACE_TRIES} "
+            "times and yet no reason was found (the shard kept changing); retry",
             job_id=job_id,
             shard_index=shard_index,
         )
