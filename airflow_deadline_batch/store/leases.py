@@ -2,10 +2,11 @@
 
 Each operation is ONE conditional ``UPDATE ... RETURNING`` of the shard row. Its WHERE clause is
 the whole precondition (the fencing token: epoch + attempt ID; a live lease on the DATABASE clock;
-an active job; the cursor), so it either writes everything or nothing, and the same statement runs
-on SQLite and PostgreSQL. The bookkeeping that must happen exactly when it matched (the attempt
-row, the commit row, the job's first-claim transition, ending a superseded attempt) is written
-once too, as statements that read the matched row from a table expression named ``fenced``:
+an active job; the cursor), so it either writes everything or nothing, and only the live lease's
+attempt ever commits (docs/design.md §4.5, invariant 2). The same statement runs on SQLite and
+PostgreSQL. The bookkeeping that must happen exactly when it matched (the attempt row, the commit
+row, the job's first-claim transition, ending a superseded attempt) is written once too, as
+statements that read the matched row from a table expression named ``fenced``:
 
 * on PostgreSQL ``fenced`` is the UPDATE itself as a CTE and the bookkeeping are data-modifying
   CTEs of the same statement (:attr:`LeaseStatement.combined`), so one statement in autocommit
@@ -19,10 +20,10 @@ read-only transaction (:func:`read_snapshot`) and the ``*_refusal`` functions na
 reason as the store's existing exceptions. Those functions mirror the WHERE clauses below: change
 both together.
 
-Lock order (docs/design.md §4.5): every statement here locks the shard row first (the UPDATE),
-then attempt rows, then the job row (the first claim of an admitted job). PostgreSQL evaluates an
-uncorrelated ``EXISTS (SELECT 1 FROM fenced)`` once, before it scans the bookkeeping's table, so
-the CTEs keep that order too.
+Lock order: every statement here locks the shard row first (the UPDATE), then attempt rows, then
+the job row (the first claim of an admitted job). In the combined statement a bookkeeping CTE
+locks a row only once it has read ``fenced`` (a join, or an uncorrelated ``EXISTS (SELECT 1 FROM
+fenced)`` that PostgreSQL evaluates once, before it scans), that is, after the shard UPDATE ran.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ _ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATES)
 
 
 def _one_of(column: sa.ColumnElement[str], values: list[str]) -> sa.ColumnElement[bool]:
-    """``column IN (values)`` as plain comparisons: an IN list of constants is re-rendered per execution."""
+    """``column IN (values)`` as comparisons: SQLAlchemy renders an IN list anew at each execution."""
     return sa.or_(*(column == value for value in values))
 
 
@@ -130,8 +131,7 @@ _HOLDS_LIVE_LEASE = sa.and_(
 _NOT_HELD = _one_of(shards.c.state, [ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value])
 _LEASE_EXPIRED = sa.and_(shards.c.state == ShardState.LEASED.value, shards.c.lease_expires_at <= db_epoch())
 _CLAIMABLE = sa.and_(_KEY, sa.or_(_NOT_HELD, _LEASE_EXPIRED))
-# keyed by the bound job ID, not a correlation: SQLite renders RETURNING columns without their
-# table, and ``job_id = job_id`` would read whichever job comes first
+#: the shard's job's max_attempts (for EXHAUST's message), by the shard key's job ID
 _MAX_ATTEMPTS = sa.select(jobs.c.max_attempts).where(jobs.c.job_id == _JOB).scalar_subquery()
 
 
