@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from airflow_deadline_batch.store.manifest_store import ACTIVE_JOB_STATES, ManifestStore
+from airflow_deadline_batch.store.leases import ACTIVE_JOB_STATES
+from airflow_deadline_batch.store.manifest_store import ManifestStore
 from airflow_deadline_batch.store.rows import (
     DEFAULT_LEASE_TTL_S,
     DEFAULT_MAX_ATTEMPTS,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import PoolProxiedConnection
 from tenacity import (
     Retrying,
     retry_if_exception,
@@ -199,3 +202,208 @@ def fork_safe(engine: Engine, owner_pid: int) -> int:
     if pid != owner_pid:
         engine.dispose(close=False)
     return pid
+
+
+@dataclass(frozen=True)
+class DriverStatement:
+    """A Core statement compiled once for a dialect, to run on the DBAPI connection directly.
+
+    The SQL is SQLAlchemy's own rendering of the statement; what this skips is the per-execution
+    work of a ``Connection`` (cache-key lookup, execution context, result wrapping), which costs
+    more client CPU than the statement does round trip on PostgreSQL.
+    """
+
+    sql: str
+    #: the statement's constants that could not be rendered into ``sql``, processed for the driver
+    constants: Mapping[str, Any]
+    #: the caller's parameters by name, with the bind processor its type needs (JSONB: a wrapper)
+    processors: Mapping[str, Callable[[Any], Any] | None]
+    #: the names of the returned columns
+    keys: tuple[str, ...]
+
+    @classmethod
+    def of(cls, statement: sa.Select[Any], dialect: sa.Dialect) -> DriverStatement:
+        """``statement`` compiled for ``dialect``, once per process (a forked child inherits it)."""
+        key = (statement, dialect.name, dialect.driver)
+        compiled = _DRIVER_STATEMENTS.get(key)
+        if compiled is None:
+            compiled = _DRIVER_STATEMENTS[key] = cls.compile(statement, dialect)
+        return compiled
+
+    @classmethod
+    def compile(cls, statement: sa.Select[Any], dialect: sa.Dialect) -> DriverStatement:
+        compiled = statement.compile(dialect=dialect)
+        if "POSTCOMPILE" in compiled.string:  # an expanding IN would need SQLAlchemy at each execution
+            raise ValueError(f"statement needs per-execution rendering: {compiled.string[:200]}")
+        sql = compiled.string
+        constants: dict[str, Any] = {}
+        processors: dict[str, Callable[[Any], Any] | None] = {}
+        for bind, name in compiled.bind_names.items():
+            impl = bind.type.dialect_impl(dialect)
+            if bind.required:
+                processors[name] = impl.bind_processor(dialect)
+                continue
+            # A constant of the statement (a state, an increment; the module's own values, never
+            # input) is rendered into the SQL, so that it is not sent as a parameter every time.
+            value = bind.effective_value
+            literal = impl.literal_processor(dialect)
+            if value is None:
+                rendered = "NULL"
+            elif literal is not None:
+                rendered = literal(value).replace("%", "%%")  # the driver's paramstyle is pyformat
+            else:
+                process = impl.bind_processor(dialect)
+                constants[name] = process(value) if process is not None else value
+                continue
+            sql = sql.replace(f"%({name})s", rendered)
+        keys = tuple(str(column.key) for column in statement.selected_columns)
+        return cls(sql, constants, processors, keys)
+
+    def parameters(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The driver's parameters: the constants and the caller's ``params``, processed."""
+        values = dict(self.constants)
+        for name, process in self.processors.items():
+            value = params[name]
+            values[name] = process(value) if process is not None else value
+        return values
+
+
+_DRIVER_STATEMENTS: dict[tuple[sa.Select[Any], str, str], DriverStatement] = {}
+
+
+def _as_dbapi_error(
+    engine: Engine, exc: BaseException, sql: str | None, params: Any, driver: Any
+) -> BaseException:
+    """A driver error as SQLAlchemy's ``DBAPIError`` (``connection_invalidated`` for a lost connection).
+
+    So that :func:`run_with_retry` classifies it as it does every other statement's error; anything
+    else comes back unchanged.
+    """
+    dialect = engine.dialect
+    if not isinstance(exc, dialect.loaded_dbapi.Error):
+        return exc
+    lost = driver is None or dialect.is_disconnect(exc, driver, None)
+    return sa.exc.DBAPIError.instance(
+        sql, params, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost, dialect=dialect
+    )
+
+
+def _reraise(engine: Engine, exc: BaseException, sql: str | None, params: Any, driver: Any) -> NoReturn:
+    converted = _as_dbapi_error(engine, exc, sql, params, driver)
+    if converted is exc:
+        raise exc
+    raise converted from exc
+
+
+def _checkout(engine: Engine) -> PoolProxiedConnection:
+    """A pooled connection (the pool's checkout events, such as the idle ping, run), errors wrapped."""
+    try:
+        return engine.raw_connection()
+    except BaseException as exc:
+        _reraise(engine, exc, None, None, None)
+
+
+def _first(driver: Any, statement: DriverStatement, params: Mapping[str, Any]) -> dict[str, Any] | None:
+    row = driver.execute(statement.sql, statement.parameters(params)).fetchone()
+    return None if row is None else dict(zip(statement.keys, row, strict=True))
+
+
+#: connections a forked child inherited: kept referenced so that it never closes the parent's sockets
+_INHERITED: list[PoolProxiedConnection] = []
+
+
+class AutocommitConnection:
+    """One pooled connection a store keeps checked out, in autocommit mode, for its one-statement operations.
+
+    On PostgreSQL each lease operation is one statement, atomic on its own, so it runs without
+    BEGIN/COMMIT: one round trip. Keeping the connection saves the pool's checkout/check-in and
+    the autocommit switch on every call. One thread at a time uses it; a thread that finds it busy
+    (the heartbeat thread, say) takes a pooled connection for that call instead. Idle for longer
+    than ``idle_s`` it goes back to the pool and is checked out again, so the pool's idle ping still
+    runs before it is trusted; a connection that fails is discarded, never pooled. Not shared
+    across ``fork()``: call :meth:`forget` in the child.
+    """
+
+    def __init__(self, engine: Engine, idle_s: float, statements: Iterable[sa.Select[Any]]) -> None:
+        self._engine = engine
+        self._idle_s = idle_s
+        self._lock = threading.Lock()
+        self._raw: PoolProxiedConnection | None = None
+        self._used_at = 0.0
+        # compiled now, not at first use: the first compile also imports the dialect's type support
+        # (~0.1 s), which then never lands on a lease operation
+        self._compiled = {s: DriverStatement.of(s, engine.dialect) for s in statements}
+
+    def first(self, statement: sa.Select[Any], params: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Run ``statement`` (one given at construction) as its own transaction; its first row, or None."""
+        compiled = self._compiled[statement]
+        if not self._lock.acquire(blocking=False):
+            return self._first_alone(compiled, params)
+        try:
+            raw = self._take()
+            driver: Any = raw.driver_connection
+            try:
+                row = _first(driver, compiled, params)
+            except BaseException as exc:
+                self._raw = None
+                raw.invalidate(exc)
+                raw.close()
+                _reraise(self._engine, exc, compiled.sql, params, driver)
+            self._used_at = time.monotonic()
+            return row
+        finally:
+            self._lock.release()
+
+    def _first_alone(self, compiled: DriverStatement, params: Mapping[str, Any]) -> dict[str, Any] | None:
+        """On a pooled connection of its own, handed back in transaction mode (discarded after an error)."""
+        raw = _checkout(self._engine)
+        driver: Any = raw.driver_connection
+        try:
+            driver.autocommit = True
+            row = _first(driver, compiled, params)
+            driver.autocommit = False
+            return row
+        except BaseException as exc:
+            raw.invalidate(exc)
+            _reraise(self._engine, exc, compiled.sql, params, driver)
+        finally:
+            raw.close()
+
+    def _take(self) -> PoolProxiedConnection:
+        raw = self._raw
+        if raw is not None and time.monotonic() - self._used_at <= self._idle_s:
+            return raw
+        self._give_back()
+        raw = _checkout(self._engine)
+        driver: Any = raw.driver_connection
+        try:
+            driver.autocommit = True
+        except BaseException as exc:
+            raw.invalidate(exc)
+            raw.close()
+            _reraise(self._engine, exc, None, None, driver)
+        self._raw = raw
+        return raw
+
+    def _give_back(self) -> None:
+        raw, self._raw = self._raw, None
+        if raw is None:
+            return
+        driver: Any = raw.driver_connection
+        try:
+            driver.autocommit = False
+        except BaseException as exc:  # a broken connection: never pool it
+            raw.invalidate(exc)
+        raw.close()
+
+    def release(self) -> None:
+        """Hand the connection back to the pool (before the pool is disposed)."""
+        with self._lock:
+            self._give_back()
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's connection without touching it, and any lock it held."""
+        if self._raw is not None:
+            _INHERITED.append(self._raw)
+        self._raw = None
+        self._lock = threading.Lock()

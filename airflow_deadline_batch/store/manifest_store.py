@@ -1,11 +1,16 @@
 """The manifest store: jobs, shards, attempts, leases and fenced commits, on SQLite or PostgreSQL.
 
-Every public method is one transaction. Lease time comes from the database clock (``db_epoch()``),
-never from the caller's. Row-lock order is always shard → attempt → job (or job alone), so two
-operations never wait on each other in a cycle. On SQLite every write transaction starts with
-``BEGIN IMMEDIATE`` and so runs alone; on PostgreSQL the shard row is locked ``FOR UPDATE``.
-On PostgreSQL, claim, heartbeat, commit and complete first try one self-contained statement in
-autocommit mode (``pg_fast``); only when it matches nothing does the slow path's transaction run.
+Every public method is one transaction; a refused lease operation is its one statement, then a
+read-only transaction that names the reason (store/leases.py). Lease time comes from the database
+clock (``db_epoch()``), never from the caller's. On SQLite every write transaction starts with
+``BEGIN IMMEDIATE`` and so runs alone; on PostgreSQL claim, heartbeat, commit and complete are
+each one statement in autocommit mode, and the other writes lock their rows ``FOR UPDATE``.
+
+Row-lock order: lease operations and releases lock shard → attempt → job; job-state changes lock
+the job, then its unfinished shards, then their attempts. The two orders meet only when the first
+claim of an admitted job (shard, then job) races a state change of that job (job, then shard):
+PostgreSQL then detects the deadlock and aborts one of them, which the retry wrapper
+(``store/engine.py``, SQLSTATE 40P01) runs again.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,18 +38,18 @@ from airflow_deadline_batch.core.states import (
 from airflow_deadline_batch.exceptions import (
     InvalidTransition,
     JobNotFound,
-    LeaseLost,
-    ShardNotClaimable,
     StoreError,
 )
-from airflow_deadline_batch.store import pg_fast
+from airflow_deadline_batch.store import leases
 from airflow_deadline_batch.store.engine import (
     BEGIN_MODE,
     PING_AFTER_IDLE_S,
+    AutocommitConnection,
     create_store_engine,
     fork_safe,
     run_with_retry,
 )
+from airflow_deadline_batch.store.leases import ACTIVE_JOB_STATES
 from airflow_deadline_batch.store.rows import (
     DEFAULT_MAX_ATTEMPTS,
     VALIDATION_ATTEMPT_ID,
@@ -60,11 +65,9 @@ from airflow_deadline_batch.store.rows import (
     ShardRow,
 )
 from airflow_deadline_batch.store.schema import (
-    JSONType,
     attempts,
     commits,
     db_epoch,
-    db_timestamp,
     jobs,
     shards,
 )
@@ -74,129 +77,11 @@ UTC = dt.timezone.utc
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: pg_advisory_xact_lock key that serializes concurrent migrate() calls ("adb_migr")
 MIGRATION_LOCK_KEY = 0x6164625F6D696772
-#: jobs in these states accept claims, heartbeats and commits
-ACTIVE_JOB_STATES = frozenset({JobState.ADMITTED, JobState.RUNNING})
+#: a refused lease operation whose read-only diagnosis finds no reason (the row changed in between)
+#: is tried again, at most this many times in all
+RACE_TRIES = 3
 #: attempt outcomes counted as preemptions in progress reports
 PREEMPTION_OUTCOMES = frozenset({AttemptOutcome.PREEMPTED.value, AttemptOutcome.ABANDONED.value})
-
-
-# -- hot-path statements -----------------------------------------------------------------------------
-# Claim, heartbeat, commit and complete each try one conditional UPDATE ... RETURNING first; it
-# encodes the whole precondition (fencing token, live lease on the DB clock, active job) in its
-# WHERE clause, so the common case is one locked row and one or two statements. Only when it
-# matches nothing does the slow path lock the row and work out why (to raise the right error).
-_B = sa.bindparam
-_TTL: sa.BindParameter[float] = _B("b_ttl", type_=sa.Double())
-_SEQ: sa.BindParameter[int] = _B("b_seq", type_=sa.Integer())
-_ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATES)
-_KEY = sa.and_(shards.c.job_id == _B("b_job"), shards.c.shard_index == _B("b_index"))
-_HOLDS_LIVE_LEASE = sa.and_(
-    _KEY,
-    shards.c.state == ShardState.LEASED.value,
-    shards.c.epoch == _B("b_epoch"),
-    shards.c.lease_attempt_id == _B("b_attempt"),
-    shards.c.lease_expires_at > db_epoch(),
-    sa.exists().where(jobs.c.job_id == shards.c.job_id, jobs.c.state.in_(_ACTIVE)),
-)
-_CLAIM = (
-    sa.update(shards)
-    .where(
-        _KEY,
-        shards.c.state.in_([ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value]),
-        sa.exists().where(
-            jobs.c.job_id == shards.c.job_id,
-            jobs.c.state.in_(_ACTIVE),
-            shards.c.attempts < jobs.c.max_attempts,
-        ),
-    )
-    .values(
-        state=ShardState.LEASED.value,
-        epoch=shards.c.epoch + 1,
-        lease_attempt_id=_B("b_attempt"),
-        lease_expires_at=db_epoch() + _TTL,
-        lease_ttl_s=_TTL,
-        attempts=shards.c.attempts + 1,
-        last_pool=_B("b_pool"),
-        updated_at=db_timestamp(),
-    )
-    .returning(
-        shards.c.epoch,
-        shards.c.lease_expires_at,
-        shards.c.cursor,
-        shards.c.num_microbatches,
-        # keyed by the bound job ID, not a correlation: SQLite renders RETURNING columns without
-        # their table, and ``job_id = job_id`` would read whichever job comes first
-        sa.select(jobs.c.state).where(jobs.c.job_id == _B("b_job")).scalar_subquery().label("job_state"),
-    )
-)
-_INSERT_ATTEMPT = sa.insert(attempts).values(
-    attempt_id=_B("b_attempt"),
-    job_id=_B("b_job"),
-    shard_index=_B("b_index"),
-    epoch=_B("b_epoch"),
-    worker=_B("b_worker"),
-    pool=_B("b_pool"),
-    started_at=db_timestamp(),
-    outcome=AttemptOutcome.RUNNING.value,
-    heartbeat_at=db_timestamp(),
-)
-_RUN_JOB = (
-    sa.update(jobs)
-    .where(jobs.c.job_id == _B("b_job"), jobs.c.state == JobState.ADMITTED.value)
-    .values(state=JobState.RUNNING.value, updated_at=db_timestamp())
-)
-_HEARTBEAT = (
-    sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE)
-    .values(lease_expires_at=db_epoch() + _TTL, lease_ttl_s=_TTL, updated_at=db_timestamp())
-    .returning(shards.c.lease_expires_at, shards.c.cursor)
-)
-_ATTEMPT_HEARTBEAT = (
-    sa.update(attempts).where(attempts.c.attempt_id == _B("b_attempt")).values(heartbeat_at=db_timestamp())
-)
-_TTL_FROM_NOW = db_epoch() + sa.func.coalesce(shards.c.lease_ttl_s, 0.0)
-_COMMIT = (
-    sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
-    .values(
-        cursor=shards.c.cursor + 1,
-        lease_expires_at=sa.case(
-            (shards.c.lease_expires_at > _TTL_FROM_NOW, shards.c.lease_expires_at), else_=_TTL_FROM_NOW
-        ),
-        updated_at=db_timestamp(),
-    )
-    .returning(shards.c.lease_expires_at)
-)
-_INSERT_COMMIT = sa.insert(commits).values(
-    job_id=_B("b_job"),
-    shard_index=_B("b_index"),
-    seq=_SEQ,
-    attempt_id=_B("b_attempt"),
-    epoch=_B("b_epoch"),
-    uri=_B("b_uri"),
-    sha256=_B("b_sha256"),
-    records=_B("b_records"),
-    counts=_B("b_counts", type_=JSONType),
-    prompt_tokens=_B("b_prompt_tokens"),
-    completion_tokens=_B("b_completion_tokens"),
-    elapsed_s=_B("b_elapsed_s", type_=sa.Double()),
-    model_digest=_B("b_model_digest", type_=sa.String()),
-    pool=_B("b_pool", type_=sa.String()),
-    committed_at=db_timestamp(),
-)
-_COMPLETE = (
-    sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == shards.c.num_microbatches)
-    .values(
-        state=ShardState.SUCCEEDED.value, lease_expires_at=None, last_error=None, updated_at=db_timestamp()
-    )
-    .returning(shards.c.epoch)
-)
-_ATTEMPT_SUCCEEDED = (
-    sa.update(attempts)
-    .where(attempts.c.attempt_id == _B("b_attempt"), attempts.c.outcome == AttemptOutcome.RUNNING.value)
-    .values(outcome=AttemptOutcome.SUCCEEDED.value, ended_at=db_timestamp(), error=None)
-)
 
 
 def _lease_params(lease: Lease) -> dict[str, Any]:
@@ -208,21 +93,20 @@ def _lease_params(lease: Lease) -> dict[str, Any]:
     }
 
 
-def _pg_lease_params(lease: Lease) -> dict[str, Any]:
-    return {
-        "job": lease.job_id,
-        "index": lease.shard_index,
-        "epoch": lease.epoch,
-        "attempt": lease.attempt_id,
-    }
-
-
 def _ts(epoch_s: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(epoch_s, UTC)
 
 
 def _shard_key(job_id: str, shard_index: int) -> sa.ColumnElement[bool]:
     return sa.and_(shards.c.job_id == job_id, shards.c.shard_index == shard_index)
+
+
+def _no_such_shard(job_id: str, shard_index: int) -> StoreError:
+    return StoreError(
+        f"job {job_id} has no shard {shard_index}; check the shard index",
+        job_id=job_id,
+        shard_index=shard_index,
+    )
 
 
 class ManifestStore:
@@ -244,9 +128,12 @@ class ManifestStore:
             else self._engine
         )
         self._pid = os.getpid()
-        #: PostgreSQL runs claim/heartbeat/commit/complete as single autocommit statements (pg_fast)
-        self._pg = self.dialect == "postgresql"
-        self._hot_conn = pg_fast.HotConnection(self._engine, PING_AFTER_IDLE_S)
+        #: PostgreSQL runs claim, heartbeat, commit and complete as single statements, on this connection
+        self._hot_conn = (
+            AutocommitConnection(self._engine, PING_AFTER_IDLE_S, (op.combined for op in leases.OPERATIONS))
+            if self.dialect == "postgresql"
+            else None
+        )
 
     @classmethod
     def open(cls, url: str, *, migrate: bool = True) -> ManifestStore:
@@ -259,7 +146,8 @@ class ManifestStore:
     def close(self) -> None:
         """Close pooled connections (the store stays usable; it reconnects on the next call)."""
         self._check_fork()
-        self._hot_conn.release()
+        if self._hot_conn is not None:
+            self._hot_conn.release()
         self._engine.dispose()
 
     def __repr__(self) -> str:
@@ -283,33 +171,11 @@ class ManifestStore:
 
         return run_with_retry(attempt, passthrough=passthrough, url=self.url)
 
-    def _hot(
-        self,
-        sql: str,
-        params: dict[str, Any],
-        done: Callable[[tuple[Any, ...]], T],
-        slow: Callable[[Connection], T],
-    ) -> T:
-        """PostgreSQL: ``sql`` alone, in one round trip; if it matches nothing, ``slow`` in a transaction.
-
-        ``sql`` (see ``pg_fast``) writes everything or nothing, so the slow path, which locks the
-        shard row and re-checks every precondition, runs as if the fast statement had not been tried.
-        """
-        self._check_fork()
-
-        def attempt() -> T:
-            row = self._hot_conn.run(sql, params)
-            if row is not None:
-                return done(row)
-            with self._writer.begin() as conn:
-                return slow(conn)
-
-        return run_with_retry(attempt, url=self.url)
-
     def _check_fork(self) -> None:
         """After ``fork()`` leave the parent's connections alone and open our own."""
         if os.getpid() != self._pid:
-            self._hot_conn.forget()
+            if self._hot_conn is not None:
+                self._hot_conn.forget()
             self._pid = fork_safe(self._engine, self._pid)
 
     @staticmethod
@@ -575,11 +441,7 @@ class ManifestStore:
         row = conn.execute(query.with_for_update(of=shards)).first()
         if row is None:
             self._job(conn, job_id)
-            raise StoreError(
-                f"job {job_id} has no shard {shard_index}; check the shard index",
-                job_id=job_id,
-                shard_index=shard_index,
-            )
+            raise _no_such_shard(job_id, shard_index)
         return ShardRow.from_row(row), float(row.db_now)
 
     def get_shard(self, job_id: str, shard_index: int) -> ShardRow:
@@ -589,11 +451,7 @@ class ManifestStore:
             row = conn.execute(sa.select(shards).where(_shard_key(job_id, shard_index))).first()
             if row is None:
                 self._job(conn, job_id)
-                raise StoreError(
-                    f"job {job_id} has no shard {shard_index}; check the shard index",
-                    job_id=job_id,
-                    shard_index=shard_index,
-                )
+                raise _no_such_shard(job_id, shard_index)
             return ShardRow.from_row(row)
 
         return self._tx(read, write=False)
@@ -609,6 +467,8 @@ class ManifestStore:
         return self._tx(read, write=False)
 
     # -- leases -----------------------------------------------------------------------------------
+    # Each method below is a list of steps: run the operation's one conditional statement
+    # (store/leases.py); if it matched nothing, read the rows and raise the reason it names.
 
     def claim_shard(
         self, job_id: str, shard_index: int, *, ttl_s: float, worker: str, pool: str | None = None
@@ -620,229 +480,46 @@ class ManifestStore:
         (out of attempts, or failed terminally) or ``job_inactive``.
         """
         attempt_id = new_attempt_id()
-        sid = shard_id(shard_index)
+        params = {
+            "b_job": job_id,
+            "b_index": shard_index,
+            "b_attempt": attempt_id,
+            "b_ttl": float(ttl_s),
+            "b_pool": pool,
+            "b_worker": worker,
+        }
 
-        def claim(conn: Connection) -> Lease | ShardNotClaimable:
-            params = {
-                "b_job": job_id,
-                "b_index": shard_index,
-                "b_attempt": attempt_id,
-                "b_ttl": ttl_s,
-                "b_pool": pool,
-                "b_worker": worker,
-            }
-            fast = conn.execute(_CLAIM, params).first()
-            if fast is not None:
-                conn.execute(_INSERT_ATTEMPT, {**params, "b_epoch": fast.epoch})
-                if fast.job_state == JobState.ADMITTED.value:
-                    conn.execute(_RUN_JOB, params)
-                return Lease(
-                    job_id=job_id,
-                    shard_index=shard_index,
-                    attempt_id=attempt_id,
-                    epoch=fast.epoch,
-                    expires_at=fast.lease_expires_at,
-                    cursor=fast.cursor,
-                    num_microbatches=fast.num_microbatches,
-                )
-            return slow_claim(conn)
+        def refuse() -> StoreError | None:
+            # out of attempts: record the terminal failure (a refusal that writes, never a success)
+            spent = self._run_lease_statement(leases.EXHAUST, params)
+            if spent is not None:
+                return leases.exhausted(job_id, shard_index, spent["last_error"])
+            return leases.claim_refusal(self._snapshot(job_id, shard_index))
 
-        def slow_claim(conn: Connection) -> Lease | ShardNotClaimable:
-            job = self._job(conn, job_id)
-            shard, now = self._lock_shard(conn, job_id, shard_index)
-            if shard.state is ShardState.SUCCEEDED:
-                return ShardNotClaimable(
-                    f"shard {sid} of job {job_id} is already committed; nothing to do",
-                    reason="succeeded",
-                    job_id=job_id,
-                    shard_index=shard_index,
-                )
-            if job.state not in ACTIVE_JOB_STATES:
-                return ShardNotClaimable(
-                    f"job {job_id} is {job.state.value}; its shards take no new attempts",
-                    reason="job_inactive",
-                    job_id=job_id,
-                    shard_index=shard_index,
-                )
-            if shard.state is ShardState.TERMINAL_FAILURE:
-                return ShardNotClaimable(
-                    f"shard {sid} of job {job_id} failed terminally ({shard.last_error}); it is not retried",
-                    reason="exhausted",
-                    job_id=job_id,
-                    shard_index=shard_index,
-                )
-            if shard.state is ShardState.LEASED:
-                left = (shard.lease_expires_at or 0.0) - now
-                if left > 0:
-                    return ShardNotClaimable(
-                        f"shard {sid} of job {job_id} is leased by {shard.lease_attempt_id} "
-                        f"for {left:.1f}s more",
-                        reason="leased",
-                        seconds_left=left,
-                        job_id=job_id,
-                        shard_index=shard_index,
-                    )
-                self._end_attempt(
-                    conn,
-                    shard.lease_attempt_id,
-                    AttemptOutcome.LOST_LEASE,
-                    now,
-                    f"lease expired; taken over at epoch {shard.epoch + 1}",
-                )
-            if shard.attempts >= job.max_attempts:
-                error = f"exhausted after {shard.attempts} attempts (max_attempts={job.max_attempts})"
-                check_shard_transition(shard.state, ShardState.TERMINAL_FAILURE, shard_id=sid)
-                conn.execute(
-                    sa.update(shards)
-                    .where(_shard_key(job_id, shard_index))
-                    .values(
-                        state=ShardState.TERMINAL_FAILURE.value,
-                        lease_attempt_id=None,
-                        lease_expires_at=None,
-                        last_error=error,
-                        updated_at=_ts(now),
-                    )
-                )
-                return ShardNotClaimable(
-                    f"shard {sid} of job {job_id} is {error}",
-                    reason="exhausted",
-                    job_id=job_id,
-                    shard_index=shard_index,
-                )
-            check_shard_transition(shard.state, ShardState.LEASED, shard_id=sid)
-            expires = now + ttl_s
-            done = conn.execute(
-                sa.update(shards)
-                .where(_shard_key(job_id, shard_index), shards.c.epoch == shard.epoch)
-                .values(
-                    state=ShardState.LEASED.value,
-                    epoch=shard.epoch + 1,
-                    lease_attempt_id=attempt_id,
-                    lease_expires_at=expires,
-                    lease_ttl_s=ttl_s,
-                    attempts=shard.attempts + 1,
-                    last_pool=pool,
-                    updated_at=_ts(now),
-                )
-            ).rowcount
-            if done != 1:  # cannot happen under the row lock; refuse rather than double-lease
-                raise StoreError(f"shard {sid} of job {job_id} changed during claim; retry the claim")
-            conn.execute(
-                sa.insert(attempts).values(
-                    attempt_id=attempt_id,
-                    job_id=job_id,
-                    shard_index=shard_index,
-                    epoch=shard.epoch + 1,
-                    worker=worker,
-                    pool=pool,
-                    started_at=_ts(now),
-                    outcome=AttemptOutcome.RUNNING.value,
-                    heartbeat_at=_ts(now),
-                )
-            )
-            if job.state is JobState.ADMITTED:
-                conn.execute(
-                    sa.update(jobs)
-                    .where(jobs.c.job_id == job_id, jobs.c.state == JobState.ADMITTED.value)
-                    .values(state=JobState.RUNNING.value, updated_at=_ts(now))
-                )
-            return Lease(
-                job_id=job_id,
-                shard_index=shard_index,
-                attempt_id=attempt_id,
-                epoch=shard.epoch + 1,
-                expires_at=expires,
-                cursor=shard.cursor,
-                num_microbatches=shard.num_microbatches,
-            )
-
-        if self._pg:
-            pg_params = {
-                "job": job_id,
-                "index": shard_index,
-                "attempt": attempt_id,
-                "ttl": float(ttl_s),
-                "pool": pool,
-                "worker": worker,
-            }
-
-            def claimed(row: tuple[Any, ...]) -> Lease:
-                return Lease(
-                    job_id=job_id,
-                    shard_index=shard_index,
-                    attempt_id=attempt_id,
-                    epoch=row[0],
-                    expires_at=row[1],
-                    cursor=row[2],
-                    num_microbatches=row[3],
-                )
-
-            result: Lease | ShardNotClaimable = self._hot(pg_fast.CLAIM, pg_params, claimed, slow_claim)
-        else:
-            result = self._tx(claim)
-        if isinstance(result, ShardNotClaimable):
-            raise result  # raised after the transaction, so its bookkeeping (exhausted, lost_lease) commits
-        return result
-
-    def _check_lease(self, conn: Connection, shard: ShardRow, now: float, lease: Lease) -> None:
-        """Raise :class:`LeaseLost` unless ``lease`` is the shard's current, live lease of an active job."""
-        where = (
-            f"shard {lease.shard_id} of job {lease.job_id}: attempt {lease.attempt_id} (epoch {lease.epoch})"
+        claimed = self._fenced(
+            (leases.CLAIM, leases.TAKE_OVER), params, refuse, job_id=job_id, shard_index=shard_index
         )
-        state = conn.execute(sa.select(jobs.c.state).where(jobs.c.job_id == lease.job_id)).scalar_one()
-        if state not in {s.value for s in ACTIVE_JOB_STATES}:
-            reason = f"job is {state}"  # checked first: it is the reason a user can act on
-        elif shard.epoch != lease.epoch or shard.lease_attempt_id != lease.attempt_id:
-            reason = f"fenced by epoch {shard.epoch} ({shard.lease_attempt_id})"
-        elif shard.state is not ShardState.LEASED:
-            reason = f"shard is {shard.state.value}"
-        elif (shard.lease_expires_at or 0.0) <= now:
-            reason = f"lease expired {now - (shard.lease_expires_at or 0.0):.2f}s ago"
-        else:
-            return
-        raise LeaseLost(
-            f"{where} lost its lease: {reason}; stop and exit retryable",
-            job_id=lease.job_id,
-            shard_index=lease.shard_index,
-            attempt_id=lease.attempt_id,
-            epoch=lease.epoch,
+        return Lease(
+            job_id=job_id,
+            shard_index=shard_index,
+            attempt_id=attempt_id,
+            epoch=claimed["epoch"],
+            expires_at=claimed["lease_expires_at"],
+            cursor=claimed["cursor"],
+            num_microbatches=claimed["num_microbatches"],
         )
 
     def heartbeat(self, lease: Lease, ttl_s: float) -> Lease:
         """Extend the lease to ``db_now + ttl_s``; :class:`LeaseLost` if fenced, expired or job inactive."""
-
-        def beat(conn: Connection) -> Lease:
-            params = {**_lease_params(lease), "b_ttl": ttl_s}
-            fast = conn.execute(_HEARTBEAT, params).first()
-            if fast is not None:
-                conn.execute(_ATTEMPT_HEARTBEAT, params)
-                return dataclasses.replace(lease, expires_at=fast.lease_expires_at, cursor=fast.cursor)
-            return slow_beat(conn)
-
-        def slow_beat(conn: Connection) -> Lease:
-            shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
-            self._check_lease(conn, shard, now, lease)
-            expires = now + ttl_s
-            conn.execute(
-                sa.update(shards)
-                .where(_shard_key(lease.job_id, lease.shard_index))
-                .values(lease_expires_at=expires, lease_ttl_s=ttl_s, updated_at=_ts(now))
-            )
-            conn.execute(
-                sa.update(attempts)
-                .where(attempts.c.attempt_id == lease.attempt_id)
-                .values(heartbeat_at=_ts(now))
-            )
-            return dataclasses.replace(lease, expires_at=expires, cursor=shard.cursor)
-
-        if self._pg:
-            return self._hot(
-                pg_fast.HEARTBEAT,
-                {**_pg_lease_params(lease), "ttl": float(ttl_s)},
-                lambda row: dataclasses.replace(lease, expires_at=row[0], cursor=row[1]),
-                slow_beat,
-            )
-        return self._tx(beat)
+        params = {**_lease_params(lease), "b_ttl": float(ttl_s)}
+        beat = self._fenced(
+            (leases.HEARTBEAT,),
+            params,
+            lambda: leases.lease_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
+            job_id=lease.job_id,
+            shard_index=lease.shard_index,
+        )
+        return dataclasses.replace(lease, expires_at=beat["lease_expires_at"], cursor=beat["cursor"])
 
     def commit_microbatch(
         self,
@@ -864,134 +541,89 @@ class ManifestStore:
         :class:`LeaseLost` when fenced or expired; :class:`StoreError` for a duplicate or
         out-of-order ``seq``. Returns the extended lease (callers may ignore it).
         """
-
-        def commit(conn: Connection) -> Lease:
-            params = {
-                **_lease_params(lease),
-                "b_seq": seq,
-                "b_uri": uri,
-                "b_sha256": sha256,
-                "b_records": records,
-                "b_counts": {str(k): int(v) for k, v in counts.items()},
-                "b_prompt_tokens": prompt_tokens,
-                "b_completion_tokens": completion_tokens,
-                "b_elapsed_s": float(elapsed_s),
-                "b_model_digest": model_digest,
-                "b_pool": pool,
-            }
-            fast = conn.execute(_COMMIT, params).first()
-            if fast is not None:
-                conn.execute(_INSERT_COMMIT, params)
-                return dataclasses.replace(lease, expires_at=fast.lease_expires_at, cursor=seq + 1)
-            return slow_commit(conn)
-
-        def slow_commit(conn: Connection) -> Lease:
-            shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
-            self._check_lease(conn, shard, now, lease)
-            if seq != shard.cursor or seq >= shard.num_microbatches:
-                raise StoreError(
-                    f"shard {lease.shard_id} of job {lease.job_id}: microbatch {seq} refused; "
-                    f"the next to commit is {shard.cursor} of {shard.num_microbatches} "
-                    "(duplicate or out-of-order commit)",
-                    job_id=lease.job_id,
-                    shard_index=lease.shard_index,
-                    seq=seq,
-                    expected_seq=shard.cursor,
-                )
-            conn.execute(
-                sa.insert(commits).values(
-                    job_id=lease.job_id,
-                    shard_index=lease.shard_index,
-                    seq=seq,
-                    attempt_id=lease.attempt_id,
-                    epoch=lease.epoch,
-                    committed_at=_ts(now),
-                    **_commit_values(
-                        NewCommit(
-                            uri=uri,
-                            sha256=sha256,
-                            records=records,
-                            counts=counts,
-                            prompt_tokens=prompt_tokens,
-                            completion_tokens=completion_tokens,
-                            elapsed_s=elapsed_s,
-                            model_digest=model_digest,
-                            pool=pool,
-                        )
-                    ),
-                )
-            )
-            expires = max(shard.lease_expires_at or 0.0, now + (shard.lease_ttl_s or 0.0))
-            conn.execute(
-                sa.update(shards)
-                .where(
-                    _shard_key(lease.job_id, lease.shard_index),
-                    shards.c.epoch == lease.epoch,
-                    shards.c.cursor == seq,
-                )
-                .values(cursor=seq + 1, lease_expires_at=expires, updated_at=_ts(now))
-            )
-            return dataclasses.replace(lease, expires_at=expires, cursor=seq + 1)
-
-        if self._pg:
-            pg_params = {
-                **_pg_lease_params(lease),
-                "seq": seq,
-                "uri": uri,
-                "sha256": sha256,
-                "records": records,
-                "counts": pg_fast.jsonb({str(k): int(v) for k, v in counts.items()}),
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "elapsed_s": float(elapsed_s),
-                "model_digest": model_digest,
-                "pool": pool,
-            }
-            return self._hot(
-                pg_fast.COMMIT,
-                pg_params,
-                lambda row: dataclasses.replace(lease, expires_at=row[0], cursor=seq + 1),
-                slow_commit,
-            )
-        return self._tx(commit)
+        params = {
+            **_lease_params(lease),
+            "b_seq": seq,
+            "b_uri": uri,
+            "b_sha256": sha256,
+            "b_records": records,
+            "b_counts": {str(k): int(v) for k, v in counts.items()},
+            "b_prompt_tokens": prompt_tokens,
+            "b_completion_tokens": completion_tokens,
+            "b_elapsed_s": float(elapsed_s),
+            "b_model_digest": model_digest,
+            "b_pool": pool,
+        }
+        committed = self._fenced(
+            (leases.COMMIT,),
+            params,
+            lambda: leases.commit_refusal(self._snapshot(lease.job_id, lease.shard_index), lease, seq),
+            job_id=lease.job_id,
+            shard_index=lease.shard_index,
+        )
+        return dataclasses.replace(lease, expires_at=committed["lease_expires_at"], cursor=seq + 1)
 
     def complete_shard(self, lease: Lease) -> None:
         """Mark the shard succeeded; needs every microbatch committed and the live lease."""
+        self._fenced(
+            (leases.COMPLETE,),
+            _lease_params(lease),
+            lambda: leases.complete_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
+            job_id=lease.job_id,
+            shard_index=lease.shard_index,
+        )
 
-        def complete(conn: Connection) -> None:
-            params = _lease_params(lease)
-            if conn.execute(_COMPLETE, params).first() is not None:
-                conn.execute(_ATTEMPT_SUCCEEDED, params)
-                return
-            slow_complete(conn)
+    def _fenced(
+        self,
+        ops: tuple[leases.LeaseStatement, ...],
+        params: Mapping[str, Any],
+        refuse: Callable[[], StoreError | None],
+        *,
+        job_id: str,
+        shard_index: int,
+    ) -> Mapping[str, Any]:
+        """The row of the first of ``ops`` that matches; when none does, the error ``refuse`` finds.
 
-        def slow_complete(conn: Connection) -> None:
-            shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
-            self._check_lease(conn, shard, now, lease)
-            if shard.cursor != shard.num_microbatches:
-                raise StoreError(
-                    f"shard {lease.shard_id} of job {lease.job_id} has {shard.cursor} of "
-                    f"{shard.num_microbatches} microbatches committed; commit the rest before completing it",
-                    job_id=lease.job_id,
-                    shard_index=lease.shard_index,
-                )
-            check_shard_transition(shard.state, ShardState.SUCCEEDED, shard_id=lease.shard_id)
-            conn.execute(
-                sa.update(shards)
-                .where(_shard_key(lease.job_id, lease.shard_index))
-                .values(
-                    state=ShardState.SUCCEEDED.value,
-                    lease_expires_at=None,
-                    last_error=None,
-                    updated_at=_ts(now),
-                )
-            )
-            self._end_attempt(conn, lease.attempt_id, AttemptOutcome.SUCCEEDED, now, None)
+        ``refuse`` reads the rows after the statements, in a transaction of its own, so a row may
+        have changed in between (a live lease expired, say, and the shard became claimable): then
+        it finds no reason and the operation is tried again, a few times at most.
+        """
+        for _ in range(RACE_TRIES):
+            for op in ops:
+                row = self._run_lease_statement(op, params)
+                if row is not None:
+                    return row
+            error = refuse()
+            if error is not None:
+                raise error
+        raise StoreError(
+            f"shard {shard_id(shard_index)} of job {job_id}: {ops[0].name} matched nothing {RACE_TRIES} "
+            "times and yet no reason was found (the shard kept changing); retry",
+            job_id=job_id,
+            shard_index=shard_index,
+        )
 
-        if self._pg:
-            self._hot(pg_fast.COMPLETE, _pg_lease_params(lease), lambda _row: None, slow_complete)
-        else:
-            self._tx(complete)
+    def _run_lease_statement(
+        self, op: leases.LeaseStatement, params: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
+        """``op`` in one transaction: on PostgreSQL one statement in autocommit mode, on SQLite its steps."""
+        self._check_fork()
+        hot = self._hot_conn
+        if hot is not None:
+            return run_with_retry(lambda: hot.first(op.combined, params), url=self.url)
+        return self._tx(lambda conn: leases.run_steps(conn, op, params))
+
+    def _snapshot(self, job_id: str, shard_index: int) -> leases.ShardSnapshot:
+        """The shard, its job's state and the database clock, read-only."""
+
+        def read(conn: Connection) -> leases.ShardSnapshot:
+            snap = leases.read_snapshot(conn, job_id, shard_index)
+            if snap is None:
+                self._job(conn, job_id)
+                raise _no_such_shard(job_id, shard_index)
+            return snap
+
+        return self._tx(read, write=False)
 
     @staticmethod
     def _end_attempt(

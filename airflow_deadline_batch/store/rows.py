@@ -20,7 +20,9 @@ VALIDATION_ATTEMPT_ID = "plan"
 
 
 def _mapping(row: Any) -> Mapping[str, Any]:
-    return row._mapping if hasattr(row, "_mapping") else row
+    """The column mapping of a SQLAlchemy ``Row`` (or ``row`` itself when it is a mapping already)."""
+    mapping: Mapping[str, Any] = row._mapping if hasattr(row, "_mapping") else row
+    return mapping
 
 
 @dataclass(frozen=True, kw_only=True)

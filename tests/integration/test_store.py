@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import multiprocessing as mp
 import time
 from collections.abc import Callable
 
@@ -19,8 +20,9 @@ from airflow_deadline_batch.exceptions import (
     ShardNotClaimable,
     StoreError,
 )
-from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, NewCommit, NewJob, NewShard
-from airflow_deadline_batch.store.engine import normalize_url
+from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, NewCommit, NewJob, NewShard, leases
+from airflow_deadline_batch.store.engine import PING_AFTER_IDLE_S, DriverStatement, normalize_url
+from airflow_deadline_batch.store.manifest_store import RACE_TRIES
 from tests.fixtures.postgres import admin_execute
 
 UTC = dt.timezone.utc
@@ -605,3 +607,230 @@ def test_first_claim_moves_its_own_job_to_running_whatever_other_jobs_are(store:
     claim(store, second)
     assert store.get_job(second.job_id).state is JobState.RUNNING
     assert store.get_job(first.job_id).state is JobState.CANCELLED
+
+
+# -- lease operations: every refusal, and the read-only diagnosis ---------------------------------
+
+
+def test_a_shard_out_of_attempts_fails_terminally_from_retryable_failure(store: ManifestStore) -> None:
+    job = create(store, max_attempts=1)
+    assert store.release(claim(store, job), AttemptOutcome.FAILED_RETRYABLE, "engine OOM")
+    with pytest.raises(ShardNotClaimable, match=r"exhausted after 1 attempts \(max_attempts=1\)") as err:
+        claim(store, job)
+    assert err.value.reason == "exhausted"
+    shard = store.get_shard(job.job_id, 0)
+    assert (shard.state, shard.epoch, shard.last_error) == (
+        ShardState.TERMINAL_FAILURE,
+        1,
+        "exhausted after 1 attempts (max_attempts=1)",
+    )
+    [attempt] = store.list_attempts(job.job_id)
+    assert (attempt.outcome, attempt.error) == (AttemptOutcome.FAILED_RETRYABLE, "engine OOM")
+
+
+def test_exhaustion_ends_the_expired_attempt_and_names_why(store: ManifestStore) -> None:
+    job = create(store, max_attempts=1)
+    lease = expired_claim(store, job)
+    with pytest.raises(ShardNotClaimable, match="exhausted"):
+        claim(store, job)
+    [attempt] = store.list_attempts(job.job_id)
+    assert attempt.attempt_id == lease.attempt_id and attempt.outcome is AttemptOutcome.LOST_LEASE
+    assert attempt.error == "lease expired; shard exhausted after 1 attempts (max_attempts=1)"
+    with pytest.raises(LeaseLost, match=r"fenced by epoch 1 \(None\)"):  # the lease was cleared
+        store.heartbeat(lease, 30)
+
+
+def test_take_over_ends_the_expired_attempt_as_lost_lease(store: ManifestStore) -> None:
+    job = create(store)
+    a = expired_claim(store, job)
+    b = claim(store, job, worker="w2")
+    outcomes = {x.attempt_id: (x.outcome, x.error) for x in store.list_attempts(job.job_id)}
+    assert outcomes == {
+        a.attempt_id: (AttemptOutcome.LOST_LEASE, "lease expired; taken over at epoch 2"),
+        b.attempt_id: (AttemptOutcome.RUNNING, None),
+    }
+    assert store.get_job(job.job_id).state is JobState.RUNNING
+
+
+def test_a_finished_lease_is_refused_as_such(store: ManifestStore) -> None:
+    job = create(store, microbatches=1)
+    lease = claim(store, job)
+    commit(store, lease, 0)
+    store.complete_shard(lease)
+    with pytest.raises(LeaseLost, match="shard is succeeded"):
+        store.heartbeat(lease, 30)
+    with pytest.raises(LeaseLost, match="shard is succeeded"):
+        commit(store, lease, 1)
+    with pytest.raises(LeaseLost, match="shard is succeeded"):
+        store.complete_shard(lease)
+    [attempt] = store.list_attempts(job.job_id)
+    assert attempt.outcome is AttemptOutcome.SUCCEEDED
+
+
+def test_lease_operations_on_a_missing_shard_or_job(store: ManifestStore) -> None:
+    job = create(store)
+    with pytest.raises(StoreError, match="has no shard 7"):
+        claim(store, job, index=7)
+    ghost = Lease(
+        job_id=job.job_id,
+        shard_index=7,
+        attempt_id="a-x",
+        epoch=1,
+        expires_at=0.0,
+        cursor=0,
+        num_microbatches=1,
+    )
+    with pytest.raises(StoreError, match="has no shard 7"):
+        store.heartbeat(ghost, 30)
+    with pytest.raises(JobNotFound):
+        store.complete_shard(dataclasses.replace(ghost, job_id="j-missing"))
+
+
+def test_the_diagnosis_finds_no_reason_while_the_lease_is_good(store: ManifestStore) -> None:
+    """The refusal functions mirror the statements' WHERE clauses: a state they would accept is no refusal."""
+    job = create(store, microbatches=2)
+    assert leases.claim_refusal(store._snapshot(job.job_id, 0)) is None  # noqa: SLF001 - pending
+    lease = claim(store, job)
+    snap = store._snapshot(job.job_id, 0)  # noqa: SLF001
+    assert leases.lease_refusal(snap, lease) is None
+    assert leases.commit_refusal(snap, lease, 0) is None
+    assert isinstance(leases.commit_refusal(snap, lease, 1), StoreError)
+    assert isinstance(leases.complete_refusal(snap, lease), StoreError)
+    commit(store, lease, 0)
+    commit(store, lease, 1)
+    assert leases.complete_refusal(store._snapshot(job.job_id, 0), lease) is None  # noqa: SLF001
+    expired = expired_claim(store, job, index=1)
+    assert leases.claim_refusal(store._snapshot(job.job_id, 1)) is None  # noqa: SLF001 - expired: claimable
+    assert isinstance(leases.lease_refusal(store._snapshot(job.job_id, 1), expired), LeaseLost)  # noqa: SLF001
+
+
+def test_a_refusal_without_a_reason_is_retried_then_reported(
+    store: ManifestStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = create(store)
+    a = expired_claim(store, job)
+    claim(store, job, worker="w2")
+    diagnosed: list[Lease] = []
+
+    def no_reason(snap: leases.ShardSnapshot, lease: Lease) -> None:
+        diagnosed.append(lease)
+
+    monkeypatch.setattr(leases, "lease_refusal", no_reason)
+    with pytest.raises(StoreError, match="heartbeat matched nothing 3 times") as err:
+        store.heartbeat(a, 30)
+    assert not isinstance(err.value, LeaseLost) and len(diagnosed) == RACE_TRIES
+
+
+def test_the_transaction_form_of_each_operation_runs_on_postgresql_too(
+    pg_store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's form (the UPDATE, then its bookkeeping in one transaction) is the same definition."""
+    store = ManifestStore.open(pg_store_url)
+    try:
+        monkeypatch.setattr(store, "_hot_conn", None)
+        job = create(store, microbatches=1, max_attempts=2)
+        a = expired_claim(store, job)
+        b = claim(store, job, worker="w2")
+        with pytest.raises(LeaseLost, match="fenced by epoch 2"):
+            commit(store, a, 0)
+        store.heartbeat(b, 30)
+        store.complete_shard(commit(store, b, 0))
+        assert store.get_shard(job.job_id, 0).state is ShardState.SUCCEEDED
+        assert [x.outcome for x in store.list_attempts(job.job_id)] == [
+            AttemptOutcome.LOST_LEASE,
+            AttemptOutcome.SUCCEEDED,
+        ]
+        assert store.release(claim(store, job, index=1), AttemptOutcome.PREEMPTED)
+        assert store.release(claim(store, job, index=1), AttemptOutcome.PREEMPTED)
+        with pytest.raises(ShardNotClaimable, match="max_attempts=2"):
+            claim(store, job, index=1)
+    finally:
+        store.close()
+
+
+# -- PostgreSQL: the held autocommit connection ----------------------------------------------------
+
+
+def test_a_busy_held_connection_lends_the_call_a_pooled_one(pg_store_url: str) -> None:
+    store = ManifestStore.open(pg_store_url)
+    try:
+        job = create(store, shards=1)
+        lease = claim(store, job)
+        hot = store._hot_conn  # noqa: SLF001
+        assert hot is not None
+        with hot._lock:  # noqa: SLF001 - as if the heartbeat thread were using it
+            lease = store.heartbeat(lease, 30)
+            with pytest.raises(StoreError, match="invalid input syntax"):  # and after an error
+                store.heartbeat(dataclasses.replace(lease, epoch="x"), 30)  # type: ignore[arg-type]
+            lease = commit(store, lease, 0)
+        pool = store._engine.pool  # noqa: SLF001
+        held = [pool.connect() for _ in range(pool.checkedin())]
+        try:
+            assert held and all(r.driver_connection.autocommit is False for r in held)  # type: ignore[union-attr]
+        finally:
+            for raw in held:
+                raw.close()
+        assert commit(store, lease, 1).cursor == 2
+    finally:
+        store.close()
+
+
+def test_a_held_connection_that_fails_is_replaced(pg_store_url: str) -> None:
+    store = ManifestStore.open(pg_store_url)
+    try:
+        job = create(store, shards=1)
+        lease = claim(store, job)
+        pid = _hot_backend_pid(store)
+        with pytest.raises(StoreError, match="invalid input syntax"):  # not transient: not retried
+            store.heartbeat(dataclasses.replace(lease, epoch="x"), 30)  # type: ignore[arg-type]
+        assert store.heartbeat(lease, 30).epoch == lease.epoch
+        assert _hot_backend_pid(store) != pid
+    finally:
+        store.close()
+
+
+def test_an_idle_held_connection_goes_back_to_the_pool_first(pg_store_url: str) -> None:
+    store = ManifestStore.open(pg_store_url)
+    try:
+        job = create(store, shards=1)
+        lease = claim(store, job)
+        hot = store._hot_conn  # noqa: SLF001
+        assert hot is not None
+        first = hot._raw  # noqa: SLF001
+        hot._used_at -= PING_AFTER_IDLE_S + 1  # noqa: SLF001
+        store.heartbeat(lease, 30)
+        assert hot._raw is not None and hot._raw is not first  # noqa: SLF001 - a fresh checkout
+    finally:
+        store.close()
+
+
+def _heartbeat_in_child(store: ManifestStore, lease: Lease) -> None:
+    store.heartbeat(lease, 30)  # on its own connection, not the parent's
+    store.close()
+
+
+def test_a_forked_child_leaves_the_parents_held_connection_alone(pg_store_url: str) -> None:
+    store = ManifestStore.open(pg_store_url)
+    try:
+        job = create(store, shards=1)
+        lease = claim(store, job)
+        pid = _hot_backend_pid(store)
+        child = mp.get_context("fork").Process(target=_heartbeat_in_child, args=(store, lease))
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert _hot_backend_pid(store) == pid
+        assert commit(store, store.heartbeat(lease, 30), 0).cursor == 1
+    finally:
+        store.close()
+
+
+def test_statements_that_need_rendering_per_execution_are_refused() -> None:
+    from sqlalchemy.dialects import postgresql
+
+    from airflow_deadline_batch.store.schema import jobs
+
+    with pytest.raises(ValueError, match="per-execution"):
+        DriverStatement.compile(
+            sa.select(jobs.c.job_id).where(jobs.c.state.in_(["a", "b"])), postgresql.dialect()
+        )

@@ -7,6 +7,8 @@ Create Date: 2026-01-01
 
 from __future__ import annotations
 
+import datetime as dt
+
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
@@ -19,7 +21,7 @@ depends_on = None
 _JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 
-def _ts(name: str, nullable: bool) -> sa.Column:
+def _ts(name: str, nullable: bool) -> sa.Column[dt.datetime]:
     return sa.Column(name, sa.DateTime(timezone=True), nullable=nullable)
 
 

@@ -1,0 +1,474 @@
+"""The lease operations, each defined once: claim (or take over), exhaust, heartbeat, commit, complete.
+
+Each operation is ONE conditional ``UPDATE ... RETURNING`` of the shard row. Its WHERE clause is
+the whole precondition (the fencing token: epoch + attempt ID; a live lease on the DATABASE clock;
+an active job; the cursor), so it either writes everything or nothing, and only the live lease's
+attempt ever commits (docs/design.md §4.5, invariant 2). The same statement runs on SQLite and
+PostgreSQL. The bookkeeping that must happen exactly when it matched (the attempt row, the commit
+row, the job's first-claim transition, ending a superseded attempt) is written once too, as
+statements that read the matched row from a table expression named ``fenced``:
+
+* on PostgreSQL ``fenced`` is the UPDATE itself as a CTE and the bookkeeping are data-modifying
+  CTEs of the same statement (:attr:`LeaseStatement.combined`), so one statement in autocommit
+  mode does all of it: one round trip;
+* on SQLite (no data-modifying CTEs) the UPDATE runs first and, when it returned a row, the
+  bookkeeping runs in the same ``BEGIN IMMEDIATE`` transaction with ``fenced`` a one-row
+  subquery of that row's values (:func:`run_steps`).
+
+When the UPDATE matches nothing, nothing was written; the caller then reads the rows in a
+read-only transaction (:func:`read_snapshot`) and the ``*_refusal`` functions name the precise
+reason as the store's existing exceptions. Those functions mirror the WHERE clauses below: change
+both together.
+
+Lock order: every statement here locks the shard row first (the UPDATE), then attempt rows, then
+the job row (the first claim of an admitted job). In the combined statement a bookkeeping CTE
+locks a row only once it has read ``fenced`` (a join, or an uncorrelated ``EXISTS (SELECT 1 FROM
+fenced)`` that PostgreSQL evaluates once, before it scans), that is, after the shard UPDATE ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from airflow_deadline_batch.core.ids import shard_id
+from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState, check_shard_transition
+from airflow_deadline_batch.exceptions import LeaseLost, ShardNotClaimable, StoreError
+from airflow_deadline_batch.store.rows import Lease, ShardRow
+from airflow_deadline_batch.store.schema import (
+    JSONType,
+    attempts,
+    commits,
+    db_epoch,
+    db_timestamp,
+    jobs,
+    shards,
+)
+
+#: jobs in these states accept claims, heartbeats and commits
+ACTIVE_JOB_STATES = frozenset({JobState.ADMITTED, JobState.RUNNING})
+#: a shard in these states can be claimed (a LEASED one only once its lease has expired)
+CLAIMABLE_SHARD_STATES = (ShardState.PENDING, ShardState.RETRYABLE_FAILURE, ShardState.LEASED)
+
+Bookkeeping = Callable[[sa.FromClause], sa.Insert | sa.Update]
+
+
+@dataclass(frozen=True)
+class LeaseStatement:
+    """One lease operation: the conditional UPDATE and its bookkeeping, in both executable forms."""
+
+    name: str
+    #: the conditional ``UPDATE ... RETURNING`` of the shard row (SQLite runs it alone first)
+    fence: sa.Update
+    #: the bookkeeping for SQLite, reading ``fenced`` from the bound ``r_<column>`` parameters
+    steps: tuple[sa.Insert | sa.Update, ...]
+    #: PostgreSQL: the UPDATE and its bookkeeping as one statement; returns what ``fence`` returns
+    combined: sa.Select[Any]
+
+
+def lease_statement(name: str, fence: sa.Update, *bookkeeping: Bookkeeping) -> LeaseStatement:
+    """Both forms of one operation, from the one definition of its UPDATE and its bookkeeping."""
+    as_cte = fence.cte("fenced")
+    combined = sa.select(*as_cte.c).add_cte(
+        *(make(as_cte).cte(f"{name}_{i}") for i, make in enumerate(bookkeeping, 1))
+    )
+    returned = sa.select(
+        *(
+            sa.bindparam(f"r_{column.key}", type_=column.type).label(column.key)
+            for column in fence.exported_columns
+        )
+    ).subquery("fenced")
+    return LeaseStatement(name, fence, tuple(make(returned) for make in bookkeeping), combined)
+
+
+def run_steps(conn: Connection, op: LeaseStatement, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """``op`` as separate statements in the caller's transaction: the UPDATE, then if it matched, the rest."""
+    row = conn.execute(op.fence, params).first()
+    if row is None:
+        return None
+    returned = dict(row._mapping)
+    for step in op.steps:
+        conn.execute(step, {**params, **{f"r_{key}": value for key, value in returned.items()}})
+    return returned
+
+
+# -- the statements ---------------------------------------------------------------------------------
+# Bound parameters: b_job, b_index (the shard key); b_attempt, b_epoch (the lease); b_ttl, b_pool,
+# b_worker (claim, heartbeat); b_seq and the commit's b_* values (commit).
+
+_B = sa.bindparam
+_TTL: sa.BindParameter[float] = _B("b_ttl", type_=sa.Double())
+_SEQ: sa.BindParameter[int] = _B("b_seq", type_=sa.Integer())
+_JOB: sa.BindParameter[str] = _B("b_job", type_=sa.String())
+_INDEX: sa.BindParameter[int] = _B("b_index", type_=sa.Integer())
+_ATTEMPT: sa.BindParameter[str] = _B("b_attempt", type_=sa.String())
+_EPOCH: sa.BindParameter[int] = _B("b_epoch", type_=sa.Integer())
+_POOL: sa.BindParameter[str] = _B("b_pool", type_=sa.String())
+_ACTIVE = sorted(s.value for s in ACTIVE_JOB_STATES)
+
+
+def _one_of(column: sa.ColumnElement[str], values: list[str]) -> sa.ColumnElement[bool]:
+    """``column IN (values)`` as comparisons: SQLAlchemy renders an IN list anew at each execution."""
+    return sa.or_(*(column == value for value in values))
+
+
+_KEY = sa.and_(shards.c.job_id == _JOB, shards.c.shard_index == _INDEX)
+_JOB_IS_ACTIVE = sa.exists().where(jobs.c.job_id == shards.c.job_id, _one_of(jobs.c.state, _ACTIVE))
+#: the precondition of heartbeat, commit and complete: this attempt holds a live lease of an active job
+_HOLDS_LIVE_LEASE = sa.and_(
+    _KEY,
+    shards.c.state == ShardState.LEASED.value,
+    shards.c.epoch == _EPOCH,
+    shards.c.lease_attempt_id == _ATTEMPT,
+    shards.c.lease_expires_at > db_epoch(),
+    _JOB_IS_ACTIVE,
+)
+#: claimable: never leased or released after a failure (held by no attempt), or its lease expired
+_NOT_HELD = _one_of(shards.c.state, [ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value])
+_LEASE_EXPIRED = sa.and_(shards.c.state == ShardState.LEASED.value, shards.c.lease_expires_at <= db_epoch())
+_CLAIMABLE = sa.and_(_KEY, sa.or_(_NOT_HELD, _LEASE_EXPIRED))
+#: the shard's job's max_attempts (for EXHAUST's message), by the shard key's job ID
+_MAX_ATTEMPTS = sa.select(jobs.c.max_attempts).where(jobs.c.job_id == _JOB).scalar_subquery()
+
+
+def _fenced_exists(fenced: sa.FromClause) -> sa.Exists:
+    return sa.exists(sa.select(1).select_from(fenced))
+
+
+def _end_superseded_attempts(error: Callable[[sa.FromClause], sa.ColumnElement[str]]) -> Bookkeeping:
+    """End as ``lost_lease`` the attempt whose expired lease ``fenced`` took away (any older running one)."""
+
+    def make(fenced: sa.FromClause) -> sa.Update:
+        return (
+            sa.update(attempts)
+            .where(
+                attempts.c.job_id == _JOB,
+                attempts.c.shard_index == _INDEX,
+                attempts.c.outcome == AttemptOutcome.RUNNING.value,
+                attempts.c.epoch <= fenced.c.epoch,  # UPDATE ... FROM fenced: nothing if it matched nothing
+                attempts.c.attempt_id != _ATTEMPT,
+            )
+            .values(outcome=AttemptOutcome.LOST_LEASE.value, ended_at=db_timestamp(), error=error(fenced))
+        )
+
+    return make
+
+
+def _insert_attempt(fenced: sa.FromClause) -> sa.Insert:
+    now = db_timestamp()
+    return sa.insert(attempts).from_select(
+        ["attempt_id", "job_id", "shard_index", "epoch", "worker", "pool", "started_at", "outcome"]
+        + ["heartbeat_at"],
+        sa.select(
+            _ATTEMPT,
+            _JOB,
+            _INDEX,
+            fenced.c.epoch,
+            _B("b_worker", type_=sa.String()),
+            _POOL,
+            now,
+            sa.literal(AttemptOutcome.RUNNING.value),
+            now,
+        ),
+    )
+
+
+def _run_job(fenced: sa.FromClause) -> sa.Update:
+    """The first claim moves an admitted job to running."""
+    return (
+        sa.update(jobs)
+        .where(jobs.c.job_id == _JOB, jobs.c.state == JobState.ADMITTED.value, _fenced_exists(fenced))
+        .values(state=JobState.RUNNING.value, updated_at=db_timestamp())
+    )
+
+
+def _stamp_heartbeat(fenced: sa.FromClause) -> sa.Update:
+    return (
+        sa.update(attempts)
+        .where(attempts.c.attempt_id == _ATTEMPT, _fenced_exists(fenced))
+        .values(heartbeat_at=db_timestamp())
+    )
+
+
+def _insert_commit(fenced: sa.FromClause) -> sa.Insert:
+    return sa.insert(commits).from_select(
+        ["job_id", "shard_index", "seq", "attempt_id", "epoch", "uri", "sha256", "records", "counts"]
+        + ["prompt_tokens", "completion_tokens", "elapsed_s", "model_digest", "pool", "committed_at"],
+        sa.select(
+            _JOB,
+            _INDEX,
+            _SEQ,
+            _ATTEMPT,
+            _EPOCH,
+            _B("b_uri", type_=sa.String()),
+            _B("b_sha256", type_=sa.String()),
+            _B("b_records", type_=sa.Integer()),
+            _B("b_counts", type_=JSONType),
+            _B("b_prompt_tokens", type_=sa.BigInteger()),
+            _B("b_completion_tokens", type_=sa.BigInteger()),
+            _B("b_elapsed_s", type_=sa.Double()),
+            _B("b_model_digest", type_=sa.String()),
+            _POOL,
+            db_timestamp(),
+        ).select_from(fenced),
+    )
+
+
+def _attempt_succeeded(fenced: sa.FromClause) -> sa.Update:
+    return (
+        sa.update(attempts)
+        .where(
+            attempts.c.attempt_id == _ATTEMPT,
+            attempts.c.outcome == AttemptOutcome.RUNNING.value,
+            _fenced_exists(fenced),
+        )
+        .values(outcome=AttemptOutcome.SUCCEEDED.value, ended_at=db_timestamp(), error=None)
+    )
+
+
+def _as_text(value: sa.ColumnElement[Any]) -> sa.ColumnElement[str]:
+    return sa.cast(value, sa.String())
+
+
+def _claim(name: str, shard_state: sa.ColumnElement[bool], *bookkeeping: Bookkeeping) -> LeaseStatement:
+    """Take the lease with a fresh attempt and a bumped epoch (the fencing token); returns the new lease."""
+    return lease_statement(
+        name,
+        sa.update(shards)
+        .where(
+            _KEY,
+            shard_state,
+            sa.exists().where(
+                jobs.c.job_id == shards.c.job_id,
+                _one_of(jobs.c.state, _ACTIVE),
+                shards.c.attempts < jobs.c.max_attempts,
+            ),
+        )
+        .values(
+            state=ShardState.LEASED.value,
+            epoch=shards.c.epoch + 1,
+            lease_attempt_id=_ATTEMPT,
+            lease_expires_at=db_epoch() + _TTL,
+            lease_ttl_s=_TTL,
+            attempts=shards.c.attempts + 1,
+            last_pool=_POOL,
+            updated_at=db_timestamp(),
+        )
+        .returning(shards.c.epoch, shards.c.lease_expires_at, shards.c.cursor, shards.c.num_microbatches),
+        _insert_attempt,
+        *bookkeeping,
+        _run_job,
+    )
+
+
+#: claim a shard that no attempt holds (never leased, or released after a failure)
+CLAIM = _claim("claim", _NOT_HELD)
+#: claim a shard whose lease has expired, ending the attempt that held it as ``lost_lease``; a
+#: statement of its own so that the common claim does not pay for looking for that attempt
+TAKE_OVER = _claim(
+    "take_over",
+    _LEASE_EXPIRED,
+    _end_superseded_attempts(lambda f: "lease expired; taken over at epoch " + _as_text(f.c.epoch)),
+)
+
+#: a claimable shard of an active job that is out of attempts fails terminally; returns last_error
+EXHAUST = lease_statement(
+    "exhaust",
+    sa.update(shards)
+    .where(
+        _CLAIMABLE,
+        sa.exists().where(
+            jobs.c.job_id == shards.c.job_id,
+            _one_of(jobs.c.state, _ACTIVE),
+            shards.c.attempts >= jobs.c.max_attempts,
+        ),
+    )
+    .values(
+        state=ShardState.TERMINAL_FAILURE.value,
+        lease_attempt_id=None,
+        lease_expires_at=None,
+        last_error="exhausted after "
+        + _as_text(shards.c.attempts)
+        + " attempts (max_attempts="
+        + _as_text(_MAX_ATTEMPTS)
+        + ")",
+        updated_at=db_timestamp(),
+    )
+    .returning(shards.c.epoch, shards.c.last_error),
+    _end_superseded_attempts(lambda f: "lease expired; shard " + f.c.last_error),
+)
+
+#: extend the live lease to db_now + ttl; returns the new expiry and the cursor
+HEARTBEAT = lease_statement(
+    "heartbeat",
+    sa.update(shards)
+    .where(_HOLDS_LIVE_LEASE)
+    .values(lease_expires_at=db_epoch() + _TTL, lease_ttl_s=_TTL, updated_at=db_timestamp())
+    .returning(shards.c.lease_expires_at, shards.c.cursor),
+    _stamp_heartbeat,
+)
+
+_TTL_FROM_NOW = db_epoch() + sa.func.coalesce(shards.c.lease_ttl_s, 0.0)
+#: record microbatch b_seq (the cursor) and extend the lease by its TTL; returns the new expiry
+COMMIT = lease_statement(
+    "commit",
+    sa.update(shards)
+    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
+    .values(
+        cursor=shards.c.cursor + 1,
+        lease_expires_at=sa.case(
+            (shards.c.lease_expires_at > _TTL_FROM_NOW, shards.c.lease_expires_at), else_=_TTL_FROM_NOW
+        ),
+        updated_at=db_timestamp(),
+    )
+    .returning(shards.c.lease_expires_at),
+    _insert_commit,
+)
+
+#: mark the shard succeeded once every microbatch is committed; ends the attempt as succeeded
+COMPLETE = lease_statement(
+    "complete",
+    sa.update(shards)
+    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == shards.c.num_microbatches)
+    .values(
+        state=ShardState.SUCCEEDED.value, lease_expires_at=None, last_error=None, updated_at=db_timestamp()
+    )
+    .returning(shards.c.epoch),
+    _attempt_succeeded,
+)
+
+#: every lease operation (a PostgreSQL store compiles their combined statements when it is created)
+OPERATIONS = (CLAIM, TAKE_OVER, EXHAUST, HEARTBEAT, COMMIT, COMPLETE)
+
+# The transitions the statements above make must be allowed by core.states (the one definition of
+# them); checked once, at import.
+for _src in CLAIMABLE_SHARD_STATES:
+    check_shard_transition(_src, ShardState.LEASED)
+    check_shard_transition(_src, ShardState.TERMINAL_FAILURE)
+check_shard_transition(ShardState.LEASED, ShardState.SUCCEEDED)
+
+
+# -- refusals: read-only ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSnapshot:
+    """A shard, its job's state and the database clock, read together after a statement matched nothing."""
+
+    shard: ShardRow
+    job_state: JobState
+    db_now: float
+
+
+def read_snapshot(conn: Connection, job_id: str, shard_index: int) -> ShardSnapshot | None:
+    """The shard with its job's state and the database clock; None if there is no such shard."""
+    row = conn.execute(
+        sa.select(shards, jobs.c.state.label("job_state"), db_epoch().label("db_now"))
+        .join_from(shards, jobs, jobs.c.job_id == shards.c.job_id)
+        .where(shards.c.job_id == job_id, shards.c.shard_index == shard_index)
+    ).first()
+    if row is None:
+        return None
+    return ShardSnapshot(
+        shard=ShardRow.from_row(row), job_state=JobState(row.job_state), db_now=float(row.db_now)
+    )
+
+
+def claim_refusal(snap: ShardSnapshot) -> ShardNotClaimable | None:
+    """Why CLAIM, TAKE_OVER and EXHAUST matched nothing, or None if the shard is claimable now."""
+    shard = snap.shard
+    where = f"shard {shard.shard_id} of job {shard.job_id}"
+    key = {"job_id": shard.job_id, "shard_index": shard.shard_index}
+    if shard.state is ShardState.SUCCEEDED:  # first: for the caller it is a no-op success
+        return ShardNotClaimable(f"{where} is already committed; nothing to do", reason="succeeded", **key)
+    if snap.job_state not in ACTIVE_JOB_STATES:
+        return ShardNotClaimable(
+            f"job {shard.job_id} is {snap.job_state.value}; its shards take no new attempts",
+            reason="job_inactive",
+            **key,
+        )
+    if shard.state is ShardState.TERMINAL_FAILURE:
+        return ShardNotClaimable(
+            f"{where} failed terminally ({shard.last_error}); it is not retried", reason="exhausted", **key
+        )
+    left = (shard.lease_expires_at or 0.0) - snap.db_now
+    if shard.state is ShardState.LEASED and left > 0:
+        return ShardNotClaimable(
+            f"{where} is leased by {shard.lease_attempt_id} for {left:.1f}s more",
+            reason="leased",
+            seconds_left=left,
+            **key,
+        )
+    return None
+
+
+def exhausted(job_id: str, shard_index: int, last_error: str) -> ShardNotClaimable:
+    """The refusal of a claim that EXHAUST answered (it recorded the terminal failure)."""
+    return ShardNotClaimable(
+        f"shard {shard_id(shard_index)} of job {job_id} is {last_error}",
+        reason="exhausted",
+        job_id=job_id,
+        shard_index=shard_index,
+    )
+
+
+def lease_refusal(snap: ShardSnapshot, lease: Lease) -> LeaseLost | None:
+    """:class:`LeaseLost` unless ``lease`` is the shard's current, live lease of an active job."""
+    shard = snap.shard
+    if snap.job_state not in ACTIVE_JOB_STATES:
+        reason = f"job is {snap.job_state.value}"  # checked first: it is the reason a user can act on
+    elif shard.epoch != lease.epoch or shard.lease_attempt_id != lease.attempt_id:
+        reason = f"fenced by epoch {shard.epoch} ({shard.lease_attempt_id})"
+    elif shard.state is not ShardState.LEASED:
+        reason = f"shard is {shard.state.value}"
+    elif (shard.lease_expires_at or 0.0) <= snap.db_now:
+        reason = f"lease expired {snap.db_now - (shard.lease_expires_at or 0.0):.2f}s ago"
+    else:
+        return None
+    return LeaseLost(
+        f"shard {lease.shard_id} of job {lease.job_id}: attempt {lease.attempt_id} (epoch {lease.epoch}) "
+        f"lost its lease: {reason}; stop and exit retryable",
+        job_id=lease.job_id,
+        shard_index=lease.shard_index,
+        attempt_id=lease.attempt_id,
+        epoch=lease.epoch,
+    )
+
+
+def commit_refusal(snap: ShardSnapshot, lease: Lease, seq: int) -> StoreError | None:
+    """Why COMMIT matched nothing: the lease (:class:`LeaseLost`), or a duplicate or out-of-order ``seq``."""
+    lost = lease_refusal(snap, lease)
+    if lost is not None:
+        return lost
+    shard = snap.shard
+    if seq != shard.cursor or seq >= shard.num_microbatches:
+        return StoreError(
+            f"shard {lease.shard_id} of job {lease.job_id}: microbatch {seq} refused; "
+            f"the next to commit is {shard.cursor} of {shard.num_microbatches} "
+            "(duplicate or out-of-order commit)",
+            job_id=lease.job_id,
+            shard_index=lease.shard_index,
+            seq=seq,
+            expected_seq=shard.cursor,
+        )
+    return None
+
+
+def complete_refusal(snap: ShardSnapshot, lease: Lease) -> StoreError | None:
+    """Why COMPLETE matched nothing: the lease (:class:`LeaseLost`), or microbatches not yet committed."""
+    lost = lease_refusal(snap, lease)
+    if lost is not None:
+        return lost
+    shard = snap.shard
+    if shard.cursor != shard.num_microbatches:
+        return StoreError(
+            f"shard {lease.shard_id} of job {lease.job_id} has {shard.cursor} of "
+            f"{shard.num_microbatches} microbatches committed; commit the rest before completing it",
+            job_id=lease.job_id,
+            shard_index=lease.shard_index,
+        )
+    return None
