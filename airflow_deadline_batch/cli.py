@@ -278,8 +278,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     store = _open_store(args)
     progress = store.progress(args.job_id)
-    # predicted finish and slack from committed work only (invariant 4), on the rates measured so far:
-    # the job view every placement decision uses, so on-call sees the slack the placement sees
+    # predicted finish and slack from committed work only (docs/design.md §4.5 invariant 4), on the
+    # rates measured so far: the job view every placement decision uses, so on-call sees the slack
+    # the placement sees
     view = read_job_view(store, args.job_id, now=SystemClock().now())
     manifest = store.get_job(args.job_id).manifest_uri
     rates = view.rates()

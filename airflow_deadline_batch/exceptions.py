@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_REJECTED, EXIT_TERMINAL, EXIT_USAGE
+
 
 class DeadlineBatchError(Exception):
     """An airflow-deadline-batch operation failed."""
 
-    #: process exit code the CLI uses for this error (DESIGN §8)
-    exit_code: int = 1
+    #: process exit code the CLI uses for this error (docs/design.md §8; values in core.exit_codes)
+    exit_code: int = EXIT_TERMINAL
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
         self.message = message or (self.__doc__ or "").strip()
@@ -26,19 +28,19 @@ class DeadlineBatchError(Exception):
 class ConfigurationError(DeadlineBatchError):
     """The configuration is invalid; fix the named option and retry."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class InputError(DeadlineBatchError):
     """The input cannot be read as JSON Lines; check the path and its encoding."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class AdmissionRejected(DeadlineBatchError):
     """The job was rejected at admission; nothing ran."""
 
-    exit_code = 3
+    exit_code = EXIT_REJECTED
 
     def __init__(self, message: str | None = None, *, report: Any = None, **fields: Any) -> None:
         super().__init__(message, report=report, **fields)
@@ -51,7 +53,7 @@ class StoreError(DeadlineBatchError):
 class JobNotFound(StoreError):
     """No job with this ID exists in the manifest store; check the job ID and --store URL."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class InvalidTransition(StoreError):
@@ -92,4 +94,4 @@ class EngineError(DeadlineBatchError):
 class VerificationError(DeadlineBatchError):
     """The job's committed outcomes are incomplete or corrupt; nothing was published."""
 
-    exit_code = 4
+    exit_code = EXIT_INCOMPLETE

@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import uuid
 
+#: the shard ID of the planner's validation object (the outcomes of invalid lines)
+VALIDATION_SHARD_ID = "validation"
+
 
 def new_job_id() -> str:
     """``j-`` followed by 20 lowercase base32 characters of a random UUID."""
@@ -18,4 +21,4 @@ def new_attempt_id() -> str:
 
 def shard_id(shard_index: int) -> str:
     """Display form of a shard index, as written in result records and the manifest."""
-    return "validation" if shard_index < 0 else f"{shard_index:05d}"
+    return VALIDATION_SHARD_ID if shard_index < 0 else f"{shard_index:05d}"

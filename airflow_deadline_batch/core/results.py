@@ -14,6 +14,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.ids import VALIDATION_SHARD_ID
 from airflow_deadline_batch.core.records import LineError
 
 __all__ = [
@@ -35,8 +36,8 @@ __all__ = [
 ]
 
 MANIFEST_VERSION: Literal[1] = 1
-#: ``shard_id`` / ``attempt_id`` of the outcomes of invalid lines, written by the planner
-VALIDATION_SHARD_ID = "validation"
+#: ``attempt_id`` of the outcomes of invalid lines, written by the planner (their ``shard_id`` is
+#: ``core.ids.VALIDATION_SHARD_ID``)
 VALIDATION_ATTEMPT_ID = "plan"
 #: ``attempt_id`` of the outcomes the finalizer writes for records that never committed
 #: (``expired``, ``cancelled``, or ``errored`` with code ``shard_failed``)

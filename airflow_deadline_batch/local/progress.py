@@ -1,4 +1,4 @@
-"""A terminal progress bar for ``deadline-batch run``: committed records only (invariant 4)."""
+"""A terminal progress bar for ``deadline-batch run``: committed records only (design.md §4.5, inv. 4)."""
 
 from __future__ import annotations
 

@@ -244,7 +244,7 @@ class ManifestStore:
         """Record a job with its shards (and the planner's validation-errors object) in one transaction.
 
         With an ``idempotency_key`` already known, return ``(existing job, False)`` and write
-        nothing, also when two submissions race (invariant 6).
+        nothing, also when two submissions race (docs/design.md §4.5 invariant 6).
         """
         _check_new_job(job, shards_, validation)
         job_id = job.job_id or new_job_id()
@@ -730,7 +730,10 @@ class ManifestStore:
         return self._tx(read, write=False)
 
     def progress(self, job_id: str) -> Progress:
-        """Progress counted from commits only (invariant 4); work estimates pro rata per microbatch."""
+        """Progress counted from commits only (docs/design.md §4.5 invariant 4).
+
+        Work estimates are pro rata per committed microbatch, as ``core.job_view`` counts them.
+        """
 
         def read(conn: Connection) -> Progress:
             job = self._job(conn, job_id)
@@ -830,7 +833,7 @@ def _commit_values(commit: NewCommit) -> dict[str, Any]:
 
 
 def _check_new_job(job: NewJob, shards_: Sequence[NewShard], validation: NewCommit | None) -> None:
-    """Refuse a plan that could not yield exactly one outcome per input line (invariant 1)."""
+    """Refuse a plan that could not yield one outcome per input line (docs/design.md §4.5 invariant 1)."""
     if job.state is JobState.REJECTED:
         if shards_:
             raise ValueError("a rejected job is recorded without shards")

@@ -295,7 +295,7 @@ class Lease:
 
 @dataclass(frozen=True, kw_only=True)
 class Progress:
-    """A job's progress counted from COMMITS only (invariant 4), never from attempts."""
+    """A job's progress counted from COMMITS only (docs/design.md §4.5 invariant 4), never from attempts."""
 
     job_id: str
     state: JobState
