@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, shard_id
+from airflow_deadline_batch.core.job_view import shard_done_fraction
 from airflow_deadline_batch.core.states import (
     TERMINAL_JOB_STATES,
     AttemptOutcome,
@@ -732,7 +733,7 @@ class ManifestStore:
     def progress(self, job_id: str) -> Progress:
         """Progress counted from commits only (docs/design.md §4.5 invariant 4).
 
-        Work estimates are pro rata per committed microbatch, as ``core.job_view`` counts them.
+        Work estimates are pro rata per committed microbatch (``core.job_view.shard_done_fraction``).
         """
 
         def read(conn: Connection) -> Progress:
@@ -758,13 +759,7 @@ class ManifestStore:
             committed_work = remaining_work = 0.0
             for shard in shard_rows:
                 by_state[shard.state.value] = by_state.get(shard.state.value, 0) + 1
-                done = (
-                    1.0
-                    if shard.num_microbatches == 0
-                    else min(shard.cursor, shard.num_microbatches) / shard.num_microbatches
-                )
-                if shard.state is ShardState.SUCCEEDED:
-                    done = 1.0
+                done = shard_done_fraction(shard)
                 committed_work += shard.est_work_s * done
                 remaining_work += shard.est_work_s * (1.0 - done)
             stamps = [
