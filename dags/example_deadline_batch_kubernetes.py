@@ -56,11 +56,10 @@ with DAG(
     start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
     catchup=False,
     tags=["deadline-batch", "example", "kubernetes"],
-    params={
-        "input_uri": "s3://my-bucket/batches/{{ ds }}/requests.jsonl",
-        "output_uri": "s3://my-bucket/batch-results",
-        "deadline": "{{ (data_interval_end + macros.timedelta(hours=6)).isoformat() }}",
-    },
+    # params are plain values (Airflow does not render templates inside params); the templates that
+    # use them are in the operators' templated fields below. ``run_after`` is set on every run,
+    # manual ones included (``ds`` is not: a manual run of an unscheduled DAG has no logical date).
+    params={"bucket": "my-bucket", "deadline_hours": 6},
     default_args={"retries": 6, "retry_delay": dt.timedelta(seconds=30)},
     deadline=DeadlineAlert(
         reference=DeadlineReference.DAGRUN_QUEUED_AT,
@@ -72,9 +71,9 @@ with DAG(
 
     plan = DeadlineBatchOperator(
         task_id="plan",
-        input_uri="{{ params.input_uri }}",
-        output_uri="{{ params.output_uri }}",
-        deadline="+6h",
+        input_uri="s3://{{ params.bucket }}/batches/{{ dag_run.run_after | ds }}/requests.jsonl",
+        output_uri="s3://{{ params.bucket }}/batch-results",
+        deadline="{{ (dag_run.run_after + macros.timedelta(hours=params.deadline_hours)).isoformat() }}",
         store_conn_id="deadline_batch_store",
         aws_conn_id="aws_default",
         engine="vllm",

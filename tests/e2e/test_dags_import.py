@@ -28,3 +28,23 @@ def test_shape_plan_shards_verify(dagbag, dag_id):
     assert [t.task_id for t in dag.get_task("shard").downstream_list] == ["verify"]
     assert dag.get_task("verify").outlets  # the manifest Asset
     assert dag.deadline is not None
+
+
+def test_kubernetes_plan_renders_input_output_and_deadline_from_the_run(dagbag):
+    """Params hold plain values (Airflow does not render them); the plan's templated fields do."""
+    import datetime as dt
+    import types
+
+    from airflow.sdk.execution_time import macros
+
+    dag = dagbag.dags["example_deadline_batch_kubernetes"]
+    params = dag.params.dump()
+    assert not any("{{" in str(v) for v in params.values()), params
+    task = dag.get_task("plan")
+    run_after = dt.datetime(2026, 12, 1, 0, 30, tzinfo=dt.timezone.utc)
+    context = {"params": params, "dag_run": types.SimpleNamespace(run_after=run_after), "macros": macros}
+    task.render_template_fields(context, dag.get_template_env())
+    assert task.input_uri == f"s3://{params['bucket']}/batches/2026-12-01/requests.jsonl"
+    assert task.output_uri == f"s3://{params['bucket']}/batch-results"
+    deadline = dt.datetime.fromisoformat(task.deadline)
+    assert deadline == run_after + dt.timedelta(hours=params["deadline_hours"])
