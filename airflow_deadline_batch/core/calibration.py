@@ -8,7 +8,10 @@ remaining-work estimate. :mod:`core.job_view` folds a job's commits into a :clas
 and takes remaining work, predicted finish, slack and placement from it.
 
 :class:`AvailabilityEstimate` learns how often Spot capacity is there (the simulator's
-``slack_aware`` policy feeds it the capacity it sees).
+``slack_aware`` policy feeds it the capacity it sees). :class:`SpotTries` learns what the job's
+finished Spot tries tell: preemptions per Spot-hour and whether Spot still makes progress (the job
+view folds the store's attempt rows into it, the simulator its own preempted tries; docs/design.md
+§5, *Observed preemptions*).
 """
 
 from __future__ import annotations
@@ -187,3 +190,57 @@ class AvailabilityEstimate:
     @property
     def value(self) -> float:
         return (self.weighted_sum + self.prior * self.prior_hours) / (self.weight + self.prior_hours)
+
+
+@dataclass(frozen=True)
+class SpotTries:
+    """The job's finished Spot tries, folded oldest first: observed preemption rate and progress.
+
+    The rate is shrunk to the pool's declared rate (``prior_per_hour``, worth ``prior_hours`` of
+    Spot time), so one early preemption does not swing it. ``fruitless`` counts the most recent
+    consecutive tries that were preempted without committing anything: a try that committed at
+    least once resets it (Spot is making progress); a try that ended otherwise (a failure, a
+    success without commits) leaves it as it is. O(1) per observation.
+    """
+
+    prior_per_hour: float = 0.0
+    prior_hours: float = 1.0
+    tries: int = 0
+    preemptions: int = 0
+    spot_s: float = 0.0
+    #: the most recent consecutive tries preempted without a commit
+    fruitless: int = 0
+    #: when the latest of them ended (seconds on the caller's clock); None when ``fruitless`` is 0
+    fruitless_end_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.prior_per_hour < 0 or self.prior_hours <= 0:
+            raise ValueError("prior_per_hour must be >= 0 and prior_hours > 0")
+
+    def observe(self, *, ended_s: float, duration_s: float, preempted: bool, commits: int) -> SpotTries:
+        """Fold one finished Spot try: how long it ran, whether it was preempted, what it committed."""
+        fruitless, end = self.fruitless, self.fruitless_end_s
+        if commits > 0:
+            fruitless, end = 0, None
+        elif preempted:
+            fruitless, end = fruitless + 1, ended_s if end is None else max(end, ended_s)
+        return replace(
+            self,
+            tries=self.tries + 1,
+            preemptions=self.preemptions + (1 if preempted else 0),
+            spot_s=self.spot_s + max(0.0, duration_s),
+            fruitless=fruitless,
+            fruitless_end_s=end,
+        )
+
+    @property
+    def preemptions_per_hour(self) -> float:
+        """Observed preemptions per Spot-hour, shrunk to the declared rate."""
+        evidence = self.preemptions + self.prior_per_hour * self.prior_hours
+        return evidence / (self.spot_s / 3600.0 + self.prior_hours)
+
+    @property
+    def mean_run_s(self) -> float | None:
+        """Expected Spot run before a preemption (None: no preemption expected, declared or seen)."""
+        rate = self.preemptions_per_hour
+        return 3600.0 / rate if rate > 0 else None

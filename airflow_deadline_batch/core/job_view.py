@@ -17,6 +17,11 @@ the deadline-risk notifier all read a job through it, so they agree on every num
   slowest pool's startup plus its queue wait: what a relaunch costs), the work left spread over
   the job's workers, and one shard of list-scheduling imbalance. The job's slack is the slack the
   placement of its largest unfinished shard sees, the smallest any of its shards sees.
+* **Observed preemptions** (docs/design.md §5): the finished attempts on Spot pools, oldest end
+  first, folded into :class:`core.calibration.SpotTries` for the job and for each shard: the
+  preemption rate per Spot-hour (shrunk to the declared rate) gives the expected Spot run, and the
+  tries preempted (``preempted``, ``abandoned``, ``lost_lease``) without a commit of their own make
+  the preemption storm the placement escalates on.
 
 **Efficiency factor: 1.0 on calibrated rates.** A measured rate is end to end already (a
 microbatch's elapsed time includes everything its worker did for it), so discounting it again
@@ -29,16 +34,29 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from airflow_deadline_batch.core.calibration import Calibration, PoolEstimate, RateSample, calibrate
+from airflow_deadline_batch.core.calibration import (
+    Calibration,
+    PoolEstimate,
+    RateSample,
+    SpotTries,
+    calibrate,
+)
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.placement import JobSnapshot, od_need_s
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
-from airflow_deadline_batch.core.states import TERMINAL_JOB_STATES, JobState, ShardState
+from airflow_deadline_batch.core.states import (
+    TERMINAL_JOB_STATES,
+    AttemptOutcome,
+    JobState,
+    ShardState,
+)
 
 __all__ = [
+    "PREEMPTED_OUTCOMES",
+    "AttemptFields",
     "CommitFields",
     "JobFields",
     "JobView",
@@ -50,7 +68,13 @@ __all__ = [
     "pool_named",
     "reference_pool",
     "shard_done_fraction",
+    "spot_tries",
 ]
+
+#: how a try ends when its capacity was taken away (or its worker died with it) rather than failing
+PREEMPTED_OUTCOMES = frozenset(
+    {AttemptOutcome.PREEMPTED, AttemptOutcome.ABANDONED, AttemptOutcome.LOST_LEASE}
+)
 
 
 class JobFields(Protocol):
@@ -104,6 +128,25 @@ class CommitFields(Protocol):
     def pool(self) -> str | None: ...
     @property
     def committed_at(self) -> dt.datetime: ...
+    @property
+    def attempt_id(self) -> str: ...
+
+
+class AttemptFields(Protocol):
+    """The attempt row fields the view reads (``store.rows.AttemptRow`` has them)."""
+
+    @property
+    def attempt_id(self) -> str: ...
+    @property
+    def shard_index(self) -> int: ...
+    @property
+    def pool(self) -> str | None: ...
+    @property
+    def started_at(self) -> dt.datetime: ...
+    @property
+    def ended_at(self) -> dt.datetime | None: ...
+    @property
+    def outcome(self) -> AttemptOutcome: ...
 
 
 def is_stopped(state: JobState | str) -> bool:
@@ -186,6 +229,12 @@ class JobView:
     last_kinds: Mapping[int, PoolKind | None]
     total_records: int
     committed_records: int
+    #: the job's finished Spot tries (observed preemption rate, fruitless streak)
+    spot_tries: SpotTries = SpotTries()
+    #: the same per shard (only shards with a finished Spot try)
+    shard_spot_tries: Mapping[int, SpotTries] = field(default_factory=dict)
+    #: shards leased by an attempt on a Spot pool (workers of the job on Spot now)
+    spot_shards: frozenset[int] = frozenset()
 
     @property
     def stopped(self) -> bool:
@@ -210,6 +259,10 @@ class JobView:
             shard_index = max(self.shard_work_s, key=lambda i: self.shard_work_s[i], default=-1)
         spot = [p for p in self.pools if p.kind is PoolKind.SPOT]
         remaining = self.remaining_work_s
+        shard_tries = self.shard_spot_tries.get(shard_index, SpotTries())
+        fruitless = max(self.spot_tries.fruitless, shard_tries.fruitless)
+        ends = [e for e in (self.spot_tries.fruitless_end_s, shard_tries.fruitless_end_s) if e is not None]
+        age = self.now.timestamp() - max(ends) if ends else None
         return JobSnapshot(
             now=self.now,
             deadline=self.deadline,
@@ -218,7 +271,11 @@ class JobView:
             parallelism=self.parallelism,
             changeover_s=self.changeover_s,
             notice_s=max((p.preemption_notice_seconds for p in spot), default=0.0),
-            spot_preemptions_per_hour=max((p.preemptions_per_hour for p in spot), default=0.0),
+            spot_preemptions_per_hour=self.spot_tries.preemptions_per_hour,
+            spot_mean_run_s=self.spot_tries.mean_run_s,
+            spot_fruitless_tries=fruitless,
+            spot_fruitless_age_s=None if age is None else max(0.0, age),
+            spot_workers=len(self.spot_shards - {shard_index}),
             spot_available=bool(spot),
             previous_pool=self.last_kinds.get(shard_index),
             on_demand_workers=len(self.on_demand_shards - {shard_index}),
@@ -286,6 +343,44 @@ def _samples(commits: Iterable[CommitFields], pools: Sequence[PoolSpec]) -> list
     return out
 
 
+def spot_tries(
+    attempts: Iterable[AttemptFields],
+    commits: Iterable[CommitFields],
+    pools: Sequence[PoolSpec],
+) -> tuple[SpotTries, dict[int, SpotTries]]:
+    """The job's and each shard's finished Spot tries folded into :class:`SpotTries` (oldest end first).
+
+    A try is on Spot when its pool (by name or kind) is a Spot pool of the job; its progress is
+    the number of commits recorded under its attempt ID. The declared rate of the job's Spot pools
+    is the prior of the observed rate.
+    """
+    declared = max((p.preemptions_per_hour for p in pools if p.kind is PoolKind.SPOT), default=0.0)
+    job = SpotTries(prior_per_hour=declared)
+    shards: dict[int, SpotTries] = {}
+    finished = []
+    for attempt in attempts:
+        pool = pool_named(attempt.pool, pools)
+        if attempt.ended_at is None or pool is None or pool.kind is not PoolKind.SPOT:
+            continue
+        finished.append(attempt)
+    if not finished:
+        return job, shards
+    per_attempt: dict[str, int] = {}
+    for commit in commits:
+        per_attempt[commit.attempt_id] = per_attempt.get(commit.attempt_id, 0) + 1
+    for attempt in sorted(finished, key=lambda a: ensure_aware(a.ended_at or a.started_at, "ended_at")):
+        ended = ensure_aware(attempt.ended_at or attempt.started_at, "ended_at")
+        duration = (ended - ensure_aware(attempt.started_at, "started_at")).total_seconds()
+        preempted = AttemptOutcome(attempt.outcome) in PREEMPTED_OUTCOMES
+        done = per_attempt.get(attempt.attempt_id, 0)
+        job = job.observe(ended_s=ended.timestamp(), duration_s=duration, preempted=preempted, commits=done)
+        before = shards.get(attempt.shard_index, SpotTries(prior_per_hour=declared))
+        shards[attempt.shard_index] = before.observe(
+            ended_s=ended.timestamp(), duration_s=duration, preempted=preempted, commits=done
+        )
+    return job, shards
+
+
 def build_job_view(
     job: JobFields,
     shards: Iterable[ShardFields],
@@ -294,10 +389,12 @@ def build_job_view(
     now: dt.datetime,
     pools: Sequence[PoolSpec] | None = None,
     parallelism: int | None = None,
+    attempts: Iterable[AttemptFields] = (),
 ) -> JobView:
-    """The :class:`JobView` of ``job`` at ``now`` from its shards and commits (pure).
+    """The :class:`JobView` of ``job`` at ``now`` from its shards, commits and attempts (pure).
 
-    ``pools`` default to the pools the job was planned with, ``parallelism`` to its ``workers``.
+    ``pools`` default to the pools the job was planned with, ``parallelism`` to its ``workers``;
+    without ``attempts`` nothing is known of preemptions but the pools' declared rates.
     """
     if pools is None:
         pools = tuple(PoolSpec.from_dict(p) for p in job.config.get("pools") or ())
@@ -310,6 +407,7 @@ def build_job_view(
     shard_work: dict[int, float] = {}
     last_kinds: dict[int, PoolKind | None] = {}
     on_demand: set[int] = set()
+    on_spot: set[int] = set()
     committed = 0.0
     for shard in shards:
         done = shard_done_fraction(shard)
@@ -319,8 +417,9 @@ def build_job_view(
             shard_work[shard.shard_index] = work * (1.0 - done)
         last = pool_named(shard.last_pool, pools)
         last_kinds[shard.shard_index] = last.kind if last is not None else None
-        if shard.state is ShardState.LEASED and last is not None and last.kind is PoolKind.ON_DEMAND:
-            on_demand.add(shard.shard_index)
+        if shard.state is ShardState.LEASED and last is not None:
+            (on_demand if last.kind is PoolKind.ON_DEMAND else on_spot).add(shard.shard_index)
+    job_tries, shard_tries = spot_tries(attempts, commits, pools)
     return JobView(
         job_id=job.job_id,
         state=JobState(job.state),
@@ -338,4 +437,7 @@ def build_job_view(
         last_kinds=last_kinds,
         total_records=job.input_lines,
         committed_records=sum(c.records for c in commits),
+        spot_tries=job_tries,
+        shard_spot_tries=shard_tries,
+        spot_shards=frozenset(on_spot),
     )

@@ -13,6 +13,11 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
   the rate the remaining work needs; otherwise add on-demand workers one at a time (mixing).
 * **Hysteresis**: back from on-demand to Spot only with a margin of extra slack, so work does not
   flap between pools; a running try is kept while it is safe.
+* **Preemption storm** (docs/design.md §5, *Observed preemptions*): once the job's (or this
+  shard's) last ``storm_tries + parallelism - 1`` Spot tries were all preempted without committing
+  anything, fresh tries go on-demand whatever the slack; one Spot probe is allowed after a
+  cool-down that doubles with every further fruitless try, and only while no other Spot try of the
+  job runs.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ class PolicyParams:
     #: the caller re-decides at least this often while a try runs (the simulator's tick); ``None``
     #: means a try is decided once and runs to its end, so its whole shard is at risk
     decision_interval_s: float | None = None
+    #: a preemption storm: this many consecutive Spot tries preempted without a commit (plus one
+    #: per worker beyond the first: one reclaim can end them all) send fresh tries on-demand (0: off)
+    storm_tries: int = 6
+    #: ... until a cool-down of this many (changeover + shard) has passed since the last of them,
+    #: doubled for every fruitless try beyond ``storm_tries`` (at most ``2 ** storm_backoff_cap``)
+    storm_cooldown_tries: float = 4.0
+    storm_backoff_cap: int = 6
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -82,6 +94,8 @@ class PolicyParams:
             raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
+        if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
+            raise ValueError("storm_tries, storm_cooldown_tries and storm_backoff_cap must be >= 0")
 
 
 DEFAULT_POLICY = PolicyParams()
@@ -124,6 +138,13 @@ class JobSnapshot:
     #: seconds the running try has spent that leaving it throws away (changeover done so far plus
     #: uncommitted work); 0 when unknown or not running
     running_progress_s: float = 0.0
+    #: the most recent consecutive Spot tries (of the job, or of this shard if more) that were
+    #: preempted without committing anything (:class:`core.calibration.SpotTries`)
+    spot_fruitless_tries: int = 0
+    #: seconds since the latest of them ended (``None``: none, or unknown)
+    spot_fruitless_age_s: float | None = None
+    #: other workers of this job on Spot now (a storm probe runs one at a time)
+    spot_workers: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -141,8 +162,8 @@ class JobSnapshot:
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.on_demand_workers < 0:
-            raise ValueError("on_demand_workers must be >= 0")
+        if self.on_demand_workers < 0 or self.spot_workers < 0 or self.spot_fruitless_tries < 0:
+            raise ValueError("on_demand_workers, spot_workers and spot_fruitless_tries must be >= 0")
         if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
             raise ValueError("spot_availability must be within [0, 1]")
         if self.spot_mean_run_s is not None and not self.spot_mean_run_s >= 0:
@@ -255,6 +276,38 @@ def line_slack_s(snapshot: JobSnapshot) -> float:
     return max(0.0, window - initial_need) * time_left / window
 
 
+def storm_cooldown_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float | None:
+    """Seconds a storm keeps fresh Spot tries off after its last fruitless try; None: no storm.
+
+    A storm is ``storm_tries + parallelism - 1`` consecutive Spot tries preempted without a commit
+    (docs/design.md §5, *Observed preemptions*): one reclaim may end every worker's try at once.
+    The cool-down is ``storm_cooldown_tries`` tries' length (changeover plus the shard), doubled
+    for every further fruitless try, so probing Spot costs a bounded share of the job's tries
+    however long the storm lasts.
+    """
+    n = snapshot.spot_fruitless_tries
+    # one reclaim can take every worker of the job at once: that alone is not a storm
+    need = policy.storm_tries + snapshot.parallelism - 1
+    if policy.storm_tries <= 0 or n < need:
+        return None
+    doublings = min(n - need, policy.storm_backoff_cap)
+    try_s = snapshot.changeover_s + snapshot.shard_work_s
+    return policy.storm_cooldown_tries * try_s * 2.0**doublings
+
+
+def in_storm(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> bool:
+    """Whether a fresh Spot try is off because Spot tries stopped making progress.
+
+    After the cool-down one probe may go to Spot, and only while no other Spot try of the job runs
+    (a running one is the probe). An unknown age (no clock for the last try) keeps the storm on.
+    """
+    cooldown = storm_cooldown_s(snapshot, policy)
+    if cooldown is None:
+        return False
+    age = snapshot.spot_fruitless_age_s
+    return age is None or age < cooldown or snapshot.spot_workers > 0
+
+
 def grace_period_s(snapshot: JobSnapshot) -> int:
     """Termination grace: the Spot notice when there is one (nothing after it counts), else a default."""
     if snapshot.notice_s > 0:
@@ -302,6 +355,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
 
     if b.slack_s < spot_needs:
         return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
+    if not continuing_spot and in_storm(snapshot, policy):
+        return decide(
+            PoolKind.ON_DEMAND,
+            f"preemption storm: the last {snapshot.spot_fruitless_tries} Spot tries were preempted "
+            "before committing anything",
+        )
     short = policy.rate_rule and b.required_rate > b.expected_rate
     worth = snapshot.spot_mean_run_s is None or snapshot.spot_mean_run_s >= policy.min_run_changeovers * d
     if snapshot.spot_available and (continuing_spot or worth):

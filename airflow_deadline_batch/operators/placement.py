@@ -98,7 +98,10 @@ def read_job_view(
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
     parallelism: int | None = None,
 ) -> JobView:
-    """The job's :class:`JobView` from the store: its row, its shards and its commits.
+    """The job's :class:`JobView` from the store: its row, shards, commits and attempts.
+
+    The attempts tell the placement what Spot did to this job (docs/design.md §5, *Observed
+    preemptions*): the observed preemption rate and the Spot tries preempted before any commit.
 
     ``pools`` (the operator's, else the job's) and ``parallelism`` (else the job's ``workers``)
     are what :func:`decide_for_try` places with.
@@ -111,6 +114,7 @@ def read_job_view(
         now=now,
         pools=parse_pools(pools, job.config),
         parallelism=parallelism,
+        attempts=store.list_attempts(job_id),
     )
 
 

@@ -78,6 +78,17 @@ class SlotView:
 
 
 @dataclass(frozen=True)
+class EndedSpotTry:
+    """A Spot try that ended since the previous decision: how long, why, and what it committed."""
+
+    slot: int
+    ended_h: float
+    duration_h: float
+    preempted: bool
+    commits: int
+
+
+@dataclass(frozen=True)
 class View:
     """What a policy sees at a tick boundary (the future capacity is not in it)."""
 
@@ -91,6 +102,8 @@ class View:
     pending_shards: int
     slots: tuple[SlotView, ...]
     history: Sequence[int]  # capacity of ticks 0..tick (this tick included)
+    #: Spot tries ended since the previous decision (preemptions of this tick included)
+    ended_spot_tries: tuple[EndedSpotTry, ...] = ()
 
     @property
     def time_left_h(self) -> float:
@@ -133,6 +146,8 @@ class _Slot:
     progress: float = 0.0
     busy: bool = False
     started_at_tick: int = 0
+    started_h: float = 0.0
+    commits: int = 0
 
 
 def simulate(
@@ -158,9 +173,15 @@ def simulate(
     tick = 0
     t = 0.0
     forced = False
+    ended: list[EndedSpotTry] = []
 
-    def stop(i: int, slot: _Slot, when: float) -> None:
+    def end_spot_try(i: int, slot: _Slot, when: float, preempted: bool) -> None:
+        if slot.mode is Mode.SPOT:
+            ended.append(EndedSpotTry(i, when, when - slot.started_h, preempted, slot.commits))
+
+    def stop(i: int, slot: _Slot, when: float, preempted: bool = False) -> None:
         nonlocal pending
+        end_spot_try(i, slot, when, preempted)
         if slot.busy:
             result.redone_hours += slot.progress
             pending += 1
@@ -179,7 +200,7 @@ def simulate(
             victims = sorted(on_spot, key=lambda i: (slots[i].started_at_tick, i))[cap:]
             for i in victims:
                 result.preemptions += 1
-                stop(i, slots[i], t)
+                stop(i, slots[i], t, preempted=True)
         # 2. decisions (after the deadline a missed job finishes on on-demand)
         if not forced and t >= config.deadline_h - EPS:
             forced = True
@@ -194,7 +215,9 @@ def simulate(
             pending_shards=pending,
             slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy) for s in slots),
             history=history,
+            ended_spot_tries=tuple(ended),
         )
+        ended.clear()
         wanted = [Mode.ON_DEMAND] * len(slots) if forced else list(policy.decide(view))
         # 3. apply: keep what continues, stop what changes, then start (Spot up to capacity)
         for i, (slot, want) in enumerate(zip(slots, wanted, strict=True)):
@@ -210,6 +233,7 @@ def simulate(
                 spot_used += 1
             slot.mode, slot.co_left, slot.busy, slot.progress = want, config.changeover_h, True, 0.0
             slot.started_at_tick = tick
+            slot.started_h, slot.commits = t, 0
             pending -= 1
             result.starts += 1
             if record:
@@ -237,6 +261,7 @@ def simulate(
                 if slot.progress < size - EPS:
                     continue
                 committed += 1
+                slot.commits += 1
                 result.work_done_h += size
                 slot.progress = 0.0
                 if committed == config.shards:
@@ -244,6 +269,7 @@ def simulate(
                 if pending > 0:
                     pending -= 1
                 else:
+                    end_spot_try(i, slot, t + used + step, preempted=False)
                     slot.busy = False
                     slot.mode = Mode.NONE
                     if record:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from airflow_deadline_batch.core.calibration import AvailabilityEstimate
+from airflow_deadline_batch.core.calibration import AvailabilityEstimate, SpotTries
 from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, choose_pool
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.sim.engine import Mode, Policy, SimConfig, View
@@ -115,6 +115,7 @@ class SlackAware:
         self.deadline = EPOCH + dt.timedelta(hours=config.deadline_h)
         self.run_params = PolicyParams(**{**self.params.__dict__, "decision_interval_s": gap_h * 3600})
         self.availability = AvailabilityEstimate(prior=self.params.availability_prior)
+        self.spot_tries = SpotTries()
 
     def decide(self, view: View) -> list[Mode]:
         cfg = view.config
@@ -123,6 +124,17 @@ class SlackAware:
         availability = self.availability.value
         mean_run_s = self.availability.run_hours * 3600
         self.availability = self.availability.observe(view.capacity, cfg.workers, view.gap_h)
+        # the same storm input as the job view's (docs/design.md §5, Observed preemptions)
+        for ended in view.ended_spot_tries:
+            self.spot_tries = self.spot_tries.observe(
+                ended_s=ended.ended_h * 3600,
+                duration_s=ended.duration_h * 3600,
+                preempted=ended.preempted,
+                commits=ended.commits,
+            )
+        fruitless_end = self.spot_tries.fruitless_end_s
+        fruitless_age = None if fruitless_end is None else view.t_h * 3600 - fruitless_end
+        on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)
         free_spot = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
         on_demand = sum(1 for s in view.slots if s.mode is Mode.ON_DEMAND)
         modes: list[Mode] = []
@@ -132,6 +144,7 @@ class SlackAware:
             running = slot.mode is not Mode.NONE
             previous = None if slot.mode is Mode.NONE else PoolKind(slot.mode.value)
             others_on_demand = on_demand - (1 if slot.mode is Mode.ON_DEMAND else 0)
+            others_on_spot = on_spot - (1 if slot.mode is Mode.SPOT else 0)
             snapshot = JobSnapshot(
                 now=now,
                 deadline=self.deadline,
@@ -150,15 +163,21 @@ class SlackAware:
                 running_progress_s=(
                     (cfg.changeover_h - slot.changeover_left_h + slot.progress_h) * 3600 if running else 0.0
                 ),
+                spot_fruitless_tries=self.spot_tries.fruitless,
+                spot_fruitless_age_s=fruitless_age,
+                spot_workers=others_on_spot,
             )
             pool = choose_pool(snapshot, self.run_params).pool
             if pool is PoolKind.SPOT:
                 if slot.mode is not Mode.SPOT and free_spot > 0:
                     free_spot -= 1
+                    on_spot += 1
                 modes.append(Mode.SPOT)
             else:
                 if slot.mode is not Mode.ON_DEMAND:
                     on_demand += 1
+                if slot.mode is Mode.SPOT:
+                    on_spot -= 1
                 modes.append(Mode.ON_DEMAND)
         return modes
 

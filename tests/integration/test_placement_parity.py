@@ -132,3 +132,31 @@ def test_runner_and_operators_decide_alike_as_the_job_runs(store_url: str, job_i
     stopped = decisions(store_url, job_id, 2, clock)
     assert {d.action for d in stopped} == {TryAction.JOB_STOPPED}
     assert stopped[1:] == [stopped[0], stopped[0]]
+
+
+def test_runner_and_operators_escalate_alike_in_a_preemption_storm(store_url: str, job_id: str) -> None:
+    """docs/design.md §5, Observed preemptions: Spot tries preempted before any commit, plenty of slack."""
+    clock = ManualClock(T0)
+    store = ManifestStore(store_url)
+    # a reclaim of all three workers, twice, is not a storm (6 + 3 - 1 = 8 fruitless tries are)
+    for index in (0, 1, 2, 3, 4, 5):
+        lease = store.claim_shard(job_id, index, ttl_s=60, worker=f"w{index}", pool=SPOT.name)
+        store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
+    calm = decisions(store_url, job_id, 0, clock)
+    assert calm[0].pool == SPOT and calm[1:] == [calm[0], calm[0]]
+
+    for index in (0, 1):
+        lease = store.claim_shard(job_id, index, ttl_s=60, worker=f"w{index}", pool=SPOT.name)
+        store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
+    storm = decisions(store_url, job_id, 0, clock)
+    assert storm[0].action is TryAction.RUN and storm[0].pool == ON_DEMAND
+    assert "preemption storm" in storm[0].reason
+    assert storm[0].placement is not None and storm[0].placement.slack_s > 3600  # not the safety net
+    assert storm[1:] == [storm[0], storm[0]]
+
+    # a Spot try that commits ends the storm for everyone
+    lease = store.claim_shard(job_id, 1, ttl_s=60, worker="w1", pool=SPOT.name)
+    lease = commit(store, lease, 0, SPOT.name, elapsed_s=1.0)
+    store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
+    over = decisions(store_url, job_id, 2, clock)
+    assert over[0].pool == SPOT and over[1:] == [over[0], over[0]]
