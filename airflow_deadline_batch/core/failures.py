@@ -331,6 +331,10 @@ class TryFailure:
     claimed: bool = True
     #: the try committed at least one microbatch
     progressed: bool = False
+    #: the store failed the shard for good after this try (its budget is spent)
+    shard_failed: bool = False
+    #: the claim was refused: ``leased`` (another live attempt), ``exhausted``, ``job_inactive``
+    refused: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -338,13 +342,18 @@ class TryFailure:
             "error": self.error,
             "claimed": self.claimed,
             "progressed": self.progressed,
+            "shard_failed": self.shard_failed,
+            "refused": self.refused,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> TryFailure:
+        refused = data.get("refused")
         return cls(
             failure=FailureClass(str(data["failure"])),
             error=str(data.get("error") or ""),
             claimed=bool(data.get("claimed", True)),
             progressed=bool(data.get("progressed", False)),
+            shard_failed=bool(data.get("shard_failed", False)),
+            refused=str(refused) if refused is not None else None,
         )
