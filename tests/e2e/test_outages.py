@@ -28,6 +28,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.local.runner import RunOptions, RunSummary, run_job
 from airflow_deadline_batch.service.finalize import verify_job
 from airflow_deadline_batch.service.planning import PlanRequest
@@ -223,3 +224,23 @@ def test_a_full_disk_mid_job_completes_every_record(tmp_path: Path, pg_store_url
         if flag.exists():
             os.unlink(flag)
         job.store.close()
+
+
+def test_a_configuration_error_stops_the_job_at_once_with_its_cause(tmp_path: Path) -> None:
+    """docs/design.md §6.6: not every shard failing the same way until the deadline."""
+    mixed = mixed_input(120, seed=24, bad_fraction=0.0, blank_fraction=0.0)
+    request = _request(tmp_path, mixed, str(tmp_path / "out"))
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    options = _options(tmp_path, {"ADB_ECHO_DELAY_S": "-1"})  # an engine option no retry can fix
+    try:
+        with pytest.raises(ConfigurationError, match="delay_s_per_record") as err:
+            run_job(store, request, options)
+        job_id = err.value.fields.get("job_id") or store.list_jobs()[0].job_id
+        job = store.get_job(job_id)
+        assert job.state.value == "failed" and job.error and "configuration error" in job.error
+        assert job.manifest_uri is None  # nothing published: no partial manifest
+        tries = store.list_attempts(job_id)
+        assert 1 <= len(tries) <= 2 * options.workers, [(a.shard_index, a.failure_class) for a in tries]
+        assert "configuration" in {a.failure_class for a in tries}
+    finally:
+        store.close()
