@@ -5,14 +5,30 @@ placed by the shard operator's own decision (``operators.placement.decide_for_tr
 job's ``core.job_view.JobView``), so the same store state places a shard the same way; workers on
 the Spot-like pool are preempted at a seeded Poisson rate the way a cloud does it — SIGTERM as the
 notice, SIGKILL when the notice runs out — and retried until the deadline.
+
+Failed tries follow docs/design.md §6.6, classified once (``core.failures``): the worker says how
+its try failed in a termination message (a kill the runner did not send is a crash); preempted
+shards are relaunched at once, transient failures after a jittered exponential backoff bounded
+by the job's slack, deterministic ones after a short backoff while the store counts the budget.
+A configuration failure stops the run with its cause (``ConfigurationError``), and so do
+``unclaimed_limit`` launches in a row that die before claiming for a reason that is not a
+transient outage. The runner's own store calls ride out a store outage for up to
+``outage_window_s`` (never past the deadline); a shard whose claim was refused because another
+attempt holds it is watched, and dropped as soon as that attempt finishes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import math
 import os
 import random
+import shutil
 import signal
+import socket
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -21,19 +37,26 @@ from typing import IO, Any
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.exit_codes import WorkerExit, worker_exit
+from airflow_deadline_batch.core.failures import (
+    FailureClass,
+    TryFailure,
+    backoff_s,
+    classify_exception,
+    classify_exit,
+)
 from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
-from airflow_deadline_batch.exceptions import VerificationError
-from airflow_deadline_batch.local.launcher import (
-    WorkerProcess,
-    fence_dead_worker,
-    start_worker,
-)
+from airflow_deadline_batch.exceptions import ConfigurationError, StoreError, VerificationError
+from airflow_deadline_batch.local.launcher import WorkerProcess, start_worker
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision, decide_for_try, read_job_view
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.store import ManifestStore, Progress
+
+log = logging.getLogger("airflow_deadline_batch.local")
+#: environment variable the worker writes its termination message to (worker.worker)
+ENV_TERMINATION_LOG = "ADB_TERMINATION_LOG"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +72,13 @@ class RunOptions:
     worker_env: Mapping[str, str] = field(default_factory=dict)
     #: where worker stderr goes (appended); None discards it
     worker_log: str | None = None
+    #: launches in a row that die before claiming (not in an outage) before the run stops
+    unclaimed_limit: int = 5
+    #: how long the run rides out an unreachable store or object store before it gives up
+    #: (never past the deadline); the job stays resumable
+    outage_window_s: float = 300.0
+    #: cap of the backoff after a transient failure (docs/design.md §6.6)
+    backoff_cap_s: float = 30.0
 
 
 @dataclass
@@ -56,7 +86,11 @@ class _Running:
     proc: WorkerProcess
     pool: PoolKind
     preempt_at: float
+    #: where this try's worker writes its termination message
+    message_path: str = ""
     term_sent_at: float | None = None
+    #: the runner signalled this worker itself (an injected preemption or a drain)
+    signalled: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +155,7 @@ def run_job(
         on_plan(plan)
     run = LocalRun(store, plan.job_id, options, clock)
     run.work_until_done(on_progress)
+    run.raise_if_stopped_by_failure()
     result = _finalize(store, plan.job_id, clock, run.deadline_passed)
     if on_progress:
         on_progress(store.progress(plan.job_id))
@@ -131,8 +166,10 @@ class LocalRun:
     """The launch loop of one job: keep ``workers`` shards running until none is left to run."""
 
     def __init__(self, store: ManifestStore, job_id: str, options: RunOptions, clock: Clock) -> None:
-        self.store, self.job_id, self.options, self.clock = store, job_id, options, clock
+        self.job_id, self.options, self.clock = job_id, options, clock
         self.deadline = store.get_job(job_id).deadline
+        self.store: ManifestStore = _DurableStore(store, self)  # type: ignore[assignment]
+        self.raw_store = store
         self.injector = PreemptionInjector(options.preempt_rate_per_worker_hour, options.seed)
         self.pending: deque[int] = deque(
             s.shard_index for s in store.list_shards(job_id) if s.state not in TERMINAL_SHARD_STATES
@@ -145,6 +182,19 @@ class LocalRun:
         self.stopped = False
         self.grace_s = max(1.0, options.preempt_notice_s)
         self.worker_env = _worker_env(options)
+        self.messages_dir = tempfile.mkdtemp(prefix="adb-tries-")
+        self.launches = 0
+        #: failures in a row per shard (transient, deterministic), for the backoff
+        self.failures_in_a_row: dict[int, int] = {}
+        #: launches in a row that died before claiming, and the last one's failure
+        self.unclaimed_in_a_row = 0
+        self.last_unclaimed: TryFailure | None = None
+        self.outage_since: float | None = None
+        #: shards refused because another live attempt holds them: watched until it ends
+        self.held_elsewhere: set[int] = set()
+        self.next_watch = 0.0
+        #: why the run stopped early: a configuration error (exit 2), an outage past the window
+        self.stop_error: Exception | None = None
 
     def work_until_done(self, on_progress: Callable[[Progress], None] | None) -> None:
         """Launch, preempt and reap until every shard is terminal, the job stops or the deadline passes."""
@@ -163,8 +213,17 @@ class LocalRun:
                 if not self.stopped:
                     time.sleep(self.options.poll_interval_s)
         finally:
-            _stop_all(self.store, self.running, self.grace_s)
+            _stop_all(self.raw_store, self.running, self.grace_s)
             stderr.close()
+            shutil.rmtree(self.messages_dir, ignore_errors=True)
+
+    def raise_if_stopped_by_failure(self) -> None:
+        """After the loop: raise why the run stopped early (configuration, an outage past its window)."""
+        if self.stop_error is not None:
+            raise self.stop_error
+        job = self.store.get_job(self.job_id)
+        if job.state is JobState.FAILED:
+            raise ConfigurationError(job.error or f"job {self.job_id} failed", job_id=self.job_id)
 
     def launch_ready(self, now: float, stderr: IO[bytes]) -> None:
         """Fill the free worker slots with shards whose old lease (if any) has expired."""
@@ -175,7 +234,8 @@ class LocalRun:
             self.launch(index, now, stderr)
 
     def _next_ready(self, now: float) -> int | None:
-        if all(self.not_before.get(i, 0.0) > now for i in self.pending):
+        self.watch_held_elsewhere(now)
+        if not self.pending or all(self.not_before.get(i, 0.0) > now for i in self.pending):
             return None
         while self.not_before.get(self.pending[0], 0.0) > now:
             self.pending.rotate(-1)  # its old lease is still live: try another shard first
@@ -196,22 +256,27 @@ class LocalRun:
             return  # already committed, or failed for good: nothing to launch
         pool = decision.pool
         self.placements[pool.kind.value] += 1
+        self.launches += 1
+        message_path = os.path.join(self.messages_dir, f"try-{self.launches}.json")
         proc = start_worker(
-            self.store.url,
+            self.raw_store.url,
             self.job_id,
             index,
             pool=pool.name,
             lease_ttl_s=self.options.lease_ttl_s,
             grace_s=self.grace_s,
-            env=self.worker_env,
+            env={**self.worker_env, ENV_TERMINATION_LOG: message_path},
             stderr=stderr,
         )
-        self.running[index] = _Running(proc, pool.kind, self.injector.next_preemption(now, pool.kind))
+        self.running[index] = _Running(
+            proc, pool.kind, self.injector.next_preemption(now, pool.kind), message_path
+        )
 
     def inject_preemptions(self, now: float) -> None:
         """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out."""
         for item in self.running.values():
             if item.term_sent_at is None and now >= item.preempt_at:
+                item.signalled = True
                 item.proc.signal(signal.SIGTERM)
                 item.term_sent_at = now
                 self.preemptions += 1
@@ -219,22 +284,133 @@ class LocalRun:
                 item.proc.signal(signal.SIGKILL)
 
     def reap_exited(self, now: float) -> None:
-        """Collect exited workers: fence the killed ones, queue their shards again unless done."""
+        """Collect exited workers: classify each failed try once, then requeue, back off or stop."""
         for index in list(self.running):
             item = self.running[index]
             code = item.proc.popen.poll()
             if code is None:
                 continue
             del self.running[index]
-            if code < 0:
-                fence_dead_worker(self.store, item.proc)
-            if worker_exit(code) is WorkerExit.SUCCEEDED:
+            failure = self.try_failure(item, code)
+            if failure is None:
+                self.failures_in_a_row.pop(index, None)
                 continue
             if is_stopped(self.store.get_job(self.job_id).state):
-                # cancelled (or finished elsewhere): no retry could claim a shard; stop relaunching
+                # cancelled, failed (a configuration error stops the job) or finished elsewhere
                 self.stopped = True
                 return
-            self.requeue(index, now)
+            self.settle(index, failure, now)
+            if self.stopped:
+                return
+
+    def try_failure(self, item: _Running, code: int) -> TryFailure | None:
+        """How the try failed: the worker's own word, else its exit read with what the runner did."""
+        message = _read_message(item.message_path)
+        if code < 0 or message is None:
+            failure = classify_exit(code, signalled_by_launcher=item.signalled)
+            if failure is None:
+                return None
+            if code < 0:
+                reason = f"worker pid {item.proc.pid} " + (
+                    "stopped by the runner" if item.signalled else f"died of signal {-code} (a crash)"
+                )
+                self._fence_dead(item.proc, failure, reason)
+                return TryFailure(failure, reason, claimed=True)
+            return TryFailure(failure, f"worker exited {code} without saying why", claimed=False)
+        if worker_exit(code) is WorkerExit.SUCCEEDED:
+            return None
+        return message
+
+    def settle(self, index: int, failure: TryFailure, now: float) -> None:
+        """docs/design.md §6.6 for one failed try: stop, back off or requeue at once."""
+        if failure.failure is FailureClass.CONFIGURATION:
+            self.stop(ConfigurationError(f"configuration error: {failure.error}", job_id=self.job_id))
+            return
+        if failure.refused == "leased":
+            self.held_elsewhere.add(index)
+        if not failure.claimed and failure.refused is None:
+            self.unclaimed_in_a_row += 1
+            self.last_unclaimed = failure
+            if failure.failure is FailureClass.TRANSIENT:
+                self.note_outage(now, failure.error)
+            elif self.unclaimed_in_a_row >= self.options.unclaimed_limit:
+                self.stop(
+                    ConfigurationError(
+                        f"{self.unclaimed_in_a_row} worker launches in a row died before claiming a "
+                        f"shard; the last one: {failure.error}",
+                        job_id=self.job_id,
+                    )
+                )
+                return
+        elif failure.claimed:
+            self.unclaimed_in_a_row = 0
+            if failure.failure is not FailureClass.TRANSIENT:
+                self.outage_since = None
+        if failure.failure is FailureClass.TRANSIENT and failure.claimed:
+            self.note_outage(now, failure.error)
+        if self.stopped:
+            return
+        delay = 0.0
+        if failure.failure in (FailureClass.TRANSIENT, FailureClass.DETERMINISTIC) and not failure.progressed:
+            n = self.failures_in_a_row[index] = self.failures_in_a_row.get(index, 0) + 1
+            delay = backoff_s(n, cap_s=self.options.backoff_cap_s, slack_s=self.slack_s())
+            log.warning(
+                "shard %05d: %s failure (%s); retrying in %.1fs",
+                index,
+                failure.failure.value,
+                failure.error,
+                delay,
+            )
+        else:
+            self.failures_in_a_row.pop(index, None)
+        self.requeue(index, now)
+        self.not_before[index] = max(self.not_before.get(index, 0.0), now + delay)
+
+    def note_outage(self, now: float, error: str) -> None:
+        """An outage: ride it out for ``outage_window_s`` (never past the deadline), then give up."""
+        if self.outage_since is None:
+            self.outage_since = now
+            log.warning("store or object store unreachable (%s): waiting it out", error)
+        elif now - self.outage_since > self.options.outage_window_s:
+            self.stop(
+                StoreError(
+                    f"the store or object store stayed unreachable for {now - self.outage_since:.0f}s "
+                    f"(last error: {error}); the job is kept: rerun to resume it",
+                    job_id=self.job_id,
+                    failure=FailureClass.TRANSIENT.value,
+                )
+            )
+
+    def stop(self, error: Exception) -> None:
+        if self.stop_error is None:
+            self.stop_error = error
+        self.stopped = True
+
+    def slack_s(self) -> float | None:
+        """The job's slack now (docs/design.md §5), or None when it cannot be read."""
+        try:
+            view = read_job_view(
+                self.raw_store, self.job_id, now=self.clock.now(), parallelism=self.options.workers
+            )
+        except Exception:
+            return None
+        return view.slack_s
+
+    def watch_held_elsewhere(self, now: float) -> None:
+        """Shards another attempt holds: drop them once it finished them, retry once it let go."""
+        if not self.held_elsewhere or now < self.next_watch:
+            return
+        self.next_watch = now + max(0.2, self.options.poll_interval_s)
+        for index in list(self.held_elsewhere):
+            shard = self.store.get_shard(self.job_id, index)
+            if shard.state in TERMINAL_SHARD_STATES:
+                self.held_elsewhere.discard(index)
+                with contextlib.suppress(ValueError):
+                    self.pending.remove(index)
+                self.not_before.pop(index, None)
+            elif shard.state is not ShardState.LEASED:
+                self.held_elsewhere.discard(index)
+                self.not_before.pop(index, None)
 
     def requeue(self, index: int, now: float) -> None:
         shard = self.store.get_shard(self.job_id, index)
@@ -244,7 +420,71 @@ class LocalRun:
             # another attempt (say, a worker of a killed earlier run) still holds a live
             # lease: relaunching before it expires would only be refused again
             self.not_before[index] = now + max(0.0, shard.lease_expires_at - self.store.db_time())
-        self.pending.append(index)
+        if index not in self.pending:
+            self.pending.append(index)
+
+    def _fence_dead(self, proc: WorkerProcess, failure: FailureClass, reason: str) -> bool:
+        return _fence_killed(self.store, proc, failure, reason)
+
+
+class _DurableStore:
+    """The runner's store: a call that fails because the store is unreachable waits it out.
+
+    Backs off (jittered, capped) and tries again while the run's outage window lasts and the
+    deadline has not passed (docs/design.md §6.6, §10); anything else is raised at once.
+    """
+
+    def __init__(self, store: ManifestStore, run: LocalRun) -> None:
+        self._store = store
+        self._run = run
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            n = 0
+            while True:
+                try:
+                    return attr(*args, **kwargs)
+                except StoreError as exc:
+                    if classify_exception(exc) is not FailureClass.TRANSIENT:
+                        raise
+                    n += 1
+                    waited = time.monotonic() - started
+                    if (
+                        waited > self._run.options.outage_window_s
+                        or self._run.clock.now() >= self._run.deadline
+                    ):
+                        raise
+                    delay = backoff_s(n, base_s=0.2, cap_s=5.0)
+                    log.warning("store unreachable (%s); retrying %s in %.1fs", exc, name, delay)
+                    time.sleep(delay)
+
+        return call
+
+
+def _read_message(path: str) -> TryFailure | None:
+    """The worker's termination message (one JSON line), or None when it wrote none."""
+    if not path:
+        return None
+    try:
+        raw = open(path, "rb").read()  # noqa: SIM115 - tiny file, read once
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.warning("cannot read the termination message %s: %s", path, exc)
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    try:
+        import orjson
+
+        return TryFailure.from_dict(orjson.loads(raw))
+    except Exception:
+        return None
 
 
 def _worker_env(options: RunOptions) -> dict[str, str]:
@@ -291,6 +531,7 @@ def _finalize(store: ManifestStore, job_id: str, clock: Clock, deadline_passed: 
 def _stop_all(store: ManifestStore, running: dict[int, _Running], grace_s: float) -> None:
     """Stop every worker as a node drain would: SIGTERM, then SIGKILL after the grace period."""
     for item in running.values():
+        item.signalled = True
         item.proc.signal(signal.SIGTERM)
     stop_by = time.monotonic() + grace_s
     for item in running.values():
@@ -300,8 +541,31 @@ def _stop_all(store: ManifestStore, running: dict[int, _Running], grace_s: float
             item.proc.signal(signal.SIGKILL)
             item.proc.popen.wait()
         if item.proc.popen.returncode is not None and item.proc.popen.returncode < 0:
-            fence_dead_worker(store, item.proc)
+            with contextlib.suppress(Exception):  # the lease expires by itself otherwise
+                _fence_killed(
+                    store,
+                    item.proc,
+                    FailureClass.PREEMPTED,
+                    f"worker pid {item.proc.pid} stopped by the runner",
+                )
     running.clear()
+
+
+def _fence_killed(store: ManifestStore, proc: WorkerProcess, failure: FailureClass, reason: str) -> bool:
+    """End the attempt of a worker that died holding its lease, with the runner's class for the death.
+
+    Only an attempt of *this* process (the worker names its attempts ``host:pid``) that still
+    holds the lease is ended: a live worker of another launch that holds the shard is left alone.
+    """
+    shard = store.get_shard(proc.job_id, proc.shard_index)
+    attempt = shard.lease_attempt_id
+    if not attempt:
+        return False
+    owner = f"{socket.gethostname()}:{proc.pid}"
+    mine = any(a.attempt_id == attempt and a.worker == owner for a in store.list_attempts(proc.job_id))
+    if not mine:
+        return False
+    return store.abandon_attempt(proc.job_id, proc.shard_index, attempt, reason, failure=failure)
 
 
 def _open_log(path: str | None) -> IO[bytes]:

@@ -4,25 +4,49 @@ At every try both re-read the job and the shard, skip a shard that another attem
 committed, and choose Spot or on-demand from the slack left (:func:`decide_for_try`). The pod
 variant turns the decision into node selector, tolerations, labels, startup timeout and grace
 period; the store DSN reaches the pod only as a Kubernetes Secret reference.
+
+A failed try is classified once (``core.failures``, docs/design.md §6.6): the worker writes its
+class to the termination message (the pod's ``/dev/termination-log``, the local worker's
+``$ADB_TERMINATION_LOG``), read here instead of guessing from the exit code. What Airflow lets an
+operator do with each class:
+
+* configuration, or a shard whose budget is spent: ``AirflowFailException`` (no retry);
+* deterministic: ``AirflowException``, which spends one of the task's ``retries`` (and the store
+  spends one of the shard's ``max_attempts`` when the try committed nothing);
+* preempted and transient, with ``reschedule_retryable`` (the default, except for a
+  ``LocalShardOperator`` that injects preemptions by try number): ``AirflowRescheduleException``
+  at now + backoff (transient: jittered exponential, capped, bounded by the job's slack). The task
+  goes ``up_for_reschedule`` and comes back with the same try number, so no retry is spent;
+  Airflow has no other way for a regular operator to retry without spending a try (a computed
+  ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import enum
+import os
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowFailException,
+    AirflowRescheduleException,
+    AirflowSkipException,
+)
 from kubernetes.client import models as k8s
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
+from airflow_deadline_batch.core.failures import FailureClass, TryFailure, backoff_s, classify_exit
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -67,6 +91,36 @@ class PodClassification:
     outcome: PodOutcome
     reason: str
     exit_code: int | None = None
+    #: the worker's own word on the try (its termination message), when it wrote one
+    failure: TryFailure | None = None
+
+
+def parse_termination_message(message: str | bytes | None) -> TryFailure | None:
+    """The worker's ``TryFailure`` from a termination message, or None if it wrote none."""
+    if not message:
+        return None
+    import orjson
+
+    try:
+        data = orjson.loads(message)
+        return TryFailure.from_dict(data) if isinstance(data, dict) else None
+    except (orjson.JSONDecodeError, KeyError, ValueError):
+        return None
+
+
+def failure_class_of(found: PodClassification) -> FailureClass | None:
+    """The class of a finished pod's try: the worker's word, else the pod's status (None: succeeded)."""
+    if found.outcome is PodOutcome.SUCCEEDED:
+        return None
+    if found.outcome is PodOutcome.PREEMPTED and (found.failure is None or found.exit_code != EXIT_RETRYABLE):
+        return FailureClass.PREEMPTED  # evicted, disrupted or killed: whatever the worker said
+    if found.failure is not None:
+        return found.failure.failure
+    if found.outcome is PodOutcome.TERMINAL:
+        return FailureClass.CONFIGURATION
+    if found.exit_code is not None:
+        return classify_exit(found.exit_code, signalled_by_launcher=False)
+    return FailureClass.TRANSIENT  # the pod vanished: the node, most likely
 
 
 def _container_terminated(pod: k8s.V1Pod, container: str) -> k8s.V1ContainerStateTerminated | None:
@@ -86,6 +140,21 @@ def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassific
     disrupted = next((c for c in conditions if c.type == "DisruptionTarget" and c.status == "True"), None)
     terminated = _container_terminated(pod, container)
     code = terminated.exit_code if terminated is not None else None
+    said = parse_termination_message(terminated.message if terminated is not None else None)
+    if said is not None and code not in (None, EXIT_OK):
+        found = _classify_status(status, disrupted, terminated, code)
+        return dataclasses.replace(
+            found, failure=said, reason=f"{found.reason}: {said.failure.value}: {said.error}"
+        )
+    return _classify_status(status, disrupted, terminated, code)
+
+
+def _classify_status(
+    status: k8s.V1PodStatus,
+    disrupted: k8s.V1PodCondition | None,
+    terminated: k8s.V1ContainerStateTerminated | None,
+    code: int | None,
+) -> PodClassification:
     if code == EXIT_OK and status.phase == "Succeeded":
         return PodClassification(PodOutcome.SUCCEEDED, "worker exited 0", 0)
     if status.reason in PREEMPTION_REASONS:
@@ -140,6 +209,51 @@ class _ShardTryMixin:
             DeadlineBatchProgressLink.persist(context, self.job_id)
         return decision
 
+    def settle_failure(self, failure: FailureClass, reason: str, *, shard_failed: bool = False) -> None:
+        """Raise what Airflow should do with a failed try of this class (see the module doc)."""
+        where = f"shard {self.shard_index} of job {self.job_id}"
+        if failure is FailureClass.CONFIGURATION or shard_failed:
+            raise AirflowFailException(f"{where}: {failure.value}: {reason}")
+        if failure is FailureClass.DETERMINISTIC or not self.reschedules():
+            raise AirflowException(
+                f"{where} {failure.value}: {reason}; the next try re-decides its pool from the slack left"
+            )
+        delay = 1.0
+        if failure is FailureClass.TRANSIENT:
+            delay = max(1.0, backoff_s(self.transient_in_a_row(), slack_s=self.slack_s()))
+        self.log.warning(
+            "%s %s (%s): rescheduled in %.0f s, no retry spent", where, failure.value, reason, delay
+        )
+        raise AirflowRescheduleException(dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay))
+
+    def reschedules(self) -> bool:
+        return bool(getattr(self, "reschedule_retryable", True))
+
+    def _store(self) -> Any:
+        return ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
+
+    def transient_in_a_row(self) -> int:
+        """The shard's latest tries that failed transiently, in a row (the backoff's exponent)."""
+        try:
+            tries = [
+                a for a in self._store().list_attempts(self.job_id) if a.shard_index == int(self.shard_index)
+            ]
+        except Exception:
+            return 1
+        n = 0
+        for attempt in reversed(tries):
+            if attempt.failure_class != FailureClass.TRANSIENT.value:
+                break
+            n += 1
+        return max(1, n)
+
+    def slack_s(self) -> float | None:
+        try:
+            now = (self.clock or SystemClock()).now()
+            return read_job_view(self._store(), self.job_id, now=now, pools=self.pools).slack_s
+        except Exception:
+            return None
+
     def settle_without_running(self, decision: TryDecision) -> bool:
         """Return True when this try needs no worker; raise when it can never succeed."""
         if decision.action is TryAction.ALREADY_DONE:
@@ -165,6 +279,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param gpus_per_pod: ``nvidia.com/gpu`` limit when ``container_resources`` is not given.
     :param lease_ttl_s: lease TTL passed to the worker.
     :param clock: injectable clock (tests).
+    :param reschedule_retryable: preempted and transient tries reschedule the task instead of
+        spending a retry (docs/design.md §6.6).
     """
 
     template_fields: Sequence[str] = (
@@ -191,10 +307,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         lease_ttl_s: float = 60.0,
         worker_args: Sequence[str] = (),
         clock: Clock | None = None,
+        reschedule_retryable: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 5)
         kwargs.setdefault("name", "deadline-batch-shard")
+        self.reschedule_retryable = reschedule_retryable
         if kwargs.get("container_resources") is None and gpus_per_pod > 0:
             kwargs["container_resources"] = k8s.V1ResourceRequirements(
                 limits={"nvidia.com/gpu": str(gpus_per_pod)}
@@ -284,14 +402,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                 found.outcome.value,
                 found.reason,
             )
-            if found.outcome is PodOutcome.TERMINAL:
-                raise AirflowFailException(
-                    f"shard {self.shard_index} of job {self.job_id}: {found.reason}"
-                ) from exc
-            raise AirflowException(
-                f"shard {self.shard_index} of job {self.job_id} {found.outcome.value}: {found.reason}; "
-                "the next try re-decides its pool from the slack left"
-            ) from exc
+            failure = failure_class_of(found) or FailureClass.TRANSIENT
+            shard_failed = found.failure is not None and found.failure.shard_failed
+            try:
+                self.settle_failure(failure, found.reason, shard_failed=shard_failed)
+            except AirflowException as settled:
+                raise settled from exc
 
 
 class LocalShardOperator(_ShardTryMixin, BaseOperator):
@@ -320,10 +436,15 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         preempt_tries: Sequence[int] = (),
         preempt_after_s: float = 0.5,
         clock: Clock | None = None,
+        reschedule_retryable: bool | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", 5)
         super().__init__(**kwargs)
+        # injected preemptions are keyed by try number, which a reschedule does not advance
+        self.reschedule_retryable = (
+            not preempt_tries if reschedule_retryable is None else reschedule_retryable
+        )
         self.job_id = job_id
         self.shard_index = shard_index
         self.store_url = store_url
@@ -347,23 +468,31 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
             store_conn_id=self.store_conn_id, store_url=self.store_url
         ).get_store_url()
         try_number = int(getattr(context["ti"], "try_number", 1) or 1)
-        if try_number in self.preempt_tries:
-            code = self._run_with_preemption(store_url, decision.pool.name, grace)
-        else:
-            from airflow_deadline_batch.local.launcher import run_worker_subprocess
+        with tempfile.TemporaryDirectory(prefix="adb-try-") as tmp:
+            message_path = os.path.join(tmp, "termination.json")
+            env = {**(self.env or {}), "ADB_TERMINATION_LOG": message_path}
+            preempted = try_number in self.preempt_tries
+            if preempted:
+                code = self._run_with_preemption(store_url, decision.pool.name, grace, env)
+            else:
+                from airflow_deadline_batch.local.launcher import run_worker_subprocess
 
-            code = run_worker_subprocess(
-                store_url,
-                self.job_id,
-                int(self.shard_index),
-                pool=decision.pool.name,
-                lease_ttl_s=self.lease_ttl_s,
-                grace_s=grace,
-                env=self.env,
-            )
-        return self._settle_exit(code, decision)
+                code = run_worker_subprocess(
+                    store_url,
+                    self.job_id,
+                    int(self.shard_index),
+                    pool=decision.pool.name,
+                    lease_ttl_s=self.lease_ttl_s,
+                    grace_s=grace,
+                    env=env,
+                )
+            said = None
+            if os.path.exists(message_path):
+                with open(message_path, "rb") as handle:
+                    said = parse_termination_message(handle.read())
+        return self._settle_exit(code, decision, said, injected=preempted)
 
-    def _run_with_preemption(self, store_url: str, pool: str, grace: float) -> int:
+    def _run_with_preemption(self, store_url: str, pool: str, grace: float, env: Mapping[str, str]) -> int:
         from airflow_deadline_batch.local.launcher import fence_dead_worker, start_worker
         from airflow_deadline_batch.store import ManifestStore
 
@@ -374,7 +503,7 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
             pool=pool,
             lease_ttl_s=self.lease_ttl_s,
             grace_s=grace,
-            env=self.env,
+            env=env,
         )
         try:
             return proc.popen.wait(timeout=self.preempt_after_s)
@@ -393,22 +522,20 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
             return EXIT_RETRYABLE
         return code
 
-    def _settle_exit(self, code: int, decision: TryDecision) -> dict[str, Any]:
+    def _settle_exit(
+        self, code: int, decision: TryDecision, said: TryFailure | None = None, *, injected: bool = False
+    ) -> dict[str, Any]:
         if code == EXIT_OK:
             return decision.to_dict()
-        if code == EXIT_TERMINAL:
-            raise AirflowFailException(
-                f"shard {self.shard_index} of job {self.job_id}: worker exited 1 (terminal)"
-            )
-        kind = "preempted" if code in (EXIT_RETRYABLE, -signal.SIGTERM, -signal.SIGKILL) else "failed"
+        if said is not None:  # the worker's own word (a SIGTERM it handled says preempted)
+            failure, reason = said.failure, said.error
+        else:
+            guessed = classify_exit(code, signalled_by_launcher=injected)
+            failure = FailureClass.PREEMPTED if injected else (guessed or FailureClass.TRANSIENT)
+            reason = f"worker exit {code}"
+        kind = "preempted" if failure is FailureClass.PREEMPTED else failure.value
         self.log.warning(
-            "shard %s of job %s %s (worker exit %s); Airflow will retry",
-            self.shard_index,
-            self.job_id,
-            kind,
-            code,
+            "shard %s of job %s %s (worker exit %s): %s", self.shard_index, self.job_id, kind, code, reason
         )
-        raise AirflowException(
-            f"shard {self.shard_index} of job {self.job_id} {kind} (worker exit {code}); "
-            "the next try re-decides its pool"
-        )
+        self.settle_failure(failure, reason, shard_failed=bool(said and said.shard_failed))
+        raise AssertionError("settle_failure always raises")  # pragma: no cover

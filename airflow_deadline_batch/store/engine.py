@@ -193,7 +193,10 @@ def run_with_retry(
             hint = "the schema is missing: run ManifestStore(url).migrate() (or ManifestStore.open(url))"
         else:
             hint = "check the --store URL and that the database is reachable"
-        raise StoreError(f"{url}: {detail}; {hint}") from exc
+        # the class of the failure travels with the error (docs/design.md §6.6): a store that stayed
+        # unreachable through the retries is transient for the try that called it, not a poison shard
+        failure = "transient" if is_transient(exc) else None
+        raise StoreError(f"{url}: {detail}; {hint}", **({"failure": failure} if failure else {})) from exc
 
 
 def fork_safe(engine: Engine, owner_pid: int) -> int:

@@ -245,7 +245,8 @@ def _claim(name: str, shard_state: sa.ColumnElement[bool], *bookkeeping: Bookkee
             sa.exists().where(
                 jobs.c.job_id == shards.c.job_id,
                 _one_of(jobs.c.state, _ACTIVE),
-                shards.c.attempts < jobs.c.max_attempts,
+                # only tries that spent the budget count (docs/design.md §6.6), not every claim
+                shards.c.failures < jobs.c.max_attempts,
             ),
         )
         .values(
@@ -275,7 +276,7 @@ TAKE_OVER = _claim(
     _end_superseded_attempts(lambda f: "lease expired; taken over at epoch " + _as_text(f.c.epoch)),
 )
 
-#: a claimable shard of an active job that is out of attempts fails terminally; returns last_error
+#: a claimable shard of an active job whose budget is spent fails terminally; returns last_error
 EXHAUST = lease_statement(
     "exhaust",
     sa.update(shards)
@@ -284,18 +285,20 @@ EXHAUST = lease_statement(
         sa.exists().where(
             jobs.c.job_id == shards.c.job_id,
             _one_of(jobs.c.state, _ACTIVE),
-            shards.c.attempts >= jobs.c.max_attempts,
+            shards.c.failures >= jobs.c.max_attempts,
         ),
     )
     .values(
         state=ShardState.TERMINAL_FAILURE.value,
         lease_attempt_id=None,
         lease_expires_at=None,
-        last_error="exhausted after "
-        + _as_text(shards.c.attempts)
-        + " attempts (max_attempts="
+        # the real cause stays in the message (the last try's error), after the budget's numbers
+        last_error="failed "
+        + _as_text(shards.c.failures)
+        + " times without progress (max_attempts="
         + _as_text(_MAX_ATTEMPTS)
-        + ")",
+        + "); last error: "
+        + sa.func.coalesce(shards.c.last_error, "unknown"),
         updated_at=db_timestamp(),
     )
     .returning(shards.c.epoch, shards.c.last_error),

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from airflow_deadline_batch.core.failures import FailureClass, spends_budget
 from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, shard_id
 from airflow_deadline_batch.core.job_view import shard_done_fraction
 from airflow_deadline_batch.core.states import (
@@ -83,6 +84,13 @@ MIGRATION_LOCK_KEY = 0x6164625F6D696772
 RACE_TRIES = 3
 #: attempt outcomes counted as preemptions in progress reports
 PREEMPTION_OUTCOMES = frozenset({AttemptOutcome.PREEMPTED.value, AttemptOutcome.ABANDONED.value})
+#: the attempt outcome a failure class ends a try with, unless the caller names another
+OUTCOME_OF_FAILURE: Mapping[FailureClass, AttemptOutcome] = {
+    FailureClass.PREEMPTED: AttemptOutcome.PREEMPTED,
+    FailureClass.TRANSIENT: AttemptOutcome.FAILED_RETRYABLE,
+    FailureClass.DETERMINISTIC: AttemptOutcome.FAILED_RETRYABLE,
+    FailureClass.CONFIGURATION: AttemptOutcome.FAILED_TERMINAL,
+}
 
 
 def _lease_params(lease: Lease) -> dict[str, Any]:
@@ -628,17 +636,25 @@ class ManifestStore:
 
     @staticmethod
     def _end_attempt(
-        conn: Connection, attempt_id: str | None, outcome: AttemptOutcome, now: float, error: str | None
+        conn: Connection,
+        attempt_id: str | None,
+        outcome: AttemptOutcome,
+        now: float,
+        error: str | None,
+        failure: FailureClass | None = None,
     ) -> bool:
         if attempt_id is None:
             return False
+        values: dict[str, Any] = {"outcome": outcome.value, "ended_at": _ts(now), "error": error}
+        if failure is not None:
+            values["failure_class"] = failure.value
         return bool(
             conn.execute(
                 sa.update(attempts)
                 .where(
                     attempts.c.attempt_id == attempt_id, attempts.c.outcome == AttemptOutcome.RUNNING.value
                 )
-                .values(outcome=outcome.value, ended_at=_ts(now), error=error)
+                .values(**values)
             ).rowcount
         )
 
@@ -651,30 +667,78 @@ class ManifestStore:
         epoch: int | None,
         outcome: AttemptOutcome,
         error: str | None,
-    ) -> bool:
-        """End an attempt; if it still holds the shard's lease, free the shard for the next attempt."""
+        failure: FailureClass | None = None,
+    ) -> ShardState | None:
+        """End an attempt; if it still holds the shard's lease, free the shard for the next attempt.
+
+        Returns the shard's state afterwards, or None when the attempt no longer held the lease.
+        With a ``failure`` class (docs/design.md §6.6): a deterministic failure of an attempt that
+        committed nothing spends one unit of the budget, and the shard fails for good once
+        ``max_attempts`` are spent, its error naming the last cause; a configuration failure
+        stops the whole job (``failed``, the cause as the job's error) in the same transaction.
+        """
         shard, now = self._lock_shard(conn, job_id, shard_index)
-        self._end_attempt(conn, attempt_id, outcome, now, error)
+        self._end_attempt(conn, attempt_id, outcome, now, error, failure)
         holds = (
             shard.state is ShardState.LEASED
             and shard.lease_attempt_id == attempt_id
             and (epoch is None or shard.epoch == epoch)
         )
-        if holds:
-            after = shard_state_after(outcome)
-            check_shard_transition(shard.state, after, shard_id=shard.shard_id)
-            conn.execute(
-                sa.update(shards)
-                .where(_shard_key(job_id, shard_index))
-                .values(
-                    state=after.value,
-                    lease_attempt_id=None,
-                    lease_expires_at=None,
-                    last_error=error or outcome.value,
-                    updated_at=_ts(now),
-                )
+        if not holds:
+            if failure is FailureClass.CONFIGURATION:
+                self._stop_for_configuration(conn, job_id, shard.shard_id, error)
+            return None
+        after = shard_state_after(outcome)
+        message = error or outcome.value
+        failures = shard.failures
+        if failure is not None and after is not ShardState.TERMINAL_FAILURE:
+            progressed = (
+                conn.execute(
+                    sa.select(sa.func.count())
+                    .select_from(commits)
+                    .where(
+                        commits.c.job_id == job_id,
+                        commits.c.shard_index == shard_index,
+                        commits.c.attempt_id == attempt_id,
+                    )
+                ).scalar_one()
+                > 0
             )
-        return holds
+            if spends_budget(failure, progressed=progressed):
+                failures += 1
+                budget = self._job(conn, job_id).max_attempts
+                if failures >= budget:
+                    after = ShardState.TERMINAL_FAILURE
+                    message = (
+                        f"failed {failures} times without progress (max_attempts={budget}); "
+                        f"last error: {message}"
+                    )
+        check_shard_transition(shard.state, after, shard_id=shard.shard_id)
+        conn.execute(
+            sa.update(shards)
+            .where(_shard_key(job_id, shard_index))
+            .values(
+                state=after.value,
+                lease_attempt_id=None,
+                lease_expires_at=None,
+                failures=failures,
+                last_error=message[:4000],
+                updated_at=_ts(now),
+            )
+        )
+        if failure is FailureClass.CONFIGURATION:
+            self._stop_for_configuration(conn, job_id, shard.shard_id, error)
+        return after
+
+    def _stop_for_configuration(
+        self, conn: Connection, job_id: str, shard_id_: str, error: str | None
+    ) -> None:
+        """A configuration failure stops the job at once, with the cause (docs/design.md §6.6)."""
+        job = self._job(conn, job_id, lock=True)
+        if job.state not in ACTIVE_JOB_STATES:
+            return
+        cause = f"configuration error (shard {shard_id_}): {error or 'see the worker log'}"
+        self._set_job_state(conn, job, JobState.FAILED, error=cause[:4000])
 
     def release(self, lease: Lease, outcome: AttemptOutcome | str, error: str | None = None) -> bool:
         """End the attempt as ``outcome``; free the shard at once if the attempt still held it.
@@ -686,18 +750,70 @@ class ManifestStore:
             raise ValueError(
                 f"release() ends a failed attempt; use complete_shard() for success, not {outcome.value}"
             )
+        # an unclassified failure is taken for one that may repeat (docs/design.md §6.6)
+        failure = FailureClass.DETERMINISTIC if outcome is AttemptOutcome.FAILED_RETRYABLE else None
+        return (
+            self._tx(
+                lambda conn: self._end_lease(
+                    conn,
+                    lease.job_id,
+                    lease.shard_index,
+                    lease.attempt_id,
+                    lease.epoch,
+                    outcome,
+                    error,
+                    failure,
+                )
+            )
+            is not None
+        )
+
+    def fail_attempt(
+        self,
+        lease: Lease,
+        failure: FailureClass | str,
+        error: str,
+        *,
+        outcome: AttemptOutcome | str | None = None,
+    ) -> ShardState | None:
+        """End a failed try with its class (docs/design.md §6.6); the shard's state afterwards.
+
+        ``outcome`` defaults to the class's: preempted → ``preempted``, transient and
+        deterministic → ``failed_retryable``, configuration → ``failed_terminal``. None when the
+        attempt no longer held the lease (a configuration failure still stops the job).
+        """
+        failure = FailureClass(failure)
+        ended = AttemptOutcome(outcome) if outcome is not None else OUTCOME_OF_FAILURE[failure]
+        if ended in (AttemptOutcome.RUNNING, AttemptOutcome.SUCCEEDED):
+            raise ValueError(f"fail_attempt() ends a failed attempt, not {ended.value}")
         return self._tx(
             lambda conn: self._end_lease(
-                conn, lease.job_id, lease.shard_index, lease.attempt_id, lease.epoch, outcome, error
+                conn, lease.job_id, lease.shard_index, lease.attempt_id, lease.epoch, ended, error, failure
             )
         )
 
-    def abandon_attempt(self, job_id: str, shard_index: int, attempt_id: str, reason: str) -> bool:
-        """The launcher saw the attempt's process die: end it ``abandoned``, make the shard claimable now."""
-        return self._tx(
-            lambda conn: self._end_lease(
-                conn, job_id, shard_index, attempt_id, None, AttemptOutcome.ABANDONED, reason
+    def abandon_attempt(
+        self,
+        job_id: str,
+        shard_index: int,
+        attempt_id: str,
+        reason: str,
+        *,
+        failure: FailureClass | str | None = None,
+    ) -> bool:
+        """The launcher saw the attempt's process die: end it ``abandoned``, make the shard claimable now.
+
+        ``failure`` is the launcher's class for the death: ``preempted`` when it sent the kill
+        itself, ``deterministic`` for a crash (which spends the budget if nothing was committed).
+        """
+        cls = FailureClass(failure) if failure is not None else None
+        return (
+            self._tx(
+                lambda conn: self._end_lease(
+                    conn, job_id, shard_index, attempt_id, None, AttemptOutcome.ABANDONED, reason, cls
+                )
             )
+            is not None
         )
 
     # -- reports ----------------------------------------------------------------------------------
@@ -797,6 +913,7 @@ def _shard_values(job_id: str, shard: NewShard, now: dt.datetime) -> dict[str, A
         "lease_expires_at": None,
         "lease_ttl_s": None,
         "attempts": 0,
+        "failures": 0,
         "byte_start": shard.byte_start,
         "byte_end": shard.byte_end,
         "first_line": shard.first_line,

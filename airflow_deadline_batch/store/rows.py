@@ -150,6 +150,8 @@ class ShardRow:
     lease_expires_at: float | None
     lease_ttl_s: float | None
     attempts: int
+    #: tries that spent the max_attempts budget (deterministic failures without a commit)
+    failures: int = 0
     byte_start: int
     byte_end: int
     first_line: int
@@ -176,6 +178,7 @@ class ShardRow:
             lease_expires_at=m["lease_expires_at"],
             lease_ttl_s=m["lease_ttl_s"],
             attempts=m["attempts"],
+            failures=m.get("failures") or 0,
             byte_start=m["byte_start"],
             byte_end=m["byte_end"],
             first_line=m["first_line"],
@@ -209,6 +212,8 @@ class AttemptRow:
     outcome: AttemptOutcome
     error: str | None
     heartbeat_at: dt.datetime | None
+    #: core.failures.FailureClass value of a failed try (None: running, succeeded, unclassified)
+    failure_class: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> AttemptRow:
@@ -225,6 +230,7 @@ class AttemptRow:
             outcome=AttemptOutcome(m["outcome"]),
             error=m["error"],
             heartbeat_at=m["heartbeat_at"],
+            failure_class=m.get("failure_class"),
         )
 
 

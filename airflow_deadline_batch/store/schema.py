@@ -131,6 +131,8 @@ shards = sa.Table(
     sa.Column("lease_expires_at", sa.Double(), nullable=True),
     sa.Column("lease_ttl_s", sa.Double(), nullable=True),
     sa.Column("attempts", sa.Integer(), nullable=False),
+    # tries that spent the max_attempts budget: deterministic failures without a commit (§6.6)
+    sa.Column("failures", sa.Integer(), nullable=False, server_default="0"),
     sa.Column("byte_start", sa.BigInteger(), nullable=False),
     sa.Column("byte_end", sa.BigInteger(), nullable=False),
     sa.Column("first_line", sa.Integer(), nullable=False),
@@ -160,6 +162,8 @@ attempts = sa.Table(
     sa.Column("outcome", sa.String(32), nullable=False),
     sa.Column("error", sa.Text(), nullable=True),
     sa.Column("heartbeat_at", UTCDateTime(), nullable=True),
+    # core.failures.FailureClass of a failed try (None: running, succeeded, or not classified)
+    sa.Column("failure_class", sa.String(32), nullable=True),
     sa.ForeignKeyConstraint(
         ["job_id", "shard_index"], ["adb_shards.job_id", "adb_shards.shard_index"], ondelete="CASCADE"
     ),

@@ -26,12 +26,23 @@ Fault-injection hooks for tests (environment variables; nothing happens unless t
     block until ``<path>.resume`` exists (forever if nobody creates it), then heartbeat again and
     commit. A test synchronises on the file to SIGKILL or SIGSTOP the worker exactly between write
     and commit; with the heartbeat stopped first, a stopped worker never holds a database lock.
+
+``ADB_FAULT_DISK_FULL=<path>``
+    While ``<path>`` exists, writing a microbatch object fails as a full disk does (``ENOSPC``,
+    wrapped in ``StorageError`` as the storage layer wraps it), and ``<path>.hit`` is created, so a
+    test can wait until a worker met the full disk before it frees it.
+
+How a try failed is classified once (``core.failures``, docs/design.md §6.6) and recorded on the
+attempt (``failure_class``); the worker also writes it as one JSON line (``TryFailure``) to
+``$ADB_TERMINATION_LOG``, or to Kubernetes' ``/dev/termination-log`` when that exists, so the
+launcher and the pod operator read the class instead of guessing it from the exit code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import os
 import signal
@@ -44,22 +55,24 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import orjson
+
 from airflow_deadline_batch.core.estimate import estimate_prompt_tokens
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
+from airflow_deadline_batch.core.failures import FailureClass, TryFailure, classify_exception, exit_code_for
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
 from airflow_deadline_batch.core.packing import microbatch_count, microbatch_order
 from airflow_deadline_batch.core.records import Record
 from airflow_deadline_batch.core.results import ResultRecord, Usage, encode_results
 from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
-from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
     ConfigurationError,
     EngineError,
-    InputError,
-    JobNotFound,
     LeaseLost,
     ShardNotClaimable,
+    StorageError,
 )
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
@@ -71,14 +84,12 @@ EXIT_DONE = EXIT_OK
 ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
 ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"
 ENV_KILL_AFTER_WRITE = "ADB_FAULT_KILL_AFTER_WRITE_PROB"
+ENV_DISK_FULL = "ADB_FAULT_DISK_FULL"
+#: where the worker writes one JSON line saying how its try failed (core.failures.TryFailure)
+ENV_TERMINATION_LOG = "ADB_TERMINATION_LOG"
+#: Kubernetes' default ``terminationMessagePath``: the pod operator reads it from the pod status
+K8S_TERMINATION_LOG = "/dev/termination-log"
 
-#: errors that no retry can fix: the worker releases the shard as failed_terminal and exits 1
-TERMINAL_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigurationError,
-    InputError,
-    ChecksumMismatch,
-    JobNotFound,
-)
 
 log = logging.getLogger("airflow_deadline_batch.worker")
 
@@ -295,6 +306,7 @@ class ShardWorker:
         self._generate_started: float | None = None
         self._generate_records = 0
         self._measured: list[tuple[int, float]] = []  # (records, seconds) of finished microbatches
+        self._committed = 0  # microbatches this try committed (a try with progress spends no budget)
 
     # -- signals ----------------------------------------------------------------------------------
 
@@ -391,7 +403,7 @@ class ShardWorker:
         try:
             return self._run()
         except _Interrupted as exc:  # a signal landed between two handled steps
-            return self._finish(self._store, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
+            return self._finish(self._store, FailureClass.PREEMPTED, AttemptOutcome.PREEMPTED, exc.reason)
         finally:
             self._shutting_down = True
             if previous:
@@ -414,13 +426,15 @@ class ShardWorker:
         except ShardNotClaimable as exc:
             return self._not_claimable(exc)
         except _Interrupted as exc:
-            return self._finish(self._store, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
-        except TERMINAL_ERRORS as exc:
-            log.error("cannot start: %s", exc)
-            return EXIT_TERMINAL
+            return self._finish(self._store, FailureClass.PREEMPTED, AttemptOutcome.PREEMPTED, exc.reason)
         except Exception as exc:
-            log.error("cannot claim (retryable): %s", exc)
-            return EXIT_RETRYABLE
+            # nothing was claimed, so nothing is recorded in the store: the termination message
+            # is the only place the class travels (a store it cannot reach, bad credentials)
+            failure = classify_exception(exc)
+            code = exit_code_for(failure)
+            log.error("cannot claim (%s): %s", failure.value, _one_line(exc))
+            write_termination_message(TryFailure(failure, _one_line(exc), claimed=False))
+            return code
         lease = self.lease
         _set_log_prefix(cfg.job_id, cfg.shard_index, lease.attempt_id)
         log.info(
@@ -436,20 +450,18 @@ class ShardWorker:
         try:
             completed = self._process(store, job, lease)
         except _Interrupted as exc:
-            return self._finish(store, EXIT_RETRYABLE, AttemptOutcome.PREEMPTED, exc.reason)
+            return self._finish(store, FailureClass.PREEMPTED, AttemptOutcome.PREEMPTED, exc.reason)
         except LeaseLost as exc:
-            return self._finish(store, EXIT_RETRYABLE, AttemptOutcome.LOST_LEASE, str(exc))
-        except TERMINAL_ERRORS as exc:
-            return self._finish(store, EXIT_TERMINAL, AttemptOutcome.FAILED_TERMINAL, str(exc))
+            return self._finish(store, FailureClass.PREEMPTED, AttemptOutcome.LOST_LEASE, str(exc))
         except Exception as exc:
-            log.exception("microbatch failed (retryable)")
-            return self._finish(
-                store, EXIT_RETRYABLE, AttemptOutcome.FAILED_RETRYABLE, f"{type(exc).__name__}: {exc}"
-            )
+            failure = classify_exception(exc)
+            if failure is FailureClass.DETERMINISTIC:
+                log.exception("try failed (deterministic)")
+            return self._finish(store, failure, None, _one_line(exc))
         if not completed:
             return self._finish(
                 store,
-                EXIT_RETRYABLE,
+                FailureClass.PREEMPTED,
                 AttemptOutcome.PREEMPTED,
                 "preempted: stopped after the last committed microbatch",
             )
@@ -463,27 +475,55 @@ class ShardWorker:
             return EXIT_DONE
         if reason == "leased":
             log.warning("shard is leased by another live attempt: %s", exc)
+            write_termination_message(
+                TryFailure(FailureClass.PREEMPTED, str(exc), claimed=False, refused="leased")
+            )
             return EXIT_RETRYABLE
         log.error("shard cannot be claimed (%s): %s", reason, exc)
+        write_termination_message(
+            TryFailure(FailureClass.DETERMINISTIC, str(exc), claimed=False, refused=reason)
+        )
         return EXIT_TERMINAL
 
-    def _finish(self, store: ManifestStore | None, code: int, outcome: AttemptOutcome, reason: str) -> int:
-        """Release the lease (if held) as ``outcome`` and return ``code``; signals are ignored from now on."""
+    def _finish(
+        self,
+        store: ManifestStore | None,
+        failure: FailureClass,
+        outcome: AttemptOutcome | None,
+        reason: str,
+    ) -> int:
+        """End the try as ``failure`` (docs/design.md §6.6) and return its exit code.
+
+        The attempt is recorded with its class (the store decides whether it spent the budget
+        and whether the shard failed for good); signals are ignored from now on.
+        """
         self._shutting_down = True
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             signal.setitimer(signal.ITIMER_REAL, 0)
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        level = logging.ERROR if code == EXIT_TERMINAL else logging.WARNING
-        log.log(level, "%s: %s", outcome.value, reason)
+        shard_failed = False
         if store is not None and self.lease is not None:
             try:
-                released = store.release(self.lease, outcome, reason[:2000])
+                after = store.fail_attempt(self.lease, failure, reason[:2000], outcome=outcome)
             except Exception as exc:  # the lease expires by itself; the launcher may also abandon it
-                log.warning("release failed (the lease will expire): %s", exc)
+                log.warning("release failed (the lease will expire): %s", _one_line(exc))
             else:
-                if not released:
+                if after is None:
                     log.warning("release: this attempt no longer held the lease")
+                shard_failed = after is ShardState.TERMINAL_FAILURE
+        code = exit_code_for(failure, shard_failed=shard_failed)
+        level = logging.ERROR if code == EXIT_TERMINAL else logging.WARNING
+        log.log(level, "%s (%s): %s", (outcome.value if outcome else "failed"), failure.value, reason)
+        write_termination_message(
+            TryFailure(
+                failure,
+                reason,
+                claimed=self.lease is not None,
+                progressed=self._committed > 0,
+                shard_failed=shard_failed,
+            )
+        )
         log.info("exit %d", code)
         return code
 
@@ -594,6 +634,7 @@ class ShardWorker:
             records, generations, rejected, shard_index=lease.shard_index, attempt_id=lease.attempt_id
         )
         data = encode_results(results)
+        _fault_disk_full()
         uri = output.put_bytes(object_key(lease.attempt_id, lease.shard_index, seq), data)
         sha = sha256_hex(data)
         self._fault_pause_after_write(seq)
@@ -616,6 +657,7 @@ class ShardWorker:
                 model_digest=digest,
                 pool=self.config.pool,
             )
+        self._committed += 1
         log.info(
             "committed microbatch %d/%d: %d records (%d errored) in %.2fs",
             seq + 1,
@@ -664,6 +706,40 @@ def _fault_kill_after_write(seq: int) -> None:
     if random.random() < float(raw):
         log.warning("fault injection: SIGKILL after writing microbatch %d, before committing it", seq)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault_disk_full() -> None:
+    """Chaos hook: while ``$ADB_FAULT_DISK_FULL`` exists, an object write fails with ``ENOSPC``."""
+    path = os.environ.get(ENV_DISK_FULL)
+    if not path or not os.path.exists(path):
+        return
+    with contextlib.suppress(OSError):
+        Path(f"{path}.hit").touch()
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    raise StorageError(f"cannot write the microbatch object: {error}") from error
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
+
+
+def termination_log_path() -> str | None:
+    """Where the termination message goes: ``$ADB_TERMINATION_LOG``, else Kubernetes' path if present."""
+    path = os.environ.get(ENV_TERMINATION_LOG)
+    if path:
+        return path
+    return K8S_TERMINATION_LOG if os.path.exists(K8S_TERMINATION_LOG) else None
+
+
+def write_termination_message(failure: TryFailure) -> None:
+    """Say how this try failed, as one JSON line (never record contents; at most 4 KiB, as Kubernetes)."""
+    path = termination_log_path()
+    if not path:
+        return
+    data = orjson.dumps(failure.to_dict())[:4000]
+    with contextlib.suppress(OSError):
+        Path(path).write_bytes(data + b"\n")
 
 
 # ------------------------------------------------------------------------------------- logging

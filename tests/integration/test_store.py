@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import multiprocessing as mp
+import re
 import time
 from collections.abc import Callable
 
@@ -131,7 +132,7 @@ def expired_claim(store: ManifestStore, job: JobRow, index: int = 0) -> Lease:
 def test_migrate_is_idempotent_and_tables_are_prefixed(store: ManifestStore) -> None:
     store.migrate()
     store.migrate()
-    assert store.schema_revision() == "0001"
+    assert store.schema_revision() == "0002"
     engine = sa.create_engine(normalize_url(store_url_of(store)))
     try:
         names = set(sa.inspect(engine).get_table_names())
@@ -422,20 +423,48 @@ def test_terminal_failure_is_never_retried(store: ManifestStore) -> None:
     assert err.value.reason == "exhausted"
 
 
-def test_shard_is_exhausted_after_max_attempts(store: ManifestStore) -> None:
+def test_only_deterministic_failures_without_progress_spend_max_attempts(store: ManifestStore) -> None:
+    """docs/design.md §6.6: preemptions, lost leases, transient failures and tries that committed
+    a microbatch never spend the budget; the shard fails for good naming the real cause."""
     job = create(store, max_attempts=2)
-    store.release(claim(store, job), AttemptOutcome.PREEMPTED)
-    expired_claim(store, job)  # the second attempt's lease runs out; its take-over is refused
-    with pytest.raises(ShardNotClaimable, match="max_attempts=2") as err:
+    for _ in range(3):  # more preemptions than max_attempts
+        store.release(claim(store, job), AttemptOutcome.PREEMPTED)
+    expired_claim(store, job)  # a lease that ran out: taken over, not spent
+    for _ in range(3):
+        assert store.fail_attempt(claim(store, job), "transient", "S3 unreachable") is (
+            ShardState.RETRYABLE_FAILURE
+        )
+    progressed = claim(store, job)
+    commit(store, progressed, 0)
+    assert store.fail_attempt(progressed, "deterministic", "engine crashed") is ShardState.RETRYABLE_FAILURE
+    assert store.get_shard(job.job_id, 0).failures == 0
+    first = store.fail_attempt(claim(store, job), "deterministic", "ValueError: poison record")
+    assert first is ShardState.RETRYABLE_FAILURE
+    last = store.fail_attempt(claim(store, job), "deterministic", "ValueError: poison record")
+    assert last is ShardState.TERMINAL_FAILURE
+    shard = store.get_shard(job.job_id, 0)
+    assert (shard.state, shard.failures, shard.attempts) == (ShardState.TERMINAL_FAILURE, 2, 10)
+    assert shard.last_error is not None
+    assert "max_attempts=2" in shard.last_error and "ValueError: poison record" in shard.last_error
+    with pytest.raises(ShardNotClaimable, match="poison record") as err:
         claim(store, job)
     assert err.value.reason == "exhausted"
-    shard = store.get_shard(job.job_id, 0)
-    assert (shard.state, shard.attempts) == (ShardState.TERMINAL_FAILURE, 2)
-    outcomes = [a.outcome for a in store.list_attempts(job.job_id)]
-    assert outcomes == [AttemptOutcome.PREEMPTED, AttemptOutcome.LOST_LEASE]
-    with pytest.raises(ShardNotClaimable):
-        claim(store, job)
+    classes = [a.failure_class for a in store.list_attempts(job.job_id)]
+    assert classes.count("deterministic") == 3 and classes.count("transient") == 3
     assert claim(store, job, index=1).epoch == 1
+
+
+def test_a_configuration_failure_stops_the_job_with_its_cause(store: ManifestStore) -> None:
+    job = create(store)
+    other = claim(store, job, index=1)
+    assert store.fail_attempt(claim(store, job), "configuration", "model digest mismatch") is (
+        ShardState.TERMINAL_FAILURE
+    )
+    stopped = store.get_job(job.job_id)
+    assert stopped.state is JobState.FAILED
+    assert stopped.error is not None and "model digest mismatch" in stopped.error
+    with pytest.raises(LeaseLost, match="job is failed"):
+        store.heartbeat(other, 30)
 
 
 def test_cancel_stops_heartbeats_commits_and_claims(store: ManifestStore) -> None:
@@ -613,30 +642,28 @@ def test_first_claim_moves_its_own_job_to_running_whatever_other_jobs_are(store:
 
 
 def test_a_shard_out_of_attempts_fails_terminally_from_retryable_failure(store: ManifestStore) -> None:
+    """An unclassified ``failed_retryable`` release counts as deterministic (docs/design.md §6.6)."""
     job = create(store, max_attempts=1)
     assert store.release(claim(store, job), AttemptOutcome.FAILED_RETRYABLE, "engine OOM")
-    with pytest.raises(ShardNotClaimable, match=r"exhausted after 1 attempts \(max_attempts=1\)") as err:
+    cause = "failed 1 times without progress (max_attempts=1); last error: engine OOM"
+    with pytest.raises(ShardNotClaimable, match=re.escape(cause)) as err:
         claim(store, job)
     assert err.value.reason == "exhausted"
     shard = store.get_shard(job.job_id, 0)
-    assert (shard.state, shard.epoch, shard.last_error) == (
-        ShardState.TERMINAL_FAILURE,
-        1,
-        "exhausted after 1 attempts (max_attempts=1)",
-    )
+    assert (shard.state, shard.epoch, shard.last_error) == (ShardState.TERMINAL_FAILURE, 1, cause)
     [attempt] = store.list_attempts(job.job_id)
     assert (attempt.outcome, attempt.error) == (AttemptOutcome.FAILED_RETRYABLE, "engine OOM")
+    assert attempt.failure_class == "deterministic"
 
 
-def test_exhaustion_ends_the_expired_attempt_and_names_why(store: ManifestStore) -> None:
+def test_an_expired_lease_never_spends_the_budget(store: ManifestStore) -> None:
     job = create(store, max_attempts=1)
     lease = expired_claim(store, job)
-    with pytest.raises(ShardNotClaimable, match="exhausted"):
-        claim(store, job)
-    [attempt] = store.list_attempts(job.job_id)
-    assert attempt.attempt_id == lease.attempt_id and attempt.outcome is AttemptOutcome.LOST_LEASE
-    assert attempt.error == "lease expired; shard exhausted after 1 attempts (max_attempts=1)"
-    with pytest.raises(LeaseLost, match=r"fenced by epoch 1 \(None\)"):  # the lease was cleared
+    taken = claim(store, job)
+    assert taken.epoch == lease.epoch + 1
+    attempts_ = {a.attempt_id: a for a in store.list_attempts(job.job_id)}
+    assert attempts_[lease.attempt_id].outcome is AttemptOutcome.LOST_LEASE
+    with pytest.raises(LeaseLost, match=r"fenced by epoch 2"):
         store.heartbeat(lease, 30)
 
 
@@ -742,6 +769,16 @@ def test_the_transaction_form_of_each_operation_runs_on_postgresql_too(
         ]
         assert store.release(claim(store, job, index=1), AttemptOutcome.PREEMPTED)
         assert store.release(claim(store, job, index=1), AttemptOutcome.PREEMPTED)
+        claim(store, job, index=1)  # preemptions never spend the budget (docs/design.md §6.6)
+        # EXHAUST: a claimable shard whose budget is already spent (say, max_attempts lowered)
+        engine = sa.create_engine(pg_store_url)
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "UPDATE adb_shards SET failures = 2, state = 'retryable_failure' WHERE shard_index = 1"
+                )
+            )
+        engine.dispose()
         with pytest.raises(ShardNotClaimable, match="max_attempts=2"):
             claim(store, job, index=1)
     finally:
