@@ -898,6 +898,7 @@ class ManifestStore:
                 committed_work_s=committed_work,
                 remaining_work_s=remaining_work,
                 updated_at=max(stamps),
+                error=job.error,
             )
 
         return self._tx(read, write=False)

@@ -317,6 +317,8 @@ class Progress:
     committed_work_s: float
     remaining_work_s: float
     updated_at: dt.datetime
+    #: why the job stopped, when it did (e.g. the configuration error a worker met)
+    error: str | None = None
 
     @property
     def fraction(self) -> float:

@@ -101,11 +101,12 @@ def evaluate_progress(job_id: str, progress: Mapping[str, Any]) -> CompletenessE
             f"job {job_id}: {failed} shard(s) failed terminally ({counts})",
         )
     if job_state and is_stopped(job_state):
+        cause = f": {progress['error']}" if progress.get("error") else ""
         return CompletenessEvent(
             CompletenessStatus.FAILED,
             job_id,
             dict(progress),
-            f"job {job_id} is {job_state} with {unfinished} unfinished shard(s) ({counts})",
+            f"job {job_id} is {job_state} with {unfinished} unfinished shard(s) ({counts}){cause}",
         )
     return None
 

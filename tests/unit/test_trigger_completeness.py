@@ -138,6 +138,17 @@ def test_failed_event_when_the_job_is_cancelled(store):
     assert "cancelled" in event.message
 
 
+def test_failed_event_names_why_the_job_stopped(store):
+    job_id = make_job(store)
+    cause = "configuration error (shard 0): bucket 'nope' does not exist"
+    store.set_job_state(job_id, "failed", error=cause)
+    event = CompletenessEvent.from_payload(
+        collect(CompletenessTrigger(job_id=job_id, store_url=store.url, poll_interval_s=0.01))[0].payload
+    )
+    assert event.status is CompletenessStatus.FAILED
+    assert event.message.endswith(cause), event.message
+
+
 def test_store_failure_becomes_an_error_event_not_an_exception(store):
     events = collect(CompletenessTrigger(job_id="j-doesnotexist", store_url=store.url, poll_interval_s=0.01))
     event = CompletenessEvent.from_payload(events[0].payload)
