@@ -212,7 +212,8 @@ class Kubelet:
         finally:
             with self.api.lock:
                 key = (runtime.namespace, runtime.name, runtime.uid)
-                if self.api.pod_object(key) is not None:
+                pod = self.api.pod_object(key)
+                if pod is not None and pod["status"].get("phase") not in ("Succeeded", "Failed"):
                     self.api.mutate_pod(key, lambda p: self._status_final(p, runtime))
                 runtime.finished = True
                 self.api.pod_finished(runtime)
@@ -271,6 +272,8 @@ class Kubelet:
                 container.finished_at = container.finished_at or now()
                 container.terminated = True
                 self.api.mutate_pod(key, functools.partial(self._status_terminated, container=container))
+                if all(c.terminated for c in runtime.containers):  # the phase moves with the last exit
+                    self.api.mutate_pod(key, lambda p: self._status_final(p, runtime))
 
     def _schedule(self, pod: dict[str, Any]) -> None:
         pod["spec"]["nodeName"] = self.node_name

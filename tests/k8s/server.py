@@ -137,6 +137,7 @@ class LoopbackKubernetes:
         self.changed = threading.Condition(self.lock)
         self.objects: dict[str, dict[tuple[str, str], dict[str, Any]]] = {r: {} for r in RESOURCES}
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request, in order
+        self.created_pods: list[dict[str, Any]] = []  # each pod as created (a copy), in order
         self.closing = False
         self._rv = 0
         self.kubelet = kl.Kubelet(
@@ -533,6 +534,7 @@ class LoopbackKubernetes:
             "status": {"phase": "Pending", "qosClass": _qos_class(spec)},
         }
         self.objects["pods"][(namespace, meta["name"])] = pod
+        self.created_pods.append(copy.deepcopy(pod))
         self.kubelet.admit(pod)
         self.changed.notify_all()
         return pod
