@@ -241,3 +241,40 @@ def test_the_api_refuses_what_a_real_server_refuses(loopback_k8s: LoopbackCluste
     with pytest.raises(ApiException) as denied:
         unauthorized.list_namespaced_pod(ns)
     assert denied.value.status == 401
+
+
+def test_the_eviction_api_marks_the_pod_then_deletes_it_gracefully(loopback_k8s: LoopbackCluster) -> None:
+    v1, ns, api = loopback_k8s.core_v1(), loopback_k8s.namespace, loopback_k8s.api
+    v1.create_namespaced_pod(ns, python_pod("drained", TRAPS_SIGTERM))
+    api.wait_for_log(ns, "drained", "running\n", timeout_s=WAIT_S)
+    v1.create_namespaced_pod_eviction(
+        "drained", ns, client.V1Eviction(metadata=client.V1ObjectMeta(name="drained", namespace=ns))
+    )
+    marked = v1.read_namespaced_pod("drained", ns)  # still there until its process has stopped
+    disruption = next(c for c in marked.status.conditions if c.type == "DisruptionTarget")
+    assert disruption.reason == "EvictionByEvictionAPI" and marked.metadata.deletion_timestamp is not None
+    api.wait_for_deletion(ns, "drained", timeout_s=WAIT_S)
+    assert "Killing" in {e["reason"] for e in api.events(ns, "drained")}
+
+
+def test_env_from_a_secret_and_a_command_that_cannot_start(loopback_k8s: LoopbackCluster) -> None:
+    v1, ns, api = loopback_k8s.core_v1(), loopback_k8s.namespace, loopback_k8s.api
+    v1.create_namespaced_secret(
+        ns, client.V1Secret(metadata=client.V1ObjectMeta(name="aws"), string_data={"AWS_REGION": "eu-west-1"})
+    )
+    pod = python_pod(
+        "from", 'import os; print(os.environ["S3_AWS_REGION"], "AWS_ACCESS_KEY_ID" in os.environ)'
+    )
+    pod.spec.containers[0].env_from = [
+        client.V1EnvFromSource(prefix="S3_", secret_ref=client.V1SecretEnvSource(name="aws"))
+    ]
+    v1.create_namespaced_pod(ns, pod)
+    api.wait_for_pod(ns, name="from", phase="Succeeded", timeout_s=WAIT_S)
+    assert read_log(v1, "from", ns) == "eu-west-1 False\n"  # nothing of the test's own environment
+
+    missing = python_pod("missing", "pass")
+    missing.spec.containers[0].command = ["no-such-binary-anywhere"]
+    v1.create_namespaced_pod(ns, missing)
+    failed = api.wait_for_pod(ns, name="missing", phase="Failed", timeout_s=WAIT_S)
+    terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (128, "StartError")

@@ -9,6 +9,7 @@ DAG. It reaches the API through ``config_file=`` (a kubeconfig), as a user's dep
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import json
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, TaskDeferred
 from kubernetes import client
 
 from airflow_deadline_batch.core.pools import default_local_pools
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 WAIT_S = 120.0  # deadline for conditions on a loaded 2-core machine (nothing sleeps)
 SECRET = "deadline-batch-store"
 JOB_LABEL = "deadline-batch.io/job-id"
+DEFERRABLE = {"deferrable": True, "poll_interval": 0.5}
 
 
 @pytest.fixture()
@@ -109,7 +111,9 @@ def store_secret(cluster: LoopbackCluster, store_url: str) -> None:
     )
 
 
-def shard_operator(cluster: LoopbackCluster, job: PlannedJob, *worker_args: str) -> DeadlineShardPodOperator:
+def shard_operator(
+    cluster: LoopbackCluster, job: PlannedJob, *worker_args: str, **options: Any
+) -> DeadlineShardPodOperator:
     return DeadlineShardPodOperator(
         task_id="shard",
         job_id=job.job_id,
@@ -121,6 +125,7 @@ def shard_operator(cluster: LoopbackCluster, job: PlannedJob, *worker_args: str)
         config_file=str(cluster.kubeconfig),
         startup_check_interval_seconds=1,
         worker_args=list(worker_args),
+        **options,
     )
 
 
@@ -210,3 +215,76 @@ def test_an_evicted_shard_pod_is_preempted_and_the_next_try_resumes(
     finally:
         store.close()
     assert len(api.created_pods) == 2
+
+
+def defer(operator: DeadlineShardPodOperator, ctx: dict[str, Any]) -> TaskDeferred:
+    """Deferrable mode's first half: ``execute`` creates the pod and defers to its trigger."""
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute(ctx)
+    return deferred.value
+
+
+def first_trigger_event(deferred: TaskDeferred) -> dict[str, Any]:
+    """Run the trigger until its first event, in an event loop of its own as the triggerer does."""
+
+    async def first_event() -> dict[str, Any]:
+        async for event in deferred.trigger.run():
+            return dict(event.payload)
+        raise AssertionError("the trigger ended without an event")
+
+    return asyncio.run(first_event())
+
+
+def resume(fresh: DeadlineShardPodOperator, deferred: TaskDeferred, ctx: dict[str, Any], event: Any) -> Any:
+    """The second half: a *fresh* operator instance (Airflow rebuilds the task) gets the event."""
+    return getattr(fresh, deferred.method_name)(ctx, event)
+
+
+def test_a_deferred_shard_pod_completes_through_its_trigger(
+    loopback_k8s: LoopbackCluster, planned: PlannedJob
+) -> None:
+    store_secret(loopback_k8s, planned.store_url)
+    ctx = context(try_number=1)
+    deferred = defer(shard_operator(loopback_k8s, planned, **DEFERRABLE), ctx)
+    event = first_trigger_event(deferred)
+    assert event["status"] == "success", event
+    resume(shard_operator(loopback_k8s, planned, **DEFERRABLE), deferred, ctx, event)
+    store = ManifestStore.open(planned.store_url)
+    try:
+        assert store.get_shard(planned.job_id, 0).state is ShardState.SUCCEEDED
+    finally:
+        store.close()
+    assert loopback_k8s.api.pods(loopback_k8s.namespace) == []
+
+
+def test_a_deferred_shard_pod_evicted_mid_shard_is_preempted(
+    loopback_k8s: LoopbackCluster, planned: PlannedJob
+) -> None:
+    api, ns = loopback_k8s.api, loopback_k8s.namespace
+    store_secret(loopback_k8s, planned.store_url)
+    slow = ("--engine-option", "delay_s_per_record=0.25")
+    ctx = context(try_number=1)
+    deferred = defer(shard_operator(loopback_k8s, planned, *slow, **DEFERRABLE), ctx)
+    events: list[dict[str, Any]] = []
+    triggerer = threading.Thread(
+        target=lambda: events.append(first_trigger_event(deferred)), name="triggerer"
+    )
+    triggerer.start()
+    try:
+        pod = api.wait_for_pod(ns, labels=f"{JOB_LABEL}={planned.job_id}", phase="Running", timeout_s=WAIT_S)
+        api.wait_for_log(ns, pod["metadata"]["name"], "committed microbatch 1/", timeout_s=WAIT_S)
+        api.evict(ns, pod["metadata"]["name"])
+    finally:
+        triggerer.join(timeout=WAIT_S)
+    assert not triggerer.is_alive(), "the trigger did not fire after the eviction"
+    [event] = events
+    with pytest.raises(AirflowException) as raised:
+        resume(shard_operator(loopback_k8s, planned, *slow, **DEFERRABLE), deferred, ctx, event)
+    assert not isinstance(raised.value, AirflowFailException)
+    assert "preempted" in str(raised.value) and "node shutdown" in str(raised.value), event
+    store = ManifestStore.open(planned.store_url)
+    try:
+        [attempt] = store.list_attempts(planned.job_id)
+        assert attempt.outcome is AttemptOutcome.PREEMPTED
+    finally:
+        store.close()
