@@ -167,7 +167,7 @@ def test_an_evicted_shard_pod_is_preempted_and_the_next_try_resumes(
 ) -> None:
     api, ns = loopback_k8s.api, loopback_k8s.namespace
     store_secret(loopback_k8s, planned.store_url)
-    slow = ("--engine-option", "delay_s_per_record=0.25")  # about a second per microbatch of 4
+    slow = ("--engine-option", "delay_s_per_record=0.5")  # 2 s a microbatch of 4: evicted mid-shard
     operator = shard_operator(loopback_k8s, planned, *slow)
     failure: list[BaseException] = []
 
@@ -262,7 +262,7 @@ def test_a_deferred_shard_pod_evicted_mid_shard_is_preempted(
 ) -> None:
     api, ns = loopback_k8s.api, loopback_k8s.namespace
     store_secret(loopback_k8s, planned.store_url)
-    slow = ("--engine-option", "delay_s_per_record=0.25")
+    slow = ("--engine-option", "delay_s_per_record=0.5")
     ctx = context(try_number=1)
     deferred = defer(shard_operator(loopback_k8s, planned, *slow, **DEFERRABLE), ctx)
     events: list[dict[str, Any]] = []
