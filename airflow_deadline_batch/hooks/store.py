@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
-from airflow_deadline_batch.exceptions import ConfigurationError
+from airflow_deadline_batch.exceptions import ConfigurationError, JobNotFound, StoreError
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import ManifestStore
@@ -150,6 +150,44 @@ class ManifestStoreHook(BaseHook):
         if migrate:
             store.migrate()
         return store
+
+    def describe(self) -> str:
+        """Which store this hook opens, in words a DAG author recognises (never the URL: secrets)."""
+        if self.store_url:
+            return "the store_url given to this task"
+        if self.store_conn_id:
+            return f"connection {self.store_conn_id!r}"
+        return f"the default store {default_store_url()}"
+
+    def get_job_store(self, job_id: str, *, plan_store_conn_id: str | None = None) -> ManifestStore:
+        """Open the store and check that it holds ``job_id``; a store without it is a wrong store.
+
+        A task pointed at another store than the plan's would otherwise fail on its first query
+        with "no such table" or "job not found"; this says what is wrong instead
+        (``ConfigurationError``). A store that is merely unreachable raises its own ``StoreError``.
+        """
+        store = self.get_store()
+        try:
+            store.get_job(job_id)
+        except JobNotFound:
+            found = "it holds no such job"
+        except StoreError:
+            if store.schema_revision() is not None:
+                raise  # a real store failure (unreachable, transient): not a mismatch
+            found = "it has no deadline-batch tables at all"
+        else:
+            return store
+        planned = (
+            f"the plan task created it in connection {plan_store_conn_id!r}"
+            if plan_store_conn_id
+            else "the plan task that created it used another store"
+        )
+        raise ConfigurationError(
+            f"job {job_id} is not in the manifest store this task reads ({self.describe()}): {found}; "
+            f"{planned}. This task and the plan task must use the same store: name it once, on the "
+            "plan task (shard tasks and the sensor inherit its store_conn_id), or give this task the "
+            "plan's store_conn_id/store_url"
+        )
 
     def test_connection(self) -> tuple[bool, str]:
         """Used by the UI's "Test" button: open the store and read one job list page."""

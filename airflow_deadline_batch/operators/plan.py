@@ -7,10 +7,8 @@ It calls the shared planner (``service.planning.plan_job``) that the CLI uses to
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
@@ -21,6 +19,7 @@ from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.feasibility import AdmissionReport
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError
+from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
@@ -49,44 +48,23 @@ def report_summary(report: AdmissionReport | Mapping[str, Any]) -> str:
     return f"verdict {data.get('verdict', '?')}: " + "; ".join(map(str, reasons))
 
 
-def shard_kwargs(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The literal kwargs a shard task gets from one planner spec (mapped fields are not templated)."""
-    return {"job_id": str(spec["job_id"]), "shard_index": int(spec["shard_index"])}
+def shard_kwargs(spec: Mapping[str, Any], connections: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The literal kwargs a shard task gets from one planner spec (mapped fields are not templated).
+
+    ``plan_connections`` carries the plan's connection IDs (never a URL or a secret), so a DAG names
+    them on the plan task only; a shard's own ``store_conn_id``/``aws_conn_id`` win over them. The
+    key is not an argument name of its own because ``expand_kwargs`` lets mapped values override
+    ``partial()`` ones, and explicit arguments must win.
+    """
+    kwargs: dict[str, Any] = {"job_id": str(spec["job_id"]), "shard_index": int(spec["shard_index"])}
+    if connections:
+        kwargs["plan_connections"] = dict(connections)
+    return kwargs
 
 
 def default_idempotency_key(context: Mapping[str, Any]) -> str:
     ti = context["ti"]
     return f"{ti.dag_id}/{context['run_id']}/{ti.task_id}"
-
-
-@contextlib.contextmanager
-def aws_environment(aws_conn_id: str | None) -> Iterator[None]:
-    """Expose an Airflow AWS connection to boto3 through the environment, for this block only."""
-    if not aws_conn_id:
-        yield
-        return
-    from airflow.providers.amazon.aws.hooks.base_aws import AwsGenericHook
-
-    hook: AwsGenericHook[Any] = AwsGenericHook(aws_conn_id=aws_conn_id, client_type="s3")
-    creds = hook.get_credentials()
-    env = {"AWS_ACCESS_KEY_ID": creds.access_key, "AWS_SECRET_ACCESS_KEY": creds.secret_key}
-    if creds.token:
-        env["AWS_SESSION_TOKEN"] = creds.token
-    endpoint = hook.conn_config.endpoint_url
-    if endpoint:
-        env["AWS_ENDPOINT_URL"] = endpoint
-    if hook.conn_region_name:
-        env["AWS_DEFAULT_REGION"] = hook.conn_region_name
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if v})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class DeadlineBatchOperator(BaseOperator):
@@ -197,7 +175,7 @@ class DeadlineBatchOperator(BaseOperator):
         )
         try:
             request = self.build_request(context, clock.now())
-            with aws_environment(self.aws_conn_id):
+            with connection_s3(self.aws_conn_id):
                 result = plan_job(store, request, clock=clock)
         except AdmissionRejected as exc:
             report = exc.fields.get("report")
@@ -211,6 +189,7 @@ class DeadlineBatchOperator(BaseOperator):
             raise AirflowFailException(str(exc)) from exc
         ti.xcom_push(key="admission_report", value=report_dict(result.report))
         ti.xcom_push(key="job_id", value=result.job_id)
+        ti.xcom_push(key="plan_connections", value=self.plan_connections())
         self.log.info(
             "job %s %s; admission:\n%s",
             result.job_id,
@@ -219,7 +198,13 @@ class DeadlineBatchOperator(BaseOperator):
         )
         self.log.info("progress: %s", DeadlineBatchProgressLink.persist(context, result.job_id))
         self._warn_if_thin(context, store, result.job_id, clock)
-        return [shard_kwargs(spec) for spec in result.shard_specs]
+        connections = self.plan_connections()
+        return [shard_kwargs(spec, connections) for spec in result.shard_specs]
+
+    def plan_connections(self) -> dict[str, str]:
+        """The connection IDs shard tasks and the sensor inherit (XCom ``plan_connections``)."""
+        named = (("store_conn_id", self.store_conn_id), ("aws_conn_id", self.aws_conn_id))
+        return {key: str(value) for key, value in named if value}
 
     def _warn_if_thin(self, context: Any, store: ManifestStore, job_id: str, clock: Clock) -> None:
         if self.risk_notifier is None:

@@ -49,6 +49,8 @@ from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT
 from airflow_deadline_batch.core.failures import FailureClass, TryFailure, backoff_s, classify_exit
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
+from airflow_deadline_batch.exceptions import ConfigurationError
+from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.operators.placement import (
@@ -194,12 +196,23 @@ class _ShardTryMixin:
     shard_index: int
     store_url: str | None
     store_conn_id: str | None
+    plan_connections: dict[str, str]
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None
     clock: Clock | None
     log: Any  # the operator's task logger (Airflow's, structured)
 
+    def store_hook(self) -> ManifestStoreHook:
+        """The store: this task's own ``store_url``/``store_conn_id``, else the plan's connection."""
+        conn_id = self.store_conn_id or self.plan_connections.get("store_conn_id")
+        return ManifestStoreHook(store_conn_id=conn_id, store_url=self.store_url)
+
     def decide(self, context: Any | None = None) -> TryDecision:
-        store = ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
+        try:
+            store = self.store_hook().get_job_store(
+                self.job_id, plan_store_conn_id=self.plan_connections.get("store_conn_id")
+            )
+        except ConfigurationError as exc:  # another store than the plan's: no retry can fix it
+            raise AirflowFailException(str(exc)) from exc
         now = (self.clock or SystemClock()).now()
         view = read_job_view(store, self.job_id, now=now, pools=self.pools)
         decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
@@ -230,7 +243,7 @@ class _ShardTryMixin:
         return bool(getattr(self, "reschedule_retryable", True))
 
     def _store(self) -> Any:
-        return ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url).get_store()
+        return self.store_hook().get_store()
 
     def transient_in_a_row(self) -> int:
         """The shard's latest tries that failed transiently, in a row (the backoff's exponent)."""
@@ -271,7 +284,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param job_id: job of the shard (a literal from the plan task's ``expand_kwargs`` specs).
     :param shard_index: the shard to run.
     :param store_url: manifest store URL for the *operator's* reads (wins over ``store_conn_id``).
-    :param store_conn_id: Airflow connection of the manifest store.
+    :param store_conn_id: Airflow connection of the manifest store (default: the plan's).
+    :param plan_connections: the plan task's connection IDs, from its ``expand_kwargs`` specs
+        (``store_conn_id``; explicit arguments win). Pods get S3 access from their service account
+        (IRSA / workload identity) and the store URL from ``store_secret_name``, never from these.
     :param store_secret_name: Kubernetes Secret holding the store URL for the pod.
     :param store_secret_key: key of that Secret.
     :param pools: pool definitions (``PoolSpec`` or dicts); default: the pools the job was planned with.
@@ -299,6 +315,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         image: str,
         store_url: str | None = None,
         store_conn_id: str | None = None,
+        plan_connections: Mapping[str, str] | None = None,
         store_secret_name: str = "deadline-batch-store",
         store_secret_key: str = "url",
         pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
@@ -322,6 +339,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self.shard_index = shard_index
         self.store_url = store_url
         self.store_conn_id = store_conn_id
+        self.plan_connections = dict(plan_connections or {})
         self.store_secret_name = store_secret_name
         self.store_secret_key = store_secret_key
         self.pools = [p.to_dict() if isinstance(p, PoolSpec) else dict(p) for p in pools] if pools else None
@@ -417,6 +435,8 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
     ``placement``, committed shards skipped); exit 75 raises a retryable error, exit 1 fails the task.
     ``preempt_tries`` injects a Spot-style preemption (SIGTERM, then SIGKILL after ``grace_s``)
     ``preempt_after_s`` seconds into the listed try numbers, to exercise recovery on a laptop.
+    ``aws_conn_id`` (default: the plan's, from ``plan_connections``) gives the worker subprocess its
+    S3 credentials through that child's environment only.
     """
 
     template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
@@ -429,6 +449,8 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         shard_index: int,
         store_url: str | None = None,
         store_conn_id: str | None = None,
+        aws_conn_id: str | None = None,
+        plan_connections: Mapping[str, str] | None = None,
         pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
         lease_ttl_s: float = 60.0,
         grace_s: float | None = None,
@@ -449,6 +471,8 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         self.shard_index = shard_index
         self.store_url = store_url
         self.store_conn_id = store_conn_id
+        self.aws_conn_id = aws_conn_id
+        self.plan_connections = dict(plan_connections or {})
         self.pools = [p.to_dict() if isinstance(p, PoolSpec) else dict(p) for p in pools] if pools else None
         self.lease_ttl_s = lease_ttl_s
         self.grace_s = grace_s
@@ -464,13 +488,14 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
             return decision.to_dict()
         assert decision.pool is not None and decision.placement is not None
         grace = float(self.grace_s if self.grace_s is not None else decision.placement.grace_period_s)
-        store_url = ManifestStoreHook(
-            store_conn_id=self.store_conn_id, store_url=self.store_url
-        ).get_store_url()
+        store_url = self.store_hook().get_store_url()
+        # the worker's S3 credentials: the connection's, in the child's environment only (the local
+        # stand-in for a pod's Secret or IRSA); without a connection the child inherits the ambient ones
+        aws = worker_environment(self.aws_conn_id or self.plan_connections.get("aws_conn_id"))
         try_number = int(getattr(context["ti"], "try_number", 1) or 1)
         with tempfile.TemporaryDirectory(prefix="adb-try-") as tmp:
             message_path = os.path.join(tmp, "termination.json")
-            env = {**(self.env or {}), "ADB_TERMINATION_LOG": message_path}
+            env = {**aws, **(self.env or {}), "ADB_TERMINATION_LOG": message_path}
             preempted = try_number in self.preempt_tries
             if preempted:
                 code = self._run_with_preemption(store_url, decision.pool.name, grace, env)

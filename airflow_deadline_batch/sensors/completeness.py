@@ -17,6 +17,8 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_deadline_batch.core.clock import UTC, SystemClock
 from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.exceptions import ConfigurationError
+from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
@@ -41,9 +43,12 @@ def default_manifest_asset(dag_id: str | None, task_id: str) -> Asset:
 class CompletenessSensor(BaseSensorOperator):
     """Wait for a job's shards, then verify and publish its manifest.
 
-    :param job_id: the job (templated; usually ``{{ ti.xcom_pull(task_ids='plan', key='job_id') }}``).
+    :param job_id: the job (templated; default with ``plan_task_id``: that task's XCom ``job_id``).
+    :param plan_task_id: the plan task; its job and connection IDs are used unless given here.
     :param store_url: manifest store URL (wins over ``store_conn_id``).
-    :param store_conn_id: Airflow connection of the manifest store.
+    :param store_conn_id: Airflow connection of the manifest store (default: the plan's).
+    :param aws_conn_id: Airflow AWS connection for verification and publication on ``s3://``
+        (default: the plan's); without one, the ambient credentials (instance profile, IRSA).
     :param deferrable: wait in the triggerer (:class:`CompletenessTrigger`) instead of a worker slot.
     :param expire_unfinished: once the job's deadline has passed, mark unfinished records
         ``expired`` and publish a partial manifest instead of waiting on.
@@ -59,9 +64,11 @@ class CompletenessSensor(BaseSensorOperator):
     def __init__(
         self,
         *,
-        job_id: str,
+        job_id: str | None = None,
+        plan_task_id: str | None = None,
         store_url: str | None = None,
         store_conn_id: str | None = None,
+        aws_conn_id: str | None = None,
         deferrable: bool = True,
         poke_interval: float = 30.0,
         expire_unfinished: bool = False,
@@ -71,9 +78,14 @@ class CompletenessSensor(BaseSensorOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(poke_interval=poke_interval, **kwargs)
-        self.job_id = job_id
+        if not job_id and not plan_task_id:
+            raise ValueError(f"{self.task_id}: give job_id or plan_task_id (the task that planned the job)")
+        self.job_id = job_id or ""
+        self.plan_task_id = plan_task_id
         self.store_url = store_url
         self.store_conn_id = store_conn_id
+        self.aws_conn_id = aws_conn_id
+        self._plan_connections: dict[str, str] = {}
         self.deferrable = deferrable
         self.expire_unfinished = expire_unfinished
         self.risk_notifier = risk_notifier
@@ -85,11 +97,37 @@ class CompletenessSensor(BaseSensorOperator):
             self.outlets = [*self.outlets, self.manifest_asset]
         self._risk_sent = False
 
+    def _resolve_plan(self, context: Any) -> None:
+        """Take the job and the connection IDs this task was not given from the plan task's XComs."""
+        if not self.plan_task_id:
+            return
+        ti = context["ti"]
+        if not self.job_id:
+            self.job_id = str(ti.xcom_pull(task_ids=self.plan_task_id, key="job_id") or "")
+            if not self.job_id:
+                raise AirflowFailException(f"task {self.plan_task_id!r} pushed no job_id: did it run?")
+        self._plan_connections = dict(ti.xcom_pull(task_ids=self.plan_task_id, key="plan_connections") or {})
+
+    def _store_conn_id(self) -> str | None:
+        return self.store_conn_id or self._plan_connections.get("store_conn_id")
+
+    def _aws_conn_id(self) -> str | None:
+        return self.aws_conn_id or self._plan_connections.get("aws_conn_id")
+
     def _hook(self) -> ManifestStoreHook:
-        return ManifestStoreHook(store_conn_id=self.store_conn_id, store_url=self.store_url)
+        return ManifestStoreHook(store_conn_id=self._store_conn_id(), store_url=self.store_url)
 
     def _progress(self) -> dict[str, Any]:
         return plain(self._hook().get_store().progress(self.job_id))
+
+    def _check_store(self) -> None:
+        """Fail at once, saying so, when this task reads another store than the plan's."""
+        try:
+            self._hook().get_job_store(
+                self.job_id, plan_store_conn_id=self._plan_connections.get("store_conn_id")
+            )
+        except ConfigurationError as exc:
+            raise AirflowFailException(str(exc)) from exc
 
     def _past_deadline(self, progress: dict[str, Any]) -> bool:
         deadline = progress.get("deadline")
@@ -115,6 +153,8 @@ class CompletenessSensor(BaseSensorOperator):
         sleep, so a finished job costs one triggerer round trip, and every run takes the same path
         (trigger event, then :meth:`execute_complete` verifies and publishes).
         """
+        self._resolve_plan(context)
+        self._check_store()
         DeadlineBatchProgressLink.persist(context, self.job_id)
         if not self.deferrable:
             return super().execute(context)
@@ -140,7 +180,7 @@ class CompletenessSensor(BaseSensorOperator):
             trigger=CompletenessTrigger(
                 job_id=self.job_id,
                 store_url=self.store_url,
-                store_conn_id=self.store_conn_id,
+                store_conn_id=self._store_conn_id(),
                 poll_interval_s=self.poke_interval,
                 timeout_at=timeout_at.isoformat(),
             ),
@@ -166,6 +206,7 @@ class CompletenessSensor(BaseSensorOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         """Resume after the trigger: finalize on a terminal job, fail clearly on anything else."""
+        self._resolve_plan(context)
         return self._finish(context, CompletenessEvent.from_payload(event))
 
     def _finish(self, context: Any, event: CompletenessEvent) -> str:
@@ -180,9 +221,11 @@ class CompletenessSensor(BaseSensorOperator):
             )
         from airflow_deadline_batch.service.finalize import finalize_job
 
-        result = finalize_job(
-            self._hook().get_store(), self.job_id, clock=SystemClock(), expire_unfinished=expire
-        )
+        # verification reads and publication writes go through the AWS connection, if any
+        with connection_s3(self._aws_conn_id()):
+            result = finalize_job(
+                self._hook().get_store(), self.job_id, clock=SystemClock(), expire_unfinished=expire
+            )
         summary = result.report.summary()
         self.log.info("verification of job %s: %s", self.job_id, summary)
         if result.manifest_uri is None:
