@@ -3,7 +3,9 @@
 Needs: an Airflow connection ``deadline_batch_store`` (PostgreSQL) for the operators, the same DSN in
 the Kubernetes Secret ``deadline-batch-store`` (key ``url``) for the pods, the worker image
 (``worker_image/``) in ``$ADB_WORKER_IMAGE``, and two Karpenter node pools (Spot and on-demand GPU).
-Input and output live in S3 (AWS connection ``aws_default``). See docs/kubernetes.md.
+Input and output live in S3: the Airflow tasks use the AWS connection ``aws_default``, the pods
+their service account (IRSA). Both connections are named once, on the plan task: the shard tasks
+and the sensor inherit them. See docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -88,16 +90,18 @@ with DAG(
         task_id="shard",
         image=os.environ.get("ADB_WORKER_IMAGE", "ghcr.io/example/deadline-batch-worker:0.1.0"),
         namespace=os.environ.get("ADB_NAMESPACE", "deadline-batch"),
-        store_conn_id="deadline_batch_store",
         store_secret_name="deadline-batch-store",
         service_account_name="deadline-batch-worker",
         get_logs=True,
         on_finish_action="delete_succeeded_pod",
+        # wait for each GPU pod in the triggerer, not in a worker slot (shards run for hours);
+        # at most the plan's 8 workers run at once, without an XCom sidecar (the defaults)
+        deferrable=True,
+        poll_interval=30,
     ).expand_kwargs(plan.output)
     done = CompletenessSensor(
         task_id="verify",
-        job_id="{{ ti.xcom_pull(task_ids='plan', key='job_id') }}",
-        store_conn_id="deadline_batch_store",
+        plan_task_id="plan",  # the job and its connections, from the plan task
         deferrable=True,
         poke_interval=60,
         timeout=8 * 3600,

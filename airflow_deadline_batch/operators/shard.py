@@ -36,6 +36,7 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
 from airflow.sdk import BaseOperator
+from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
 from airflow.sdk.exceptions import (
     AirflowException,
     AirflowFailException,
@@ -189,6 +190,27 @@ def _classify_status(
     )
 
 
+class ShardPartial(OperatorPartial):
+    """``partial()`` of a shard operator: ``expand_kwargs(plan.output)`` bounds its concurrency.
+
+    Unless ``max_active_tis_per_dagrun`` is given (on ``partial`` or in ``default_args``), the
+    mapped shard task runs at most the plan task's ``workers`` at once, the parallelism the plan
+    admitted the job with, so a run never holds more GPU pods than the plan budgeted.
+    """
+
+    @classmethod
+    def adopt(cls, partial: OperatorPartial) -> ShardPartial:
+        partial._expand_called = True  # replaced by this one, not forgotten: no "never mapped" warning
+        return cls(operator_class=partial.operator_class, kwargs=partial.kwargs, params=partial.params)
+
+    def expand_kwargs(self, kwargs: Any, *, strict: bool = True) -> MappedOperator:
+        mapped = super().expand_kwargs(kwargs, strict=strict)
+        workers = getattr(getattr(kwargs, "operator", None), "workers", None)
+        if mapped.max_active_tis_per_dagrun is None and isinstance(workers, int) and workers > 0:
+            mapped.max_active_tis_per_dagrun = workers
+        return mapped
+
+
 class _ShardTryMixin:
     """What both shard operators share: open the store, decide the try, record the decision."""
 
@@ -297,6 +319,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param clock: injectable clock (tests).
     :param reschedule_retryable: preempted and transient tries reschedule the task instead of
         spending a retry (docs/design.md §6.6).
+
+    GPU defaults: ``do_xcom_push=False`` (no XCom sidecar), ``retries=5``, and mapped with
+    ``.partial(...).expand_kwargs(plan.output)`` at most the plan's ``workers`` pods at once
+    (:class:`ShardPartial`). ``deferrable=True`` waits for the pod in the triggerer.
     """
 
     template_fields: Sequence[str] = (
@@ -306,6 +332,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         "store_conn_id",
     )
     operator_extra_links = (DeadlineBatchProgressLink(),)
+
+    @classmethod
+    def partial(cls, **kwargs: Any) -> ShardPartial:
+        return ShardPartial.adopt(super().partial(**kwargs))
 
     def __init__(
         self,
@@ -329,6 +359,9 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     ) -> None:
         kwargs.setdefault("retries", 5)
         kwargs.setdefault("name", "deadline-batch-shard")
+        # no XCom sidecar: it would be one more image to pull on every fresh Spot node, and the
+        # worker's result is in the store, not in the pod's return value
+        kwargs.setdefault("do_xcom_push", False)
         self.reschedule_retryable = reschedule_retryable
         if kwargs.get("container_resources") is None and gpus_per_pod > 0:
             kwargs["container_resources"] = k8s.V1ResourceRequirements(
@@ -441,6 +474,10 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
 
     template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
     operator_extra_links = (DeadlineBatchProgressLink(),)
+
+    @classmethod
+    def partial(cls, **kwargs: Any) -> ShardPartial:
+        return ShardPartial.adopt(super().partial(**kwargs))
 
     def __init__(
         self,

@@ -48,3 +48,15 @@ def test_kubernetes_plan_renders_input_output_and_deadline_from_the_run(dagbag):
     assert task.output_uri == f"s3://{params['bucket']}/batch-results"
     deadline = dt.datetime.fromisoformat(task.deadline)
     assert deadline == run_after + dt.timedelta(hours=params["deadline_hours"])
+
+
+def test_kubernetes_shards_fit_gpus_and_name_no_connection(dagbag):
+    dag = dagbag.dags["example_deadline_batch_kubernetes"]
+    plan, shard, verify = (dag.get_task(t) for t in ("plan", "shard", "verify"))
+    assert shard.max_active_tis_per_dagrun == plan.workers == 8  # the plan's budget, by default
+    assert shard.partial_kwargs["deferrable"] is True
+    assert "do_xcom_push" not in shard.partial_kwargs  # left to the operator's default: no sidecar
+    # the connections are named on the plan only; the shards and the sensor inherit them
+    assert plan.store_conn_id == "deadline_batch_store" and plan.aws_conn_id == "aws_default"
+    assert "store_conn_id" not in shard.partial_kwargs
+    assert verify.plan_task_id == "plan" and verify.store_conn_id is None
