@@ -80,6 +80,10 @@ PREEMPTION_REASONS = frozenset(
 )
 
 
+#: a shard task's default retries (its preempted and transient tries reschedule without spending one)
+SHARD_RETRIES = 5
+
+
 class PodOutcome(str, enum.Enum):
     """How a shard pod ended, for the log and the retry decision."""
 
@@ -197,6 +201,25 @@ class ShardPartial(OperatorPartial):
     mapped shard task runs at most the plan task's ``workers`` at once, the parallelism the plan
     admitted the job with, so a run never holds more GPU pods than the plan budgeted.
     """
+
+    @staticmethod
+    def default_retries(kwargs: dict[str, Any], retries: int) -> dict[str, Any]:
+        """``kwargs`` with ``retries`` unless given or in the DAG's / task group's ``default_args``.
+
+        ``partial()`` fills every unset ``BaseOperator`` argument with Airflow's default (0 retries)
+        before the operator's ``__init__`` could set its own, so a mapped shard's default goes here.
+        """
+        from airflow.sdk.bases.operator import get_merged_defaults
+        from airflow.sdk.definitions._internal.contextmanager import DagContext, TaskGroupContext
+
+        if "retries" in kwargs:
+            return kwargs
+        dag = kwargs.get("dag") or DagContext.get_current()
+        group = kwargs.get("task_group") or (TaskGroupContext.get_current(dag) if dag else None)
+        defaults, _ = get_merged_defaults(
+            dag=dag, task_group=group, task_params=None, task_default_args=kwargs.get("default_args")
+        )
+        return kwargs if "retries" in defaults else {**kwargs, "retries": retries}
 
     @classmethod
     def adopt(cls, partial: OperatorPartial) -> ShardPartial:
@@ -335,7 +358,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
 
     @classmethod
     def partial(cls, **kwargs: Any) -> ShardPartial:
-        return ShardPartial.adopt(super().partial(**kwargs))
+        return ShardPartial.adopt(super().partial(**ShardPartial.default_retries(kwargs, SHARD_RETRIES)))
 
     def __init__(
         self,
@@ -357,7 +380,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         reschedule_retryable: bool = True,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retries", 5)
+        kwargs.setdefault("retries", SHARD_RETRIES)
         kwargs.setdefault("name", "deadline-batch-shard")
         # no XCom sidecar: it would be one more image to pull on every fresh Spot node, and the
         # worker's result is in the store, not in the pod's return value
@@ -477,7 +500,7 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
 
     @classmethod
     def partial(cls, **kwargs: Any) -> ShardPartial:
-        return ShardPartial.adopt(super().partial(**kwargs))
+        return ShardPartial.adopt(super().partial(**ShardPartial.default_retries(kwargs, SHARD_RETRIES)))
 
     def __init__(
         self,
@@ -498,7 +521,7 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         reschedule_retryable: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("retries", 5)
+        kwargs.setdefault("retries", SHARD_RETRIES)
         super().__init__(**kwargs)
         # injected preemptions are keyed by try number, which a reschedule does not advance
         self.reschedule_retryable = (

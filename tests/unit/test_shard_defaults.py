@@ -69,3 +69,17 @@ def test_shard_pods_have_no_xcom_sidecar(store_url: str, job_id: str) -> None:  
     spec = manifest_of(op)["spec"]
     assert [c["name"] for c in spec["containers"]] == ["base"]  # no airflow-xcom-sidecar
     assert not spec.get("volumes")  # nor its shared xcom volume
+
+
+def test_mapped_shards_keep_their_default_retries_unless_the_dag_sets_them() -> None:
+    with DAG("retries", schedule=None, start_date=START):
+        plan = plan_operator()
+        plain = DeadlineShardPodOperator.partial(task_id="a", image="w").expand_kwargs(plan.output)
+        local = LocalShardOperator.partial(task_id="b").expand_kwargs(plan.output)
+        given = DeadlineShardPodOperator.partial(task_id="c", image="w", retries=1).expand_kwargs(plan.output)
+    with DAG("dag_retries", schedule=None, start_date=START, default_args={"retries": 2}):
+        plan = plan_operator()
+        from_dag = DeadlineShardPodOperator.partial(task_id="d", image="w").expand_kwargs(plan.output)
+    assert plain.partial_kwargs["retries"] == local.partial_kwargs["retries"] == 5
+    assert given.partial_kwargs["retries"] == 1
+    assert from_dag.partial_kwargs["retries"] == 2
