@@ -243,6 +243,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         lease_ttl_s=args.lease_ttl,
         worker_log=str(log_path) if log_path else None,
+        # the store's own URL is masked (user:***@host): workers get the real one by environment,
+        # never in argv or logs (docs/design.md §8)
+        worker_env={"ADB_STORE_URL": store_url},
     )
     with ProgressDisplay(enabled=sys.stderr.isatty()) as display:
         summary = run_job(store, request, options, on_progress=display.update, on_plan=display.planned)

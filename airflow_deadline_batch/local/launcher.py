@@ -14,7 +14,11 @@ from typing import IO
 
 from airflow_deadline_batch.core.exit_codes import EXIT_RETRYABLE
 from airflow_deadline_batch.core.worker_command import worker_arguments, worker_command
+from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.store import ManifestStore
+
+#: what SQLAlchemy shows instead of a password (``URL.render_as_string(hide_password=True)``)
+MASKED_PASSWORD = ":***@"
 
 
 @dataclass
@@ -49,10 +53,17 @@ def start_worker(
     worker_name: str | None = None,
 ) -> WorkerProcess:
     full_env = dict(os.environ)
+    # the store URL travels in the environment, never in argv, so `ps` shows no credentials on a
+    # shared host; a caller's ``env`` wins: it carries the real URL when ``store_url`` is the
+    # masked one a ManifestStore shows (``user:***@host``), which can never log in
+    full_env["ADB_STORE_URL"] = store_url
     if env:
         full_env.update(env)
-    # the store URL travels in the environment too, so `ps` shows no credentials on a shared host
-    full_env["ADB_STORE_URL"] = store_url
+    if MASKED_PASSWORD in full_env["ADB_STORE_URL"]:
+        raise ConfigurationError(
+            "a worker would get the masked store URL (user:***@host) and could never log in: "
+            "pass the real URL in env ADB_STORE_URL"
+        )
     argv = worker_command(
         sys.executable,
         worker_arguments(
