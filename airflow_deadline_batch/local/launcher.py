@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
@@ -70,8 +71,37 @@ def start_worker(
             job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s, worker_name=worker_name
         ),
     )
-    popen = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr)
+    popen = subprocess.Popen(
+        argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=die_with_parent()
+    )
     return WorkerProcess(job_id, shard_index, pool, popen)
+
+
+#: ``prctl`` option of linux/prctl.h: the signal a process gets when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child die (SIGKILL) when this process dies, however it dies.
+
+    A runner killed with SIGKILL cannot stop its workers; without this they would run on as
+    orphans holding leases (docs/design.md §8: no worker outlives ``run``). Their leases then
+    expire and a rerun takes the shards over at their committed cursors. ``None`` off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before the fork, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl: nobody will signal us
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
 
 
 def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:

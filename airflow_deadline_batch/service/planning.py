@@ -331,9 +331,8 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
 
 def hash_input(input_uri: str) -> str:
     """SHA-256 of the whole input, in large reads."""
-    storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
-    with storage.open_read(key) as stream:
+    with _open_input(input_uri) as stream:
         while chunk := stream.read(_READ_CHUNK):
             whole.update(chunk)
     return whole.hexdigest()
