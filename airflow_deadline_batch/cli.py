@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import signal
 import sys
 import uuid
@@ -26,7 +27,12 @@ from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
-from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
+from airflow_deadline_batch.exceptions import (
+    AdmissionRejected,
+    ConfigurationError,
+    DeadlineBatchError,
+    StorageError,
+)
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.service.planning import PlanRequest
@@ -283,6 +289,10 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         deadline = parse_deadline(args.deadline, clock.now())
     except ValueError as exc:
         raise ConfigurationError(str(exc)) from None
+    except OverflowError:
+        raise ConfigurationError(
+            f"--deadline {args.deadline} is beyond the year 9999: give a nearer deadline"
+        ) from None
     generation: dict[str, Any] = {}
     if args.max_tokens is not None:
         generation["max_tokens"] = args.max_tokens
@@ -357,7 +367,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.local.progress import ProgressDisplay
     from airflow_deadline_batch.local.runner import RunOptions, run_job
     from airflow_deadline_batch.service.planning import PlanResult
-    from airflow_deadline_batch.store import ManifestStore
+    from airflow_deadline_batch.worker.engines import check_engine
 
     ctx: _RunContext = args.run_context
     engine = args.engine or "transformers"
@@ -370,11 +380,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.preempt_rate < 0 or args.preempt_notice < 0:
         raise ConfigurationError("--preempt-rate and --preempt-notice must not be negative")
     request = _plan_request(args, engine, output)
-    if store_url.startswith("sqlite:///"):
-        Path(store_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    store = ManifestStore(store_url)
+    # admission (docs/design.md §8): configuration that cannot work is refused before a job exists
+    check_engine(engine, args.model)
+    _check_output(output)
+    store = _open_run_store(store_url)
     ctx.store = store
-    store.migrate()
     request = replace(request, idempotency_key=_resolve_key(args, request, store, ctx))
     log_path = Path(output) / "worker.log" if "://" not in output else None
     options = RunOptions(
@@ -421,6 +431,71 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INCOMPLETE
     _emit(args, data, text)
     return EXIT_OK if summary.state == "completed" else EXIT_INCOMPLETE
+
+
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def mask_url(text: str) -> str:
+    """``text`` with the password of any URL in it replaced by ``***``."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
+def _check_output(output: str) -> None:
+    """The output location exists or can be created, and takes writes: a probe written and deleted."""
+    from airflow_deadline_batch.storage import open_storage
+
+    if "://" not in output and Path(output).exists() and not Path(output).is_dir():
+        raise ConfigurationError(
+            f"--output {output} is an existing file: give a directory or s3://bucket/prefix"
+        )
+    probe = f"_adb-probe-{uuid.uuid4().hex}"
+    try:
+        storage = open_storage(output)
+        storage.put_bytes(probe, b"")
+        storage.delete(probe)
+    except StorageError as exc:
+        reason = exc.message.splitlines()[0] if exc.message else type(exc).__name__
+        raise ConfigurationError(
+            f"output {output} is not writable ({reason}): fix --output (the directory or bucket "
+            "must exist or be creatable, with write permission)"
+        ) from None
+
+
+def _open_run_store(url: str) -> ManifestStore:
+    """The manifest store on ``url``, migrated: reachable with the credentials the workers get."""
+    from airflow_deadline_batch.store import ManifestStore
+
+    if url.startswith("sqlite:///"):
+        try:
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot create the folder of store {url}: {exc.strerror}; fix --store"
+            ) from None
+    try:
+        store = ManifestStore(url)
+    except DeadlineBatchError:
+        raise
+    except Exception as exc:  # SQLAlchemy's URL parser raises ValueError, ArgumentError, ...
+        raise ConfigurationError(
+            f"store URL {mask_url(url)} is invalid ({mask_url(str(exc).splitlines()[0])}): fix --store "
+            "(sqlite:///path/store.db or postgresql+psycopg://user:password@host:port/db)"
+        ) from None
+    try:
+        store.migrate()
+    except Exception as exc:
+        store.close()
+        reason = mask_url(
+            exc.message if isinstance(exc, DeadlineBatchError) else str(exc) or type(exc).__name__
+        ).splitlines()[0]
+        if store.url not in reason:
+            reason = f"{store.url}: {reason}"
+        raise ConfigurationError(
+            f"cannot use the manifest store {reason}; fix --store (host, port, user, password, database) "
+            "or ADB_STORE_URL"
+        ) from None
+    return store
 
 
 def _open_store(args: argparse.Namespace) -> ManifestStore:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,7 +282,34 @@ USAGE_ERRORS: dict[str, Callable[[Path, Path], list[str]]] = {
     "unknown job (verify)": lambda s, t: ["verify", "j-nosuchjob", "--store", f"sqlite:///{t / 'store.db'}"],
     "unknown job (cancel)": lambda s, t: ["cancel", "j-nosuchjob", "--store", f"sqlite:///{t / 'store.db'}"],
     "no store file": lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t / 'missing' / 'store.db'}"],
+    "deadline past year 9999": lambda s, t: ["run", str(s), "--deadline", "+999999999h", "--engine", "echo"],
+    "store port not a number": lambda s, t: [
+        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--store", "postgresql://u:pw@localhost:abc/db",
+    ],  # fmt: skip
+    "store unreachable": lambda s, t: [
+        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--store", "postgresql://u:pw@127.0.0.1:1/db",
+    ],  # fmt: skip
+    "output is a file": lambda s, t: [
+        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--output", str(s),
+    ],  # fmt: skip
+    "input is a device": lambda s, t: ["run", "/dev/null", "--deadline", "+1h", "--engine", "echo"],
+    "input is a FIFO": lambda s, t: ["run", _fifo(t), "--deadline", "+1h", "--engine", "echo"],
+    "input is a FIFO (plan)": lambda s, t: ["plan", _fifo(t), "--deadline", "+1h"],
+    "model missing": lambda s, t: [
+        "run", str(s), "--deadline", "+1h", "--engine", "transformers", "--model", str(t / "no-model"),
+    ],  # fmt: skip
+    "new job with a key": lambda s, t: [
+        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--new-job", "--idempotency-key", "k",
+    ],  # fmt: skip
 }
+
+
+def _fifo(tmp_path: Path) -> str:
+    """A named pipe no one writes to: reading it would block for ever."""
+    path = tmp_path / "input.fifo"
+    if not path.exists():
+        os.mkfifo(path)
+    return str(path)
 
 
 @pytest.fixture
@@ -292,7 +321,16 @@ def migrated_store(tmp_path: Path) -> str:
 
 #: the cases also run through the console script; the rest run ``cli.main`` in this process
 #: (same code, same streams and exit code, without a 1-2 s interpreter start per case)
-USAGE_ERRORS_VIA_SCRIPT = ("bad deadline", "missing input", "pools not json", "unknown engine")
+USAGE_ERRORS_VIA_SCRIPT = (
+    "bad deadline",
+    "missing input",
+    "pools not json",
+    "unknown engine",
+    "deadline past year 9999",
+    "store port not a number",
+    "output is a file",
+    "input is a FIFO",
+)
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS_VIA_SCRIPT))
@@ -303,6 +341,12 @@ def test_usage_errors_exit_2_with_one_line(
     result = run_cli(*args, cwd=tmp_path)
     assert_usage_error(result)
     assert not (tmp_path / "out").exists()
+    if args and args[0] in ("run", "plan"):  # with --json, the last stdout line says so too
+        as_json = run_cli(*args, "--json", cwd=tmp_path)
+        assert_usage_error(as_json)
+        payload = as_json.json()
+        assert payload["state"] == "error" and payload["error"], payload
+        assert "pw@" not in as_json.stdout + as_json.stderr, "a password was printed"
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
@@ -321,6 +365,21 @@ def test_usage_errors_in_process_exit_2_with_one_line(
     captured = capsys.readouterr()
     assert_usage_error(CliResult(tuple(args), code, captured.out, captured.err))
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_output_bucket_is_refused_at_admission(s3_bucket: str, sample: Path, tmp_path: Path) -> None:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    result = run_cli(
+        "run", str(sample), "--deadline", "+1h", "--engine", "echo", "--store", store_url,
+        "--output", f"s3://adb-missing-{uuid.uuid4().hex[:12]}/out", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert_usage_error(result)
+    assert "not writable" in result.stderr and "--output" in result.stderr
+    store = ManifestStore.open(store_url, migrate=True)
+    try:
+        assert store.list_jobs() == [], "a job was created for an output that cannot be written"
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------- status, verify, idempotency
