@@ -284,22 +284,58 @@ USAGE_ERRORS: dict[str, Callable[[Path, Path], list[str]]] = {
     "no store file": lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t / 'missing' / 'store.db'}"],
     "deadline past year 9999": lambda s, t: ["run", str(s), "--deadline", "+999999999h", "--engine", "echo"],
     "store port not a number": lambda s, t: [
-        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--store", "postgresql://u:pw@localhost:abc/db",
+        "run",
+        str(s),
+        "--deadline",
+        "+1h",
+        "--engine",
+        "echo",
+        "--store",
+        "postgresql://u:pw@localhost:abc/db",
     ],  # fmt: skip
     "store unreachable": lambda s, t: [
-        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--store", "postgresql://u:pw@127.0.0.1:1/db",
+        "run",
+        str(s),
+        "--deadline",
+        "+1h",
+        "--engine",
+        "echo",
+        "--store",
+        "postgresql://u:pw@127.0.0.1:1/db",
     ],  # fmt: skip
     "output is a file": lambda s, t: [
-        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--output", str(s),
+        "run",
+        str(s),
+        "--deadline",
+        "+1h",
+        "--engine",
+        "echo",
+        "--output",
+        str(s),
     ],  # fmt: skip
     "input is a device": lambda s, t: ["run", "/dev/null", "--deadline", "+1h", "--engine", "echo"],
     "input is a FIFO": lambda s, t: ["run", _fifo(t), "--deadline", "+1h", "--engine", "echo"],
     "input is a FIFO (plan)": lambda s, t: ["plan", _fifo(t), "--deadline", "+1h"],
     "model missing": lambda s, t: [
-        "run", str(s), "--deadline", "+1h", "--engine", "transformers", "--model", str(t / "no-model"),
+        "run",
+        str(s),
+        "--deadline",
+        "+1h",
+        "--engine",
+        "transformers",
+        "--model",
+        str(t / "no-model"),
     ],  # fmt: skip
     "new job with a key": lambda s, t: [
-        "run", str(s), "--deadline", "+1h", "--engine", "echo", "--new-job", "--idempotency-key", "k",
+        "run",
+        str(s),
+        "--deadline",
+        "+1h",
+        "--engine",
+        "echo",
+        "--new-job",
+        "--idempotency-key",
+        "k",
     ],  # fmt: skip
 }
 
