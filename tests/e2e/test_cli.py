@@ -282,62 +282,21 @@ USAGE_ERRORS: dict[str, Callable[[Path, Path], list[str]]] = {
     "unknown job (verify)": lambda s, t: ["verify", "j-nosuchjob", "--store", f"sqlite:///{t / 'store.db'}"],
     "unknown job (cancel)": lambda s, t: ["cancel", "j-nosuchjob", "--store", f"sqlite:///{t / 'store.db'}"],
     "no store file": lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t / 'missing' / 'store.db'}"],
-    "deadline past year 9999": lambda s, t: ["run", str(s), "--deadline", "+999999999h", "--engine", "echo"],
-    "store port not a number": lambda s, t: [
-        "run",
-        str(s),
-        "--deadline",
-        "+1h",
-        "--engine",
-        "echo",
-        "--store",
-        "postgresql://u:pw@localhost:abc/db",
-    ],  # fmt: skip
-    "store unreachable": lambda s, t: [
-        "run",
-        str(s),
-        "--deadline",
-        "+1h",
-        "--engine",
-        "echo",
-        "--store",
-        "postgresql://u:pw@127.0.0.1:1/db",
-    ],  # fmt: skip
-    "output is a file": lambda s, t: [
-        "run",
-        str(s),
-        "--deadline",
-        "+1h",
-        "--engine",
-        "echo",
-        "--output",
-        str(s),
-    ],  # fmt: skip
-    "input is a device": lambda s, t: ["run", "/dev/null", "--deadline", "+1h", "--engine", "echo"],
-    "input is a FIFO": lambda s, t: ["run", _fifo(t), "--deadline", "+1h", "--engine", "echo"],
+    "deadline past year 9999": lambda s, t: _echo_run(s, "--deadline", "+999999999h"),
+    "store port not a number": lambda s, t: _echo_run(s, "--store", "postgresql://u:pw@localhost:abc/db"),
+    "store unreachable": lambda s, t: _echo_run(s, "--store", "postgresql://u:pw@127.0.0.1:1/db"),
+    "output is a file": lambda s, t: _echo_run(s, "--output", str(s)),
+    "input is a device": lambda s, t: _echo_run(Path("/dev/null")),
+    "input is a FIFO": lambda s, t: _echo_run(Path(_fifo(t))),
     "input is a FIFO (plan)": lambda s, t: ["plan", _fifo(t), "--deadline", "+1h"],
-    "model missing": lambda s, t: [
-        "run",
-        str(s),
-        "--deadline",
-        "+1h",
-        "--engine",
-        "transformers",
-        "--model",
-        str(t / "no-model"),
-    ],  # fmt: skip
-    "new job with a key": lambda s, t: [
-        "run",
-        str(s),
-        "--deadline",
-        "+1h",
-        "--engine",
-        "echo",
-        "--new-job",
-        "--idempotency-key",
-        "k",
-    ],  # fmt: skip
+    "model missing": lambda s, t: _echo_run(s, "--engine", "transformers", "--model", str(t / "no-model")),
+    "new job with a key": lambda s, t: _echo_run(s, "--new-job", "--idempotency-key", "k"),
 }
+
+
+def _echo_run(input_path: Path, *options: str) -> list[str]:
+    """``run INPUT --deadline +1h --engine echo`` with ``options`` (later ones win)."""
+    return ["run", str(input_path), "--deadline", "+1h", "--engine", "echo", *options]
 
 
 def _fifo(tmp_path: Path) -> str:
