@@ -257,14 +257,16 @@ def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
     add_record = scan.add_record
     line = end_offset = 0
     with _open_input(request.input_uri) as stream:
-        for line, offset, end_offset, data in iter_line_tuples(stream, max_line_bytes=limits.max_line_bytes):
+        for line, offset, end_offset, data, head in iter_line_tuples(
+            stream, max_line_bytes=limits.max_line_bytes
+        ):
             # the common case skips building Record objects (same numbers: see quick_parse)
             quick = feed_quick(data) if data is not None else None
             if quick is not None:
                 # a valid max_tokens is >= 1, as expected_output_tokens says
                 add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
                 continue
-            outcome = validator.feed(RawLine(line, offset, end_offset, data))
+            outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
             if isinstance(outcome, Record):
                 add_record(
                     line,
