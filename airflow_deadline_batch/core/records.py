@@ -495,7 +495,8 @@ def recover_id(head: bytes) -> str | None:
     is at most :data:`HEAD_BYTES`), skipping values without parsing them. ``"custom_id"`` is the
     ID when present; ``"id"`` when no OpenAI Batch member was seen (the shape :func:`parse_line`
     would pick). The value counts only if its whole string lies inside ``head`` and is a
-    non-empty JSON string; anything malformed gives None.
+    non-empty JSON string; anything malformed gives None. One case stays ambiguous: a line that
+    mixes ``"id"`` with OpenAI Batch members placed after its head is read as native.
     """
     members: dict[str, bytes] = {}
     keys: set[str] = set()
