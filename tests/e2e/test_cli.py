@@ -452,6 +452,53 @@ def test_verify_detects_a_tampered_object(finished_job: dict, tmp_path: Path) ->
         victim.write_bytes(original)
 
 
+def test_rerun_after_tampering_exits_4_and_says_why(finished_job: dict) -> None:
+    """A rerun with the same idempotency key re-verifies the published job: a tampered object
+    makes it exit 4 with ``verified: false``, ``deadline_met: false`` and the cause (docs/design.md §8)."""
+    root = finished_job["root"]
+    manifest = read_manifest(finished_job["summary"]["manifest"])
+    victim = Path(manifest["shards"][-1]["uri"])
+    original = victim.read_bytes()
+    try:
+        victim.write_bytes(original.replace(b'"succeeded"', b'"errored"  ', 1) + b"\n")
+        again = run_cli(*finished_job["args"], cwd=root)
+        assert again.code == 4, again.describe()
+        summary = again.json()
+        assert summary["job_id"] == finished_job["summary"]["job_id"]
+        assert summary["verified"] is False and summary["deadline_met"] is False, summary
+        assert "SHA-256" in summary["error"], summary
+        lines = again.stderr.strip().splitlines()
+        assert len(lines) == 1 and "verify" in lines[0] and "Traceback" not in again.stderr, again.describe()
+    finally:
+        victim.write_bytes(original)
+    intact = run_cli(*finished_job["args"], cwd=root)
+    assert intact.code == 0 and intact.json()["verified"] is True, intact.describe()
+
+
+def test_default_key_resumes_the_same_job_and_new_job_forces_another(sample: Path, tmp_path: Path) -> None:
+    """Without --idempotency-key, the same input and options are the same job (so the rerun hint
+    is true); a rejected job is not what a rerun with a looser deadline gets; --new-job is fresh."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    base = ["run", str(sample), "--engine", "echo", "--store", store_url, "--output", str(tmp_path / "out")]
+    rejected = run_cli(*base, "--deadline", "+1s", "--json", cwd=tmp_path)
+    assert rejected.code == 3, rejected.describe()
+    first = run_cli(*base, "--deadline", "+1h", "--json", cwd=tmp_path)
+    assert first.code == 0, first.describe()
+    job_id = first.json()["job_id"]
+    assert job_id != rejected.json()["job_id"]
+    again = run_cli(*base, "--deadline", "+2h", "--json", cwd=tmp_path)
+    assert again.code == 0 and again.json()["job_id"] == job_id, again.describe()
+    fresh = run_cli(*base, "--deadline", "+1h", "--new-job", "--json", cwd=tmp_path)
+    assert fresh.code == 0 and fresh.json()["job_id"] not in (job_id, rejected.json()["job_id"]), (
+        fresh.describe()
+    )
+    store = ManifestStore(store_url)
+    try:
+        assert len(store.list_jobs()) == 3
+    finally:
+        store.close()
+
+
 # ------------------------------------------------------------------------------------- cancel
 
 
