@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import re
 import signal
@@ -377,8 +378,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         output = str(Path(output).resolve())
     if args.workers < 1:
         raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
-    if args.preempt_rate < 0 or args.preempt_notice < 0:
-        raise ConfigurationError("--preempt-rate and --preempt-notice must not be negative")
+    if not (0 <= args.preempt_rate < math.inf and 0 <= args.preempt_notice < math.inf):
+        raise ConfigurationError("--preempt-rate and --preempt-notice must be finite and not negative")
+    if not 0 < args.lease_ttl < math.inf:
+        # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen
+        raise ConfigurationError(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
     request = _plan_request(args, engine, output)
     # admission (docs/design.md §8): configuration that cannot work is refused before a job exists
     check_engine(engine, args.model)

@@ -41,6 +41,25 @@ class WorkerProcess:
                 os.kill(self.popen.pid, signum)
 
 
+def worker_environment(store_url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A worker's environment: this process's, the store URL, then the caller's ``env``.
+
+    The store URL travels in the environment, never in argv, so `ps` shows no credentials on a
+    shared host. A caller's ``env`` wins: it carries the real URL when ``store_url`` is the
+    masked one a ManifestStore shows (``user:***@host``), which can never log in and is refused.
+    """
+    full_env = dict(os.environ)
+    full_env["ADB_STORE_URL"] = store_url
+    if env:
+        full_env.update(env)
+    if MASKED_PASSWORD in full_env["ADB_STORE_URL"]:
+        raise ConfigurationError(
+            "a worker would get the masked store URL (user:***@host) and could never log in: "
+            "pass the real URL in env ADB_STORE_URL"
+        )
+    return full_env
+
+
 def start_worker(
     store_url: str,
     job_id: str,
@@ -53,18 +72,7 @@ def start_worker(
     stderr: IO[bytes] | int | None = None,
     worker_name: str | None = None,
 ) -> WorkerProcess:
-    full_env = dict(os.environ)
-    # the store URL travels in the environment, never in argv, so `ps` shows no credentials on a
-    # shared host; a caller's ``env`` wins: it carries the real URL when ``store_url`` is the
-    # masked one a ManifestStore shows (``user:***@host``), which can never log in
-    full_env["ADB_STORE_URL"] = store_url
-    if env:
-        full_env.update(env)
-    if MASKED_PASSWORD in full_env["ADB_STORE_URL"]:
-        raise ConfigurationError(
-            "a worker would get the masked store URL (user:***@host) and could never log in: "
-            "pass the real URL in env ADB_STORE_URL"
-        )
+    full_env = worker_environment(store_url, env)
     argv = worker_command(
         sys.executable,
         worker_arguments(

@@ -92,6 +92,10 @@ class PlanRequest:
             raise ConfigurationError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
         if not 0 <= self.max_invalid_fraction <= 1:
             raise ConfigurationError("max_invalid_fraction must be between 0 and 1")
+        if not 0 < self.lease_ttl_s < math.inf:
+            raise ConfigurationError(
+                f"lease_ttl_s must be a positive number of seconds, got {self.lease_ttl_s}"
+            )
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not 1 <= self.max_shards <= 100_000:

@@ -291,6 +291,8 @@ USAGE_ERRORS: dict[str, Callable[[Path, Path], list[str]]] = {
     "input is a FIFO (plan)": lambda s, t: ["plan", _fifo(t), "--deadline", "+1h"],
     "model missing": lambda s, t: _echo_run(s, "--engine", "transformers", "--model", str(t / "no-model")),
     "new job with a key": lambda s, t: _echo_run(s, "--new-job", "--idempotency-key", "k"),
+    "lease ttl zero": lambda s, t: _echo_run(s, "--lease-ttl", "0"),
+    "preempt rate nan": lambda s, t: _echo_run(s, "--preempt-rate", "nan"),
 }
 
 
