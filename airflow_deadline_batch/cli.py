@@ -54,8 +54,12 @@ def default_output() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    #: the last usage error, for the ``--json`` line (argparse exits from inside ``parse_args``)
+    last_error: str | None = None
+
     def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        _Parser.last_error = f"{message} (see {self.prog} --help)"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_Parser.last_error}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -624,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(raw)
     except SystemExit as exc:
         if exc.code == EXIT_USAGE and "--json" in raw:
-            _error_line(argparse.Namespace(json=True), ctx, "usage error (see stderr)")
+            _error_line(argparse.Namespace(json=True), ctx, _Parser.last_error or "usage error")
         raise
     args.run_context = ctx
     with _stop_on_signals():

@@ -327,6 +327,7 @@ USAGE_ERRORS_VIA_SCRIPT = (
     "store port not a number",
     "output is a file",
     "input is a FIFO",
+    "no deadline",
 )
 
 
