@@ -28,6 +28,7 @@ from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
+from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
@@ -232,15 +233,17 @@ class _RunContext:
             return None
         try:
             return self.store.get_job(self.job_id).state.value
-        except (DeadlineBatchError, Exception):  # the store may be what failed
+        except Exception:  # the store may be what failed
             return None
 
 
 #: job states after which a default-keyed rerun starts a new job instead of returning this one
-_RESTART_STATES = frozenset({"rejected", "cancelled", "partial", "failed"})
+_RESTART_STATES = frozenset(
+    s.value for s in (JobState.REJECTED, JobState.CANCELLED, JobState.PARTIAL, JobState.FAILED)
+)
 
 
-def default_idempotency_key(args: argparse.Namespace, request: PlanRequest) -> str:
+def default_idempotency_key(request: PlanRequest) -> str:
     """The idempotency key of a ``run`` without ``--idempotency-key``: same input bytes, same job.
 
     Derived from the input's SHA-256 and every option that changes the plan or the outputs (not
@@ -272,7 +275,7 @@ def _resolve_key(
             raise ConfigurationError("--new-job and --idempotency-key exclude each other: pass one")
         ctx.idempotency_key = args.idempotency_key
         return str(args.idempotency_key)
-    base = default_idempotency_key(args, request)
+    base = default_idempotency_key(request)
     if args.new_job:
         ctx.idempotency_key = f"{base}.{uuid.uuid4().hex[:12]}"
         return ctx.idempotency_key
