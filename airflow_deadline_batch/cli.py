@@ -7,10 +7,18 @@ Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import math
 import os
+import re
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
@@ -20,7 +28,13 @@ from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
-from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, DeadlineBatchError
+from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.exceptions import (
+    AdmissionRejected,
+    ConfigurationError,
+    DeadlineBatchError,
+    StorageError,
+)
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.service.planning import PlanRequest
@@ -41,8 +55,12 @@ def default_output() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
+    #: the last usage error, for the ``--json`` line (argparse exits from inside ``parse_args``)
+    last_error: str | None = None
+
     def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        _Parser.last_error = f"{message} (see {self.prog} --help)"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_Parser.last_error}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--seed", type=int, default=0, help="seed of the preemption injector")
     run.add_argument(
-        "--idempotency-key", default=None, help="repeat a submission without creating a second job"
+        "--idempotency-key",
+        default=None,
+        help="repeat a submission without creating a second job (default: derived from the input's "
+        "SHA-256 and the options, so rerunning the same command resumes the same job)",
+    )
+    run.add_argument(
+        "--new-job",
+        action="store_true",
+        help="start a fresh job even if the same input and options already have an unfinished one",
     )
     run.add_argument("--lease-ttl", type=float, default=30.0, help="worker lease time-to-live in seconds")
 
@@ -137,6 +163,132 @@ def _load_pools(path: str | None, engine: str) -> tuple[PoolSpec, ...]:
         raise ConfigurationError(f"pools file {path}: {exc}") from None
 
 
+class Stopped(BaseException):
+    """SIGINT or SIGTERM reached ``deadline-batch``: unwind (workers stopped, leases released)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # 130 for SIGINT, 143 for SIGTERM (docs/design.md §8)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM is handled like SIGINT: the first one unwinds the command through its cleanups.
+
+    Later ones are ignored while the cleanup runs (it stops the workers within their grace), but
+    by a Python handler, not SIG_IGN, which a worker launched meanwhile would inherit.
+    """
+
+    def again(_signum: int, _frame: FrameType | None) -> None:
+        return None
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, again)
+        raise Stopped(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, stop)
+    except ValueError:  # not the main thread (an embedding caller): leave its handlers alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass
+class _RunContext:
+    """What ``run`` has done so far, for the line printed when it stops early."""
+
+    idempotency_key: str | None = None
+    default_key: bool = False
+    job_id: str | None = None
+    store: ManifestStore | None = None
+
+    def resume_hint(self) -> str:
+        if self.job_id is None:
+            return "no job was recorded; rerun the command to start it"
+        if self.default_key:
+            return f"committed work of job {self.job_id} is kept; rerun the same command to resume it"
+        return (
+            f"committed work of job {self.job_id} is kept; rerun with "
+            f"--idempotency-key {self.idempotency_key} to resume it"
+        )
+
+    def state(self) -> str | None:
+        if self.job_id is None or self.store is None:
+            return None
+        try:
+            return self.store.get_job(self.job_id).state.value
+        except Exception:  # the store may be what failed
+            return None
+
+
+#: job states after which a default-keyed rerun starts a new job instead of returning this one
+_RESTART_STATES = frozenset(
+    s.value for s in (JobState.REJECTED, JobState.CANCELLED, JobState.PARTIAL, JobState.FAILED)
+)
+
+
+def default_idempotency_key(request: PlanRequest) -> str:
+    """The idempotency key of a ``run`` without ``--idempotency-key``: same input bytes, same job.
+
+    Derived from the input's SHA-256 and every option that changes the plan or the outputs (not
+    the deadline, nor the worker count or preemption injection), so rerunning an interrupted
+    command resumes its job (docs/design.md §8).
+    """
+    from airflow_deadline_batch.service.planning import hash_input
+
+    options = {
+        "input": request.input_uri,
+        "input_sha256": hash_input(request.input_uri),
+        "output": request.output_uri,
+        "engine": request.engine,
+        "model": request.model,
+        "generation": dict(request.generation),
+        "microbatch_size": request.microbatch_size,
+        "max_invalid_fraction": request.max_invalid_fraction,
+        "pools": [p.to_dict() for p in request.pools],
+    }
+    digest = hashlib.sha256(orjson.dumps(options, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
+    return f"run-{digest[:32]}"
+
+
+def _resolve_key(
+    args: argparse.Namespace, request: PlanRequest, store: ManifestStore, ctx: _RunContext
+) -> str:
+    if args.idempotency_key:
+        if args.new_job:
+            raise ConfigurationError("--new-job and --idempotency-key exclude each other: pass one")
+        ctx.idempotency_key = args.idempotency_key
+        return str(args.idempotency_key)
+    base = default_idempotency_key(request)
+    if args.new_job:
+        ctx.idempotency_key = f"{base}.{uuid.uuid4().hex[:12]}"
+        return ctx.idempotency_key
+    n = 0
+    while True:  # a job that ended without a full manifest is not resumed by the default key
+        key = base if n == 0 else f"{base}.{n}"
+        job = store.get_job_by_idempotency_key(key)
+        if job is None or job.state.value not in _RESTART_STATES:
+            ctx.idempotency_key, ctx.default_key = key, True
+            return key
+        n += 1
+
+
 def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanRequest:
     from airflow_deadline_batch.service.planning import PlanRequest
 
@@ -145,6 +297,10 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         deadline = parse_deadline(args.deadline, clock.now())
     except ValueError as exc:
         raise ConfigurationError(str(exc)) from None
+    except OverflowError:
+        raise ConfigurationError(
+            f"--deadline {args.deadline} is beyond the year 9999: give a nearer deadline"
+        ) from None
     generation: dict[str, Any] = {}
     if args.max_tokens is not None:
         generation["max_tokens"] = args.max_tokens
@@ -218,23 +374,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.local.progress import ProgressDisplay
     from airflow_deadline_batch.local.runner import RunOptions, run_job
-    from airflow_deadline_batch.store import ManifestStore
+    from airflow_deadline_batch.service.planning import PlanResult
+    from airflow_deadline_batch.worker.engines import check_engine
 
+    ctx: _RunContext = args.run_context
     engine = args.engine or "transformers"
     store_url = args.store or default_store_url()
     output = args.output or default_output()
     if "://" not in output:
         output = str(Path(output).resolve())
-        Path(output).mkdir(parents=True, exist_ok=True)
-    if store_url.startswith("sqlite:///"):
-        Path(store_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     if args.workers < 1:
         raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
-    if args.preempt_rate < 0 or args.preempt_notice < 0:
-        raise ConfigurationError("--preempt-rate and --preempt-notice must not be negative")
+    if not (0 <= args.preempt_rate < math.inf and 0 <= args.preempt_notice < math.inf):
+        raise ConfigurationError("--preempt-rate and --preempt-notice must be finite and not negative")
+    if not 0 < args.lease_ttl < math.inf:
+        # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen
+        raise ConfigurationError(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
     request = _plan_request(args, engine, output)
-    store = ManifestStore(store_url)
-    store.migrate()
+    # admission (docs/design.md §8): configuration that cannot work is refused before a job exists
+    check_engine(engine, args.model)
+    _check_output(output)
+    store = _open_run_store(store_url)
+    ctx.store = store
+    request = replace(request, idempotency_key=_resolve_key(args, request, store, ctx))
     log_path = Path(output) / "worker.log" if "://" not in output else None
     options = RunOptions(
         workers=args.workers,
@@ -243,21 +405,108 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         lease_ttl_s=args.lease_ttl,
         worker_log=str(log_path) if log_path else None,
+        # the store's own URL is masked (user:***@host): workers get the real one by environment,
+        # never in argv or logs (docs/design.md §8)
+        worker_env={"ADB_STORE_URL": store_url},
     )
     with ProgressDisplay(enabled=sys.stderr.isatty()) as display:
-        summary = run_job(store, request, options, on_progress=display.update, on_plan=display.planned)
+
+        def planned(plan: PlanResult) -> None:
+            ctx.job_id = plan.job_id
+            display.planned(plan)
+
+        summary = run_job(store, request, options, on_progress=display.update, on_plan=planned)
     data = summary.to_dict()
+    # the exit code and deadline_met follow verification, not only the stored state: a published
+    # job whose objects no longer verify (tampered, lost) is not a success (docs/design.md §8)
+    verified = summary.manifest is not None and not summary.problems
+    data["verified"] = verified
+    data["deadline_met"] = summary.deadline_met and verified
+    data["idempotency_key"] = ctx.idempotency_key
     text = (
         f"job {summary.job_id}: {summary.state}; manifest: {summary.manifest or 'not published'}\n"
         f"records: {summary.records}\nattempts: {summary.attempts}, preemptions: {summary.preemptions}, "
-        f"deadline met: {summary.deadline_met}, elapsed: {summary.elapsed_s:.1f} s"
+        f"deadline met: {data['deadline_met']}, elapsed: {summary.elapsed_s:.1f} s"
     )
     if summary.problems:
         text += "\n" + "\n".join(f"  - {p}" for p in summary.problems)
     if log_path:
         text += f"\nworker logs: {log_path}"
+    if summary.state == "completed" and not verified:
+        data["error"] = f"the published outputs fail verification: {summary.problems[0]}"
+        _emit(args, data, text)
+        sys.stderr.write(
+            f"deadline-batch: job {summary.job_id} is published but {data['error']}; "
+            f"see `deadline-batch verify {summary.job_id}`\n"
+        )
+        return EXIT_INCOMPLETE
     _emit(args, data, text)
     return EXIT_OK if summary.state == "completed" else EXIT_INCOMPLETE
+
+
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def mask_url(text: str) -> str:
+    """``text`` with the password of any URL in it replaced by ``***``."""
+    return _PASSWORD.sub(r"\1***@", text)
+
+
+def _check_output(output: str) -> None:
+    """The output location exists or can be created, and takes writes: a probe written and deleted."""
+    from airflow_deadline_batch.storage import open_storage
+
+    if "://" not in output and Path(output).exists() and not Path(output).is_dir():
+        raise ConfigurationError(
+            f"--output {output} is an existing file: give a directory or s3://bucket/prefix"
+        )
+    probe = f"_adb-probe-{uuid.uuid4().hex}"
+    try:
+        storage = open_storage(output)
+        storage.put_bytes(probe, b"")
+        storage.delete(probe)
+    except StorageError as exc:
+        reason = exc.message.splitlines()[0] if exc.message else type(exc).__name__
+        raise ConfigurationError(
+            f"output {output} is not writable ({reason}): fix --output (the directory or bucket "
+            "must exist or be creatable, with write permission)"
+        ) from None
+
+
+def _open_run_store(url: str) -> ManifestStore:
+    """The manifest store on ``url``, migrated: reachable with the credentials the workers get."""
+    from airflow_deadline_batch.store import ManifestStore
+
+    if url.startswith("sqlite:///"):
+        try:
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot create the folder of store {url}: {exc.strerror}; fix --store"
+            ) from None
+    try:
+        store = ManifestStore(url)
+    except DeadlineBatchError:
+        raise
+    except Exception as exc:  # SQLAlchemy's URL parser raises ValueError, ArgumentError, ...
+        raise ConfigurationError(
+            f"store URL {mask_url(url)} is invalid ({mask_url(str(exc).splitlines()[0])}): fix --store "
+            "(sqlite:///path/store.db or postgresql+psycopg://user:password@host:port/db)"
+        ) from None
+    try:
+        store.migrate()
+    except Exception as exc:
+        store.close()
+        reason = mask_url(
+            exc.message if isinstance(exc, DeadlineBatchError) else str(exc) or type(exc).__name__
+        ).splitlines()[0]
+        if store.url not in reason:
+            reason = f"{store.url}: {reason}"
+        raise ConfigurationError(
+            f"cannot use the manifest store {reason}; fix --store (host, port, user, password, database) "
+            "or ADB_STORE_URL"
+        ) from None
+    return store
 
 
 def _open_store(args: argparse.Namespace) -> ManifestStore:
@@ -359,10 +608,51 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _error_line(args: argparse.Namespace | None, ctx: _RunContext, error: str) -> None:
+    """With ``--json``, the contract's last stdout line also on errors: the state and the error."""
+    if args is None or not getattr(args, "json", False):
+        return
+    state = ctx.state()
+    payload = {
+        "job_id": ctx.job_id,
+        "state": state or "error",
+        "error": error,
+        "resumable": state is not None and state not in _RESTART_STATES | {"completed"},
+    }
+    sys.stdout.write(orjson.dumps(payload).decode() + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    handlers = {
+    raw = list(sys.argv[1:] if argv is None else argv)
+    ctx = _RunContext()
+    try:
+        args = parser.parse_args(raw)
+    except SystemExit as exc:
+        if exc.code == EXIT_USAGE and "--json" in raw:
+            _error_line(argparse.Namespace(json=True), ctx, _Parser.last_error or "usage error")
+        raise
+    args.run_context = ctx
+    with _stop_on_signals():
+        try:
+            return _dispatch(args)
+        except Stopped as stop:
+            return _stopped(args, ctx, stop.name, stop.exit_code)
+        except KeyboardInterrupt:
+            return _stopped(args, ctx, "SIGINT", 128 + signal.SIGINT)
+
+
+def _stopped(args: argparse.Namespace, ctx: _RunContext, name: str, code: int) -> int:
+    what = "workers stopped, leases released; " if ctx.job_id else ""
+    sys.stderr.write(f"deadline-batch: stopped by {name}; {what}{ctx.resume_hint()}\n")
+    _error_line(args, ctx, f"stopped by {name}")
+    return code
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    ctx: _RunContext = args.run_context
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": cmd_run,
         "plan": cmd_plan,
         "status": cmd_status,
@@ -373,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "simulate":
             from airflow_deadline_batch.sim.cli import run_simulate
 
-            return run_simulate(args)
+            return int(run_simulate(args))
         return handlers[args.command](args)
     except AdmissionRejected as exc:
         # the planner's report, or the recorded one (plain values) of an earlier rejected submission
@@ -391,14 +681,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"deadline-batch: rejected: {exc.message}\n")
         return EXIT_REJECTED
     except DeadlineBatchError as exc:
-        sys.stderr.write(f"deadline-batch: error: {exc.message.splitlines()[0] if exc.message else exc}\n")
-        return exc.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write(
-            "deadline-batch: interrupted; committed work is kept, rerun with the same "
-            "--idempotency-key to resume\n"
-        )
-        return 130
+        message = exc.message.splitlines()[0] if exc.message else str(exc)
+        code = exc.exit_code if exc.exit_code in (EXIT_USAGE, EXIT_REJECTED) else EXIT_INCOMPLETE
+        if code == EXIT_INCOMPLETE and ctx.job_id:
+            message += f"; {ctx.resume_hint()}"
+        sys.stderr.write(f"deadline-batch: error: {message}\n")
+        _error_line(args, ctx, message)
+        return code
+    except Exception as exc:
+        # never a traceback (docs/design.md §8): one line, and the job (if any) is resumable
+        if os.environ.get("ADB_DEBUG"):
+            raise
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        hint = f"; {ctx.resume_hint()}" if ctx.job_id else ""
+        sys.stderr.write(f"deadline-batch: error: {message}{hint} (ADB_DEBUG=1 shows the traceback)\n")
+        _error_line(args, ctx, message)
+        return EXIT_INCOMPLETE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -49,6 +49,10 @@ class AdmissionRejected(DeadlineBatchError):
 class StoreError(DeadlineBatchError):
     """The manifest store refused or failed an operation."""
 
+    #: the CLI (docs/design.md §8): the store gone past its retry window leaves the job
+    #: unfinished and resumable
+    exit_code = EXIT_INCOMPLETE
+
 
 class JobNotFound(StoreError):
     """No job with this ID exists in the manifest store; check the job ID and --store URL."""
@@ -74,6 +78,9 @@ class LeaseLost(StoreError):
 class StorageError(DeadlineBatchError):
     """An object-storage operation failed."""
 
+    #: the CLI (docs/design.md §8): storage gone past its retries leaves the job resumable
+    exit_code = EXIT_INCOMPLETE
+
 
 class ObjectExists(StorageError):
     """The object already exists; a conditional create lost the race."""
@@ -89,6 +96,9 @@ class ChecksumMismatch(StorageError):
 
 class EngineError(DeadlineBatchError):
     """The inference engine failed to load or generate."""
+
+    #: the CLI refuses an engine that cannot load at admission: a configuration error
+    exit_code = EXIT_USAGE
 
 
 class VerificationError(DeadlineBatchError):

@@ -33,6 +33,7 @@ __all__ = [
     "iter_raw_lines",
     "parse_line",
     "quick_parse",
+    "recover_id",
 ]
 
 
@@ -60,6 +61,8 @@ _OPENAI_KEYS = ("custom_id", "method", "url", "body")
 _BODY_RESERVED = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens"})
 _BOM = b"\xef\xbb\xbf"
 _ECHO_CHARS = 80
+#: bytes of an over-long line kept to recover its ID from (docs/design.md §4.1)
+HEAD_BYTES = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +121,15 @@ class RawLine:
 
     ``offset`` is the byte offset of the line's first byte, ``end_offset`` that of the byte after
     its newline, so consecutive lines tile the file and a planner can cut byte ranges.
-    ``data`` is None when the line is longer than the limit (it was skipped, never loaded).
+    ``data`` is None when the line is longer than the limit (it was skipped, never loaded); then
+    ``head`` holds its first bytes (at most :data:`HEAD_BYTES`), from which its ID is recovered.
     """
 
     line: int
     offset: int
     end_offset: int
     data: bytes | None
+    head: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +171,8 @@ def iter_raw_lines(
 
 def iter_line_tuples(
     stream: BinaryIO, *, start_line: int = 1, start_offset: int = 0, max_line_bytes: int
-) -> Iterator[tuple[int, int, int, bytes | None]]:
-    """:func:`iter_raw_lines` as plain ``(line, offset, end_offset, data)`` tuples.
+) -> Iterator[tuple[int, int, int, bytes | None, bytes | None]]:
+    """:func:`iter_raw_lines` as plain ``(line, offset, end_offset, data, head)`` tuples.
 
     For hot loops over millions of lines: a tuple costs a fifth of a :class:`RawLine`.
     """
@@ -182,6 +187,7 @@ def iter_line_tuples(
         if not chunk:
             return
         end = offset + len(chunk)
+        head: bytes | None = None
         if chunk[-1:] == b"\n":
             data = chunk[:-1]
             if data[-1:] == b"\r":
@@ -190,16 +196,17 @@ def iter_line_tuples(
             data = chunk
             if data[-1:] == b"\r":
                 data = data[:-1]
-        else:  # longer than the limit: skip to the next newline without keeping it
+        else:  # longer than the limit: skip to the next newline, keeping only its head
             data = None
+            head = chunk[:HEAD_BYTES]
             while True:
                 more = readline(65_536)
                 end += len(more)
                 if not more or more[-1:] == b"\n":
                     break
         if data is not None and len(data) > max_line_bytes:
-            data = None
-        yield line, offset, end, data
+            head, data = data[:HEAD_BYTES], None
+        yield line, offset, end, data, head
         line += 1
         offset = end
 
@@ -449,9 +456,10 @@ def parse_line(raw: RawLine, limits: ValidationLimits) -> Record | LineError | N
     """
     data = raw.data
     if data is None:
+        head = raw.head or b""
         return LineError(
             raw.line,
-            None,
+            recover_id(head[3:] if raw.line == 1 and head[:3] == _BOM else head),
             ErrorCode.LINE_TOO_LONG,
             f"line is longer than {limits.max_line_bytes} bytes; shorten the record or raise max_line_bytes",
         )
@@ -462,7 +470,7 @@ def parse_line(raw: RawLine, limits: ValidationLimits) -> Record | LineError | N
     if len(data) > limits.max_line_bytes:
         return LineError(
             raw.line,
-            None,
+            recover_id(data[:HEAD_BYTES]),
             ErrorCode.LINE_TOO_LONG,
             f"line is longer than {limits.max_line_bytes} bytes; shorten the record or raise max_line_bytes",
         )
@@ -471,6 +479,125 @@ def parse_line(raw: RawLine, limits: ValidationLimits) -> Record | LineError | N
     except _Bad as bad:
         return LineError(raw.line, bad.record_id, bad.code, bad.message)
     return Record(raw.line, record_id, request, len(data))
+
+
+# --------------------------------------------------------------------------------------------
+# The ID of a line too long to parse
+
+_WS = b" \t\r\n"
+_OPENAI_MARKERS = frozenset({"custom_id", "method", "url", "body"})
+
+
+def recover_id(head: bytes) -> str | None:
+    """The ID of a line from its first bytes alone: exact, or None.
+
+    Scans the top-level members of the JSON object that ``head`` begins (a bounded scan: ``head``
+    is at most :data:`HEAD_BYTES`), skipping values without parsing them. ``"custom_id"`` is the
+    ID when present; ``"id"`` when no OpenAI Batch member was seen (the shape :func:`parse_line`
+    would pick). The value counts only if its whole string lies inside ``head`` and is a
+    non-empty JSON string; anything malformed gives None. One case stays ambiguous: a line that
+    mixes ``"id"`` with OpenAI Batch members placed after its head is read as native.
+    """
+    members: dict[str, bytes] = {}
+    keys: set[str] = set()
+    n = len(head)
+    i = _skip_ws(head, 0)
+    if i >= n or head[i] != 0x7B:  # "{"
+        return None
+    i += 1
+    while True:
+        i = _skip_ws(head, i)
+        if i >= n or head[i] != 0x22:  # a key's opening quote, or the end of what we have
+            break
+        end = _string_end(head, i)
+        if end < 0:
+            break
+        key = _json_string(head[i:end])
+        if key is None:
+            return None
+        i = _skip_ws(head, end)
+        if i >= n or head[i] != 0x3A:  # ":"
+            break
+        i = _skip_ws(head, i + 1)
+        end = _value_end(head, i)
+        if end < 0:
+            break
+        keys.add(key)
+        if key in ("id", "custom_id") and key not in members:
+            members[key] = head[i:end]
+        i = _skip_ws(head, end)
+        if i >= n or head[i] != 0x2C:  # ","
+            break
+        i += 1
+    if "custom_id" in members:
+        raw = members["custom_id"]
+    elif "id" in members and not keys & _OPENAI_MARKERS:
+        raw = members["id"]
+    else:
+        return None
+    value = _json_string(raw)
+    return value or None
+
+
+def _skip_ws(data: bytes, i: int) -> int:
+    n = len(data)
+    while i < n and data[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(data: bytes, i: int) -> int:
+    """Index after the closing quote of the JSON string opening at ``i``; -1 if it is cut off."""
+    j = i + 1
+    while True:
+        j = data.find(b'"', j)
+        if j < 0:
+            return -1
+        backslashes = 0
+        k = j - 1
+        while k > i and data[k] == 0x5C:
+            backslashes += 1
+            k -= 1
+        if backslashes % 2 == 0:
+            return j + 1
+        j += 1
+
+
+def _value_end(data: bytes, i: int) -> int:
+    """Index after the JSON value starting at ``i`` (not validated); -1 if it is cut off."""
+    n = len(data)
+    if i >= n:
+        return -1
+    if data[i] == 0x22:
+        return _string_end(data, i)
+    depth = 0
+    while i < n:
+        c = data[i]
+        if c == 0x22:
+            i = _string_end(data, i)
+            if i < 0:
+                return -1
+            continue
+        if c in (0x7B, 0x5B):  # "{" "["
+            depth += 1
+        elif c in (0x7D, 0x5D):  # "}" "]"
+            if depth == 0:
+                return i
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and (c == 0x2C or c in _WS):  # the end of a number or literal
+            return i
+        i += 1
+    return -1
+
+
+def _json_string(raw: bytes) -> str | None:
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 # --------------------------------------------------------------------------------------------

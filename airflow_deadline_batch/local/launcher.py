@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
 from airflow_deadline_batch.core.exit_codes import EXIT_RETRYABLE
 from airflow_deadline_batch.core.worker_command import worker_arguments, worker_command
+from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.store import ManifestStore
+
+#: what SQLAlchemy shows instead of a password (``URL.render_as_string(hide_password=True)``)
+MASKED_PASSWORD = ":***@"
 
 
 @dataclass
@@ -36,6 +41,25 @@ class WorkerProcess:
                 os.kill(self.popen.pid, signum)
 
 
+def worker_environment(store_url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A worker's environment: this process's, the store URL, then the caller's ``env``.
+
+    The store URL travels in the environment, never in argv, so `ps` shows no credentials on a
+    shared host. A caller's ``env`` wins: it carries the real URL when ``store_url`` is the
+    masked one a ManifestStore shows (``user:***@host``), which can never log in and is refused.
+    """
+    full_env = dict(os.environ)
+    full_env["ADB_STORE_URL"] = store_url
+    if env:
+        full_env.update(env)
+    if MASKED_PASSWORD in full_env["ADB_STORE_URL"]:
+        raise ConfigurationError(
+            "a worker would get the masked store URL (user:***@host) and could never log in: "
+            "pass the real URL in env ADB_STORE_URL"
+        )
+    return full_env
+
+
 def start_worker(
     store_url: str,
     job_id: str,
@@ -48,19 +72,44 @@ def start_worker(
     stderr: IO[bytes] | int | None = None,
     worker_name: str | None = None,
 ) -> WorkerProcess:
-    full_env = dict(os.environ)
-    if env:
-        full_env.update(env)
-    # the store URL travels in the environment too, so `ps` shows no credentials on a shared host
-    full_env["ADB_STORE_URL"] = store_url
+    full_env = worker_environment(store_url, env)
     argv = worker_command(
         sys.executable,
         worker_arguments(
             job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s, worker_name=worker_name
         ),
     )
-    popen = subprocess.Popen(argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr)
+    popen = subprocess.Popen(
+        argv, env=full_env, stdin=subprocess.DEVNULL, stderr=stderr, preexec_fn=die_with_parent()
+    )
     return WorkerProcess(job_id, shard_index, pool, popen)
+
+
+#: ``prctl`` option of linux/prctl.h: the signal a process gets when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child die (SIGKILL) when this process dies, however it dies.
+
+    A runner killed with SIGKILL cannot stop its workers; without this they would run on as
+    orphans holding leases (docs/design.md §8: no worker outlives ``run``). Their leases then
+    expire and a rerun takes the shards over at their committed cursors. ``None`` off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before the fork, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl: nobody will signal us
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child
 
 
 def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:

@@ -92,6 +92,10 @@ class PlanRequest:
             raise ConfigurationError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
         if not 0 <= self.max_invalid_fraction <= 1:
             raise ConfigurationError("max_invalid_fraction must be between 0 and 1")
+        if not 0 < self.lease_ttl_s < math.inf:
+            raise ConfigurationError(
+                f"lease_ttl_s must be a positive number of seconds, got {self.lease_ttl_s}"
+            )
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not 1 <= self.max_shards <= 100_000:
@@ -257,14 +261,16 @@ def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
     add_record = scan.add_record
     line = end_offset = 0
     with _open_input(request.input_uri) as stream:
-        for line, offset, end_offset, data in iter_line_tuples(stream, max_line_bytes=limits.max_line_bytes):
+        for line, offset, end_offset, data, head in iter_line_tuples(
+            stream, max_line_bytes=limits.max_line_bytes
+        ):
             # the common case skips building Record objects (same numbers: see quick_parse)
             quick = feed_quick(data) if data is not None else None
             if quick is not None:
                 # a valid max_tokens is >= 1, as expected_output_tokens says
                 add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
                 continue
-            outcome = validator.feed(RawLine(line, offset, end_offset, data))
+            outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
             if isinstance(outcome, Record):
                 add_record(
                     line,
@@ -331,9 +337,8 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
 
 def hash_input(input_uri: str) -> str:
     """SHA-256 of the whole input, in large reads."""
-    storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
-    with storage.open_read(key) as stream:
+    with _open_input(input_uri) as stream:
         while chunk := stream.read(_READ_CHUNK):
             whole.update(chunk)
     return whole.hexdigest()

@@ -6,12 +6,13 @@ import contextlib
 import errno
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from airflow_deadline_batch.exceptions import ObjectExists, ObjectNotFound, StorageError
+from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, ObjectNotFound, StorageError
 from airflow_deadline_batch.storage.base import validate_key, validate_prefix, validate_range
 
 #: suffix of the temporary files that writes stage their bytes in; listings skip them
@@ -136,11 +137,23 @@ class LocalStorage:
         try:
             if path.is_dir():
                 raise _not_found(path)
-            return open(path, "rb")  # noqa: SIM115 - the caller owns the stream
+            # O_NONBLOCK: opening a FIFO for reading would otherwise block until a writer comes
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError as exc:
             raise _not_found(path) from exc
         except OSError as exc:
             raise _storage_error(exc, "read", path) from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigurationError(
+                    f"{path} is not a regular file (a FIFO, device or socket): give a file's path",
+                    uri=str(path),
+                )
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _write_temp(self, path: Path, data: bytes) -> Path:
         """Write ``data`` to a fresh, fsynced temporary file next to ``path``; return its path."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,7 +282,31 @@ USAGE_ERRORS: dict[str, Callable[[Path, Path], list[str]]] = {
     "unknown job (verify)": lambda s, t: ["verify", "j-nosuchjob", "--store", f"sqlite:///{t / 'store.db'}"],
     "unknown job (cancel)": lambda s, t: ["cancel", "j-nosuchjob", "--store", f"sqlite:///{t / 'store.db'}"],
     "no store file": lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t / 'missing' / 'store.db'}"],
+    "deadline past year 9999": lambda s, t: _echo_run(s, "--deadline", "+999999999h"),
+    "store port not a number": lambda s, t: _echo_run(s, "--store", "postgresql://u:pw@localhost:abc/db"),
+    "store unreachable": lambda s, t: _echo_run(s, "--store", "postgresql://u:pw@127.0.0.1:1/db"),
+    "output is a file": lambda s, t: _echo_run(s, "--output", str(s)),
+    "input is a device": lambda s, t: _echo_run(Path("/dev/null")),
+    "input is a FIFO": lambda s, t: _echo_run(Path(_fifo(t))),
+    "input is a FIFO (plan)": lambda s, t: ["plan", _fifo(t), "--deadline", "+1h"],
+    "model missing": lambda s, t: _echo_run(s, "--engine", "transformers", "--model", str(t / "no-model")),
+    "new job with a key": lambda s, t: _echo_run(s, "--new-job", "--idempotency-key", "k"),
+    "lease ttl zero": lambda s, t: _echo_run(s, "--lease-ttl", "0"),
+    "preempt rate nan": lambda s, t: _echo_run(s, "--preempt-rate", "nan"),
 }
+
+
+def _echo_run(input_path: Path, *options: str) -> list[str]:
+    """``run INPUT --deadline +1h --engine echo`` with ``options`` (later ones win)."""
+    return ["run", str(input_path), "--deadline", "+1h", "--engine", "echo", *options]
+
+
+def _fifo(tmp_path: Path) -> str:
+    """A named pipe no one writes to: reading it would block for ever."""
+    path = tmp_path / "input.fifo"
+    if not path.exists():
+        os.mkfifo(path)
+    return str(path)
 
 
 @pytest.fixture
@@ -292,7 +318,17 @@ def migrated_store(tmp_path: Path) -> str:
 
 #: the cases also run through the console script; the rest run ``cli.main`` in this process
 #: (same code, same streams and exit code, without a 1-2 s interpreter start per case)
-USAGE_ERRORS_VIA_SCRIPT = ("bad deadline", "missing input", "pools not json", "unknown engine")
+USAGE_ERRORS_VIA_SCRIPT = (
+    "bad deadline",
+    "missing input",
+    "pools not json",
+    "unknown engine",
+    "deadline past year 9999",
+    "store port not a number",
+    "output is a file",
+    "input is a FIFO",
+    "no deadline",
+)
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS_VIA_SCRIPT))
@@ -303,6 +339,12 @@ def test_usage_errors_exit_2_with_one_line(
     result = run_cli(*args, cwd=tmp_path)
     assert_usage_error(result)
     assert not (tmp_path / "out").exists()
+    if args and args[0] in ("run", "plan"):  # with --json, the last stdout line says so too
+        as_json = run_cli(*args, "--json", cwd=tmp_path)
+        assert_usage_error(as_json)
+        payload = as_json.json()
+        assert payload["state"] == "error" and payload["error"], payload
+        assert "pw@" not in as_json.stdout + as_json.stderr, "a password was printed"
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
@@ -321,6 +363,21 @@ def test_usage_errors_in_process_exit_2_with_one_line(
     captured = capsys.readouterr()
     assert_usage_error(CliResult(tuple(args), code, captured.out, captured.err))
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_output_bucket_is_refused_at_admission(s3_bucket: str, sample: Path, tmp_path: Path) -> None:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    result = run_cli(
+        "run", str(sample), "--deadline", "+1h", "--engine", "echo", "--store", store_url,
+        "--output", f"s3://adb-missing-{uuid.uuid4().hex[:12]}/out", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert_usage_error(result)
+    assert "not writable" in result.stderr and "--output" in result.stderr
+    store = ManifestStore.open(store_url, migrate=True)
+    try:
+        assert store.list_jobs() == [], "a job was created for an output that cannot be written"
+    finally:
+        store.close()
 
 
 # ---------------------------------------------------------------- status, verify, idempotency
@@ -396,6 +453,53 @@ def test_verify_detects_a_tampered_object(finished_job: dict, tmp_path: Path) ->
         assert bad.json()["checksum_failures"] >= 1
     finally:
         victim.write_bytes(original)
+
+
+def test_rerun_after_tampering_exits_4_and_says_why(finished_job: dict) -> None:
+    """A rerun with the same idempotency key re-verifies the published job: a tampered object
+    makes it exit 4 with ``verified: false``, ``deadline_met: false`` and the cause (docs/design.md §8)."""
+    root = finished_job["root"]
+    manifest = read_manifest(finished_job["summary"]["manifest"])
+    victim = Path(manifest["shards"][-1]["uri"])
+    original = victim.read_bytes()
+    try:
+        victim.write_bytes(original.replace(b'"succeeded"', b'"errored"  ', 1) + b"\n")
+        again = run_cli(*finished_job["args"], cwd=root)
+        assert again.code == 4, again.describe()
+        summary = again.json()
+        assert summary["job_id"] == finished_job["summary"]["job_id"]
+        assert summary["verified"] is False and summary["deadline_met"] is False, summary
+        assert "SHA-256" in summary["error"], summary
+        lines = again.stderr.strip().splitlines()
+        assert len(lines) == 1 and "verify" in lines[0] and "Traceback" not in again.stderr, again.describe()
+    finally:
+        victim.write_bytes(original)
+    intact = run_cli(*finished_job["args"], cwd=root)
+    assert intact.code == 0 and intact.json()["verified"] is True, intact.describe()
+
+
+def test_default_key_resumes_the_same_job_and_new_job_forces_another(sample: Path, tmp_path: Path) -> None:
+    """Without --idempotency-key, the same input and options are the same job (so the rerun hint
+    is true); a rejected job is not what a rerun with a looser deadline gets; --new-job is fresh."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    base = ["run", str(sample), "--engine", "echo", "--store", store_url, "--output", str(tmp_path / "out")]
+    rejected = run_cli(*base, "--deadline", "+1s", "--json", cwd=tmp_path)
+    assert rejected.code == 3, rejected.describe()
+    first = run_cli(*base, "--deadline", "+1h", "--json", cwd=tmp_path)
+    assert first.code == 0, first.describe()
+    job_id = first.json()["job_id"]
+    assert job_id != rejected.json()["job_id"]
+    again = run_cli(*base, "--deadline", "+2h", "--json", cwd=tmp_path)
+    assert again.code == 0 and again.json()["job_id"] == job_id, again.describe()
+    fresh = run_cli(*base, "--deadline", "+1h", "--new-job", "--json", cwd=tmp_path)
+    assert fresh.code == 0 and fresh.json()["job_id"] not in (job_id, rejected.json()["job_id"]), (
+        fresh.describe()
+    )
+    store = ManifestStore(store_url)
+    try:
+        assert len(store.list_jobs()) == 3
+    finally:
+        store.close()
 
 
 # ------------------------------------------------------------------------------------- cancel

@@ -256,7 +256,7 @@ def mixed_input(
         b.bad(_dumps({"id": "too-long-prompt", "prompt": big}), "too-long-prompt", "prompt_too_long")
         b.bad(
             _dumps({"id": "too-long-line", "prompt": "y " * (LINE_TOO_LONG_BYTES // 2)}),
-            None,
+            "too-long-line",  # recovered from the line's head (core.records.recover_id)
             "line_too_long",
         )
     k = 0

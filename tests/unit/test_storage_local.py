@@ -205,3 +205,15 @@ def test_local_storage_does_not_import_boto3(tmp_path: Path) -> None:
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=60)
+
+
+def test_a_fifo_or_device_is_refused_not_read(tmp_path: Path) -> None:
+    """Reading a FIFO would block until a writer comes: it is refused at once (docs/design.md §8)."""
+    fifo = tmp_path / "input.fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/null")):
+        storage, key = open_uri(str(path))
+        with pytest.raises(ConfigurationError, match="not a regular file"):
+            storage.open_read(key)
+        with pytest.raises(ConfigurationError, match="not a regular file"):
+            storage.read_range(key, 0, 1)

@@ -31,4 +31,25 @@ def get_engine(name: str, model: str | None = None, **options: Any) -> Engine:
     return engine
 
 
-__all__ = ["ENGINES", "Engine", "Generation", "GenerationError", "GenerationParams", "get_engine"]
+def check_engine(name: str, model: str | None = None, **options: Any) -> None:
+    """Cheaply check that the named engine can run here: its packages importable, its model present.
+
+    Loads nothing heavy (no torch import, no weights read): ``deadline-batch run`` calls it at
+    admission, before a job exists, and refuses with the fix (docs/design.md §8). Raises
+    :class:`EngineError` (or ConfigurationError for an unknown engine).
+    """
+    module = ENGINES.get(name)
+    if module is None:
+        raise ConfigurationError(f"unknown engine {name!r}; choose one of {', '.join(sorted(ENGINES))}")
+    importlib.import_module(module).check(model, dict(options))
+
+
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "Generation",
+    "GenerationError",
+    "GenerationParams",
+    "check_engine",
+    "get_engine",
+]

@@ -71,3 +71,8 @@ def build(model: str | None, options: dict[str, Any]) -> EchoEngine:
     return EchoEngine(
         model, delay_s_per_record=option_float(options, "delay_s_per_record", 0.0, env="ADB_ECHO_DELAY_S")
     )
+
+
+def check(model: str | None, options: dict[str, Any]) -> None:
+    """The echo engine needs nothing; its options must parse."""
+    build(model, options)

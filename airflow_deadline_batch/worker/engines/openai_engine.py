@@ -185,3 +185,8 @@ def build(model: str | None, options: dict[str, Any]) -> OpenAIEngine:
         concurrency=int(options.get("concurrency") or 8),
         max_wait_s=option_float(options, "max_wait_s", 20.0),
     )
+
+
+def check(model: str | None, options: dict[str, Any]) -> None:
+    """The endpoint and model must be named (nothing is contacted here)."""
+    build(model, options)

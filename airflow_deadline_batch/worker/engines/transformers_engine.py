@@ -197,3 +197,16 @@ def _until_eos(tokens: list[int], eos: int | None, pad: int | None) -> list[int]
 
 def build(model: str | None, options: dict[str, Any]) -> TransformersEngine:
     return TransformersEngine(model, device=options.get("device") or None)
+
+
+def check(model: str | None, options: dict[str, Any]) -> None:
+    """torch and transformers importable (looked up, not imported) and the model on disk."""
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise EngineError(
+            f"the transformers engine needs {' and '.join(missing)}; "
+            "pip install 'airflow-deadline-batch[transformers]' (or choose --engine echo)"
+        )
+    location = resolve_model(model)
+    if not location.weights.exists():
+        raise EngineError(f"model weights {location.weights} are missing: pass --model /path/to/a/model")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -146,3 +147,13 @@ def build(model: str | None, options: dict[str, Any]) -> VllmEngine:
         k: conv(options[k]) for k, conv in _LLM_OPTIONS.items() if options.get(k) not in (None, "")
     }
     return VllmEngine(model or "", seed=int(options.get("seed", 0) or 0), llm_options=llm_options)
+
+
+def check(model: str | None, options: dict[str, Any]) -> None:
+    """vLLM importable (looked up, not imported: that takes seconds) and a model named."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError(
+            "the vllm engine needs vLLM; pip install 'airflow-deadline-batch[vllm]' "
+            "(or use the worker image, which ships it)"
+        )
+    build(model, options)
