@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from airflow_deadline_batch.core.exit_codes import EXIT_RETRYABLE
+from airflow_deadline_batch.core.failures import FailureClass, classify_exit
 from airflow_deadline_batch.core.worker_command import worker_arguments, worker_command
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.store import ManifestStore
@@ -112,11 +113,22 @@ def die_with_parent() -> Callable[[], None] | None:
     return in_child
 
 
-def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:
-    """After a worker died without releasing (SIGKILL), end its attempt so a retry can claim now.
+def fence_dead_worker(
+    store: ManifestStore,
+    proc: WorkerProcess,
+    *,
+    signalled: bool = False,
+    failure: FailureClass | None = None,
+    reason: str | None = None,
+) -> bool:
+    """After a worker died without releasing (a kill), end its attempt so a retry can claim now.
 
-    Only an attempt of *this* process (the worker names its attempts ``host:pid``) that still
-    holds the lease is ended: a live worker of another launch that holds the shard is left alone.
+    The attempt ends with the death's class (docs/design.md §6.6): ``failure`` when the caller
+    knows it, else read from the exit with ``signalled`` (did the caller send the kill: a
+    preemption it injected, a drain): a kill it sent is ``preempted``, any other death by a signal
+    a crash (``deterministic``, which spends the shard's budget). Only an attempt of *this* process
+    (the worker names its attempts ``host:pid``) that still holds the lease is ended: a live worker
+    of another launch that holds the shard is left alone.
     """
     shard = store.get_shard(proc.job_id, proc.shard_index)
     attempt = shard.lease_attempt_id
@@ -125,11 +137,17 @@ def fence_dead_worker(store: ManifestStore, proc: WorkerProcess) -> bool:
     owner = f"{socket.gethostname()}:{proc.pid}"
     if not any(a.attempt_id == attempt and a.worker == owner for a in store.list_attempts(proc.job_id)):
         return False
+    code = proc.popen.returncode
+    if failure is None:
+        failure = classify_exit(
+            code if code is not None else -signal.SIGKILL, signalled_by_launcher=signalled
+        )
     return store.abandon_attempt(
         proc.job_id,
         proc.shard_index,
         attempt,
-        reason=f"worker pid {proc.pid} exited with {proc.popen.returncode}",
+        reason or f"worker pid {proc.pid} exited with {code}",
+        failure=failure,
     )
 
 
@@ -162,8 +180,8 @@ def run_worker_subprocess(
             proc.signal(signal.SIGKILL)
             proc.popen.wait()
         raise
-    if code < 0:
+    if code < 0:  # nobody here sent that signal: a crash or the OOM killer (deterministic)
         store = ManifestStore(store_url)
-        fence_dead_worker(store, proc)
+        fence_dead_worker(store, proc, signalled=False)
         return EXIT_RETRYABLE
     return code

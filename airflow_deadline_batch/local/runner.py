@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from collections import deque
@@ -48,7 +47,7 @@ from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError, StoreError, VerificationError
-from airflow_deadline_batch.local.launcher import WorkerProcess, start_worker
+from airflow_deadline_batch.local.launcher import WorkerProcess, fence_dead_worker, start_worker
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision, decide_for_try, read_job_view
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
@@ -424,7 +423,7 @@ class LocalRun:
             self.pending.append(index)
 
     def _fence_dead(self, proc: WorkerProcess, failure: FailureClass, reason: str) -> bool:
-        return _fence_killed(self.store, proc, failure, reason)
+        return fence_dead_worker(self.store, proc, failure=failure, reason=reason)
 
 
 class _DurableStore:
@@ -542,30 +541,13 @@ def _stop_all(store: ManifestStore, running: dict[int, _Running], grace_s: float
             item.proc.popen.wait()
         if item.proc.popen.returncode is not None and item.proc.popen.returncode < 0:
             with contextlib.suppress(Exception):  # the lease expires by itself otherwise
-                _fence_killed(
+                fence_dead_worker(
                     store,
                     item.proc,
-                    FailureClass.PREEMPTED,
-                    f"worker pid {item.proc.pid} stopped by the runner",
+                    failure=FailureClass.PREEMPTED,
+                    reason=f"worker pid {item.proc.pid} stopped by the runner",
                 )
     running.clear()
-
-
-def _fence_killed(store: ManifestStore, proc: WorkerProcess, failure: FailureClass, reason: str) -> bool:
-    """End the attempt of a worker that died holding its lease, with the runner's class for the death.
-
-    Only an attempt of *this* process (the worker names its attempts ``host:pid``) that still
-    holds the lease is ended: a live worker of another launch that holds the shard is left alone.
-    """
-    shard = store.get_shard(proc.job_id, proc.shard_index)
-    attempt = shard.lease_attempt_id
-    if not attempt:
-        return False
-    owner = f"{socket.gethostname()}:{proc.pid}"
-    mine = any(a.attempt_id == attempt and a.worker == owner for a in store.list_attempts(proc.job_id))
-    if not mine:
-        return False
-    return store.abandon_attempt(proc.job_id, proc.shard_index, attempt, reason, failure=failure)
 
 
 def _open_log(path: str | None) -> IO[bytes]:

@@ -602,8 +602,8 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         except subprocess.TimeoutExpired:
             proc.signal(signal.SIGKILL)
             code = proc.popen.wait()
-        if code < 0:
-            fence_dead_worker(ManifestStore(store_url), proc)
+        if code < 0:  # the kill this operator sent to inject the preemption
+            fence_dead_worker(ManifestStore(store_url), proc, signalled=True)
             return EXIT_RETRYABLE
         return code
 
