@@ -5,9 +5,14 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
 
 * ``od_need`` = changeover + remaining work / parallelism + list-scheduling imbalance: the time the
   job still needs if every worker went on-demand now. ``slack = time left − od_need``.
-* **Safety**: a Spot try is allowed only while slack covers its worst case, a changeover plus the
-  uncommitted work a preemption destroys (``risk``); otherwise on-demand, so the deadline holds
-  whenever it was feasible on on-demand (the safety net of *Can't Be Late*, NSDI '24).
+* **Safety** (the last safe decision): a Spot try, or waiting for Spot, is allowed only while slack
+  covers the most slack it can burn before the next decision can still escalate (``risk``,
+  :func:`spot_risk_s`); otherwise on-demand. Slack counts committed work only, so it never falls
+  faster than wall time: a choice re-decided every ``g`` seconds burns at most ``g``, a Spot try
+  that holds capacity at most its changeover still to run plus one shard. So at every decision
+  going on-demand now still meets the deadline, and a job feasible on on-demand never misses (the
+  safety net of *Can't Be Late*, NSDI '24, made exact for ticks, shards and changeovers;
+  docs/simulator.md, *Why it cannot miss*).
 * **Escalation while Spot is missing**: waiting is free but burns slack. Wait while the capacity the
   job can expect (its on-demand workers plus the Spot availability times the other workers) covers
   the rate the remaining work needs; otherwise add on-demand workers one at a time (mixing).
@@ -145,6 +150,9 @@ class JobSnapshot:
     spot_fruitless_age_s: float | None = None
     #: other workers of this job on Spot now (a storm probe runs one at a time)
     spot_workers: int = 0
+    #: seconds of changeover the running try has still to run (``None``: unknown; a running Spot try
+    #: is then assumed to have its whole changeover ahead, the worst case)
+    changeover_left_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -166,6 +174,10 @@ class JobSnapshot:
             raise ValueError("on_demand_workers, spot_workers and spot_fruitless_tries must be >= 0")
         if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
             raise ValueError("spot_availability must be within [0, 1]")
+        if self.changeover_left_s is not None and not (
+            self.changeover_left_s >= 0 and not math.isinf(self.changeover_left_s)
+        ):
+            raise ValueError(f"changeover_left_s must be finite and >= 0, got {self.changeover_left_s!r}")
         if self.spot_mean_run_s is not None and not self.spot_mean_run_s >= 0:
             raise ValueError("spot_mean_run_s must be >= 0")
         if self.previous_pool is not None:
@@ -218,18 +230,37 @@ def od_need_s(snapshot: JobSnapshot) -> float:
 
 
 def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
-    """Slack a Spot try may consume in the worst case: its changeover plus destroyed work.
+    """Slack a Spot choice may burn, at worst, before the next decision can still go on-demand.
 
-    When the caller re-decides every ``decision_interval_s`` (the simulator's tick), no more than
-    one interval can be burned before the next decision can still escalate: the uncommitted work is
-    already counted in the remaining work, so it is redone on-demand if the try is abandoned.
+    Slack (time left minus :func:`od_need_s`) counts committed work only, so it falls at most as
+    fast as wall time, and only while nothing commits (docs/design.md §5, *Placement*):
+
+    * a Spot try that gets capacity burns its changeover still to run (all of it for a fresh
+      start) plus at most one shard of uncommitted work (less the notice): by then it has committed,
+      which gives the slack back, or it was preempted, which ends the try and calls for a decision;
+    * waiting for missing Spot burns all the time until the next decision;
+    * re-decided every ``decision_interval_s`` (the simulator's tick), nothing burns more than one
+      interval, and waiting burns exactly that. With several workers the job's slack falls by the
+      mean of what each worker burns, an idle or restarted on-demand worker included, so only the
+      whole interval bounds it: every worker then sees the same risk and all escalate together.
+
+    Without an interval (an operator decides once per try) waiting is bounded by the startup
+    timeout the decision sets (:attr:`PlacementDecision.last_safe_spot_start`), so the risk is the
+    try's own.
     """
     continuing = snapshot.running and snapshot.previous_pool is PoolKind.SPOT
-    changeover = 0.0 if continuing else snapshot.changeover_s
-    worst = changeover + max(0.0, snapshot.shard_work_s - snapshot.notice_s)
-    if policy.decision_interval_s is not None:
-        worst = min(worst, policy.decision_interval_s)
-    return worst
+    if continuing:
+        left = snapshot.changeover_left_s
+        changeover = snapshot.changeover_s if left is None else left
+    else:
+        changeover = snapshot.changeover_s
+    try_worst = changeover + max(0.0, snapshot.shard_work_s - snapshot.notice_s)
+    interval = policy.decision_interval_s
+    if interval is None:
+        return try_worst
+    if snapshot.parallelism > 1 or not (snapshot.spot_available or continuing):
+        return interval
+    return min(try_worst, interval)
 
 
 def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> SlackBreakdown:

@@ -166,6 +166,7 @@ class SlackAware:
                 spot_fruitless_tries=self.spot_tries.fruitless,
                 spot_fruitless_age_s=fruitless_age,
                 spot_workers=others_on_spot,
+                changeover_left_s=slot.changeover_left_h * 3600 if running else None,
             )
             pool = choose_pool(snapshot, self.run_params).pool
             if pool is PoolKind.SPOT:

@@ -15,6 +15,7 @@ from airflow_deadline_batch.core.placement import (
     choose_pool,
     line_slack_s,
     od_need_s,
+    spot_risk_s,
 )
 from airflow_deadline_batch.core.pools import PoolKind
 
@@ -233,3 +234,21 @@ def test_a_spot_decision_always_leaves_room_to_finish_on_demand(
         worst = (0.0 if running and prev is PoolKind.SPOT else d_h * H) + shard_h * H
         assert left_h * H - worst >= od_need_s(s) - 1e-6
     assert decision.startup_timeout_s >= MIN_STARTUP_TIMEOUT_S
+
+
+def test_risk_is_what_a_choice_can_burn_before_the_next_decision() -> None:
+    tick = PolicyParams(decision_interval_s=600)
+    one_minute = dict(shard_work_s=60.0, changeover_s=0.2 * H)
+    # waiting for missing Spot burns the whole tick, however small the shard
+    assert spot_risk_s(snap(**one_minute, spot_available=False), tick) == 600
+    # a fresh Spot try with capacity: its changeover plus one shard, at most one tick
+    assert spot_risk_s(snap(**one_minute), tick) == 600
+    assert spot_risk_s(snap(shard_work_s=60.0, changeover_s=60.0), tick) == 120
+    # a running Spot try still in its changeover risks what is left of it, not just the shard
+    running = dict(one_minute, previous_pool=PoolKind.SPOT, running=True)
+    assert spot_risk_s(snap(**running, changeover_left_s=300.0), tick) == 360
+    assert spot_risk_s(snap(**running, changeover_left_s=0.0), tick) == 60
+    assert spot_risk_s(snap(**running), tick) == 600  # unknown: the whole changeover is ahead
+    assert spot_risk_s(snap(**running, changeover_left_s=300.0)) == 360  # decided once per try
+    # several workers: only the whole tick bounds what the job's slack loses
+    assert spot_risk_s(snap(shard_work_s=60.0, changeover_s=60.0, parallelism=2), tick) == 600
