@@ -78,6 +78,10 @@ class PolicyParams:
     #: doubled for every fruitless try beyond ``storm_tries`` (at most ``2 ** storm_backoff_cap``)
     storm_cooldown_tries: float = 4.0
     storm_backoff_cap: int = 6
+    #: the job may cost at most this fraction more than on-demand only (0.01: 1 %): a Spot try is
+    #: taken only while what it can waste before the next decision fits (:func:`cost_room_s`);
+    #: ``None``, or a snapshot without ``price_ratio``/``cost_excess_s``/``total_work_s``: off
+    cost_cap: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -99,6 +103,8 @@ class PolicyParams:
             raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
+        if self.cost_cap is not None and not self.cost_cap >= 0:
+            raise ValueError("cost_cap must be >= 0")
         if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
             raise ValueError("storm_tries, storm_cooldown_tries and storm_backoff_cap must be >= 0")
 
@@ -153,6 +159,12 @@ class JobSnapshot:
     #: seconds of changeover the running try has still to run (``None``: unknown; a running Spot try
     #: is then assumed to have its whole changeover ahead, the worst case)
     changeover_left_s: float | None = None
+    #: on-demand price over Spot price (``None``: unknown; the cost cap is off)
+    price_ratio: float | None = None
+    #: what the job has spent beyond on-demand's price of the work it keeps, in Spot-price seconds:
+    #: cost so far minus ``price_ratio`` × (committed work + changeover done and uncommitted work of
+    #: the running on-demand tries); ``None``: unknown (the cost cap is off)
+    cost_excess_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -289,6 +301,43 @@ def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> S
     )
 
 
+def cost_room_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float | None:
+    """Spot-price seconds a Spot try may still waste before the job could cost more than allowed.
+
+    Going on-demand now with every worker costs at most ``price_ratio × (remaining work +
+    parallelism × changeover)``, so the job's final cost is at most on-demand only's plus
+    ``cost_excess_s``. On-demand work never raises the excess (paid ``k``, credited ``k``); only
+    Spot time that commits nothing does, and throwing away a running on-demand try. The room is
+    ``cost_cap × on-demand only's cost − excess``; ``None`` when the cap is off or an input unknown.
+    """
+    k, excess, total = snapshot.price_ratio, snapshot.cost_excess_s, snapshot.total_work_s
+    if policy.cost_cap is None or k is None or excess is None or total is None:
+        return None
+    on_demand_only = k * (total + snapshot.parallelism * snapshot.changeover_s)
+    return policy.cost_cap * on_demand_only - excess
+
+
+def spot_waste_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
+    """The most a Spot choice for this worker can add to the excess before the next decision.
+
+    Every worker on Spot (this one and ``spot_workers`` others) may burn its changeover plus one
+    shard (at most one decision interval) at Spot price without committing; leaving a running
+    on-demand try throws its progress away at on-demand price.
+    """
+    d = snapshot.changeover_s
+    interval = math.inf if policy.decision_interval_s is None else policy.decision_interval_s
+    own = d + snapshot.shard_work_s
+    left = snapshot.changeover_left_s
+    if snapshot.running and snapshot.previous_pool is PoolKind.SPOT and left is not None:
+        # the running try commits once its changeover and the rest of its shard are done
+        uncommitted = max(0.0, snapshot.running_progress_s - (d - left))
+        own = left + max(0.0, snapshot.shard_work_s - uncommitted)
+    waste = min(own, interval) + min(d + snapshot.shard_work_s, interval) * snapshot.spot_workers
+    if snapshot.running and snapshot.previous_pool is PoolKind.ON_DEMAND:
+        waste += (snapshot.price_ratio or 1.0) * snapshot.running_progress_s
+    return waste
+
+
 def line_slack_s(snapshot: JobSnapshot) -> float:
     """Slack left now by a job that spends its initial slack uniformly over its window.
 
@@ -386,6 +435,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
 
     if b.slack_s < spot_needs:
         return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
+    room = cost_room_s(snapshot, policy)
+    if room is not None and room < spot_waste_s(snapshot, policy):
+        return decide(
+            PoolKind.ON_DEMAND,
+            f"a Spot try could make the job dearer than on-demand (room {room / 3600:.2f} Spot h)",
+        )
     if not continuing_spot and in_storm(snapshot, policy):
         return decide(
             PoolKind.ON_DEMAND,
