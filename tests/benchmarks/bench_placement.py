@@ -2,7 +2,7 @@
 
 The policy runs on every try and, in the simulator, for every worker at every tick. Measures the
 decision alone and the decision with the :class:`JobSnapshot` built for it, over the branches of
-the rule (Spot, waiting, on-demand at the safety net, storm). Never a timed assertion.
+the rule (Spot, waiting, on-demand at the safety net, storm, cost cap). Never a timed assertion.
 
     .venv/bin/python tests/benchmarks/bench_placement.py [--decisions 20000] [--json]
 """
@@ -48,6 +48,7 @@ CASES: dict[str, dict[str, object]] = {
     "wait for spot": {"spot_available": False},
     "safety net": {"deadline": NOW + dt.timedelta(hours=4.3)},
     "storm": {"spot_fruitless_tries": 12, "spot_fruitless_age_s": 60.0},
+    "cost cap": {"price_ratio": 3.0, "cost_excess_s": 100.0},
 }
 
 
@@ -66,7 +67,7 @@ def main() -> int:
     parser.add_argument("--decisions", type=int, default=20000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    policy = PolicyParams(decision_interval_s=600)
+    policy = PolicyParams(decision_interval_s=600, cost_cap=0.01)
     rows = {}
     for name, overrides in CASES.items():
         snap = snapshot(**overrides)
