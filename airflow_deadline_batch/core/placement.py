@@ -5,9 +5,14 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
 
 * ``od_need`` = changeover + remaining work / parallelism + list-scheduling imbalance: the time the
   job still needs if every worker went on-demand now. ``slack = time left − od_need``.
-* **Safety**: a Spot try is allowed only while slack covers its worst case, a changeover plus the
-  uncommitted work a preemption destroys (``risk``); otherwise on-demand, so the deadline holds
-  whenever it was feasible on on-demand (the safety net of *Can't Be Late*, NSDI '24).
+* **Safety** (the last safe decision): a Spot try, or waiting for Spot, is allowed only while slack
+  covers the most slack it can burn before the next decision can still escalate (``risk``,
+  :func:`spot_risk_s`); otherwise on-demand. Slack counts committed work only, so it never falls
+  faster than wall time: a choice re-decided every ``g`` seconds burns at most ``g``, a Spot try
+  that holds capacity at most its changeover still to run plus one shard. So at every decision
+  going on-demand now still meets the deadline, and a job feasible on on-demand never misses (the
+  safety net of *Can't Be Late*, NSDI '24, made exact for ticks, shards and changeovers;
+  docs/simulator.md, *Why it cannot miss*).
 * **Escalation while Spot is missing**: waiting is free but burns slack. Wait while the capacity the
   job can expect (its on-demand workers plus the Spot availability times the other workers) covers
   the rate the remaining work needs; otherwise add on-demand workers one at a time (mixing).
@@ -73,6 +78,10 @@ class PolicyParams:
     #: doubled for every fruitless try beyond ``storm_tries`` (at most ``2 ** storm_backoff_cap``)
     storm_cooldown_tries: float = 4.0
     storm_backoff_cap: int = 6
+    #: the job may cost at most this fraction more than on-demand only (0.01: 1 %): a Spot try is
+    #: taken only while what it can waste before the next decision fits (:func:`cost_room_s`);
+    #: ``None``, or a snapshot without ``price_ratio``/``cost_excess_s``/``total_work_s``: off
+    cost_cap: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -94,6 +103,8 @@ class PolicyParams:
             raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
+        if self.cost_cap is not None and not self.cost_cap >= 0:
+            raise ValueError("cost_cap must be >= 0")
         if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
             raise ValueError("storm_tries, storm_cooldown_tries and storm_backoff_cap must be >= 0")
 
@@ -145,6 +156,15 @@ class JobSnapshot:
     spot_fruitless_age_s: float | None = None
     #: other workers of this job on Spot now (a storm probe runs one at a time)
     spot_workers: int = 0
+    #: seconds of changeover the running try has still to run (``None``: unknown; a running Spot try
+    #: is then assumed to have its whole changeover ahead, the worst case)
+    changeover_left_s: float | None = None
+    #: on-demand price over Spot price (``None``: unknown; the cost cap is off)
+    price_ratio: float | None = None
+    #: what the job has spent beyond on-demand's price of the work it keeps, in Spot-price seconds:
+    #: cost so far minus ``price_ratio`` × (committed work + changeover done and uncommitted work of
+    #: the running on-demand tries); ``None``: unknown (the cost cap is off)
+    cost_excess_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -166,6 +186,10 @@ class JobSnapshot:
             raise ValueError("on_demand_workers, spot_workers and spot_fruitless_tries must be >= 0")
         if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
             raise ValueError("spot_availability must be within [0, 1]")
+        if self.changeover_left_s is not None and not (
+            self.changeover_left_s >= 0 and not math.isinf(self.changeover_left_s)
+        ):
+            raise ValueError(f"changeover_left_s must be finite and >= 0, got {self.changeover_left_s!r}")
         if self.spot_mean_run_s is not None and not self.spot_mean_run_s >= 0:
             raise ValueError("spot_mean_run_s must be >= 0")
         if self.previous_pool is not None:
@@ -218,18 +242,37 @@ def od_need_s(snapshot: JobSnapshot) -> float:
 
 
 def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
-    """Slack a Spot try may consume in the worst case: its changeover plus destroyed work.
+    """Slack a Spot choice may burn, at worst, before the next decision can still go on-demand.
 
-    When the caller re-decides every ``decision_interval_s`` (the simulator's tick), no more than
-    one interval can be burned before the next decision can still escalate: the uncommitted work is
-    already counted in the remaining work, so it is redone on-demand if the try is abandoned.
+    Slack (time left minus :func:`od_need_s`) counts committed work only, so it falls at most as
+    fast as wall time, and only while nothing commits (docs/design.md §5, *Placement*):
+
+    * a Spot try that gets capacity burns its changeover still to run (all of it for a fresh
+      start) plus at most one shard of uncommitted work (less the notice): by then it has committed,
+      which gives the slack back, or it was preempted, which ends the try and calls for a decision;
+    * waiting for missing Spot burns all the time until the next decision;
+    * re-decided every ``decision_interval_s`` (the simulator's tick), nothing burns more than one
+      interval, and waiting burns exactly that. With several workers the job's slack falls by the
+      mean of what each worker burns, an idle or restarted on-demand worker included, so only the
+      whole interval bounds it: every worker then sees the same risk and all escalate together.
+
+    Without an interval (an operator decides once per try) waiting is bounded by the startup
+    timeout the decision sets (:attr:`PlacementDecision.last_safe_spot_start`), so the risk is the
+    try's own.
     """
     continuing = snapshot.running and snapshot.previous_pool is PoolKind.SPOT
-    changeover = 0.0 if continuing else snapshot.changeover_s
-    worst = changeover + max(0.0, snapshot.shard_work_s - snapshot.notice_s)
-    if policy.decision_interval_s is not None:
-        worst = min(worst, policy.decision_interval_s)
-    return worst
+    if continuing:
+        left = snapshot.changeover_left_s
+        changeover = snapshot.changeover_s if left is None else left
+    else:
+        changeover = snapshot.changeover_s
+    try_worst = changeover + max(0.0, snapshot.shard_work_s - snapshot.notice_s)
+    interval = policy.decision_interval_s
+    if interval is None:
+        return try_worst
+    if snapshot.parallelism > 1 or not (snapshot.spot_available or continuing):
+        return interval
+    return min(try_worst, interval)
 
 
 def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> SlackBreakdown:
@@ -256,6 +299,43 @@ def breakdown(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> S
         required_rate=required,
         expected_rate=expected,
     )
+
+
+def cost_room_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float | None:
+    """Spot-price seconds a Spot try may still waste before the job could cost more than allowed.
+
+    Going on-demand now with every worker costs at most ``price_ratio × (remaining work +
+    parallelism × changeover)``, so the job's final cost is at most on-demand only's plus
+    ``cost_excess_s``. On-demand work never raises the excess (paid ``k``, credited ``k``); only
+    Spot time that commits nothing does, and throwing away a running on-demand try. The room is
+    ``cost_cap × on-demand only's cost − excess``; ``None`` when the cap is off or an input unknown.
+    """
+    k, excess, total = snapshot.price_ratio, snapshot.cost_excess_s, snapshot.total_work_s
+    if policy.cost_cap is None or k is None or excess is None or total is None:
+        return None
+    on_demand_only = k * (total + snapshot.parallelism * snapshot.changeover_s)
+    return policy.cost_cap * on_demand_only - excess
+
+
+def spot_waste_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
+    """The most a Spot choice for this worker can add to the excess before the next decision.
+
+    Every worker on Spot (this one and ``spot_workers`` others) may burn its changeover plus one
+    shard (at most one decision interval) at Spot price without committing; leaving a running
+    on-demand try throws its progress away at on-demand price.
+    """
+    d = snapshot.changeover_s
+    interval = math.inf if policy.decision_interval_s is None else policy.decision_interval_s
+    own = d + snapshot.shard_work_s
+    left = snapshot.changeover_left_s
+    if snapshot.running and snapshot.previous_pool is PoolKind.SPOT and left is not None:
+        # the running try commits once its changeover and the rest of its shard are done
+        uncommitted = max(0.0, snapshot.running_progress_s - (d - left))
+        own = left + max(0.0, snapshot.shard_work_s - uncommitted)
+    waste = min(own, interval) + min(d + snapshot.shard_work_s, interval) * snapshot.spot_workers
+    if snapshot.running and snapshot.previous_pool is PoolKind.ON_DEMAND:
+        waste += (snapshot.price_ratio or 1.0) * snapshot.running_progress_s
+    return waste
 
 
 def line_slack_s(snapshot: JobSnapshot) -> float:
@@ -355,6 +435,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
 
     if b.slack_s < spot_needs:
         return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
+    room = cost_room_s(snapshot, policy)
+    if room is not None and room < spot_waste_s(snapshot, policy):
+        return decide(
+            PoolKind.ON_DEMAND,
+            f"a Spot try could make the job dearer than on-demand (room {room / 3600:.2f} Spot h)",
+        )
     if not continuing_spot and in_storm(snapshot, policy):
         return decide(
             PoolKind.ON_DEMAND,

@@ -104,6 +104,8 @@ class View:
     history: Sequence[int]  # capacity of ticks 0..tick (this tick included)
     #: Spot tries ended since the previous decision (preemptions of this tick included)
     ended_spot_tries: tuple[EndedSpotTry, ...] = ()
+    #: what the job has cost so far (Spot-GPU-hours: Spot 1, on-demand ``price_ratio``)
+    cost: float = 0.0
 
     @property
     def time_left_h(self) -> float:
@@ -216,6 +218,7 @@ def simulate(
             slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy) for s in slots),
             history=history,
             ended_spot_tries=tuple(ended),
+            cost=result.cost,
         )
         ended.clear()
         wanted = [Mode.ON_DEMAND] * len(slots) if forced else list(policy.decide(view))

@@ -132,6 +132,19 @@ class SlackAware:
                 preempted=ended.preempted,
                 commits=ended.commits,
             )
+        # cost beyond on-demand's price of the work kept (core.placement.cost_room_s): on-demand
+        # only pays one changeover per worker, so a worker that will not need a fresh on-demand
+        # start (idle, nothing left to pull) keeps its changeover as credit
+        od_slots = [s for s in view.slots if s.mode is Mode.ON_DEMAND]
+        others = cfg.workers - len(od_slots)
+        busy_elsewhere = sum(1 for s in view.slots if s.busy and s.mode is not Mode.ON_DEMAND)
+        no_restart = others - min(others, view.pending_shards + busy_elsewhere)
+        kept_h = (
+            view.committed_shards * cfg.shard_size_h
+            + sum(cfg.changeover_h - s.changeover_left_h + s.progress_h for s in od_slots)
+            + no_restart * cfg.changeover_h
+        )
+        excess_s = (view.cost - cfg.price_ratio * kept_h) * 3600
         fruitless_end = self.spot_tries.fruitless_end_s
         fruitless_age = None if fruitless_end is None else view.t_h * 3600 - fruitless_end
         on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)
@@ -166,8 +179,14 @@ class SlackAware:
                 spot_fruitless_tries=self.spot_tries.fruitless,
                 spot_fruitless_age_s=fruitless_age,
                 spot_workers=others_on_spot,
+                changeover_left_s=slot.changeover_left_h * 3600 if running else None,
+                price_ratio=cfg.price_ratio,
+                cost_excess_s=excess_s,
             )
             pool = choose_pool(snapshot, self.run_params).pool
+            if pool is PoolKind.SPOT and slot.mode is Mode.ON_DEMAND:
+                # leaving on-demand throws its try away: the workers after this one see it
+                excess_s += cfg.price_ratio * snapshot.running_progress_s
             if pool is PoolKind.SPOT:
                 if slot.mode is not Mode.SPOT and free_spot > 0:
                     free_spot -= 1

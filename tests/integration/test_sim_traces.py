@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from airflow_deadline_batch.sim.engine import SimConfig
+from airflow_deadline_batch.sim.engine import SimConfig, simulate
+from airflow_deadline_batch.sim.policies import SlackAware
 from airflow_deadline_batch.sim.runner import compare, start_ticks
 from airflow_deadline_batch.sim.traces import load_trace
 
@@ -33,3 +34,23 @@ def test_loader_reads_instances_times_gpus_per_instance() -> None:
     if eight is None:
         pytest.skip("no 8-GPU trace in the shared folder")
     assert set(load_trace(eight).capacity) <= {0, 8}
+
+
+US_EAST_1A = TRACES / "availability" / "1-node" / "aws-02-15-2023" / "us-east-1a_v100_1.json"
+
+
+@pytest.mark.skipif(not US_EAST_1A.is_file(), reason="us-east-1a trace absent")
+@pytest.mark.parametrize(
+    ("shard_h", "start_h"),
+    [(1 / 60, 694.4979166666667), (15 / 3600, 9214 * 195 / 3600)],
+    ids=["one-minute-shards", "fifteen-second-shards"],
+)
+def test_short_shards_do_not_miss_where_on_demand_meets(shard_h: float, start_h: float) -> None:
+    # issue 13: a running Spot try was treated as risk-free during its changeover, so slack_aware
+    # kept it until slack fell under one shard and missed D = 52 h (W = 48 h, d = 0.2 h).
+    trace = load_trace(US_EAST_1A)
+    cfg = SimConfig(work_h=48, deadline_h=52, changeover_h=0.2, price_ratio=3.1446, shard_h=shard_h)
+    tick = round(start_h * 3600 / trace.gap_s)
+    result = simulate(trace, tick, cfg, SlackAware())
+    assert cfg.on_demand_feasible()
+    assert not result.missed, result.finish_h

@@ -13,8 +13,11 @@ from airflow_deadline_batch.core.placement import (
     JobSnapshot,
     PolicyParams,
     choose_pool,
+    cost_room_s,
     line_slack_s,
     od_need_s,
+    spot_risk_s,
+    spot_waste_s,
 )
 from airflow_deadline_batch.core.pools import PoolKind
 
@@ -233,3 +236,41 @@ def test_a_spot_decision_always_leaves_room_to_finish_on_demand(
         worst = (0.0 if running and prev is PoolKind.SPOT else d_h * H) + shard_h * H
         assert left_h * H - worst >= od_need_s(s) - 1e-6
     assert decision.startup_timeout_s >= MIN_STARTUP_TIMEOUT_S
+
+
+def test_risk_is_what_a_choice_can_burn_before_the_next_decision() -> None:
+    tick = PolicyParams(decision_interval_s=600)
+    one_minute = dict(shard_work_s=60.0, changeover_s=0.2 * H)
+    # waiting for missing Spot burns the whole tick, however small the shard
+    assert spot_risk_s(snap(**one_minute, spot_available=False), tick) == 600
+    # a fresh Spot try with capacity: its changeover plus one shard, at most one tick
+    assert spot_risk_s(snap(**one_minute), tick) == 600
+    assert spot_risk_s(snap(shard_work_s=60.0, changeover_s=60.0), tick) == 120
+    # a running Spot try still in its changeover risks what is left of it, not just the shard
+    running = dict(one_minute, previous_pool=PoolKind.SPOT, running=True)
+    assert spot_risk_s(snap(**running, changeover_left_s=300.0), tick) == 360
+    assert spot_risk_s(snap(**running, changeover_left_s=0.0), tick) == 60
+    assert spot_risk_s(snap(**running), tick) == 600  # unknown: the whole changeover is ahead
+    assert spot_risk_s(snap(**running, changeover_left_s=300.0)) == 360  # decided once per try
+    # several workers: only the whole tick bounds what the job's slack loses
+    assert spot_risk_s(snap(shard_work_s=60.0, changeover_s=60.0, parallelism=2), tick) == 600
+
+
+def test_the_cost_cap_takes_spot_only_while_its_worst_waste_fits_the_room() -> None:
+    cap = PolicyParams(cost_cap=0.01, decision_interval_s=600)
+    # on-demand only: 3 x (4 h + 0.1 h) = 12.3 Spot-h; 1 % of it is 0.123 Spot-h = 442.8 s of room
+    costed = dict(price_ratio=3.0, total_work_s=4 * H)
+    assert cost_room_s(snap(**costed, cost_excess_s=0.0), cap) == pytest.approx(442.8)
+    assert cost_room_s(snap(**costed, cost_excess_s=0.0)) is None  # off by default
+    assert cost_room_s(snap(total_work_s=4 * H, cost_excess_s=0.0), cap) is None  # price unknown
+    # a fresh try (0.1 h changeover + 0.25 h shard) wastes up to a whole tick, 600 s > 442.8 s
+    assert choose_pool(snap(**costed, cost_excess_s=0.0), cap).pool is PoolKind.ON_DEMAND
+    small = dict(costed, shard_work_s=60.0, changeover_s=120.0)  # a try wastes 180 s at most
+    assert spot_waste_s(snap(**small, cost_excess_s=0.0), cap) == 180
+    assert choose_pool(snap(**small, cost_excess_s=0.0), cap).pool is PoolKind.SPOT
+    assert choose_pool(snap(**small, cost_excess_s=300.0), cap).pool is PoolKind.ON_DEMAND
+    # two other workers on Spot: their worst waste counts too
+    assert spot_waste_s(snap(**small, spot_workers=2), cap) == 540
+    # leaving a running on-demand try throws its progress away at on-demand price
+    moving = dict(small, previous_pool=PoolKind.ON_DEMAND, running=True, running_progress_s=50.0)
+    assert spot_waste_s(snap(**moving), cap) == 180 + 3 * 50
