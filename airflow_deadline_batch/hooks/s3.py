@@ -3,10 +3,10 @@
 The storage layer builds its S3 clients with ``storage.s3.make_client()`` (credentials from the
 environment, as a pod with IRSA has them) unless a client is handed to ``S3Storage``. The shared
 planner and finalizer open storages by URI without a client argument, so :func:`connection_s3`
-routes the clients they make to the one the Amazon provider's ``S3Hook`` builds from the
-connection, for the duration of a ``with`` block: credentials, region and endpoint come from the
-connection and nothing is written to ``os.environ`` (a subprocess started meanwhile inherits no
-credentials). Airflow runs one task per task process, so the routing is scoped to that task.
+routes the clients they make (``storage.s3.use_client``) to the one the Amazon provider's
+``S3Hook`` builds from the connection, for the duration of a ``with`` block: credentials, region
+and endpoint come from the connection and nothing is written to ``os.environ`` (a subprocess
+started meanwhile inherits no credentials).
 
 ``worker_environment`` is the one place credentials are turned into environment variables: the
 environment of a *local* worker subprocess (``LocalShardOperator``), the stand-in for a pod's
@@ -16,12 +16,8 @@ Secret or IRSA; it is passed to that child only.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
-
-#: guards the routing: nested or concurrent blocks restore what they found, in order
-_LOCK = threading.RLock()
 
 
 def connection_client(aws_conn_id: str) -> Any:
@@ -48,21 +44,10 @@ def connection_s3(aws_conn_id: str | None) -> Iterator[Any]:
     if not aws_conn_id:
         yield None
         return
-    from airflow_deadline_batch.storage import s3 as s3_storage
+    from airflow_deadline_batch.storage.s3 import use_client
 
-    client = connection_client(aws_conn_id)
-
-    def make_client() -> Any:
-        return client
-
-    with _LOCK:
-        saved = s3_storage.make_client
-        s3_storage.make_client = make_client
-    try:
+    with use_client(connection_client(aws_conn_id)) as client:
         yield client
-    finally:
-        with _LOCK:
-            s3_storage.make_client = saved
 
 
 def worker_environment(aws_conn_id: str | None) -> dict[str, str]:

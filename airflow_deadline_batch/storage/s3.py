@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -49,8 +50,36 @@ def client_config() -> Config:
     return Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 5, "mode": "standard"})
 
 
+#: the client every ``make_client()`` returns while :func:`use_client` routes them (see there)
+_routed_client: Any | None = None
+_routing_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def use_client(client: Any) -> Iterator[Any]:
+    """Within the block, every S3 client this package makes is ``client`` (an Airflow connection's).
+
+    Code that opens storage by URI (the planner, the finalizer) never sees credentials: the
+    Airflow glue routes it to the client its connection built, and nothing is written to
+    ``os.environ``. Process-wide on purpose, not a context variable: the planner reads ranges from
+    a thread pool, whose threads would not inherit one. Airflow runs one task per process; a nested
+    block restores what it found.
+    """
+    global _routed_client
+    with _routing_lock:
+        saved, _routed_client = _routed_client, client
+    try:
+        yield client
+    finally:
+        with _routing_lock:
+            _routed_client = saved
+
+
 def make_client() -> Any:
-    """A boto3 S3 client from the environment's credentials; boto3 itself honours AWS_ENDPOINT_URL."""
+    """The routed client (:func:`use_client`), else a boto3 S3 client from the environment's
+    credentials (boto3 itself honours AWS_ENDPOINT_URL)."""
+    if _routed_client is not None:
+        return _routed_client
     try:
         return boto3.session.Session().client("s3", config=client_config())
     except botocore.exceptions.BotoCoreError as exc:

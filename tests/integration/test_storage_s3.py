@@ -141,3 +141,16 @@ def test_create_whose_response_was_lost_still_succeeds(s3_bucket: str, s3_endpoi
 def test_constructor_validates(bucket: str, page_size: int, s3_endpoint: str) -> None:
     with pytest.raises(ConfigurationError):
         S3Storage(bucket, page_size=page_size)
+
+
+def test_use_client_routes_every_client_the_package_makes_and_restores_on_exit(s3_endpoint: str) -> None:
+    from airflow_deadline_batch.storage.s3 import use_client
+
+    outer, inner = object(), object()
+    with use_client(outer):
+        assert make_client() is outer
+        with use_client(inner):
+            assert make_client() is inner
+        assert make_client() is outer
+    assert make_client() not in (outer, inner)
+    assert make_client().meta.endpoint_url == s3_endpoint
