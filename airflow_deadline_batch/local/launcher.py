@@ -113,6 +113,15 @@ def die_with_parent() -> Callable[[], None] | None:
     return in_child
 
 
+def launched_attempt(store: ManifestStore, proc: WorkerProcess) -> str | None:
+    """The attempt this process claimed (the worker names its attempts ``host:pid``), if it did."""
+    owner = f"{socket.gethostname()}:{proc.pid}"
+    mine = [
+        a for a in store.list_attempts(proc.job_id) if a.worker == owner and a.shard_index == proc.shard_index
+    ]
+    return mine[-1].attempt_id if mine else None
+
+
 def fence_dead_worker(
     store: ManifestStore,
     proc: WorkerProcess,
@@ -130,12 +139,8 @@ def fence_dead_worker(
     (the worker names its attempts ``host:pid``) that still holds the lease is ended: a live worker
     of another launch that holds the shard is left alone.
     """
-    shard = store.get_shard(proc.job_id, proc.shard_index)
-    attempt = shard.lease_attempt_id
-    if not attempt:
-        return False
-    owner = f"{socket.gethostname()}:{proc.pid}"
-    if not any(a.attempt_id == attempt and a.worker == owner for a in store.list_attempts(proc.job_id)):
+    attempt = launched_attempt(store, proc)
+    if attempt is None or store.get_shard(proc.job_id, proc.shard_index).lease_attempt_id != attempt:
         return False
     code = proc.popen.returncode
     if failure is None:

@@ -47,7 +47,12 @@ from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError, StoreError, VerificationError
-from airflow_deadline_batch.local.launcher import WorkerProcess, fence_dead_worker, start_worker
+from airflow_deadline_batch.local.launcher import (
+    WorkerProcess,
+    fence_dead_worker,
+    launched_attempt,
+    start_worker,
+)
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision, decide_for_try, read_job_view
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
@@ -313,8 +318,10 @@ class LocalRun:
                 reason = f"worker pid {item.proc.pid} " + (
                     "stopped by the runner" if item.signalled else f"died of signal {-code} (a crash)"
                 )
-                self._fence_dead(item.proc, failure, reason)
-                return TryFailure(failure, reason, claimed=True)
+                fenced = self._fence_dead(item.proc, failure, reason)
+                # a process killed before it claimed counts towards the launches that never claim
+                claimed = fenced or launched_attempt(self.store, item.proc) is not None
+                return TryFailure(failure, reason, claimed=claimed)
             return TryFailure(failure, f"worker exited {code} without saying why", claimed=False)
         if worker_exit(code) is WorkerExit.SUCCEEDED:
             return None
