@@ -21,6 +21,7 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
+from airflow_deadline_batch.metrics import emit_job
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.triggers.completeness import (
@@ -118,7 +119,10 @@ class CompletenessSensor(BaseSensorOperator):
         return ManifestStoreHook(store_conn_id=self._store_conn_id(), store_url=self.store_url)
 
     def _progress(self) -> dict[str, Any]:
-        return plain(self._hook().get_store().progress(self.job_id))
+        store = self._hook().get_store()
+        progress = plain(store.progress(self.job_id))
+        emit_job(store, self.job_id, dag_id=self.dag_id if self.has_dag() else None, now=dt.datetime.now(UTC))
+        return progress
 
     def _check_store(self) -> None:
         """Fail at once, saying so, when this task reads another store than the plan's."""
@@ -183,6 +187,7 @@ class CompletenessSensor(BaseSensorOperator):
                 store_conn_id=self._store_conn_id(),
                 poll_interval_s=self.poke_interval,
                 timeout_at=timeout_at.isoformat(),
+                dag_id=self.dag_id if self.has_dag() else None,
             ),
             method_name="execute_complete",
         )
