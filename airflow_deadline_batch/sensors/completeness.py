@@ -20,6 +20,8 @@ from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
+from airflow_deadline_batch.lineage import job_lineage, openlineage_facets
+from airflow_deadline_batch.lineage import report as report_lineage
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.metrics import emit_job
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
@@ -209,6 +211,10 @@ class CompletenessSensor(BaseSensorOperator):
         self._finish(context, event)
         return True
 
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """Input and published manifest (the model as a facet) for OpenLineage; None without its provider."""
+        return openlineage_facets(getattr(self, "_lineage", None))
+
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         """Resume after the trigger: finalize on a terminal job, fail clearly on anything else."""
         self._resolve_plan(context)
@@ -249,9 +255,17 @@ class CompletenessSensor(BaseSensorOperator):
                 "partial output downstream"
             )
         outcomes = result.report.outcomes
+        self._lineage = job_lineage(
+            self._hook().get_store().get_job(self.job_id),
+            manifest_uri=result.manifest_uri,
+            model_digests=result.report.model_digests,
+        )
+        report_lineage(self, self._lineage)
         extra = {
+            **self._lineage.facts(),
             "job_id": self.job_id,
             "manifest_uri": result.manifest_uri,
+            "input_uri": self._lineage.input_uri,
             "state": state,
             "records": result.report.expected,
             "outcomes": {str(k): int(v) for k, v in outcomes.items()},
