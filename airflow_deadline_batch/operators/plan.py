@@ -21,6 +21,8 @@ from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError
 from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
+from airflow_deadline_batch.lineage import job_lineage, openlineage_facets
+from airflow_deadline_batch.lineage import report as report_lineage
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
 from airflow_deadline_batch.operators.placement import read_job_view
@@ -197,9 +199,15 @@ class DeadlineBatchOperator(BaseOperator):
             report_summary(result.report),
         )
         self.log.info("progress: %s", DeadlineBatchProgressLink.persist(context, result.job_id))
+        self._lineage = job_lineage(store.get_job(result.job_id))
+        report_lineage(self, self._lineage)
         self._warn_if_thin(context, store, result.job_id, clock)
         connections = self.plan_connections()
         return [shard_kwargs(spec, connections) for spec in result.shard_specs]
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """The job's input (and the model as a facet) for OpenLineage; None without its provider."""
+        return openlineage_facets(getattr(self, "_lineage", None))
 
     def plan_connections(self) -> dict[str, str]:
         """The connection IDs shard tasks and the sensor inherit (XCom ``plan_connections``)."""

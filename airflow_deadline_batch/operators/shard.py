@@ -54,6 +54,7 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
+from airflow_deadline_batch.metrics import dag_id_of, emit_decision
 from airflow_deadline_batch.operators.placement import (
     TryAction,
     TryDecision,
@@ -262,6 +263,7 @@ class _ShardTryMixin:
         view = read_job_view(store, self.job_id, now=now, pools=self.pools)
         decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
+        emit_decision(view, decision, dag_id=dag_id_of(context))
         if context is not None:
             context["ti"].xcom_push(key="placement", value=decision.to_dict())
             DeadlineBatchProgressLink.persist(context, self.job_id)

@@ -20,7 +20,10 @@ from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
+from airflow_deadline_batch.lineage import job_lineage, openlineage_facets
+from airflow_deadline_batch.lineage import report as report_lineage
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
+from airflow_deadline_batch.metrics import emit_job
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.triggers.completeness import (
@@ -118,7 +121,10 @@ class CompletenessSensor(BaseSensorOperator):
         return ManifestStoreHook(store_conn_id=self._store_conn_id(), store_url=self.store_url)
 
     def _progress(self) -> dict[str, Any]:
-        return plain(self._hook().get_store().progress(self.job_id))
+        store = self._hook().get_store()
+        progress = plain(store.progress(self.job_id))
+        emit_job(store, self.job_id, dag_id=self.dag_id if self.has_dag() else None, now=dt.datetime.now(UTC))
+        return progress
 
     def _check_store(self) -> None:
         """Fail at once, saying so, when this task reads another store than the plan's."""
@@ -183,6 +189,7 @@ class CompletenessSensor(BaseSensorOperator):
                 store_conn_id=self._store_conn_id(),
                 poll_interval_s=self.poke_interval,
                 timeout_at=timeout_at.isoformat(),
+                dag_id=self.dag_id if self.has_dag() else None,
             ),
             method_name="execute_complete",
         )
@@ -203,6 +210,10 @@ class CompletenessSensor(BaseSensorOperator):
             return False
         self._finish(context, event)
         return True
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """Input and published manifest (the model as a facet) for OpenLineage; None without its provider."""
+        return openlineage_facets(getattr(self, "_lineage", None))
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         """Resume after the trigger: finalize on a terminal job, fail clearly on anything else."""
@@ -244,9 +255,17 @@ class CompletenessSensor(BaseSensorOperator):
                 "partial output downstream"
             )
         outcomes = result.report.outcomes
+        self._lineage = job_lineage(
+            self._hook().get_store().get_job(self.job_id),
+            manifest_uri=result.manifest_uri,
+            model_digests=result.report.model_digests,
+        )
+        report_lineage(self, self._lineage)
         extra = {
+            **self._lineage.facts(),
             "job_id": self.job_id,
             "manifest_uri": result.manifest_uri,
+            "input_uri": self._lineage.input_uri,
             "state": state,
             "records": result.report.expected,
             "outcomes": {str(k): int(v) for k, v in outcomes.items()},

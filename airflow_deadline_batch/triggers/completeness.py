@@ -19,6 +19,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from airflow_deadline_batch.core.clock import UTC, ensure_aware
 from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, ShardState
+from airflow_deadline_batch.metrics import emit_job
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import ManifestStore
@@ -120,6 +121,8 @@ class CompletenessTrigger(BaseTrigger):
     :param poll_interval_s: seconds between two progress reads.
     :param timeout_at: ISO-8601 aware instant after which a ``timeout`` event is sent; absolute so a
         triggerer restart does not restart the clock.
+    :param dag_id: the sensor's DAG, the ``dag_id`` tag of the metrics each poll sends
+        (:func:`airflow_deadline_batch.metrics.emit_job`).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class CompletenessTrigger(BaseTrigger):
         store_conn_id: str | None = None,
         poll_interval_s: float = 30.0,
         timeout_at: str | None = None,
+        dag_id: str | None = None,
     ) -> None:
         super().__init__()
         self.job_id = job_id
@@ -137,6 +141,7 @@ class CompletenessTrigger(BaseTrigger):
         self.store_conn_id = store_conn_id
         self.poll_interval_s = float(poll_interval_s)
         self.timeout_at = timeout_at
+        self.dag_id = dag_id
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -147,11 +152,14 @@ class CompletenessTrigger(BaseTrigger):
                 "store_conn_id": self.store_conn_id,
                 "poll_interval_s": self.poll_interval_s,
                 "timeout_at": self.timeout_at,
+                "dag_id": self.dag_id,
             },
         )
 
     def _read_progress(self, store: ManifestStore) -> dict[str, Any]:
-        return plain(store.progress(self.job_id))
+        progress = plain(store.progress(self.job_id))
+        emit_job(store, self.job_id, dag_id=self.dag_id, now=dt.datetime.now(UTC))
+        return progress
 
     def _open_store(self) -> ManifestStore:
         from airflow_deadline_batch.hooks.store import ManifestStoreHook

@@ -86,6 +86,7 @@ def test_serialize_returns_plain_values_and_round_trips():
         store_url="sqlite:////tmp/x.db",
         poll_interval_s=5,
         timeout_at="2026-01-01T06:00:00+00:00",
+        dag_id="d",
     )
     classpath, kwargs = trigger.serialize()
     assert classpath == "airflow_deadline_batch.triggers.completeness.CompletenessTrigger"
@@ -95,6 +96,7 @@ def test_serialize_returns_plain_values_and_round_trips():
         "store_conn_id": None,
         "poll_interval_s": 5.0,
         "timeout_at": "2026-01-01T06:00:00+00:00",
+        "dag_id": "d",
     }
     module, _, name = classpath.rpartition(".")
     cls = getattr(__import__(module, fromlist=[name]), name)
