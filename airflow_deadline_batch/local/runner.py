@@ -334,7 +334,9 @@ class LocalRun:
             return
         if failure.refused == "leased":
             self.held_elsewhere.add(index)
-        if not failure.claimed and failure.refused is None:
+        if failure.failure is FailureClass.PREEMPTED:
+            pass  # a launch the runner itself stopped says nothing about whether workers can start
+        elif not failure.claimed and failure.refused is None:
             self.unclaimed_in_a_row += 1
             self.last_unclaimed = failure
             if failure.failure is FailureClass.TRANSIENT:

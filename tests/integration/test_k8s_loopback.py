@@ -55,6 +55,12 @@ def test_a_pod_runs_its_command_streams_its_log_and_succeeds(loopback_k8s: Loopb
         ns, python_pod("hello", 'import sys; print("hi"); print(sys.executable)')
     )
     assert created.status.phase == "Pending"
+    # as from a kubelet, a log can be read once the container started (before: 400 ContainerCreating)
+    loopback_k8s.api.wait_for_pod(
+        ns,
+        name="hello",
+        predicate=lambda pod: pod["status"].get("phase") in ("Running", "Succeeded", "Failed"),
+    )
 
     stream = v1.read_namespaced_pod_log("hello", ns, follow=True, _preload_content=False)
     lines = [line.decode().rstrip("\n") for line in stream]  # ends when the container ends
@@ -243,14 +249,22 @@ def test_the_api_refuses_what_a_real_server_refuses(loopback_k8s: LoopbackCluste
     assert denied.value.status == 401
 
 
-def test_the_eviction_api_marks_the_pod_then_deletes_it_gracefully(loopback_k8s: LoopbackCluster) -> None:
+def test_the_eviction_api_marks_the_pod_then_deletes_it_gracefully(
+    loopback_k8s: LoopbackCluster, tmp_path: Path
+) -> None:
     v1, ns, api = loopback_k8s.core_v1(), loopback_k8s.namespace, loopback_k8s.api
-    v1.create_namespaced_pod(ns, python_pod("drained", TRAPS_SIGTERM))
+    release = tmp_path / "release"
+    # the process holds on after SIGTERM until the test has looked at the marked pod
+    wait = f"import os\n        while not os.path.exists({str(release)!r}): time.sleep(0.01)\n"
+    holds = TRAPS_SIGTERM.replace("sys.exit(75)", wait + "        sys.exit(75)")
+    v1.create_namespaced_pod(ns, python_pod("drained", holds, termination_grace_period_seconds=120))
     api.wait_for_log(ns, "drained", "running\n", timeout_s=WAIT_S)
     v1.create_namespaced_pod_eviction(
         "drained", ns, client.V1Eviction(metadata=client.V1ObjectMeta(name="drained", namespace=ns))
     )
+    api.wait_for_log(ns, "drained", "got SIGTERM\n", timeout_s=WAIT_S)
     marked = v1.read_namespaced_pod("drained", ns)  # still there until its process has stopped
+    release.write_text("")
     disruption = next(c for c in marked.status.conditions if c.type == "DisruptionTarget")
     assert disruption.reason == "EvictionByEvictionAPI" and marked.metadata.deletion_timestamp is not None
     api.wait_for_deletion(ns, "drained", timeout_s=WAIT_S)
