@@ -64,6 +64,7 @@ class ParamRule:
     neutral: Callable[[Any], bool]
     engines: Mapping[str, str]
     refused: str
+    neutral_doc: str
 
 
 def _number(lo: float, hi: float, *, open_lo: bool = False) -> Callable[[Any], bool]:
@@ -126,8 +127,10 @@ def _rule(
     *,
     neutral: Callable[[Any], bool] = _is_none,
     refused: str = "",
+    neutral_doc: str = "",
 ) -> ParamRule:
-    return ParamRule(name, endpoints, valid, expect, neutral, engines, refused)
+    doc = "`null`" + (f", {neutral_doc}" if neutral_doc else "")
+    return ParamRule(name, endpoints, valid, expect, neutral, engines, refused, doc)
 
 
 #: every body parameter the provider knows, in the order of docs/engines.md
@@ -182,6 +185,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
                 "echo": "the echo is cut at the first stop string",
             },
             neutral=lambda v: v is None or v == [],
+            neutral_doc="`[]`",
         ),
         _rule(
             "n",
@@ -190,7 +194,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "an integer from 1 to 128",
             {},
             neutral=_none_or(1),
-            refused=f"n > 1 is refused: {_ONE_CHOICE}",
+            neutral_doc="`1`",
+            refused=_ONE_CHOICE,
         ),
         _rule(
             "best_of",
@@ -199,7 +204,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "an integer from 1 to 128",
             {},
             neutral=_none_or(1),
-            refused="best_of > 1 is refused: no engine ranks candidates",
+            neutral_doc="`1`",
+            refused="no engine ranks candidates",
         ),
         _rule(
             "presence_penalty",
@@ -212,6 +218,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
                 "echo": "accepted; echo has no sampling",
             },
             neutral=_none_or(0, 0.0),
+            neutral_doc="`0`",
             refused="transformers has no presence penalty (repetition_penalty is a different rule)",
         ),
         _rule(
@@ -225,6 +232,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
                 "echo": "accepted; echo has no sampling",
             },
             neutral=_none_or(0, 0.0),
+            neutral_doc="`0`",
             refused="transformers has no frequency penalty (repetition_penalty is a different rule)",
         ),
         _rule(
@@ -238,6 +246,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
                 "echo": "accepted; echo has no sampling",
             },
             neutral=lambda v: v is None or v == {},
+            neutral_doc="`{}`",
             refused="not mapped on transformers yet",
         ),
         _rule(
@@ -247,7 +256,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "true/false (chat) or an integer from 0 to 5 (completions)",
             {},
             neutral=lambda v: v is None or v is False,
-            refused=f"refused: {_ONE_CHOICE}",
+            neutral_doc="`false`",
+            refused=_ONE_CHOICE,
         ),
         _rule(
             "top_logprobs",
@@ -255,7 +265,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             _int(0, 20),
             "an integer from 0 to 20",
             {},
-            refused=f"refused: {_ONE_CHOICE}",
+            refused=_ONE_CHOICE,
         ),
         _rule(
             "response_format",
@@ -267,6 +277,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
                 "openai": "forwarded",
             },
             neutral=lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+            neutral_doc='`{"type": "text"}`',
             refused="no constrained decoding on this engine: the output would not be guaranteed JSON",
         ),
         _rule(
@@ -276,6 +287,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "true or false",
             {},
             neutral=lambda v: v is None or v is False,
+            neutral_doc="`false`",
             refused="a batch never streams",
         ),
         _rule("stream_options", _ALL, _anything, "null", {}, refused="a batch never streams"),
@@ -286,7 +298,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "true or false",
             {},
             neutral=lambda v: v is None or v is False,
-            refused="echo=true is refused: the output is the completion only",
+            neutral_doc="`false`",
+            refused="the output is the completion only",
         ),
         _rule(
             "suffix",
@@ -295,6 +308,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "a string",
             {},
             neutral=lambda v: v is None or v == "",
+            neutral_doc='`""`',
             refused="no engine fills in a suffix",
         ),
         _rule(
@@ -304,7 +318,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "null",
             {},
             neutral=lambda v: v is None or v == [],
-            refused="tool calls are refused: a result record carries text only",
+            neutral_doc="`[]`",
+            refused="a result record carries text only",
         ),
         _rule(
             "tool_choice",
@@ -313,7 +328,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "null",
             {},
             neutral=_none_or("none"),
-            refused="tool calls are refused: a result record carries text only",
+            neutral_doc='`"none"`',
+            refused="a result record carries text only",
         ),
         _rule("parallel_tool_calls", _CHAT, _anything, "null", _EVERY),
         _rule(
@@ -323,7 +339,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "null",
             {},
             neutral=lambda v: v is None or v == [],
-            refused="function calls are refused: a result record carries text only",
+            neutral_doc="`[]`",
+            refused="a result record carries text only",
         ),
         _rule(
             "function_call",
@@ -332,7 +349,8 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             "null",
             {},
             neutral=_none_or("none"),
-            refused="function calls are refused: a result record carries text only",
+            neutral_doc='`"none"`',
+            refused="a result record carries text only",
         ),
         _rule(
             "modalities",
@@ -341,6 +359,7 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             '["text"]',
             {},
             neutral=lambda v: v is None or v == ["text"],
+            neutral_doc='`["text"]`',
             refused="text output only",
         ),
         _rule("audio", _CHAT, _anything, "null", {}, refused="text output only"),
@@ -414,3 +433,14 @@ def check_generation_defaults(generation: Mapping[str, Any], engine: str) -> Par
         if problem is not None:
             return ParamProblem(problem.kind, name, problem.message.replace("body.", "generation ", 1))
     return None
+
+
+def markdown_table() -> str:
+    """The table as Markdown, one row a parameter (docs/engines.md holds this text exactly)."""
+    head = "| parameter | endpoints | accepted everywhere | " + " | ".join(ENGINE_NAMES) + " |"
+    rows = [head, "|" + "---|" * (len(ENGINE_NAMES) + 3)]
+    for rule in PARAMETERS.values():
+        where = ", ".join(sorted(rule.endpoints))
+        cells = [rule.engines.get(e) or f"**refused**: {rule.refused}" for e in ENGINE_NAMES]
+        rows.append(f"| `{rule.name}` | {where} | {rule.neutral_doc} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"

@@ -14,6 +14,7 @@ from airflow_deadline_batch.core.params import (
     PARAMETERS,
     check_generation_defaults,
     check_params,
+    markdown_table,
 )
 from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.core.records import (
@@ -204,3 +205,9 @@ def test_job_generation_defaults_are_refused_with_one_line(tmp_path: Path) -> No
     with pytest.raises(ConfigurationError, match="generation n"):
         _plan_request(tmp_path, "vllm", generation={"n": 4})
     _plan_request(tmp_path, "vllm", generation={"max_tokens": 8, "frequency_penalty": 0.3, "seed": 2})
+
+
+def test_the_docs_table_is_the_code_table() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
+    start = doc.index("do not edit by hand -->\n") + len("do not edit by hand -->\n")
+    assert doc[start : doc.index("<!-- end of parameter table -->")] == markdown_table()
