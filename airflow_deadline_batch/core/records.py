@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, Literal
 
 import orjson
 
+from airflow_deadline_batch.core.params import REQUEST_KEYS, check_params
+
 __all__ = [
     "ALLOWED_ROLES",
     "ErrorCode",
@@ -50,6 +52,7 @@ class ErrorCode(str, enum.Enum):
     INVALID_ENCODING = "invalid_encoding"
     LINE_TOO_LONG = "line_too_long"
     INVALID_RECORD = "invalid_record"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
 
 ALLOWED_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "developer", "tool"})
@@ -58,7 +61,6 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 _NATIVE_KEYS = ("id", "prompt", "messages", "max_tokens", "metadata")
 _OPENAI_KEYS = ("custom_id", "method", "url", "body")
-_BODY_RESERVED = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens"})
 _BOM = b"\xef\xbb\xbf"
 _ECHO_CHARS = 80
 #: bytes of an over-long line kept to recover its ID from (docs/design.md §4.1)
@@ -134,13 +136,21 @@ class RawLine:
 
 @dataclass(frozen=True, slots=True)
 class ValidationLimits:
-    """Bounds a record must respect; they protect workers from pathological lines."""
+    """Bounds a record must respect; they protect workers from pathological lines.
+
+    ``engine`` names the job's engine: a line whose body asks for a parameter that engine cannot
+    honour is refused (``unsupported_parameter``, see :mod:`~airflow_deadline_batch.core.params`).
+    None checks parameter names and values only (re-reading a planned shard).
+    """
 
     max_line_bytes: int = 1_048_576
     max_prompt_chars: int = 200_000
     max_tokens_limit: int = 32_768
+    engine: str | None = None
 
     def __post_init__(self) -> None:
+        if self.engine is not None and (not isinstance(self.engine, str) or not self.engine):
+            raise ValueError(f"ValidationLimits.engine must be None or an engine name, got {self.engine!r}")
         for name in ("max_line_bytes", "max_prompt_chars", "max_tokens_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -417,7 +427,9 @@ def _parse_openai(obj: dict[str, Any], limits: ValidationLimits) -> tuple[str, R
                 "disagree; give only one",
             )
         limit = max_completion if max_completion is not None else max_tokens
-        params = {k: v for k, v in body.items() if k not in _BODY_RESERVED}
+        kind: Literal["chat", "completion"] = "chat" if url == CHAT_URL else "completion"
+        reserved = REQUEST_KEYS[kind]
+        params = {k: v for k, v in body.items() if k not in reserved}
         if url == CHAT_URL:
             if body.get("messages") is None:
                 raise _Bad(ErrorCode.INVALID_RECORD, f'a {CHAT_URL} body needs "messages"')
@@ -426,6 +438,12 @@ def _parse_openai(obj: dict[str, Any], limits: ValidationLimits) -> tuple[str, R
             if body.get("prompt") is None:
                 raise _Bad(ErrorCode.INVALID_RECORD, f'a {COMPLETIONS_URL} body needs "prompt" (a string)')
             request = Request("completion", _read_prompt(body["prompt"], "body.prompt"), None, limit, params)
+        problem = check_params(params, kind, limits.engine) if params else None
+        if problem is not None:
+            code = (
+                ErrorCode.UNSUPPORTED_PARAMETER if problem.kind == "unsupported" else ErrorCode.INVALID_RECORD
+            )
+            raise _Bad(code, problem.message)
         _check_text(request, limits)
     except _Bad as bad:
         bad.record_id = record_id
@@ -678,11 +696,18 @@ def quick_parse(data: bytes, limits: ValidationLimits) -> QuickRecord | None:
         url = obj.get("url")
         if url == CHAT_URL:
             texts = _quick_contents(body.get("messages"))
+            kind: Literal["chat", "completion"] = "chat"
         elif url == COMPLETIONS_URL:
             prompt = body.get("prompt")
             texts = prompt if type(prompt) is str else None
+            kind = "completion"
         else:
             return None
+        if not body.keys() <= REQUEST_KEYS[kind]:  # parameters: the same check as parse_line
+            reserved = REQUEST_KEYS[kind]
+            params = {k: v for k, v in body.items() if k not in reserved}
+            if check_params(params, kind, limits.engine) is not None:
+                return None
     if texts is None:
         return None
     # the joined contents are empty or blank exactly when every message is

@@ -9,6 +9,7 @@ Shared by the ``deadline-batch`` CLI and ``DeadlineBatchOperator``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime as dt
 import hashlib
 import math
@@ -31,6 +32,7 @@ from airflow_deadline_batch.core.estimate import (
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
 from airflow_deadline_batch.core.ids import new_job_id
 from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count, target_shard_seconds
+from airflow_deadline_batch.core.params import check_generation_defaults
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
 from airflow_deadline_batch.core.records import (
     LineError,
@@ -103,6 +105,9 @@ class PlanRequest:
         max_tokens = self.generation.get("max_tokens", 256)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigurationError(f"generation max_tokens must be a positive integer, got {max_tokens!r}")
+        problem = check_generation_defaults(self.generation, self.engine)
+        if problem is not None:
+            raise ConfigurationError(problem.message)
 
     @property
     def default_max_tokens(self) -> int:
@@ -253,7 +258,8 @@ def _open_input(input_uri: str) -> BinaryIO:
 
 def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
     """The validating pass: every line once, in order; the spool is rewound at the end."""
-    limits = request.limits
+    # lines whose body asks for what the job's engine cannot honour are refused here, per line
+    limits = dataclasses.replace(request.limits, engine=request.engine)
     default_max = request.default_max_tokens
     validator = Validator(limits)
     feed_quick = validator.feed_quick

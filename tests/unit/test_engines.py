@@ -106,17 +106,33 @@ class FakeSamplingParams:
     top_p: float
     seed: int | None
     stop: list[str] | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: Any = None
+
+
+@dataclass
+class FakeStructuredOutputsParams:
+    json: Any = None
+    json_object: bool | None = None
+
+
+BOS = 0
 
 
 class FakeTokenizer:
+    """A Llama-3-like tokenizer: its chat template writes BOS, and so does ``encode`` by default."""
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
     ) -> str:
         assert not tokenize and add_generation_prompt
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return "<bos> " + "".join(f"<{m['role']}> {m['content']} " for m in messages) + "<assistant>"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(range(len(text.split())))
+        ids = [BOS if w == "<bos>" else 1 + len(w) for w in text.split()]
+        return [BOS, *ids] if add_special_tokens else ids
 
 
 @dataclass
@@ -124,7 +140,7 @@ class FakeLLM:
     """Records what the engine passes; shaped like vLLM's ``LLM`` for the calls the engine makes."""
 
     kwargs: dict[str, Any]
-    calls: list[tuple[list[str], list[FakeSamplingParams]]] = field(default_factory=list)
+    calls: list[tuple[list[dict[str, list[int]]], list[FakeSamplingParams]]] = field(default_factory=list)
     instances: Any = None
 
     def __init__(self, **kwargs: Any) -> None:
@@ -137,11 +153,12 @@ class FakeLLM:
         return FakeTokenizer()
 
     def generate(
-        self, prompts: list[str], params: list[FakeSamplingParams], use_tqdm: bool
+        self, prompts: list[dict[str, list[int]]], params: list[FakeSamplingParams], use_tqdm: bool
     ) -> list[FakeRequestOutput]:
+        assert all(set(p) == {"prompt_token_ids"} for p in prompts)  # token ids: vLLM adds nothing
         self.calls.append((prompts, params))
         return [
-            FakeRequestOutput(list(range(len(p.split()))), [FakeCompletion(f" out {i} ", [1] * (i + 2))])
+            FakeRequestOutput(p["prompt_token_ids"], [FakeCompletion(f" out {i} ", [1] * (i + 2))])
             for i, p in enumerate(prompts)
         ]
 
@@ -154,7 +171,10 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     module = types.ModuleType("vllm")
     module.LLM = FakeLLM  # type: ignore[attr-defined]
     module.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
+    submodule = types.ModuleType("vllm.sampling_params")
+    submodule.StructuredOutputsParams = FakeStructuredOutputsParams  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", submodule)
     FAKE_LLMS.clear()
     yield
 
@@ -170,14 +190,70 @@ def test_vllm_engine_passes_params_per_request_and_maps_outputs(fake_vllm: None)
         [chat("a b c"), completion("x y", max_tokens=3, seed=5), completion(long_prompt)], job
     )
     ((prompts, sampling),) = llm.calls
-    assert prompts == ["<system>be brief<user>a b c<assistant>", "x y"]  # the too-long one is not sent
+    # one BOS each: the chat template's own, or the tokenizer's for a completion
+    assert [p["prompt_token_ids"].count(BOS) for p in prompts] == [1, 1]
+    assert prompts[1] == {"prompt_token_ids": [BOS, 2, 2]}  # the too-long one is not sent
     assert sampling == [
         FakeSamplingParams(8, 0.7, 0.9, 11, ["###"]),
         FakeSamplingParams(3, 0.7, 0.9, 5, ["###"]),
     ]
-    assert out[0] == Generation("out 0", None, prompt_tokens=4, completion_tokens=2)
-    assert out[1] == Generation("out 1", None, prompt_tokens=2, completion_tokens=3)
+    # the text exactly as generated (never stripped); usage from the ids that ran
+    assert out[0] == Generation(
+        " out 0 ", None, prompt_tokens=len(prompts[0]["prompt_token_ids"]), completion_tokens=2
+    )
+    assert out[1] == Generation(" out 1 ", None, prompt_tokens=3, completion_tokens=3)
     assert out[2].error is not None and out[2].error.code == "prompt_too_long"
+    assert out[2].prompt_tokens == 31  # counted on the same ids that would run: BOS + 30 words
+
+
+def test_vllm_engine_maps_every_supported_parameter(fake_vllm: None) -> None:
+    engine = get_engine("vllm", "/models/m")
+    schema = {"type": "object", "properties": {"label": {"enum": ["pos", "neg"]}}}
+    requests = [
+        chat(
+            "a",
+            max_tokens=4,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            logit_bias={"17": -100, "3": 2.5},
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        ),
+        chat("b", max_tokens=4, response_format={"type": "json_object"}, n=1, logprobs=False),
+        chat("c", max_tokens=4, response_format={"type": "text"}),
+    ]
+    out = engine.generate(requests, GenerationParams())
+    assert all(g.ok for g in out)
+    ((_, sampling),) = FAKE_LLMS[0].calls
+    assert sampling[0] == FakeSamplingParams(
+        4, 0.0, 1.0, 0, None, 0.5, -0.25, {3: 2.5, 17: -100.0}, FakeStructuredOutputsParams(json=schema)
+    )
+    assert sampling[1].structured_outputs == FakeStructuredOutputsParams(json_object=True)
+    assert sampling[2].structured_outputs is None
+
+
+def test_vllm_engine_refuses_what_it_cannot_honour(fake_vllm: None) -> None:
+    engine = get_engine("vllm", "/models/m")
+    out = engine.generate(
+        [chat("a", n=2), chat("b", logprobs=True), chat("c")], GenerationParams(max_tokens=4)
+    )
+    assert [g.error.code if g.error else None for g in out] == [
+        "unsupported_parameter",
+        "unsupported_parameter",
+        None,
+    ]
+    assert out[0].error is not None and "body.n" in out[0].error.message
+    ((prompts, _),) = FAKE_LLMS[0].calls
+    assert len(prompts) == 1
+
+
+def test_echo_and_transformers_guard_refuse_unsupported_parameters() -> None:
+    echo = get_engine("echo")
+    out = echo.generate(
+        [chat("x y z", response_format={"type": "json_object"}), chat("a b STOP c", stop="STOP")],
+        GenerationParams(),
+    )
+    assert out[0].error is not None and out[0].error.code == "unsupported_parameter"
+    assert out[1] == Generation("echo: a b ", None, prompt_tokens=4, completion_tokens=3)
 
 
 def test_vllm_engine_without_vllm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,3 +373,27 @@ def test_openai_engine_needs_a_base_url(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("ADB_OPENAI_BASE_URL", raising=False)
     with pytest.raises(EngineError, match="ADB_OPENAI_BASE_URL"):
         get_engine("openai", "m")
+
+
+def test_openai_engine_forwards_the_body_parameters(openai_server: LoopbackAPI) -> None:
+    engine = get_engine("openai", "m", base_url=openai_server.base_url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    job = GenerationParams(max_tokens=16, frequency_penalty=0.1)
+    out = engine.generate(
+        [chat("forward me", response_format=fmt, user="u1", logit_bias={"5": 1}), chat("no", n=3)], job
+    )
+    assert out[0].ok
+    assert out[1].error is not None and out[1].error.code == "unsupported_parameter"
+    ((_, body),) = openai_server.bodies
+    assert body["response_format"] == fmt
+    assert body["user"] == "u1"
+    assert body["logit_bias"] == {"5": 1.0}
+    assert body["frequency_penalty"] == 0.1
+
+
+def test_new_params_merge_and_stay_hashable() -> None:
+    job = GenerationParams.from_mapping({"presence_penalty": 0.5, "response_format": {"type": "text"}})
+    p = job.for_request(chat("x", logit_bias={"9": 1, "2": -1}, response_format={"type": "json_object"}))
+    assert p.presence_penalty == 0.5 and p.logit_bias == ((2, -1.0), (9, 1.0))
+    assert p.json_format() == ("json_object", None) and job.json_format() is None
+    assert len({p, job, p}) == 2

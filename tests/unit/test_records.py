@@ -288,6 +288,17 @@ ERROR_CASES = [
         "a",
     ),
     (
+        "unknown body parameter",
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": CHAT,
+            "body": {"messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
+        },
+        ErrorCode.UNSUPPORTED_PARAMETER,
+        "a",
+    ),
+    (
         "completion body without prompt",
         {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"messages": []}},
         ErrorCode.INVALID_RECORD,

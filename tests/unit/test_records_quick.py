@@ -31,16 +31,16 @@ from airflow_deadline_batch.core.records import (
 LIMITS = ValidationLimits(max_line_bytes=400, max_prompt_chars=40, max_tokens_limit=100)
 
 
-def _reference(data: bytes) -> Record | LineError | None:
-    return parse_line(RawLine(3, 0, len(data) + 1, data), LIMITS)
+def _reference(data: bytes, limits: ValidationLimits = LIMITS) -> Record | LineError | None:
+    return parse_line(RawLine(3, 0, len(data) + 1, data), limits)
 
 
-def _assert_agrees(data: bytes) -> bool:
+def _assert_agrees(data: bytes, limits: ValidationLimits = LIMITS) -> bool:
     """Check the fast path against the reference on ``data``; True when the fast path accepted it."""
-    quick = quick_parse(data, LIMITS)
+    quick = quick_parse(data, limits)
     if quick is None:
         return False
-    ref = _reference(data)
+    ref = _reference(data, limits)
     assert isinstance(ref, Record), (data, ref)
     record_id, texts, limit = quick
     request = ref.request
@@ -103,6 +103,16 @@ _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]) | _odd,
     "extra": _odd,
     "body": _odd,
+    # body parameters (core.params): valid, neutral, refused by some engines, malformed
+    "temperature": st.one_of(st.sampled_from([0, 0.5, 2, 2.5, -1]), _odd),
+    "n": st.one_of(st.sampled_from([1, 2]), _odd),
+    "presence_penalty": st.one_of(st.sampled_from([0, 0.5, 3]), _odd),
+    "logit_bias": st.one_of(st.sampled_from([{}, {"5": 1}, {"x": 1}]), _odd),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}]), _odd
+    ),
+    "logprobs": st.one_of(st.sampled_from([False, True, 2]), _odd),
+    "stream": _odd,
 }
 
 
@@ -128,6 +138,13 @@ def _near_valid(draw: Any) -> Any:
 @given(obj=st.one_of(_near_valid(), _odd))
 def test_quick_parse_accepts_only_what_parse_line_accepts_with_the_same_numbers(obj: Any) -> None:
     _assert_agrees(orjson.dumps(obj))
+
+
+@settings(max_examples=800, deadline=None)
+@given(obj=_near_valid(), engine=st.sampled_from(["echo", "transformers", "vllm", "openai", "custom"]))
+def test_quick_parse_agrees_under_every_engine(obj: Any, engine: str) -> None:
+    limits = ValidationLimits(max_line_bytes=400, max_prompt_chars=40, max_tokens_limit=100, engine=engine)
+    _assert_agrees(orjson.dumps(obj), limits)
 
 
 @given(data=st.binary(max_size=60))

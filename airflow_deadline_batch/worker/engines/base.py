@@ -8,11 +8,12 @@ microbatch failed transiently (the worker then exits retryable and the next atte
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.core.records import Request
@@ -23,6 +24,7 @@ DEFAULT_MAX_TOKENS = 256
 ENGINE_ERROR = "engine_error"
 PROMPT_TOO_LONG = "prompt_too_long"
 REQUEST_REJECTED = "request_rejected"
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +36,12 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: token id -> bias, sorted by token id (a tuple, so params stay hashable for grouping)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: the body's ``response_format`` as canonical JSON (None or text: free text)
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,7 +81,29 @@ class GenerationParams:
         stop = values.get("stop")
         if stop:
             updates["stop"] = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        for key in ("presence_penalty", "frequency_penalty"):
+            if values.get(key) is not None:
+                updates[key] = float(values[key])
+        bias = values.get("logit_bias")
+        if bias:
+            updates["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in dict(bias).items()))
+        fmt = values.get("response_format")
+        if fmt is not None:
+            if not isinstance(fmt, Mapping):
+                raise ValueError(f"response_format must be an object, got {fmt!r}")
+            text = fmt.get("type") == "text"
+            updates["response_format"] = None if text else json.dumps(fmt, sort_keys=True)
         return replace(self, **updates) if updates else self
+
+    def json_format(self) -> tuple[Literal["json_object", "json_schema"], dict[str, Any] | None] | None:
+        """The structured output asked for: ``("json_object", None)``, ``("json_schema", schema)``
+        or None for free text."""
+        if self.response_format is None:
+            return None
+        fmt = json.loads(self.response_format)
+        if fmt.get("type") == "json_schema":
+            return "json_schema", dict(fmt["json_schema"]["schema"])
+        return "json_object", None
 
 
 @dataclass(frozen=True)
@@ -225,3 +255,21 @@ def group_by_params(requests: Sequence[Request], params: GenerationParams) -> li
         p = params.for_request(request)
         groups.setdefault(p, ParamGroup(p)).positions.append(pos)
     return list(groups.values())
+
+
+def refusal(request: Request, engine: str) -> Generation | None:
+    """An ``unsupported_parameter`` Generation when the request asks for what ``engine`` cannot do.
+
+    The planner already refused such lines (core.params); this is the engine's own guard, so a
+    record that reaches an engine some other way is refused, never run without its parameter.
+    """
+    from airflow_deadline_batch.core.params import check_params
+
+    params = getattr(request, "params", None)
+    if not params:
+        return None
+    problem = check_params(params, "chat" if is_chat(request) else "completion", engine)
+    if problem is None:
+        return None
+    code = UNSUPPORTED_PARAMETER if problem.kind == "unsupported" else "invalid_record"
+    return Generation.failed(code, problem.message)

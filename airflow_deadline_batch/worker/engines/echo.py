@@ -12,7 +12,9 @@ from airflow_deadline_batch.worker.engines.base import (
     GenerationParams,
     option_float,
     prompt_text,
+    refusal,
     text_digest,
+    truncate_at_stop,
 )
 
 if TYPE_CHECKING:
@@ -23,7 +25,12 @@ FAIL_MARKER = "__adb_fail_record__"
 
 
 class EchoEngine:
-    """Echoes the last user message (``"echo: " + words``, cut at the request's max_tokens words).
+    """Echoes the last user message (``"echo: " + words``, cut at the request's max_tokens words
+    and at its first stop string).
+
+    Echo has no model, so sampling parameters (temperature, penalties, logit_bias, ...) are
+    accepted and have nothing to act on; parameters that change the shape of the answer (JSON
+    ``response_format``, several choices, log probabilities) are refused (core.params).
 
     Option ``delay_s_per_record`` (or env ``ADB_ECHO_DELAY_S``) makes each record take real time,
     so tests can interrupt a worker in the middle of a microbatch.
@@ -53,7 +60,8 @@ class EchoEngine:
         for request in requests:
             if self.delay_s_per_record:
                 time.sleep(self.delay_s_per_record)  # simulated work, not synchronisation
-            results.append(echo_one(request, params.for_request(request)))
+            refused = refusal(request, self.name)
+            results.append(refused or echo_one(request, params.for_request(request)))
         return results
 
 
@@ -64,7 +72,8 @@ def echo_one(request: Request, params: GenerationParams) -> Generation:
     if FAIL_MARKER in text:
         return Generation.failed(ENGINE_ERROR, "echo engine: the prompt asked to fail", prompt_tokens)
     words = ["echo:", *text.split()][: params.max_tokens]
-    return Generation(" ".join(words), None, prompt_tokens, len(words))
+    output = truncate_at_stop(" ".join(words), params.stop)
+    return Generation(output, None, prompt_tokens, len(output.split()))
 
 
 def build(model: str | None, options: dict[str, Any]) -> EchoEngine:

@@ -31,6 +31,7 @@ from airflow_deadline_batch.worker.engines.base import (
     chat_turns,
     is_chat,
     option_float,
+    refusal,
     text_digest,
 )
 
@@ -135,15 +136,31 @@ class OpenAIEngine:
             return list(pool.map(lambda r: self._one(r, params.for_request(r)), requests))
 
     def _one(self, request: Request, params: GenerationParams) -> Generation:
+        refused = refusal(request, self.name)
+        if refused is not None:
+            return refused
+        # the body's own parameters are forwarded as they are (core.params says which may be);
+        # the effective sampling params (job defaults under the body's) are written over them
         payload: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "seed": params.seed,
+            k: v for k, v in (getattr(request, "params", None) or {}).items() if v is not None
         }
+        payload.update(
+            model=self.model,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+        )
         if params.stop:
             payload["stop"] = list(params.stop)
+        if params.presence_penalty:
+            payload["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            payload["frequency_penalty"] = params.frequency_penalty
+        if params.logit_bias:
+            payload["logit_bias"] = {str(k): v for k, v in params.logit_bias}
+        if params.response_format is not None:
+            payload["response_format"] = json.loads(params.response_format)
         if is_chat(request):
             url = f"{self.base_url}/chat/completions"
             payload["messages"] = [t.as_dict() for t in chat_turns(request)]

@@ -22,6 +22,7 @@ from airflow_deadline_batch.worker.engines.base import (
     chat_turns,
     group_by_params,
     is_chat,
+    refusal,
     truncate_at_stop,
     weights_digest,
 )
@@ -128,11 +129,13 @@ class TransformersEngine:
 
     def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
         self.load()
-        results: list[Generation | None] = [None] * len(requests)
-        for group in group_by_params(requests, params):
-            texts = self._generate_group([requests[i] for i in group.positions], group.params)
+        results: list[Generation | None] = [refusal(r, self.name) for r in requests]
+        positions = [i for i, g in enumerate(results) if g is None]
+        runnable = [requests[i] for i in positions]
+        for group in group_by_params(runnable, params):
+            texts = self._generate_group([runnable[i] for i in group.positions], group.params)
             for pos, generation in zip(group.positions, texts, strict=True):
-                results[pos] = generation
+                results[positions[pos]] = generation
         return [r for r in results if r is not None]
 
     def _render(self, request: Request) -> str:

@@ -1,4 +1,4 @@
-"""vLLM offline batch (``LLM.generate``): the production engine in the worker image.
+"""vLLM offline batch (``LLM.generate`` on token ids): the production engine in the worker image.
 
 ``vllm`` is imported only when this engine is selected, so the package works without it.
 """
@@ -19,6 +19,7 @@ from airflow_deadline_batch.worker.engines.base import (
     GenerationParams,
     chat_turns,
     is_chat,
+    refusal,
     text_digest,
     weights_digest,
 )
@@ -86,32 +87,27 @@ class VllmEngine:
         tokenizer = self._llm.get_tokenizer()
         limit = self._max_model_len()
         results: list[Generation | None] = [None] * len(requests)
-        prompts: list[str] = []
+        prompts: list[dict[str, list[int]]] = []
         sampling: list[Any] = []
         positions: list[int] = []
         for pos, request in enumerate(requests):
+            refused = refusal(request, self.name)
+            if refused is not None:
+                results[pos] = refused
+                continue
             p = params.for_request(request)
-            prompt = self._render(tokenizer, request)
-            if limit is not None:
-                n = len(tokenizer.encode(prompt, add_special_tokens=False))
-                if n + p.max_tokens > limit:
-                    results[pos] = Generation.failed(
-                        PROMPT_TOO_LONG,
-                        f"prompt has {n} tokens; with max_tokens {p.max_tokens} it "
-                        f"exceeds max_model_len {limit}",
-                        prompt_tokens=n,
-                    )
-                    continue
-            prompts.append(prompt)
-            sampling.append(
-                self._vllm.SamplingParams(
-                    max_tokens=p.max_tokens,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    seed=p.seed,
-                    stop=list(p.stop) or None,
+            # the ids that will run: the context check counts exactly these, and vLLM adds nothing
+            ids = prompt_token_ids(tokenizer, request)
+            if limit is not None and len(ids) + p.max_tokens > limit:
+                results[pos] = Generation.failed(
+                    PROMPT_TOO_LONG,
+                    f"prompt has {len(ids)} tokens; with max_tokens {p.max_tokens} it "
+                    f"exceeds max_model_len {limit}",
+                    prompt_tokens=len(ids),
                 )
-            )
+                continue
+            prompts.append({"prompt_token_ids": ids})
+            sampling.append(self._sampling_params(p))
             positions.append(pos)
         if prompts:
             outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
@@ -119,12 +115,36 @@ class VllmEngine:
                 results[pos] = _to_generation(output)
         return [r for r in results if r is not None]
 
-    @staticmethod
-    def _render(tokenizer: Any, request: Request) -> str:
-        if is_chat(request):
-            turns = [t.as_dict() for t in chat_turns(request)]
-            return str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
-        return str(getattr(request, "prompt", "") or "")
+    def _sampling_params(self, p: GenerationParams) -> Any:
+        """``SamplingParams`` of one request; every field the table (core.params) maps for vLLM."""
+        kwargs: dict[str, Any] = {
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "seed": p.seed,
+            "stop": list(p.stop) or None,
+        }
+        if p.presence_penalty:
+            kwargs["presence_penalty"] = p.presence_penalty
+        if p.frequency_penalty:
+            kwargs["frequency_penalty"] = p.frequency_penalty
+        if p.logit_bias:
+            kwargs["logit_bias"] = dict(p.logit_bias)
+        structured = p.json_format()
+        if structured is not None:
+            kwargs.update(self._structured(*structured))
+        return self._vllm.SamplingParams(**kwargs)
+
+    def _structured(self, kind: str, schema: dict[str, Any] | None) -> dict[str, Any]:
+        """Structured outputs: ``StructuredOutputsParams`` (vLLM >= 0.10.2), else the older
+        ``GuidedDecodingParams``; both take ``json=schema`` or ``json_object=True``."""
+        module = importlib.import_module("vllm.sampling_params")
+        spec = {"json": schema} if kind == "json_schema" else {"json_object": True}
+        if hasattr(module, "StructuredOutputsParams"):
+            return {"structured_outputs": module.StructuredOutputsParams(**spec)}
+        if hasattr(module, "GuidedDecodingParams"):
+            return {"guided_decoding": module.GuidedDecodingParams(**spec)}
+        raise EngineError("this vLLM has no structured outputs; use vLLM >= 0.6 for response_format")
 
     def _max_model_len(self) -> int | None:
         config = getattr(getattr(self._llm, "llm_engine", None), "model_config", None)
@@ -132,14 +152,30 @@ class VllmEngine:
         return int(value) if value else None
 
 
+def prompt_token_ids(tokenizer: Any, request: Request) -> list[int]:
+    """The token ids vLLM runs for ``request``.
+
+    A chat is the chat template rendered and tokenized in one step: the template writes its own
+    BOS, so no tokenizer special tokens are added (rendering to text and handing the text to
+    ``LLM.generate`` would add a second BOS for Llama-3-style templates). A completion prompt is
+    tokenized as vLLM tokenizes text: with the tokenizer's special tokens (one BOS).
+    """
+    if is_chat(request):
+        turns = [t.as_dict() for t in chat_turns(request)]
+        text = str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    prompt = str(getattr(request, "prompt", "") or "")
+    return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=True)]
+
+
 def _to_generation(output: Any) -> Generation:
-    """Map a vLLM ``RequestOutput`` to a Generation (usage from token ids)."""
+    """Map a vLLM ``RequestOutput`` to a Generation (usage from token ids; the text exactly)."""
     prompt_tokens = len(getattr(output, "prompt_token_ids", None) or [])
     completions = getattr(output, "outputs", None) or []
     if not completions:
         return Generation.failed(ENGINE_ERROR, "vLLM returned no completion", prompt_tokens)
     first = completions[0]
-    return Generation(str(first.text).strip(), None, prompt_tokens, len(first.token_ids or []))
+    return Generation(str(first.text), None, prompt_tokens, len(first.token_ids or []))
 
 
 def build(model: str | None, options: dict[str, Any]) -> VllmEngine:
