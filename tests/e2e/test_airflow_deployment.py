@@ -1,0 +1,217 @@
+"""The example DAGs on a real Airflow deployment (not ``dag.test()``), driven through the REST API.
+
+``airflow api-server``, ``scheduler`` (LocalExecutor), ``triggerer`` and ``dag-processor`` run as
+processes with a PostgreSQL metadata database (tests/fixtures/airflow_deployment.py); the run is
+triggered and awaited through ``/api/v2``, and the deferrable ``CompletenessSensor`` resumes from
+the real triggerer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.e2e.loopback_deployment import connections, create_secrets, evict_first_running_pod
+from tests.fixtures.airflow_deployment import (
+    AirflowDeployment,
+    airflow_environment,
+    metadata_database,
+    password_store,
+    start_deployment,
+    stop_deployment,
+)
+from tests.fixtures.postgres import PgServer
+from tests.helpers.inputs import mixed_input
+from tests.helpers.outcomes import read_manifest, read_outcomes
+from tests.k8s.fixtures import NAMESPACE, LoopbackCluster, loopback_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_DAG = Path(__file__).resolve().parent / "dags" / "example_deadline_batch_local_deployment.py"
+SAMPLE = REPO / "dags" / "data" / "sample_reviews.jsonl"
+RUN_TIMEOUT_S = 240.0
+K8S_DAG_ID = "example_deadline_batch_kubernetes"
+K8S_TEST_DAG = Path(__file__).resolve().parent / "dags" / "example_deadline_batch_kubernetes_loopback.py"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One deployment for the module: both example DAGs parsed, the connections set, a bucket."""
+
+    airflow: AirflowDeployment
+    cluster: LoopbackCluster
+    bucket: str
+    store_url: str
+    store_password: str
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, pg_server: PgServer, s3_endpoint: str, s3_client: Any
+) -> Iterator[Deployment]:
+    """Started once (about 30-40 s on two loaded cores) and shared by the two DAG tests."""
+    root = tmp_path_factory.mktemp("deployment")
+    dags = root / "dags"
+    dags.mkdir()
+    for dag_file in (LOCAL_DAG, K8S_TEST_DAG):  # each DAG resolves its own folder through the link
+        (dags / dag_file.name).symlink_to(dag_file)
+    bucket = f"e2e-{uuid.uuid4().hex[:20]}"
+    s3_client.create_bucket(Bucket=bucket)
+    with (
+        metadata_database(pg_server) as db_url,
+        password_store(pg_server) as store_url,
+        loopback_cluster(root) as cluster,
+    ):
+        create_secrets(cluster, store_url, s3_endpoint)
+        airflow = start_deployment(
+            root / "airflow",
+            db_url=db_url,
+            dags_folder=dags,
+            extra_env={
+                # the local example's knobs (docs/airflow.md)
+                "ADB_ENGINE": "echo",
+                "ADB_EXAMPLE_DIR": str(root / "example"),
+                "ADB_EXAMPLE_PREEMPT_TRIES": "1",
+                # the Kubernetes example's connections: the only place credentials are given
+                **connections(store_url, s3_endpoint, cluster.kubeconfig),
+            },
+        )
+        try:
+            yield Deployment(airflow, cluster, bucket, store_url, str(make_url(store_url).password))
+        finally:
+            stop_deployment(airflow)
+            for pod in cluster.api.pods(NAMESPACE):  # a run cut short leaves pods running
+                with contextlib.suppress(Exception):
+                    cluster.core_v1().delete_namespaced_pod(pod["metadata"]["name"], NAMESPACE)
+
+
+def by_task(tis: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for ti in tis:
+        out.setdefault(ti["task_id"], []).append(ti)
+    return out
+
+
+def test_local_dag_on_a_real_deployment(deployment: Deployment, tmp_path: Path) -> None:
+    af = deployment.airflow
+    dag_id = "example_deadline_batch_local"
+    af.wait_for_dag(dag_id)
+    started = time.monotonic()
+    run_id = af.trigger(dag_id, {"output_uri": str(tmp_path / "out"), "deadline": "+2h"})
+    run = af.wait_for_run(dag_id, run_id, timeout_s=RUN_TIMEOUT_S)
+    tis = by_task(af.task_instances(dag_id, run_id))
+    summary = {t: [(ti["map_index"], ti["state"], ti["try_number"]) for ti in v] for t, v in tis.items()}
+    assert run["state"] == "success", f"{summary}\n{af.log_tails()}"
+    print(f"run took {time.monotonic() - started:.1f} s: {summary}")
+
+    assert len(tis["shard"]) >= 2 and {ti["state"] for ti in tis["shard"]} == {"success"}
+    # every shard's first try was preempted (injected) and Airflow's retry finished it
+    assert {ti["try_number"] for ti in tis["shard"]} == {2}
+    (verify,) = tis["verify"]
+    (summarise,) = tis["summarise"]
+    assert verify["state"] == summarise["state"] == "success"
+    # the sensor deferred: its try ran in the real triggerer, then resumed on a worker
+    log = af.task_log(dag_id, run_id, "verify", verify["try_number"])
+    assert "defer" in log.lower(), log[-3000:]
+    # downstream ran only after publication
+    assert summarise["start_date"] >= verify["end_date"]
+
+    manifest_uri = af.xcom(dag_id, run_id, "verify", "return_value")
+    manifest = json.loads(Path(manifest_uri.removeprefix("file://")).read_text())
+    records = [n for n, line in enumerate(SAMPLE.read_text().splitlines(), start=1) if line.strip()]
+    seen = sorted(
+        json.loads(row)["line"]
+        for entry in manifest["shards"]
+        for row in Path(entry["uri"].removeprefix("file://")).read_text().splitlines()
+    )
+    assert seen == records  # one outcome per non-blank input line, none twice
+    assert af.xcom(dag_id, run_id, "summarise", "return_value")["outcomes"] == manifest["outcomes"]
+
+
+# -- the Kubernetes example DAG on the loopback Kubernetes API ------------------------------------
+
+
+def test_kubernetes_dag_on_a_real_deployment_with_an_eviction(deployment: Deployment, s3_client: Any) -> None:
+    k8s_setup = deployment
+    af, api = k8s_setup.airflow, k8s_setup.cluster.api
+    for process in af.processes.values():  # no AWS_* variable in any Airflow process
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith(b"AWS_")]
+    # ~7 % invalid lines (every kind; admission refuses over 10 %) and a few blank ones
+    mixed = mixed_input(200, seed=8, bad_fraction=0.02, blank_fraction=0.02)
+    assert mixed.blank_lines
+    af.wait_for_dag(K8S_DAG_ID)
+
+    day = dt.datetime.now(dt.timezone.utc).date().isoformat()  # {{ dag_run.run_after | ds }}
+    s3_client.put_object(Bucket=k8s_setup.bucket, Key=f"batches/{day}/requests.jsonl", Body=mixed.data)
+    evicted: list[str] = []
+    evictor = threading.Thread(
+        target=evict_first_running_pod, args=(api, evicted), kwargs={"timeout_s": RUN_TIMEOUT_S}, daemon=True
+    )
+    evictor.start()
+    started = time.monotonic()
+    run_id = af.trigger(K8S_DAG_ID, {"bucket": k8s_setup.bucket})
+    run = af.wait_for_run(K8S_DAG_ID, run_id, timeout_s=RUN_TIMEOUT_S)
+    tis = by_task(af.task_instances(K8S_DAG_ID, run_id))
+    summary = {t: [(ti["map_index"], ti["state"], ti["try_number"]) for ti in v] for t, v in tis.items()}
+    assert run["state"] == "success", f"{summary}\n{af.log_tails()}"
+    print(f"run took {time.monotonic() - started:.1f} s: {summary}; evicted {evicted}")
+    evictor.join(timeout=10)
+
+    # at least one eviction, and a later pod of the same shard finished it
+    assert evicted, "no pod was evicted"
+    created = api.created_pods
+    assert len(created) > len(tis["shard"]), [p["metadata"]["name"] for p in created]
+    # the evicted pod's shard task classified the eviction as a preemption
+    (evicted_pod,) = [p for p in created if p["metadata"]["name"] == evicted[0]]
+    map_index = int(evicted_pod["metadata"]["labels"]["map_index"])
+    log = af.task_log_file(K8S_DAG_ID, run_id, "shard", 1, map_index=map_index)
+    assert "preempted (pod Terminated" in log, log[-3000:]
+    # placements: every pod on one of the example's two pools, by node selector
+    capacity = {p["spec"]["nodeSelector"]["karpenter.sh/capacity-type"] for p in created}
+    assert capacity <= {"spot", "on-demand"} and capacity, capacity
+
+    (verify,) = tis["verify"]
+    (announce,) = tis["announce"]
+    assert verify["state"] == announce["state"] == "success"
+    assert announce["start_date"] >= verify["end_date"]  # downstream only after publication
+    manifest_uri = af.xcom(K8S_DAG_ID, run_id, "verify", "return_value")
+    assert af.xcom(K8S_DAG_ID, run_id, "announce", "return_value") == manifest_uri
+    assert manifest_uri.startswith(f"s3://{k8s_setup.bucket}/batch-results/")
+    outcomes = read_outcomes(read_manifest(manifest_uri))
+    assert sorted(outcomes) == sorted(e.line for e in mixed.expected)  # one per non-blank line
+
+    # the store DSN (and its password) never in a pod spec nor in XCom: pods get it by reference
+    secret_bits = (k8s_setup.store_url, k8s_setup.store_password)
+    pod_specs = json.dumps(created)
+    assert not [s for s in secret_bits if s in pod_specs]
+    for pod in created:
+        (container,) = pod["spec"]["containers"]
+        (store_env,) = [e for e in container["env"] if e["name"] == "ADB_STORE_URL"]
+        assert store_env["valueFrom"]["secretKeyRef"]["name"] == "deadline-batch-store"
+    xcoms = json.dumps(af.xcoms(K8S_DAG_ID, run_id))
+    assert "plan_connections" in xcoms or "job_id" in xcoms  # the listing is not empty
+    assert not [s for s in secret_bits if s in xcoms]
+
+
+def test_docs_export_exactly_the_deployment_environment(tmp_path: Path) -> None:
+    """docs/kubernetes.md's by-hand steps set every variable the fixture gives the Airflow processes."""
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    env = airflow_environment(tmp_path, db_url="postgresql+psycopg://x@h/d", port=8080, dags_folder=tmp_path)
+    documented = set(re.findall(r"^export (AIRFLOW\w+)=", docs, flags=re.M))
+    assert {k for k in env if k.startswith("AIRFLOW")} == documented
+    for name, _ in connections("postgresql+psycopg://u:p@h:1/d", "http://s3", tmp_path).items():
+        assert name in docs
