@@ -28,11 +28,10 @@ from tests.fixtures.airflow_deployment import (
     AirflowDeployment,
     airflow_environment,
     metadata_database,
-    password_store,
     start_deployment,
     stop_deployment,
 )
-from tests.fixtures.postgres import PgServer
+from tests.fixtures.postgres import PgServer, password_store
 from tests.helpers.inputs import mixed_input
 from tests.helpers.outcomes import read_manifest, read_outcomes
 from tests.k8s.fixtures import NAMESPACE, LoopbackCluster, loopback_cluster
