@@ -555,6 +555,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "rates": [r.to_dict() for r in rates],
         "predicted_finish": view.predicted_finish.isoformat(),
         "slack_s": round(view.slack_s, 3),
+        "error": progress.error,
     }
     predicted, slack_s = view.predicted_finish, view.slack_s
     pct = 100.0 * progress.committed_records / progress.total_records if progress.total_records else 100.0
@@ -583,6 +584,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"worker(s) plus a {format_duration(view.changeover_s)} changeover: predicted finish "
             f"{predicted.isoformat(timespec='seconds')}, slack {format_duration(slack_s, signed=True)}\n"
         )
+        + (f"stopped because: {progress.error}\n" if progress.error else "")
         + f"manifest: {manifest or 'not published'}"
     )
     _emit(args, payload, text)

@@ -106,3 +106,26 @@ def test_status_shows_the_rates_measured_from_committed_microbatches(
     assert status["remaining_work_s"] > before
     assert main(["status", plan.job_id, "--store", url]) == 0
     assert "measured over 3 microbatch(es)" in capsys.readouterr().out
+
+
+def test_status_says_why_a_job_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(url)
+    plan = plan_job(
+        store,
+        PlanRequest(
+            input_uri=str(SAMPLE),
+            deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2),
+            output_uri=str(tmp_path / "out"),
+            engine="echo",
+            pools=default_local_pools("echo"),
+            workers=2,
+        ),
+    )
+    cause = "configuration error (shard 0): the model file is missing"
+    store.set_job_state(plan.job_id, "failed", error=cause)
+    store.close()
+    assert main(["status", plan.job_id, "--store", url, "--json"]) == 0
+    assert orjson.loads(capsys.readouterr().out.splitlines()[-1])["error"] == cause
+    assert main(["status", plan.job_id, "--store", url]) == 0
+    assert f"stopped because: {cause}" in capsys.readouterr().out
