@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite on real parts: PostgreSQL (started by the fixtures as the postgres user),
-# an S3 API over HTTP (moto server), subprocess workers, Airflow dag.test().
+# an S3 API over HTTP (moto server), subprocess workers, Airflow dag.test(), headless Chromium.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
-if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
-  echo "installing PostgreSQL server binaries (Debian package postgresql)" >&2
-  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq postgresql >/dev/null;
-  else sudo apt-get update -qq && sudo apt-get install -y -qq postgresql >/dev/null; fi
+# Debian packages the tests drive: PostgreSQL's server, and Chromium + ChromeDriver for the UI tests
+missing=()
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${missing[*]}" >&2
+  sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 exec .venv/bin/python -m pytest "$@"
