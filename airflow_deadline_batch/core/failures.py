@@ -56,6 +56,11 @@ class FailureClass(str, enum.Enum):
 #: first backoff bound and cap of the relaunch backoff after a transient failure (seconds)
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
+#: The least delay between a try handing its slot back (a reschedule, a deferral) and the task's
+#: next start. Airflow 3.3's scheduler fails a task that starts again before it has processed the
+#: executor's report of the previous exit (docs/airflow.md, *Resuming tasks*); a scheduler loop
+#: takes about a second, several on a loaded machine.
+MIN_RESUME_DELAY_S = 5.0
 
 #: our own exception classes (by name: core imports no exception module it does not need)
 _CONFIGURATION_TYPES = frozenset(

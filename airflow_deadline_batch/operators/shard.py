@@ -47,7 +47,13 @@ from kubernetes.client import models as k8s
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
-from airflow_deadline_batch.core.failures import FailureClass, TryFailure, backoff_s, classify_exit
+from airflow_deadline_batch.core.failures import (
+    MIN_RESUME_DELAY_S,
+    FailureClass,
+    TryFailure,
+    backoff_s,
+    classify_exit,
+)
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -278,9 +284,9 @@ class _ShardTryMixin:
             raise AirflowException(
                 f"{where} {failure.value}: {reason}; the next try re-decides its pool from the slack left"
             )
-        delay = 1.0
+        delay = MIN_RESUME_DELAY_S
         if failure is FailureClass.TRANSIENT:
-            delay = max(1.0, backoff_s(self.transient_in_a_row(), slack_s=self.slack_s()))
+            delay = max(delay, backoff_s(self.transient_in_a_row(), slack_s=self.slack_s()))
         self.log.warning(
             "%s %s (%s): rescheduled in %.0f s, no retry spent", where, failure.value, reason, delay
         )

@@ -16,6 +16,7 @@ from airflow.sdk import Asset, BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_deadline_batch.core.clock import UTC, SystemClock
+from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import connection_s3
@@ -153,11 +154,13 @@ class CompletenessSensor(BaseSensorOperator):
             self.risk_notifier.notify_risk(context, risk)
 
     def execute(self, context: Any) -> Any:
-        """Deferrable: hand the wait to :class:`CompletenessTrigger` at once.
+        """Deferrable: finish at once when the job is already over, else wait in the triggerer.
 
-        There is no "already finished?" shortcut: the trigger reads progress before its first
-        sleep, so a finished job costs one triggerer round trip, and every run takes the same path
-        (trigger event, then :meth:`execute_complete` verifies and publishes).
+        A job that is over when the sensor starts (the usual case when the sensor runs after the
+        shard tasks) is verified and published here, without a triggerer round trip. Otherwise the
+        :class:`CompletenessTrigger` takes over; its first read comes ``max(poke_interval,
+        MIN_RESUME_DELAY_S)`` later: a task that resumes within a scheduler loop of deferring can
+        be failed by Airflow 3.3's scheduler (docs/airflow.md, *Resuming tasks*).
         """
         self._resolve_plan(context)
         self._check_store()
@@ -166,12 +169,11 @@ class CompletenessSensor(BaseSensorOperator):
             return super().execute(context)
         progress = self._progress()
         self._check_risk(context)
-        unfinished = evaluate_progress(self.job_id, progress) is None
-        if unfinished and self.expire_unfinished and self._past_deadline(progress):
-            return self._finish(
-                context,
-                CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed"),
-            )
+        event = evaluate_progress(self.job_id, progress)
+        if event is None and self.expire_unfinished and self._past_deadline(progress):
+            event = CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed")
+        if event is not None:
+            return self._finish(context, event)
         timeout_at = dt.datetime.now(UTC) + dt.timedelta(seconds=self.timeout)
         if self.expire_unfinished and progress.get("deadline"):
             timeout_at = min(timeout_at, dt.datetime.fromisoformat(str(progress["deadline"])))
@@ -190,6 +192,7 @@ class CompletenessSensor(BaseSensorOperator):
                 poll_interval_s=self.poke_interval,
                 timeout_at=timeout_at.isoformat(),
                 dag_id=self.dag_id if self.has_dag() else None,
+                first_poll_delay_s=max(self.poke_interval, MIN_RESUME_DELAY_S),
             ),
             method_name="execute_complete",
         )

@@ -123,6 +123,10 @@ class CompletenessTrigger(BaseTrigger):
         triggerer restart does not restart the clock.
     :param dag_id: the sensor's DAG, the ``dag_id`` tag of the metrics each poll sends
         (:func:`airflow_deadline_batch.metrics.emit_job`).
+    :param first_poll_delay_s: seconds before the first read. The sensor sets it (it has just read
+        progress itself) so that the task never resumes within seconds of deferring: Airflow 3.3's
+        scheduler can fail a task that resumes before it has processed the executor's report of the
+        try that deferred (docs/airflow.md, *Resuming tasks*).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class CompletenessTrigger(BaseTrigger):
         poll_interval_s: float = 30.0,
         timeout_at: str | None = None,
         dag_id: str | None = None,
+        first_poll_delay_s: float = 0.0,
     ) -> None:
         super().__init__()
         self.job_id = job_id
@@ -142,6 +147,7 @@ class CompletenessTrigger(BaseTrigger):
         self.poll_interval_s = float(poll_interval_s)
         self.timeout_at = timeout_at
         self.dag_id = dag_id
+        self.first_poll_delay_s = max(0.0, float(first_poll_delay_s))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -153,6 +159,7 @@ class CompletenessTrigger(BaseTrigger):
                 "poll_interval_s": self.poll_interval_s,
                 "timeout_at": self.timeout_at,
                 "dag_id": self.dag_id,
+                "first_poll_delay_s": self.first_poll_delay_s,
             },
         )
 
@@ -177,6 +184,8 @@ class CompletenessTrigger(BaseTrigger):
         try:
             # The store's drivers are synchronous; a thread keeps the triggerer's event loop free.
             store = await asyncio.to_thread(self._open_store)
+            if self.first_poll_delay_s:
+                await asyncio.sleep(self.first_poll_delay_s)
             while True:
                 progress = await asyncio.to_thread(self._read_progress, store)
                 event = evaluate_progress(self.job_id, progress)

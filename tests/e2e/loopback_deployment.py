@@ -3,8 +3,9 @@
 ``python -m tests.e2e.loopback_deployment --dir DIR --store-url URL --s3-endpoint URL`` starts the
 loopback Kubernetes API (tests/k8s/) in this process, writes ``DIR/kubeconfig``, creates the two
 Secrets the example DAG's pods read, prints the ``AIRFLOW_CONN_*`` connections to export for the
-Airflow processes, evicts the first shard pod that runs (``--no-evict`` to skip) and serves until
-Ctrl-C. tests/e2e/test_airflow_deployment.py uses the same functions.
+Airflow processes, gives the cluster one Spot node, reclaims it from the first Spot shard pod that
+runs (``--no-evict`` to skip) and serves until Ctrl-C. tests/e2e/test_airflow_deployment.py uses
+the same functions.
 """
 
 from __future__ import annotations
@@ -67,11 +68,31 @@ def create_secrets(cluster: LoopbackCluster, store_url: str, s3_endpoint: str) -
     core.create_namespaced_secret(NAMESPACE, secret(S3_SECRET, s3_environment(s3_endpoint)))
 
 
+#: the example's node label that tells Spot from on-demand nodes (Karpenter's)
+CAPACITY_TYPE = "karpenter.sh/capacity-type"
+#: Spot nodes the cluster has at first; the eviction reclaims one of them for good
+SPOT_NODES = 1
+
+
+def on_spot(pod: dict) -> bool:
+    return (pod["spec"].get("nodeSelector") or {}).get(CAPACITY_TYPE) == "spot"
+
+
+def limit_spot(api: LoopbackKubernetes, nodes: int = SPOT_NODES) -> None:
+    """Spot capacity is scarce: at most ``nodes`` Spot pods run at once, the others stay Pending."""
+    api.set_capacity(CAPACITY_TYPE, "spot", nodes)
+
+
 def evict_first_running_pod(api: LoopbackKubernetes, evicted: list[str], *, timeout_s: float) -> None:
-    """Wait (on the API's condition variable) for a Running pod; evict it as a Spot reclaim does."""
+    """Wait (on the API's condition variable) for a Running Spot pod; reclaim its node as Spot does.
+
+    The pod gets a Spot interruption (DisruptionTarget, SIGTERM, grace, SIGKILL) and its node is
+    gone for good, so with :func:`limit_spot` no Spot pod runs afterwards: the shards still to
+    run wait for Spot until their decision's last safe Spot start, then go on-demand.
+    """
     with contextlib.suppress(Exception):  # a run that fails before any pod is reported by the caller
-        pod = api.wait_for_pod(NAMESPACE, phase="Running", timeout_s=timeout_s)
-        api.evict(NAMESPACE, pod["metadata"]["name"])  # DisruptionTarget, SIGTERM, grace, SIGKILL
+        pod = api.wait_for_pod(NAMESPACE, phase="Running", predicate=on_spot, timeout_s=timeout_s)
+        api.evict(NAMESPACE, pod["metadata"]["name"], reclaim_node=True)
         evicted.append(pod["metadata"]["name"])
 
 
@@ -87,6 +108,7 @@ def main() -> None:
         create_secrets(cluster, args.store_url, args.s3_endpoint)
         for name, value in connections(args.store_url, args.s3_endpoint, cluster.kubeconfig).items():
             print(f"export {name}={shlex.quote(value)}", flush=True)
+        limit_spot(cluster.api)
         evicted: list[str] = []
         if not args.no_evict:
             threading.Thread(

@@ -21,11 +21,18 @@ def test_no_import_errors(dagbag):
     assert {"example_deadline_batch_local", "example_deadline_batch_kubernetes"} <= set(dagbag.dag_ids)
 
 
-@pytest.mark.parametrize("dag_id", ["example_deadline_batch_local", "example_deadline_batch_kubernetes"])
-def test_shape_plan_shards_verify(dagbag, dag_id):
+@pytest.mark.parametrize(
+    ("dag_id", "sensor_beside_shards"),
+    [("example_deadline_batch_local", False), ("example_deadline_batch_kubernetes", True)],
+)
+def test_shape_plan_shards_verify(dagbag, dag_id, sensor_beside_shards):
     dag = dagbag.dags[dag_id]
-    assert [t.task_id for t in dag.get_task("plan").downstream_list] == ["shard"]
-    assert [t.task_id for t in dag.get_task("shard").downstream_list] == ["verify"]
+    if sensor_beside_shards:  # waits in the triggerer while the shards run (warns on-call in time)
+        assert sorted(t.task_id for t in dag.get_task("plan").downstream_list) == ["shard", "verify"]
+        assert not dag.get_task("shard").downstream_list
+    else:  # after the shards: dag.test() runs a deferred trigger in line, so it must not wait
+        assert [t.task_id for t in dag.get_task("plan").downstream_list] == ["shard"]
+        assert [t.task_id for t in dag.get_task("shard").downstream_list] == ["verify"]
     assert dag.get_task("verify").outlets  # the manifest Asset
     assert dag.deadline is not None
 

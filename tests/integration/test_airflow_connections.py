@@ -23,6 +23,7 @@ import boto3
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
+from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S
 from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, LocalShardOperator
 from airflow_deadline_batch.sensors.completeness import CompletenessSensor
@@ -155,15 +156,19 @@ def test_s3_and_the_store_come_only_from_connections_named_on_the_plan(
         assert spec["plan_connections"] == {"store_conn_id": "adb_store", "aws_conn_id": "adb_s3"}
     assert connections["store_url"] not in json.dumps(specs)
 
-    for spec in specs:  # shard tasks named with nothing but what expand_kwargs hands them
-        shard = LocalShardOperator(task_id="shard", **spec)
-        shard.execute(run.context("shard"))
-
+    # the sensor starts beside the shards (the job is unfinished), so it defers
     sensor = CompletenessSensor(task_id="verify", plan_task_id="plan", poke_interval=0.1)
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute(run.context("verify"))
     trigger = deferred.value.trigger
-    assert trigger.serialize()[1]["store_conn_id"] == "adb_store"
+    kwargs = trigger.serialize()[1]
+    assert kwargs["store_conn_id"] == "adb_store"
+    # the first read waits out the resume guard, however short the poke interval
+    assert kwargs["first_poll_delay_s"] == MIN_RESUME_DELAY_S
+
+    for spec in specs:  # shard tasks named with nothing but what expand_kwargs hands them
+        shard = LocalShardOperator(task_id="shard", **spec)
+        shard.execute(run.context("shard"))
 
     async def first_event() -> Any:
         async for event in trigger.run():
@@ -179,6 +184,9 @@ def test_s3_and_the_store_come_only_from_connections_named_on_the_plan(
     manifest = json.loads(s3.get_object(Bucket="conn-bucket", Key=key)["Body"].read())
     assert manifest["outcomes"]["expired"] == 0 and manifest["outcomes"]["cancelled"] == 0
     assert sum(manifest["outcomes"].values()) == len(mixed.expected)  # one outcome per non-blank line
+    # a sensor that starts once the job is over finishes without deferring: same manifest
+    again = CompletenessSensor(task_id="verify", plan_task_id="plan", poke_interval=0.1)
+    assert again.execute(run.context("verify")) == manifest_uri
     assert not [k for k in os.environ if k.startswith("AWS_")]
 
 

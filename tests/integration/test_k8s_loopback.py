@@ -192,6 +192,38 @@ def test_eviction_is_a_disruption_target_then_sigterm_then_failed(loopback_k8s: 
     assert read_log(v1, "spot", ns) == "running\ngot SIGTERM\n"
 
 
+def unschedulable(pod: dict) -> bool:
+    conditions = pod["status"].get("conditions") or []
+    return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
+
+
+def test_a_full_node_pool_keeps_pods_pending_and_a_reclaim_takes_its_node(
+    loopback_k8s: LoopbackCluster,
+) -> None:
+    """``set_capacity``: one Spot node; the second Spot pod waits; a reclaim removes the node."""
+    v1, ns, api = loopback_k8s.core_v1(), loopback_k8s.namespace, loopback_k8s.api
+    api.set_capacity("capacity-type", "spot", 1)
+    spot, on_demand = {"capacity-type": "spot"}, {"capacity-type": "on-demand"}
+    v1.create_namespaced_pod(ns, python_pod("first", TRAPS_SIGTERM, node_selector=spot))
+    api.wait_for_log(ns, "first", "running\n", timeout_s=WAIT_S)
+    v1.create_namespaced_pod(ns, python_pod("second", 'print("running")', node_selector=spot))
+    v1.create_namespaced_pod(ns, python_pod("elsewhere", 'print("running")', node_selector=on_demand))
+    waiting = api.wait_for_pod(ns, name="second", predicate=unschedulable, timeout_s=WAIT_S)
+    assert waiting["status"]["phase"] == "Pending" and "nodeName" not in waiting["spec"]
+    events = v1.list_namespaced_event(ns, field_selector="involvedObject.name=second").items
+    assert [e.reason for e in events] == ["FailedScheduling"]
+    assert "capacity-type=spot" in events[0].message
+    api.wait_for_pod(ns, name="elsewhere", phase="Succeeded", timeout_s=WAIT_S)  # no limit there
+
+    api.evict(ns, "first", reclaim_node=True)
+    api.wait_for_pod(ns, name="first", phase="Failed", timeout_s=WAIT_S)
+    assert api.capacity[("capacity-type", "spot")] == 0  # the node went with the pod
+    assert v1.read_namespaced_pod("second", ns).status.phase == "Pending"
+    api.set_capacity("capacity-type", "spot", 1)  # a new Spot node comes up
+    api.wait_for_pod(ns, name="second", phase="Succeeded", timeout_s=WAIT_S)
+    assert read_log(v1, "second", ns) == "running\n"
+
+
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(
     loopback_k8s: LoopbackCluster,
 ) -> None:

@@ -94,6 +94,8 @@ class PodRuntime:
     final_message: str | None = None
     finished: bool = False
     remove_when_finished: bool = False  # a graceful deletion: the object goes once the pod stops
+    node_selector: dict[str, str] = field(default_factory=dict)
+    scheduled: bool = False  # holds a slot of every limited node label it selects until it ends
 
     def container(self, name: str) -> ContainerRuntime | None:
         return next((c for c in self.containers if c.name == name), None)
@@ -150,6 +152,7 @@ class Kubelet:
             where.mkdir(parents=True, exist_ok=True)
             containers.append(ContainerRuntime(spec["name"], spec, where))
         runtime = PodRuntime(meta["namespace"], meta["name"], meta["uid"], directory, containers)
+        runtime.node_selector = dict(pod["spec"].get("nodeSelector") or {})
         self.pods[meta["uid"]] = runtime
         runtime.thread = threading.Thread(
             target=self._run, args=(runtime,), name=f"kubelet-{meta['name']}", daemon=True
@@ -221,8 +224,9 @@ class Kubelet:
     def _run_pod(self, runtime: PodRuntime) -> None:
         key = (runtime.namespace, runtime.name, runtime.uid)
         with self.api.lock:
-            if runtime.stopping:
+            if not self._wait_for_capacity(runtime):
                 return
+            runtime.scheduled = True
             self.api.mutate_pod(key, self._schedule)
             self.api.record_event(
                 runtime.namespace,
@@ -274,6 +278,53 @@ class Kubelet:
                 self.api.mutate_pod(key, functools.partial(self._status_terminated, container=container))
                 if all(c.terminated for c in runtime.containers):  # the phase moves with the last exit
                     self.api.mutate_pod(key, lambda p: self._status_final(p, runtime))
+
+    def _full_labels(self, runtime: PodRuntime) -> list[str]:
+        """The limited node labels this pod selects that have no free slot (called under the lock)."""
+        full = []
+        for label, slots in self.api.capacity.items():
+            key, value = label
+            if runtime.node_selector.get(key) != value:
+                continue
+            used = sum(
+                1
+                for other in self.pods.values()
+                if other.scheduled and not other.finished and other.node_selector.get(key) == value
+            )
+            if used >= slots:
+                full.append(f"{key}={value}")
+        return full
+
+    def _wait_for_capacity(self, runtime: PodRuntime) -> bool:
+        """Keep the pod ``Pending`` (``Unschedulable``) while a node label it selects is full.
+
+        Returns False when the pod was deleted or evicted meanwhile (called under the lock).
+        """
+        key = (runtime.namespace, runtime.name, runtime.uid)
+        reported = False
+        while not runtime.stopping and self.api.pod_object(key) is not None:
+            full = self._full_labels(runtime)
+            if not full:
+                return True
+            if not reported:
+                message = f"0/1 nodes are available: no free node with {', '.join(full)}."
+
+                def unschedulable(pod: dict[str, Any], message: str = message) -> None:
+                    set_condition(pod["status"], "PodScheduled", "False", "Unschedulable", message)
+
+                self.api.mutate_pod(key, unschedulable)
+                self.api.record_event(
+                    runtime.namespace,
+                    runtime.name,
+                    runtime.uid,
+                    "Warning",
+                    "FailedScheduling",
+                    message,
+                    source="default-scheduler",
+                )
+                reported = True
+            self.api.changed.wait()
+        return False
 
     def _schedule(self, pod: dict[str, Any]) -> None:
         pod["spec"]["nodeName"] = self.node_name

@@ -139,6 +139,9 @@ class LoopbackKubernetes:
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every request, in order
         self.created_pods: list[dict[str, Any]] = []  # each pod as created (a copy), in order
         self.closing = False
+        #: node label (key, value) -> how many pods selecting it can run at once (the nodes with that
+        #: label); a label not listed is unlimited. :meth:`evict` with ``reclaim_node`` takes one away.
+        self.capacity: dict[tuple[str, str], int] = {}
         self._rv = 0
         self.kubelet = kl.Kubelet(
             self,
@@ -282,14 +285,29 @@ class LoopbackKubernetes:
             selector = f"involvedObject.name={name}" if name else None
             return [copy.deepcopy(e) for e in self._select("events", namespace, None, selector)]
 
-    def evict(self, namespace: str, name: str, *, grace_s: float | None = None) -> None:
+    def set_capacity(self, key: str, value: str, pods: int) -> None:
+        """Let at most ``pods`` pods whose ``nodeSelector`` has ``key: value`` run at once.
+
+        The others stay ``Pending`` with ``PodScheduled=False`` (reason ``Unschedulable``) and a
+        ``FailedScheduling`` event, as with no node to place them on, until a slot frees.
+        """
+        if pods < 0:
+            raise ValueError(f"capacity must be >= 0, got {pods}")
+        with self.lock:
+            self.capacity[(key, value)] = pods
+            self.changed.notify_all()
+
+    def evict(
+        self, namespace: str, name: str, *, grace_s: float | None = None, reclaim_node: bool = False
+    ) -> None:
         """Reclaim the pod's node the way a Spot interruption with graceful node shutdown does.
 
         The pod gets ``DisruptionTarget`` (reason ``TerminationByKubelet``), its containers SIGTERM,
         then SIGKILL after ``grace_s`` (default: the pod's ``terminationGracePeriodSeconds``); it
         ends ``Failed`` with reason ``Terminated`` and stays readable, as on a real cluster until
         the pod garbage collector removes it. Returns at once; wait for the phase with
-        :meth:`wait_for_pod`.
+        :meth:`wait_for_pod`. ``reclaim_node``: the node is gone for good, so every capacity limit
+        (:meth:`set_capacity`) the pod counted in loses a slot.
         """
         with self.lock:
             pod = self.objects["pods"].get((namespace, name))
@@ -309,6 +327,10 @@ class LoopbackKubernetes:
             self.kubelet.terminate(
                 runtime, float(grace), final_reason="Terminated", final_message=kl.NODE_SHUTDOWN_MESSAGE
             )
+            if reclaim_node:  # the node goes with its pod: one slot less for every limit it counted in
+                for label, slots in self.capacity.items():
+                    if runtime.node_selector.get(label[0]) == label[1]:
+                        self.capacity[label] = max(0, slots - 1)
 
     def live_processes(self) -> list[int]:
         """PIDs of container processes that have not exited (for cleanup assertions)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
 import orjson
@@ -9,7 +10,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowRescheduleException
 from kubernetes.client import models as k8s
 
-from airflow_deadline_batch.core.failures import FailureClass, TryFailure
+from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S, FailureClass, TryFailure
 from airflow_deadline_batch.operators.shard import (
     LocalShardOperator,
     PodOutcome,
@@ -58,8 +59,11 @@ def _operator(**kw: object) -> LocalShardOperator:
 def test_only_deterministic_failures_spend_an_airflow_retry(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
     op = _operator()
-    with pytest.raises(AirflowRescheduleException):
+    before = dt.datetime.now(dt.timezone.utc)
+    with pytest.raises(AirflowRescheduleException) as rescheduled:
         op.settle_failure(FailureClass.PREEMPTED, "SIGTERM")
+    # never back within a scheduler loop: Airflow 3.3 would fail the next start (docs/airflow.md)
+    assert rescheduled.value.reschedule_date >= before + dt.timedelta(seconds=MIN_RESUME_DELAY_S)
     with pytest.raises(AirflowRescheduleException):
         op.settle_failure(FailureClass.TRANSIENT, "S3 unreachable")
     with pytest.raises(AirflowException) as spent:
