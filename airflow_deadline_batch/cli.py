@@ -129,13 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("status", "show a job's committed progress"),
         ("verify", "verify a job's outcomes; exit 0 only if complete and intact"),
-        ("cancel", "cancel a job: running workers stop at their next commit"),
+        ("cancel", "cancel a job and publish its manifest: unfinished records become cancelled"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("job_id", metavar="JOB_ID")
         p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
-        if name != "cancel":
-            p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "cancel":
+            p.add_argument(
+                "--no-publish",
+                action="store_true",
+                help="only stop the job; whoever finalizes it (the runner, the sensor) publishes",
+            )
     try:
         from airflow_deadline_batch.sim.cli import add_simulate_parser
     except ImportError:  # pragma: no cover - the simulator ships with the package
@@ -604,10 +609,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """Stop leasing, fence running attempts, then publish the ``cancelled`` manifest.
+
+    Cancelling moves every unfinished shard to a new epoch in the same transaction, so a running
+    worker's next heartbeat or commit is refused and it stops; nothing it writes afterwards counts.
+    The manifest then lists every committed outcome and ``cancelled`` for every other record (the
+    runner or the sensor, if one is watching, publishes the same one: publication is conditional).
+    """
+    from airflow_deadline_batch.service.finalize import finalize_job
+
     store = _open_store(args)
     job = store.cancel_job(args.job_id)
-    sys.stdout.write(f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit\n")
-    return EXIT_OK
+    stopped = f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit"
+    if args.no_publish:
+        _emit(args, {"job_id": job.job_id, "state": job.state.value, "manifest": None}, stopped)
+        return EXIT_OK
+    result = finalize_job(store, job.job_id)
+    outcomes = {str(k): int(v) for k, v in result.report.outcomes.items()}
+    payload = {
+        "job_id": job.job_id,
+        "state": result.state.value,
+        "manifest": result.manifest_uri,
+        "outcomes": outcomes,
+    }
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+    _emit(args, payload, f"{stopped}\nmanifest: {result.manifest_uri or 'not published'} ({counts})")
+    return EXIT_OK if result.manifest_uri else EXIT_INCOMPLETE
 
 
 def _error_line(args: argparse.Namespace | None, ctx: _RunContext, error: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable
@@ -531,9 +532,9 @@ def test_cancel_stops_a_running_job_and_publishes_cancelled_outcomes(tmp_path: P
             return job.job_id if job and store.progress(job.job_id).committed_records > 20 else None
 
         job_id = wait_for(some_progress, timeout_s=120, what="the first commits")
-        cancel = run_cli("cancel", job_id, "--store", store_url, cwd=tmp_path)
+        cancel = run_cli("cancel", job_id, "--store", store_url, "--json", cwd=tmp_path)
         assert cancel.code == 0, cancel.describe()
-        assert "cancelled" in cancel.stdout
+        assert cancel.json()["state"] == "cancelled" and cancel.json()["outcomes"]["cancelled"] > 0
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -542,7 +543,8 @@ def test_cancel_stops_a_running_job_and_publishes_cancelled_outcomes(tmp_path: P
     assert proc.returncode == 4, (stdout, stderr)
     summary = orjson.loads(stdout.strip().splitlines()[-1])
     assert summary["state"] == "cancelled"
-    assert summary["manifest"]
+    # the runner and the cancel command published one manifest (whoever came first)
+    assert summary["manifest"] and summary["manifest"] == cancel.json()["manifest"]
     outcomes = read_outcomes(read_manifest(summary["manifest"]))
     assert set(outcomes) == set(mixed.by_line)
     statuses = {rec["status"] for rec in outcomes.values()}
@@ -552,4 +554,48 @@ def test_cancel_stops_a_running_job_and_publishes_cancelled_outcomes(tmp_path: P
             assert rec["status"] == mixed.by_line[line].status
     status = run_cli("status", job_id, "--store", store_url, "--json", cwd=tmp_path)
     assert status.json()["state"] == "cancelled"
+    store.close()
+
+
+def test_cancel_of_an_orphaned_job_publishes_its_cancelled_manifest(tmp_path: Path) -> None:
+    """Nobody finalizes a job whose runner was SIGKILLed: ``cancel`` publishes, ``verify`` agrees."""
+    mixed = mixed_input(200, seed=12)
+    path = mixed.write(tmp_path / "input.jsonl")
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    key = "orphan"
+    argv = cli_argv(
+        "run", str(path), "--deadline", "+1h", "--engine", "echo", "--workers", "2", "--store", store_url,
+        "--output", str(tmp_path / "out"), "--idempotency-key", key, "--max-invalid-fraction", "0.5",
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=cli_env({"ADB_ECHO_DELAY_S": "0.05"}), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    store = ManifestStore.open(store_url, migrate=True)
+    try:
+
+        def some_progress() -> str | None:
+            job = store.get_job_by_idempotency_key(key)
+            return job.job_id if job and store.progress(job.job_id).committed_records > 10 else None
+
+        job_id = wait_for(some_progress, timeout_s=120, what="the first commits")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner and its workers: nobody will finalize
+        proc.wait()
+    assert store.get_job(job_id).manifest_uri is None
+
+    cancel = run_cli("cancel", job_id, "--store", store_url, "--json", cwd=tmp_path)
+    assert cancel.code == 0, cancel.describe()
+    result = cancel.json()
+    assert result["state"] == "cancelled" and result["manifest"]
+    outcomes = read_outcomes(read_manifest(result["manifest"]))
+    assert set(outcomes) == set(mixed.by_line)  # one outcome per non-blank line
+    for line, rec in outcomes.items():
+        assert rec["status"] in ("cancelled", mixed.by_line[line].status)
+    assert sum(1 for r in outcomes.values() if r["status"] == "cancelled") == result["outcomes"]["cancelled"]
+    verify = run_cli("verify", job_id, "--store", store_url, "--json", cwd=tmp_path)
+    assert verify.json()["published"] is True and verify.json()["manifest"] == result["manifest"]
+    # cancelling again is a no-op that answers the same manifest
+    again = run_cli("cancel", job_id, "--store", store_url, "--json", cwd=tmp_path)
+    assert again.code == 0 and again.json()["manifest"] == result["manifest"]
     store.close()
