@@ -192,6 +192,7 @@ class CompletenessSensor(BaseSensorOperator):
                 poll_interval_s=self.poke_interval,
                 timeout_at=timeout_at.isoformat(),
                 dag_id=self.dag_id if self.has_dag() else None,
+                aws_conn_id=self._aws_conn_id(),
                 first_poll_delay_s=max(self.poke_interval, MIN_RESUME_DELAY_S),
             ),
             method_name="execute_complete",

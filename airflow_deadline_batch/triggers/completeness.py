@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import enum
+import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ class CompletenessTrigger(BaseTrigger):
         triggerer restart does not restart the clock.
     :param dag_id: the sensor's DAG, the ``dag_id`` tag of the metrics each poll sends
         (:func:`airflow_deadline_batch.metrics.emit_job`).
+    :param aws_conn_id: the AWS connection :meth:`on_kill` publishes a cancelled job's manifest with.
     :param first_poll_delay_s: seconds before the first read. The sensor sets it (it has just read
         progress itself) so that the task never resumes within seconds of deferring: Airflow 3.3's
         scheduler can fail a task that resumes before it has processed the executor's report of the
@@ -138,6 +140,7 @@ class CompletenessTrigger(BaseTrigger):
         poll_interval_s: float = 30.0,
         timeout_at: str | None = None,
         dag_id: str | None = None,
+        aws_conn_id: str | None = None,
         first_poll_delay_s: float = 0.0,
     ) -> None:
         super().__init__()
@@ -147,6 +150,7 @@ class CompletenessTrigger(BaseTrigger):
         self.poll_interval_s = float(poll_interval_s)
         self.timeout_at = timeout_at
         self.dag_id = dag_id
+        self.aws_conn_id = aws_conn_id
         self.first_poll_delay_s = max(0.0, float(first_poll_delay_s))
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
@@ -159,6 +163,7 @@ class CompletenessTrigger(BaseTrigger):
                 "poll_interval_s": self.poll_interval_s,
                 "timeout_at": self.timeout_at,
                 "dag_id": self.dag_id,
+                "aws_conn_id": self.aws_conn_id,
                 "first_poll_delay_s": self.first_poll_delay_s,
             },
         )
@@ -210,3 +215,53 @@ class CompletenessTrigger(BaseTrigger):
                 f"job {self.job_id}: reading progress failed: {exc}",
             )
         yield TriggerEvent(event.to_payload())
+
+    async def on_kill(self) -> None:
+        """A user ended the waiting sensor: when its DAG run was failed, cancel the job.
+
+        Airflow calls this when a user acts on the deferred task (fails its run, marks the task
+        failed or succeeded, clears it), never on a triggerer restart. Only a *failed DAG run*
+        cancels the job: clearing or marking the sensor alone must not throw a night's work
+        away. The job then stops leasing, its running attempts are fenced (their next heartbeat
+        or commit is refused, so they stop) and its ``cancelled`` manifest is published: every
+        committed outcome, ``cancelled`` for every other record.
+        """
+        ti = self.task_instance
+        if ti is None:
+            return
+        try:
+            state = await asyncio.to_thread(_dag_run_state, ti.dag_id, ti.run_id)
+        except Exception as exc:  # never raise from on_kill: say why nothing was cancelled
+            self.log.warning("job %s: not cancelled; the DAG run's state is unknown: %s", self.job_id, exc)
+            return
+        if state != "failed":
+            self.log.info("job %s: left running (the DAG run is %s, not failed)", self.job_id, state)
+            return
+        try:
+            manifest = await asyncio.to_thread(self._cancel_and_publish)
+        except Exception as exc:
+            self.log.warning("job %s: cancelling after its DAG run failed did not end: %s", self.job_id, exc)
+            return
+        self.log.info("job %s cancelled (its DAG run failed); manifest %s", self.job_id, manifest)
+
+    def _cancel_and_publish(self) -> str | None:
+        from airflow_deadline_batch.hooks.s3 import connection_s3
+        from airflow_deadline_batch.service.finalize import finalize_job
+
+        store = self._open_store()
+        store.cancel_job(self.job_id)
+        # S3 clients are routed process-wide (storage.s3.use_client): one finalization at a time
+        with _PUBLISHING, connection_s3(self.aws_conn_id):
+            return finalize_job(store, self.job_id).manifest_uri
+
+
+#: serialises :meth:`CompletenessTrigger.on_kill` publications in the triggerer (see there)
+_PUBLISHING = threading.Lock()
+
+
+def _dag_run_state(dag_id: str, run_id: str) -> str:
+    """The DAG run's state, asked of the triggerer's supervisor (Airflow's task SDK)."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    state = RuntimeTaskInstance.get_dagrun_state(dag_id=dag_id, run_id=run_id)
+    return str(getattr(state, "value", state))  # a DagRunState (a str enum) or its value

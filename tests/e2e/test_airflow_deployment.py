@@ -8,6 +8,7 @@ the real triggerer.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import json
@@ -23,8 +24,11 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
+from airflow_deadline_batch.service.finalize import verify_job
+from airflow_deadline_batch.store import ManifestStore
 from tests.e2e.loopback_deployment import (
     CAPACITY_TYPE,
+    S3_SECRET,
     connections,
     create_secrets,
     evict_first_running_pod,
@@ -242,6 +246,61 @@ def test_kubernetes_dag_on_a_real_deployment_with_an_eviction(deployment: Deploy
     assert len(logs) > len(tis["shard"])  # the task logs (with the pods' output) and the processes'
     leaked = [str(f) for f in logs if k8s_setup.store_password.encode() in f.read_bytes()]
     assert not leaked, leaked
+
+
+def test_failing_the_kubernetes_run_cancels_the_job(deployment: Deployment, s3_client: Any) -> None:
+    """Mark the DAG run failed mid-job: the sensor's trigger cancels the job (on_kill), the
+    fenced workers stop, and the ``cancelled`` manifest has one outcome per line."""
+    af, api = deployment.airflow, deployment.cluster.api
+    api.set_capacity(CAPACITY_TYPE, "spot", 64)  # Spot is plentiful this time
+    core = deployment.cluster.core_v1()
+    slow = {"ADB_ECHO_DELAY_S": base64.b64encode(b"0.2").decode()}  # each record takes 0.2 s
+    core.patch_namespaced_secret(S3_SECRET, NAMESPACE, {"data": slow})
+    try:
+        mixed = mixed_input(400, seed=21, bad_fraction=0.02, blank_fraction=0.01)
+        day = dt.datetime.now(dt.timezone.utc).date().isoformat()
+        s3_client.put_object(Bucket=deployment.bucket, Key=f"batches/{day}/requests.jsonl", Body=mixed.data)
+        af.wait_for_dag(K8S_DAG_ID)
+        run_id = af.trigger(K8S_DAG_ID, {"bucket": deployment.bucket, "deadline_hours": 6})
+        xcom = f"/dags/{K8S_DAG_ID}/dagRuns/{run_id}/taskInstances/plan/xcomEntries/job_id?deserialize=true"
+        job_id = str(
+            af.wait(lambda: (af.try_api("GET", xcom) or {}).get("value"), timeout_s=120, what="a job")
+        )
+        store = ManifestStore.open(deployment.store_url)
+        try:
+            invalid = sum(1 for e in mixed.expected if e.status == "errored")  # committed by the plan
+            af.wait(
+                lambda: store.progress(job_id).committed_records > invalid + 20,
+                timeout_s=180,
+                what="the workers' first commits",
+            )
+
+            def sensor_state() -> str | None:
+                tis = by_task(af.task_instances(K8S_DAG_ID, run_id)).get("verify") or [{}]
+                return tis[0].get("state")
+
+            af.wait(lambda: sensor_state() == "deferred", timeout_s=120, what="the sensor to defer")
+            af.api("PATCH", f"/dags/{K8S_DAG_ID}/dagRuns/{run_id}", {"state": "failed"})
+            job = af.wait(
+                lambda: (j := store.get_job(job_id)).manifest_uri and j,
+                timeout_s=120,
+                what="the cancelled manifest",
+            )
+            assert job.state.value == "cancelled"
+            report = verify_job(store, job_id)
+            assert report.complete, report.summary()
+        finally:
+            store.close()
+        outcomes = read_outcomes(read_manifest(job.manifest_uri))
+        assert sorted(outcomes) == sorted(e.line for e in mixed.expected)  # one per non-blank line
+        statuses = [rec["status"] for rec in outcomes.values()]
+        assert "cancelled" in statuses and "succeeded" in statuses, statuses
+        # the fenced workers stop on their own (their heartbeat is refused): no pod keeps a GPU
+        api.wait_until(lambda: not api.live_processes() or None, timeout_s=120, what="every pod to stop")
+        tis = by_task(af.task_instances(K8S_DAG_ID, run_id))
+        assert tis["verify"][0]["state"] == "failed" and tis["announce"][0]["state"] != "success"
+    finally:
+        core.patch_namespaced_secret(S3_SECRET, NAMESPACE, {"data": {"ADB_ECHO_DELAY_S": None}})
 
 
 def log_files(*roots: Path) -> list[Path]:

@@ -97,6 +97,7 @@ def test_serialize_returns_plain_values_and_round_trips():
         "poll_interval_s": 5.0,
         "timeout_at": "2026-01-01T06:00:00+00:00",
         "dag_id": "d",
+        "aws_conn_id": None,
         "first_poll_delay_s": 0.0,
     }
     module, _, name = classpath.rpartition(".")
