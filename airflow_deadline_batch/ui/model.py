@@ -10,7 +10,8 @@ work) or from the store's rows (shards, attempts, commits); cost and redone work
   that instant, each shard's cursor as the number of its microbatches committed by then, the Spot
   tries finished by then. At most :data:`MAX_POINTS` instants, from one read of each table.
 * **Spread** of the predicted finish: the earliest and latest finish the view predicted over the
-  last :data:`SPREAD_POINTS` instants of the history (how much the prediction has moved lately).
+  last :data:`SPREAD_POINTS` instants of the history (how much the prediction has moved lately),
+  none of them earlier than now.
 * **Projected cost**: cost so far plus the expected GPU-seconds of work left at the price per second
   the job has paid so far (the reference pool's price before any try ran).
 
@@ -301,9 +302,11 @@ def job_history(
 
 def finish_spread(view: JobView, history: Sequence[HistoryPoint]) -> tuple[dt.datetime, dt.datetime]:
     """Earliest and latest predicted finish over the last :data:`SPREAD_POINTS` instants."""
-    recent = [p.predicted_finish for p in history[-SPREAD_POINTS:]] or [view.predicted_finish]
     if view.finished:
         return view.predicted_finish, view.predicted_finish
+    # an earlier prediction of a finish that is already past says only "not before now"
+    recent = [max(p.predicted_finish, view.now) for p in history[-SPREAD_POINTS:]]
+    recent.append(view.predicted_finish)
     return min(recent), max(recent)
 
 
