@@ -13,11 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from airflow.sdk import BaseNotifier
+from airflow.sdk.exceptions import TaskDeferred
 
 from airflow_deadline_batch.core.job_view import JobView, build_job_view
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState
-from airflow_deadline_batch.notifiers.deadline_risk import risk_causes, track_risk
+from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, risk_causes, track_risk
+from airflow_deadline_batch.sensors.completeness import CompletenessSensor
 from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
 from airflow_deadline_batch.triggers.completeness import (
     CompletenessEvent,
@@ -204,3 +207,49 @@ def test_a_disarmed_trigger_re_arms_once_slack_is_back(store):
     assert event.status is CompletenessStatus.RISK
     assert event.risk is None and event.resume is not None and event.resume["risk_armed"] is True
     assert CompletenessTrigger(**event.resume)._watch_risk(store, {}) is None
+
+
+class Recording(BaseNotifier):
+    """Stands in for Slack/PagerDuty: records the rendered text it would send."""
+
+    template_fields = ("text",)
+
+    def __init__(self, text: str, sent: list[str]) -> None:
+        super().__init__()
+        self.text = text
+        self.sent = sent
+
+    def notify(self, context: Any) -> None:
+        self.sent.append(self.text)
+
+
+def test_the_deferred_sensor_alerts_on_a_risk_event_and_waits_on_with_its_state(store):
+    job_id = make_job(store, work_s=7000)
+    event = first_event(trigger_for(store, job_id, risk_threshold_s=THRESHOLD))
+    sent: list[str] = []
+    notifier = DeadlineRiskNotifier(
+        notifiers=[Recording("{{ deadline_risk.job_id }} {{ deadline_risk.page_url }}", sent)],
+        threshold_s=THRESHOLD,
+    )
+    sensor = CompletenessSensor(task_id="verify", job_id=job_id, store_url=store.url, risk_notifier=notifier)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute_complete({}, event.to_payload())
+    assert (
+        len(sent) == 1
+        and sent[0].startswith(f"{job_id} ")
+        and sent[0].endswith(f"/deadline-batch/jobs/{job_id}")
+    )
+    assert deferred.value.trigger.serialize()[1] == event.resume
+    assert deferred.value.method_name == "execute_complete"
+    # a re-arm event alerts nobody and waits on armed
+    rearm = CompletenessEvent(
+        CompletenessStatus.RISK,
+        job_id,
+        {},
+        "re-armed",
+        risk=None,
+        resume={**(event.resume or {}), "risk_armed": True},
+    )
+    with pytest.raises(TaskDeferred) as again:
+        sensor.execute_complete({}, rearm.to_payload())
+    assert len(sent) == 1 and again.value.trigger.serialize()[1]["risk_armed"] is True
