@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from airflow_deadline_batch.store import JobRow, ManifestStore
 
 UTC = dt.timezone.utc
-#: jobs the list and a run's tab look at, newest first (a page view stays bounded)
-LIST_LIMIT = 200
+#: jobs the list shows at most, newest first (each costs three reads: a page view stays bounded)
+LIST_LIMIT = 50
+#: jobs a run's tab looks through for that run's (one read)
+RUN_SCAN_LIMIT = 500
 #: the largest manifest the API hands out
 MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 
@@ -120,7 +122,7 @@ def create_app() -> FastAPI:
             raise HTTPException(status_code=403, detail="Forbidden")
         jobs = [
             job
-            for job in _store().list_jobs(limit=LIST_LIMIT)
+            for job in _store().list_jobs(limit=RUN_SCAN_LIMIT)
             if (ref := model.planned_by(job.idempotency_key)) and (ref.dag_id, ref.run_id) == (dag_id, run_id)
         ]
         if len(jobs) == 1:
@@ -129,7 +131,8 @@ def create_app() -> FastAPI:
         if not jobs:
             return render.render_message(
                 "No deadline-batch job",
-                f"Run {run_id} of {dag_id} planned no deadline-batch job (among the latest {LIST_LIMIT}).",
+                f"Run {run_id} of {dag_id} planned no deadline-batch job"
+                f" (among the latest {RUN_SCAN_LIMIT}).",
                 prefix=prefix(request),
             )
         return render.render_jobs_page(summaries(jobs), prefix=prefix(request))

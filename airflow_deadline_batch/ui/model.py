@@ -1,7 +1,8 @@
 """What the jobs page and the job page show, read from the store through the ONE job view.
 
-Every number comes from :func:`operators.placement.read_job_view` (predicted finish, slack, records,
-work) or from the store's rows (shards, attempts, commits); cost and redone work are
+Every number comes from the job view exactly as :func:`operators.placement.read_job_view` builds it
+(:func:`operators.placement.job_view_of` over rows read once per page: predicted finish, slack,
+records, work) or from the store's rows (shards, attempts, commits); cost and redone work are
 :func:`metrics.attempt_totals`, the same values the ``deadline_batch.cost`` and
 ``deadline_batch.redone_work_s`` gauges send. Nothing here re-implements a formula:
 
@@ -40,7 +41,7 @@ from airflow_deadline_batch.core.job_view import (
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.metrics import attempt_totals
-from airflow_deadline_batch.operators.placement import parse_pools, read_job_view
+from airflow_deadline_batch.operators.placement import job_view_of
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import AttemptRow, CommitRow, JobRow, ManifestStore, ShardRow
@@ -207,10 +208,10 @@ def summarize(job: JobRow, view: JobView, cost: CostSummary) -> JobSummary:
 
 
 def read_job_summary(store: ManifestStore, job: JobRow, *, now: dt.datetime) -> JobSummary:
-    view = read_job_view(store, job.job_id, now=now)
-    return summarize(
-        job, view, cost_summary(view, store.list_attempts(job.job_id), store.list_commits(job.job_id))
-    )
+    """One row of the jobs list: one read each of the job's shards, commits and attempts."""
+    commits, attempts = store.list_commits(job.job_id), store.list_attempts(job.job_id)
+    view = job_view_of(job, store.list_shards(job.job_id), commits, attempts, now=now)
+    return summarize(job, view, cost_summary(view, attempts, commits))
 
 
 # -- history -----------------------------------------------------------------------------------
@@ -398,14 +399,7 @@ def read_job_page(store: ManifestStore, job_id: str, *, now: dt.datetime) -> Job
     shards = store.list_shards(job_id)
     commits = store.list_commits(job_id)
     attempts = store.list_attempts(job_id)
-    view = build_job_view(
-        job,
-        shards,
-        commits,
-        now=now,
-        pools=parse_pools(None, job.config),
-        attempts=attempts,
-    )
+    view = job_view_of(job, shards, commits, attempts, now=now)
     cost = cost_summary(view, attempts, commits)
     history = job_history(job, view, shards, commits, attempts)
     lines = shard_lines(view, shards, attempts)

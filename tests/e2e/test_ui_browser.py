@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -274,6 +275,12 @@ def test_jobs_view_in_a_real_browser_mid_run_and_after_publication(
     assert text(browser, "#manifest") == "not published yet"
     assert text(browser, "#planned-by") == f"{DAG_ID} / {RUN_ID}"
     browser.save_screenshot(str(artefacts / "job-mid-run.png"))
+
+    # the DAG run / task instance tab: the UI fills in the URL-encoded DAG and run IDs
+    run_tab = f"{ui.base}/deadline-batch/runs/{DAG_ID}/{urllib.parse.quote(RUN_ID, safe='')}"
+    assert status_of(run_tab, outsider) == 403
+    open_page(browser, run_tab, "#job-id")
+    assert text(browser, "#job-id") == job_id
 
     open_page(browser, f"{ui.base}/deadline-batch/jobs", "table#jobs")
     assert job_id in text(browser, "#jobs") and other_id in text(browser, "#jobs")
