@@ -253,3 +253,10 @@ def test_the_deferred_sensor_alerts_on_a_risk_event_and_waits_on_with_its_state(
     with pytest.raises(TaskDeferred) as again:
         sensor.execute_complete({}, rearm.to_payload())
     assert len(sent) == 1 and again.value.trigger.serialize()[1]["risk_armed"] is True
+
+
+def test_a_failing_watch_never_ends_the_wait(store):
+    job_id = make_job(store, work_s=7000)
+    trigger = trigger_for(store, "j-no-such-job", risk_threshold_s=THRESHOLD)
+    assert trigger._watch_risk(store, {}) is None  # logged, and the trigger polls on
+    assert trigger_for(store, job_id, risk_threshold_s=THRESHOLD)._watch_risk(store, {}) is not None
