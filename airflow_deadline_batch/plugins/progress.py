@@ -66,7 +66,7 @@ def create_app() -> FastAPI:
     FastAPI reads the routes' annotations at runtime, so the names they use (``Request``,
     ``BaseUser``) are module globals, not imports inside this function.
     """
-    from airflow_deadline_batch.exceptions import JobNotFound
+    from airflow_deadline_batch.exceptions import DeadlineBatchError, JobNotFound
     from airflow_deadline_batch.triggers.completeness import plain
     from airflow_deadline_batch.ui import model, render
     from airflow_deadline_batch.ui.access import may_read
@@ -155,8 +155,11 @@ def create_app() -> FastAPI:
         job = readable_job(job_id, user)
         if not job.manifest_uri:
             raise HTTPException(status_code=404, detail=f"job {job_id} has no published manifest yet")
-        storage, key = open_uri(job.manifest_uri)
-        data = storage.read_range(key, 0, MANIFEST_MAX_BYTES)
+        try:
+            storage, key = open_uri(job.manifest_uri)
+            data = storage.read_range(key, 0, MANIFEST_MAX_BYTES)
+        except DeadlineBatchError as exc:  # object storage unreachable from the api-server
+            raise HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}") from exc
         return JSONResponse(json.loads(data))
 
     return app
