@@ -1,8 +1,10 @@
-"""``DeadlineBatchProgressLink``: a task button that opens the job's progress page.
+"""``DeadlineBatchProgressLink``: a task button that opens the job's page in the jobs view.
 
-The page is served by this package's plugin (``/deadline-batch/jobs/<job_id>``); once the manifest
-is published the link carries its URI too. Airflow 3 resolves links from XCom, so the task pushes
-the finished URL with :meth:`DeadlineBatchProgressLink.persist`.
+The page is served by this package's plugin (``/deadline-batch/jobs/<job_id>``, docs/airflow.md,
+*Jobs view*) behind Airflow's login. Once the manifest is published the sensor's link carries its
+URI as a ``manifest`` query parameter, for the reader of the URL only: the page shows the manifest
+the store recorded, never a value from its URL. Airflow 3 resolves links from XCom, so the task
+pushes the finished URL with :meth:`DeadlineBatchProgressLink.persist`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,14 @@
 whether on-call should hear about it *now*, while there is still time to act (add GPUs, move to
 on-demand). :class:`DeadlineRiskNotifier` renders one message and forwards the context, with the
 assessment under ``deadline_risk``, to the wrapped notifiers (Slack, PagerDuty, SMTP, ...).
+
+**Once per crossing** (:func:`track_risk`): the alert fires when the predicted finish crosses
+``deadline - threshold_s`` (slack falls below the threshold) while the watch is *armed*; firing
+disarms it, and it re-arms only once slack is back at or above the threshold. The armed flag is
+the whole state; its owners persist it: ``CompletenessTrigger`` in its serialized kwargs
+(``risk_armed``, so a triggerer restart neither repeats nor loses an alert), the poking sensor on
+itself. :func:`risk_causes` names why from the same view (Spot gone, throughput below plan,
+failed tries), and the alert carries the job page's link.
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ from typing import Any
 
 from airflow.sdk import BaseNotifier
 
-from airflow_deadline_batch.core.job_view import JobView
+from airflow_deadline_batch.core.job_view import AttemptFields, JobView
+from airflow_deadline_batch.core.pools import PoolKind
+from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.links.progress import airflow_base_url, progress_url
 from airflow_deadline_batch.triggers.completeness import plain
 
 log = logging.getLogger(__name__)
@@ -29,7 +40,14 @@ DEFAULT_MESSAGE = (
     "(predicted finish {{ deadline_risk.predicted_finish }}, deadline {{ deadline_risk.deadline }}, "
     "slack {{ deadline_risk.slack_s | round | int }} s, "
     "{{ deadline_risk.committed_records }}/{{ deadline_risk.total_records }} records committed)"
+    "{% if deadline_risk.causes %}; cause: {{ deadline_risk.causes | join('; ') }}{% endif %}"
+    "{% if deadline_risk.page_url %}; page: {{ deadline_risk.page_url }}{% endif %}"
 )
+
+#: measured throughput this much below the plan's nominal rate counts as a throughput drop
+THROUGHPUT_DROP = 1.25
+#: failed tries (not preemptions) that count as a cause
+FAILED_OUTCOMES = frozenset({AttemptOutcome.FAILED_RETRYABLE, AttemptOutcome.FAILED_TERMINAL})
 
 
 class RiskLevel(str, enum.Enum):
@@ -54,12 +72,49 @@ class RiskAssessment:
     remaining_work_s: float
     committed_records: int
     total_records: int
+    #: why, in words on-call acts on (:func:`risk_causes`); empty when nothing stands out
+    causes: tuple[str, ...] = ()
+    #: the job's page in Airflow's UI
+    page_url: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return plain(self)
+        return dict(plain(self))
 
 
-def assess_risk(view: JobView, threshold_s: float = 600.0) -> RiskAssessment | None:
+def risk_causes(view: JobView, attempts: Sequence[AttemptFields] = ()) -> tuple[str, ...]:
+    """What is eating the slack, read from the view (and the job's tries, when given).
+
+    * **Spot gone**: the job has Spot pools and its latest Spot tries were preempted without
+      committing (the view's storm count), or every worker runs on on-demand now;
+    * **throughput drop**: the measured rate is :data:`THROUGHPUT_DROP` times slower than planned
+      (the view's ``work_scale``);
+    * **failures**: tries that failed (not preempted).
+    """
+    causes = []
+    has_spot = any(p.kind is PoolKind.SPOT for p in view.pools)
+    if has_spot and view.spot_tries.fruitless > 0:
+        causes.append(
+            f"Spot gone: the last {view.spot_tries.fruitless} Spot tries were preempted before committing"
+        )
+    elif has_spot and view.on_demand_shards and not view.spot_shards:
+        causes.append(f"Spot gone: all {len(view.on_demand_shards)} running worker(s) are on on-demand")
+    if view.work_scale >= THROUGHPUT_DROP:
+        causes.append(f"throughput drop: measured throughput is {view.work_scale:.1f}x slower than planned")
+    failed = [a for a in attempts if AttemptOutcome(a.outcome) in FAILED_OUTCOMES]
+    if failed:
+        causes.append(
+            f"failures: {len(failed)} failed tries on {len({a.shard_index for a in failed})} shard(s)"
+        )
+    return tuple(causes)
+
+
+def assess_risk(
+    view: JobView,
+    threshold_s: float = 600.0,
+    *,
+    attempts: Sequence[AttemptFields] = (),
+    base_url: str | None = None,
+) -> RiskAssessment | None:
     """The job's risk from its :class:`JobView`; ``None`` while slack stays above ``threshold_s``.
 
     Predicted finish and slack are the view's (committed work, measured rates, the job's workers:
@@ -86,7 +141,40 @@ def assess_risk(view: JobView, threshold_s: float = 600.0) -> RiskAssessment | N
         remaining_work_s=view.remaining_work_s,
         committed_records=view.committed_records,
         total_records=view.total_records,
+        causes=risk_causes(view, attempts),
+        page_url=progress_url(airflow_base_url() if base_url is None else base_url, view.job_id),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RiskWatch:
+    """One observation of the once-per-crossing watch: the alert to send now (if any) and the state after."""
+
+    alert: RiskAssessment | None
+    armed: bool
+
+
+def track_risk(
+    view: JobView,
+    threshold_s: float,
+    *,
+    armed: bool,
+    attempts: Sequence[AttemptFields] = (),
+    base_url: str | None = None,
+) -> RiskWatch:
+    """Fire once when slack crosses below ``threshold_s`` while armed; re-arm once it is back above.
+
+    A stopped job changes nothing (no alert, same state): its page and the hard-miss
+    ``DeadlineAlert`` take over.
+    """
+    if view.stopped:
+        return RiskWatch(None, armed)
+    risk = assess_risk(view, threshold_s, attempts=attempts, base_url=base_url)
+    if risk is None:
+        return RiskWatch(None, True)
+    if armed:
+        return RiskWatch(risk, False)
+    return RiskWatch(None, False)
 
 
 class DeadlineRiskNotifier(BaseNotifier):
@@ -125,9 +213,13 @@ class DeadlineRiskNotifier(BaseNotifier):
 
     def notify_risk(self, context: Mapping[str, Any], risk: RiskAssessment) -> str:
         """Send one alert for ``risk``; returns the rendered message. A fresh copy renders each time."""
+        return self.notify_payload(context, risk.to_dict())
+
+    def notify_payload(self, context: Mapping[str, Any], risk: Mapping[str, Any]) -> str:
+        """Send one alert for a :meth:`RiskAssessment.to_dict` (as a trigger event carries it)."""
         sender = copy.copy(self)
         merged = dict(context)
-        merged["deadline_risk"] = risk.to_dict()
+        merged["deadline_risk"] = dict(risk)
         sender(merged)
         return sender.rendered or ""
 

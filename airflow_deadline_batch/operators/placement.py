@@ -22,7 +22,7 @@ from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
-    from airflow_deadline_batch.store import ManifestStore, ShardRow
+    from airflow_deadline_batch.store import AttemptRow, CommitRow, JobRow, ManifestStore, ShardRow
 
 #: label/annotation prefix of everything this package puts on a pod
 LABEL_PREFIX = "deadline-batch.io"
@@ -107,14 +107,36 @@ def read_job_view(
     are what :func:`decide_for_try` places with.
     """
     job = store.get_job(job_id)
-    return build_job_view(
+    return job_view_of(
         job,
         store.list_shards(job_id),
         store.list_commits(job_id),
+        store.list_attempts(job_id),
+        now=now,
+        pools=pools,
+        parallelism=parallelism,
+    )
+
+
+def job_view_of(
+    job: JobRow,
+    shards: Sequence[ShardRow],
+    commits: Sequence[CommitRow],
+    attempts: Sequence[AttemptRow],
+    *,
+    now: dt.datetime,
+    pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
+    parallelism: int | None = None,
+) -> JobView:
+    """:func:`read_job_view` over rows the caller has read already (the jobs view reuses them)."""
+    return build_job_view(
+        job,
+        shards,
+        commits,
         now=now,
         pools=parse_pools(pools, job.config),
         parallelism=parallelism,
-        attempts=store.list_attempts(job_id),
+        attempts=attempts,
     )
 
 

@@ -1,23 +1,47 @@
-"""The provider's plugin: the progress extra link and a tiny JSON/HTML progress page.
+"""The provider's plugin: the jobs view in Airflow's UI, its FastAPI app, and the progress link.
 
-The page reads the manifest store named by ``ADB_STORE_URL`` or the ``[deadline_batch]
-store_conn_id`` Airflow option (else the SQLite default) and shows committed progress only.
+Airflow 3's api-server mounts :func:`create_app` under ``/deadline-batch`` (``fastapi_apps``) and
+shows its pages inside the UI through ``external_views`` (docs/airflow.md, *Jobs view*):
+
+* ``Deadline Batch`` in the navigation → ``/deadline-batch/jobs`` (the jobs the user may read);
+* a ``Deadline Batch`` tab on DAG run and task instance pages →
+  ``/deadline-batch/runs/{DAG_ID}/{RUN_ID}`` (the job of that run, or its jobs).
+
+Every route needs an Airflow login (``get_user``: JWT bearer or the UI's cookie) and read access to
+the job's DAG (:mod:`airflow_deadline_batch.ui.access`). The store is the one named by
+``ADB_STORE_URL``, else the connection in ``ADB_STORE_CONN_ID`` / ``[deadline_batch]
+store_conn_id``, else the SQLite default; it is opened once per api-server process.
 """
 
 from __future__ import annotations
 
-import html
+import datetime as dt
+import functools
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
+from airflow.api_fastapi.core_api.security import get_user
 from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
 
 if TYPE_CHECKING:
-    from airflow_deadline_batch.store import ManifestStore
+    from airflow_deadline_batch.store import JobRow, ManifestStore
+
+UTC = dt.timezone.utc
+#: jobs the list shows at most, newest first (each costs three reads: a page view stays bounded)
+LIST_LIMIT = 50
+#: jobs a run's tab looks through for that run's (one read)
+RUN_SCAN_LIMIT = 500
+#: the largest manifest the API hands out
+MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 
 
+@functools.lru_cache(maxsize=1)
 def _store() -> ManifestStore:
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
@@ -32,49 +56,143 @@ def _store() -> ManifestStore:
     return ManifestStoreHook(store_conn_id=conn_id, store_url=os.environ.get("ADB_STORE_URL")).get_store()
 
 
-def render_progress_html(progress: dict[str, Any], manifest: str | None) -> str:
-    """An escaped, dependency-free HTML page for one job's progress (pure)."""
-    rows = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in progress.items()
-    )
-    title = html.escape(str(progress.get("job_id", "job")))
-    link = f"<p>Manifest: <code>{html.escape(manifest)}</code></p>" if manifest else ""
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
-        f"<body><h1>Deadline Batch job {title}</h1>{link}<table>{rows}</table></body></html>"
-    )
+def _now() -> dt.datetime:
+    return dt.datetime.now(UTC)
 
 
-def create_app() -> Any:
-    """The FastAPI sub-application mounted under ``/deadline-batch`` by Airflow's API server."""
-    from fastapi import FastAPI, HTTPException
-    from fastapi.responses import HTMLResponse
+def create_app() -> FastAPI:
+    """The FastAPI sub-application mounted under ``/deadline-batch`` by Airflow's API server.
 
-    from airflow_deadline_batch.exceptions import JobNotFound
+    FastAPI reads the routes' annotations at runtime, so the names they use (``Request``,
+    ``BaseUser``) are module globals, not imports inside this function.
+    """
+    from airflow_deadline_batch.exceptions import DeadlineBatchError, JobNotFound
     from airflow_deadline_batch.triggers.completeness import plain
+    from airflow_deadline_batch.ui import model, render
+    from airflow_deadline_batch.ui.access import may_read
 
-    app = FastAPI(title="Deadline Batch progress")
+    app = FastAPI(title="Deadline Batch", docs_url=None, redoc_url=None, openapi_url=None)
+    user_dep = Depends(get_user)
 
-    def _progress(job_id: str) -> dict[str, Any]:
+    def prefix(request: Request) -> str:
+        return str(request.scope.get("root_path") or PLUGIN_URL_PREFIX).rstrip("/")
+
+    def readable_job(job_id: str, user: BaseUser) -> JobRow:
         try:
-            return {"job_id": job_id, **plain(_store().progress(job_id))}
+            job = _store().get_job(job_id)
         except JobNotFound as exc:
-            raise HTTPException(status_code=404, detail=str(exc)) from exc
+            raise HTTPException(status_code=404, detail=f"no deadline-batch job {job_id}") from exc
+        if not may_read(user, model.planned_by(job.idempotency_key)):
+            raise HTTPException(status_code=403, detail="Forbidden")
+        return job
 
-    @app.get("/api/jobs/{job_id}")
-    def job_json(job_id: str) -> dict[str, Any]:
-        return _progress(job_id)
+    def readable_jobs(user: BaseUser) -> tuple[list[JobRow], int]:
+        jobs = _store().list_jobs(limit=LIST_LIMIT)
+        allowed: dict[str | None, bool] = {}
+        shown = []
+        for job in jobs:
+            owner = model.planned_by(job.idempotency_key)
+            key = owner.dag_id if owner else None
+            if key not in allowed:
+                allowed[key] = may_read(user, owner)
+            if allowed[key]:
+                shown.append(job)
+        return shown, len(jobs) - len(shown)
+
+    def summaries(jobs: list[JobRow]) -> list[model.JobSummary]:
+        now = _now()
+        return [model.read_job_summary(_store(), job, now=now) for job in jobs]
+
+    @app.get("/jobs", response_class=HTMLResponse)
+    def jobs_page(request: Request, user: BaseUser = user_dep) -> str:
+        jobs, hidden = readable_jobs(user)
+        return render.render_jobs_page(summaries(jobs), prefix=prefix(request), hidden=hidden)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
-    def job_page(job_id: str, manifest: str | None = None) -> str:
-        return render_progress_html(_progress(job_id), manifest)
+    def job_page(job_id: str, request: Request, user: BaseUser = user_dep) -> str:
+        readable_job(job_id, user)
+        return render.render_job_page(
+            model.read_job_page(_store(), job_id, now=_now()), prefix=prefix(request)
+        )
+
+    @app.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse)
+    def run_page(dag_id: str, run_id: str, request: Request, user: BaseUser = user_dep) -> str:
+        """The tab on a DAG run / task instance page: that run's job, or the list of its jobs."""
+        if not may_read(user, model.DagRunRef(dag_id=dag_id, run_id=run_id, task_id="")):
+            raise HTTPException(status_code=403, detail="Forbidden")
+        jobs = [
+            job
+            for job in _store().list_jobs(limit=RUN_SCAN_LIMIT)
+            if (ref := model.planned_by(job.idempotency_key)) and (ref.dag_id, ref.run_id) == (dag_id, run_id)
+        ]
+        if len(jobs) == 1:
+            page = model.read_job_page(_store(), jobs[0].job_id, now=_now())
+            return render.render_job_page(page, prefix=prefix(request))
+        if not jobs:
+            return render.render_message(
+                "No deadline-batch job",
+                f"Run {run_id} of {dag_id} planned no deadline-batch job"
+                f" (among the latest {RUN_SCAN_LIMIT}).",
+                prefix=prefix(request),
+            )
+        return render.render_jobs_page(summaries(jobs), prefix=prefix(request))
+
+    @app.get("/api/jobs")
+    def jobs_json(user: BaseUser = user_dep) -> list[dict[str, Any]]:
+        jobs, _ = readable_jobs(user)
+        return [model.plain_summary(s) for s in summaries(jobs)]
+
+    @app.get("/api/jobs/{job_id}")
+    def job_json(job_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
+        job = readable_job(job_id, user)
+        summary = model.read_job_summary(_store(), job, now=_now())
+        return {**plain(_store().progress(job_id)), **model.plain_summary(summary), "job_id": job_id}
+
+    @app.get("/api/jobs/{job_id}/manifest")
+    def manifest(job_id: str, user: BaseUser = user_dep) -> Response:
+        from airflow_deadline_batch.storage import open_uri
+
+        job = readable_job(job_id, user)
+        if not job.manifest_uri:
+            raise HTTPException(status_code=404, detail=f"job {job_id} has no published manifest yet")
+        try:
+            storage, key = open_uri(job.manifest_uri)
+            data = storage.read_range(key, 0, MANIFEST_MAX_BYTES)
+        except DeadlineBatchError as exc:  # object storage unreachable from the api-server
+            raise HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}") from exc
+        return JSONResponse(json.loads(data))
 
     return app
 
 
+#: where the views show up in Airflow's UI; ``{DAG_ID}``/``{RUN_ID}`` are filled in by the UI
+EXTERNAL_VIEWS = [
+    {
+        "name": "Deadline Batch",
+        "href": f"{PLUGIN_URL_PREFIX}/jobs",
+        "url_route": "deadline-batch",
+        "destination": "nav",
+        "category": "browse",
+    },
+    {
+        "name": "Deadline Batch",
+        "href": f"{PLUGIN_URL_PREFIX}/runs/{{DAG_ID}}/{{RUN_ID}}",
+        "url_route": "deadline-batch-run",
+        "destination": "dag_run",
+    },
+    {
+        "name": "Deadline Batch",
+        "href": f"{PLUGIN_URL_PREFIX}/runs/{{DAG_ID}}/{{RUN_ID}}",
+        "url_route": "deadline-batch-task",
+        "destination": "task_instance",
+    },
+]
+
+
 class DeadlineBatchPlugin(AirflowPlugin):
-    """Registers the progress link and the progress page."""
+    """Registers the progress link, the FastAPI app and its views in Airflow's UI."""
 
     name = "deadline_batch"
     operator_extra_links = [DeadlineBatchProgressLink()]
-    fastapi_apps = [{"app": create_app(), "url_prefix": PLUGIN_URL_PREFIX, "name": "Deadline Batch progress"}]
+    fastapi_apps = [{"app": create_app(), "url_prefix": PLUGIN_URL_PREFIX, "name": "Deadline Batch"}]
+    external_views = EXTERNAL_VIEWS

@@ -25,7 +25,7 @@ from airflow_deadline_batch.lineage import job_lineage, openlineage_facets
 from airflow_deadline_batch.lineage import report as report_lineage
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.metrics import emit_job
-from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
+from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, track_risk
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.triggers.completeness import (
     CompletenessEvent,
@@ -99,7 +99,9 @@ class CompletenessSensor(BaseSensorOperator):
         )
         if self.manifest_asset not in self.outlets:
             self.outlets = [*self.outlets, self.manifest_asset]
-        self._risk_sent = False
+        #: the once-per-crossing risk watch (notifiers.deadline_risk.track_risk); deferred, the
+        #: trigger's kwargs carry it
+        self._risk_armed = True
 
     def _resolve_plan(self, context: Any) -> None:
         """Take the job and the connection IDs this task was not given from the plan task's XComs."""
@@ -143,15 +145,24 @@ class CompletenessSensor(BaseSensorOperator):
         return dt.datetime.now(UTC) >= dt.datetime.fromisoformat(str(deadline))
 
     def _check_risk(self, context: Any) -> None:
-        if self.risk_notifier is None or self._risk_sent:
+        if self.risk_notifier is None:
             return
-        view = read_job_view(
-            self._hook().get_store(), self.job_id, now=dt.datetime.now(UTC), parallelism=self.parallelism
+        store = self._hook().get_store()
+        view = read_job_view(store, self.job_id, now=dt.datetime.now(UTC), parallelism=self.parallelism)
+        watch = track_risk(
+            view,
+            self.risk_notifier.threshold_s,
+            armed=self._risk_armed,
+            attempts=store.list_attempts(self.job_id),
         )
-        risk = assess_risk(view, threshold_s=self.risk_notifier.threshold_s)
-        if risk is not None:
-            self._risk_sent = True
-            self.risk_notifier.notify_risk(context, risk)
+        self._risk_armed = watch.armed
+        if watch.alert is not None:
+            self.risk_notifier.notify_risk(context, watch.alert)
+
+    def _risk_trigger_kwargs(self) -> dict[str, Any]:
+        if self.risk_notifier is None:
+            return {}
+        return {"risk_threshold_s": self.risk_notifier.threshold_s, "risk_armed": self._risk_armed}
 
     def execute(self, context: Any) -> Any:
         """Deferrable: finish at once when the job is already over, else wait in the triggerer.
@@ -194,6 +205,7 @@ class CompletenessSensor(BaseSensorOperator):
                 dag_id=self.dag_id if self.has_dag() else None,
                 aws_conn_id=self._aws_conn_id(),
                 first_poll_delay_s=max(self.poke_interval, MIN_RESUME_DELAY_S),
+                **self._risk_trigger_kwargs(),
             ),
             method_name="execute_complete",
         )
@@ -222,7 +234,15 @@ class CompletenessSensor(BaseSensorOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         """Resume after the trigger: finalize on a terminal job, fail clearly on anything else."""
         self._resolve_plan(context)
-        return self._finish(context, CompletenessEvent.from_payload(event))
+        completeness = CompletenessEvent.from_payload(event)
+        if completeness.status is CompletenessStatus.RISK:
+            # the trigger's risk watch fired or re-armed: alert, then wait on with its new state
+            if completeness.risk is not None and self.risk_notifier is not None:
+                self.risk_notifier.notify_payload(context, completeness.risk)
+            self.defer(
+                trigger=CompletenessTrigger(**(completeness.resume or {})), method_name="execute_complete"
+            )
+        return self._finish(context, completeness)
 
     def _finish(self, context: Any, event: CompletenessEvent) -> str:
         self.log.info("%s", event.message)

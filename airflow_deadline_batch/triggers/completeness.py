@@ -33,6 +33,8 @@ class CompletenessStatus(str, enum.Enum):
     FAILED = "failed"
     ERROR = "error"
     TIMEOUT = "timeout"
+    #: the deadline-risk watch changed state (an alert to send, or re-armed); the sensor re-defers
+    RISK = "risk"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +45,21 @@ class CompletenessEvent:
     job_id: str
     progress: dict[str, Any]
     message: str
+    #: ``risk`` events only: the alert (``RiskAssessment.to_dict()``) or None on a re-arm
+    risk: dict[str, Any] | None = None
+    #: ``risk`` events only: the trigger's kwargs to re-defer with (the watch's new state in them)
+    resume: dict[str, Any] | None = None
 
     def to_payload(self) -> dict[str, Any]:
-        return {
+        payload: dict[str, Any] = {
             "status": self.status.value,
             "job_id": self.job_id,
             "progress": self.progress,
             "message": self.message,
         }
+        if self.status is CompletenessStatus.RISK:
+            payload.update(risk=self.risk, resume=self.resume)
+        return payload
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any]) -> CompletenessEvent:
@@ -59,6 +68,8 @@ class CompletenessEvent:
             job_id=str(payload["job_id"]),
             progress=dict(payload.get("progress") or {}),
             message=str(payload.get("message", "")),
+            risk=dict(payload["risk"]) if payload.get("risk") else None,
+            resume=dict(payload["resume"]) if payload.get("resume") else None,
         )
 
 
@@ -129,6 +140,9 @@ class CompletenessTrigger(BaseTrigger):
         progress itself) so that the task never resumes within seconds of deferring: Airflow 3.3's
         scheduler can fail a task that resumes before it has processed the executor's report of the
         try that deferred (docs/airflow.md, *Resuming tasks*).
+    :param risk_threshold_s: watch the deadline risk (``notifiers.deadline_risk.track_risk``) with
+        this threshold; a ``risk`` event when the watch fires or re-arms. None: no watch.
+    :param risk_armed: the watch's state, persisted here so a triggerer restart keeps it.
     """
 
     def __init__(
@@ -142,6 +156,8 @@ class CompletenessTrigger(BaseTrigger):
         dag_id: str | None = None,
         aws_conn_id: str | None = None,
         first_poll_delay_s: float = 0.0,
+        risk_threshold_s: float | None = None,
+        risk_armed: bool = True,
     ) -> None:
         super().__init__()
         self.job_id = job_id
@@ -152,20 +168,49 @@ class CompletenessTrigger(BaseTrigger):
         self.dag_id = dag_id
         self.aws_conn_id = aws_conn_id
         self.first_poll_delay_s = max(0.0, float(first_poll_delay_s))
+        self.risk_threshold_s = None if risk_threshold_s is None else float(risk_threshold_s)
+        self.risk_armed = bool(risk_armed)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (
-            "airflow_deadline_batch.triggers.completeness.CompletenessTrigger",
-            {
-                "job_id": self.job_id,
-                "store_url": self.store_url,
-                "store_conn_id": self.store_conn_id,
-                "poll_interval_s": self.poll_interval_s,
-                "timeout_at": self.timeout_at,
-                "dag_id": self.dag_id,
-                "aws_conn_id": self.aws_conn_id,
-                "first_poll_delay_s": self.first_poll_delay_s,
-            },
+        kwargs: dict[str, Any] = {
+            "job_id": self.job_id,
+            "store_url": self.store_url,
+            "store_conn_id": self.store_conn_id,
+            "poll_interval_s": self.poll_interval_s,
+            "timeout_at": self.timeout_at,
+            "dag_id": self.dag_id,
+            "aws_conn_id": self.aws_conn_id,
+            "first_poll_delay_s": self.first_poll_delay_s,
+        }
+        if self.risk_threshold_s is not None:
+            kwargs.update(risk_threshold_s=self.risk_threshold_s, risk_armed=self.risk_armed)
+        return ("airflow_deadline_batch.triggers.completeness.CompletenessTrigger", kwargs)
+
+    def _watch_risk(self, store: ManifestStore, progress: dict[str, Any]) -> CompletenessEvent | None:
+        """A ``risk`` event when the once-per-crossing watch fires or re-arms; None otherwise."""
+        from airflow_deadline_batch.notifiers.deadline_risk import track_risk
+        from airflow_deadline_batch.operators.placement import read_job_view
+
+        if self.risk_threshold_s is None:
+            return None
+        try:
+            view = read_job_view(store, self.job_id, now=dt.datetime.now(UTC))
+            watch = track_risk(
+                view, self.risk_threshold_s, armed=self.risk_armed, attempts=store.list_attempts(self.job_id)
+            )
+        except Exception:  # the alert is best effort: it never ends the wait for completeness
+            self.log.warning("job %s: deadline-risk watch failed; polling on", self.job_id, exc_info=True)
+            return None
+        if watch.alert is None and watch.armed == self.risk_armed:
+            return None
+        what = watch.alert.reason if watch.alert else "slack is back above the threshold; re-armed"
+        return CompletenessEvent(
+            CompletenessStatus.RISK,
+            self.job_id,
+            progress,
+            f"job {self.job_id}: deadline risk: {what}",
+            risk=watch.alert.to_dict() if watch.alert else None,
+            resume={**self.serialize()[1], "risk_armed": watch.armed},
         )
 
     def _read_progress(self, store: ManifestStore) -> dict[str, Any]:
@@ -204,6 +249,10 @@ class CompletenessTrigger(BaseTrigger):
                         f"job {self.job_id}: shards still unfinished at {self.timeout_at}",
                     )
                     break
+                if self.risk_threshold_s is not None:
+                    event = await asyncio.to_thread(self._watch_risk, store, progress)
+                    if event is not None:
+                        break
                 await asyncio.sleep(self.poll_interval_s)
         except asyncio.CancelledError:
             raise

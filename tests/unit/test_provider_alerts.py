@@ -1,4 +1,4 @@
-"""Deadline-risk assessment and notifier, progress link and the plugin's progress page."""
+"""Deadline-risk assessment and notifier, progress link, and the plugin app refusing anonymous requests."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.links.progress import progress_url
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, RiskLevel, assess_risk
-from airflow_deadline_batch.plugins.progress import render_progress_html
 
 NOW = dt.datetime(2026, 3, 1, 4, 0, tzinfo=dt.timezone.utc)
 DEADLINE = dt.datetime(2026, 3, 1, 6, 0, tzinfo=dt.timezone.utc)
@@ -119,56 +118,24 @@ def test_notifier_renders_and_forwards_to_wrapped_notifiers():
     assert len(RecordingNotifier.sent) == 2
 
 
-def test_progress_url_and_page_escape_user_values():
+def test_progress_url_quotes_the_job_and_the_manifest():
     url = progress_url("http://airflow:8080/", "j-abc", "s3://b/j-abc/manifest.json")
     assert (
         url == "http://airflow:8080/deadline-batch/jobs/j-abc?manifest=s3%3A%2F%2Fb%2Fj-abc%2Fmanifest.json"
     )
-    page = render_progress_html({"job_id": "j-<x>", "committed_records": 3}, "s3://b/<m>")
-    assert "<x>" not in page and "&lt;x&gt;" in page and "&lt;m&gt;" in page
+    assert progress_url("", "j/<x>") == "/deadline-batch/jobs/j%2F%3Cx%3E"
 
 
-def test_plugin_serves_progress_from_the_store(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "path", ["/jobs", "/jobs/j-any", "/runs/d/r", "/api/jobs", "/api/jobs/j-any", "/api/jobs/j-any/manifest"]
+)
+def test_plugin_app_refuses_requests_without_an_airflow_login(tmp_path, monkeypatch, path):
+    """Airflow's own ``get_user`` answers before any store read: 401 without a token or cookie."""
     from fastapi.testclient import TestClient
 
     from airflow_deadline_batch.plugins.progress import create_app
-    from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
 
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    store = ManifestStore(url)
-    store.migrate()
-    job, _ = store.create_job(
-        NewJob(
-            deadline=DEADLINE,
-            input_uri="/in",
-            input_sha256="0" * 64,
-            input_lines=2,
-            input_total_lines=2,
-            output_uri="/out",
-            config={},
-        ),
-        [
-            NewShard(
-                shard_index=0,
-                byte_start=0,
-                byte_end=1,
-                first_line=1,
-                line_count=2,
-                records=2,
-                num_microbatches=1,
-                input_sha256="0" * 64,
-                est_work_s=1.0,
-            )
-        ],
-        None,
-    )
-    monkeypatch.setenv("ADB_STORE_URL", url)
-    client = TestClient(create_app())
-    data = client.get(f"/api/jobs/{job.job_id}").json()
-    assert (
-        data["job_id"] == job.job_id
-        and data["total_records"] == 2
-        and data["shards_by_state"] == {"pending": 1}
-    )
-    assert job.job_id in client.get(f"/jobs/{job.job_id}").text
-    assert client.get("/api/jobs/j-missing").status_code == 404
+    monkeypatch.setenv("ADB_STORE_URL", f"sqlite:///{tmp_path / 'never-opened.db'}")
+    response = TestClient(create_app()).get(path)
+    assert response.status_code == 401
+    assert not (tmp_path / "never-opened.db").exists()
