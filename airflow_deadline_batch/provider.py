@@ -76,10 +76,4 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "extra-links": ["airflow_deadline_batch.links.progress.DeadlineBatchProgressLink"],
         "notifications": ["airflow_deadline_batch.notifiers.deadline_risk.DeadlineRiskNotifier"],
-        "plugins": [
-            {
-                "name": "deadline_batch",
-                "plugin-class": "airflow_deadline_batch.plugins.progress.DeadlineBatchPlugin",
-            }
-        ],
     }

