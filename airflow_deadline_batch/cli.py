@@ -29,6 +29,7 @@ from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXI
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="reject the job when more input lines than this are invalid (default 0.1)",
         )
         p.add_argument("--json", action="store_true", help="print one JSON object (the last stdout line)")
+        # tenants (docs/tenants.md)
+        p.add_argument(
+            "--tenant", default=None, help="the team the job belongs to (default: default; docs/tenants.md)"
+        )
 
     run = sub.add_parser("run", help="run a whole job locally: plan, workers, verification, publication")
     job_options(run)
@@ -263,6 +268,8 @@ def default_idempotency_key(request: PlanRequest) -> str:
         "max_invalid_fraction": request.max_invalid_fraction,
         "pools": [p.to_dict() for p in request.pools],
     }
+    if request.tenant != DEFAULT_TENANT:  # keys of jobs from before tenants stay as they were
+        options["tenant"] = request.tenant
     digest = hashlib.sha256(orjson.dumps(options, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
     return f"run-{digest[:32]}"
 
@@ -326,6 +333,7 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         pools=_load_pools(args.pools, engine),
         workers=args.workers,
         max_invalid_fraction=args.max_invalid_fraction,
+        tenant=args.tenant or DEFAULT_TENANT,
         **extra,
     )
 
@@ -346,6 +354,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         report = analysis.report
         payload = {
+            "tenant": analysis.request.tenant,
             "feasible": report.feasible,
             "verdict": report.verdict.value,
             "report": report.to_dict(),
@@ -357,6 +366,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "target_shard_s": round(analysis.target_shard_s, 3),
         }
         text = report.summary() + (
+            f"\ntenant: {analysis.request.tenant}"
             f"\nrecords: {analysis.work.records}, invalid lines: {analysis.work.invalid}"
             f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}"
         )
@@ -535,6 +545,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     rates = view.rates()
     payload = {
         "job_id": view.job_id,
+        "tenant": view.tenant,
         "state": view.state.value,
         "deadline": view.deadline.isoformat(),
         "manifest": manifest,
@@ -572,6 +583,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     text = (
         f"job {view.job_id}: {view.state.value}, deadline {view.deadline.isoformat()}\n"
+        f"tenant: {view.tenant}\n"
         f"committed {progress.committed_records}/{progress.total_records} records ({pct:.1f}%): "
         f"succeeded {progress.succeeded}, errored {progress.errored}\n"
         f"shards: {payload['shards']}\nattempts: {progress.attempts}, preemptions: {progress.preemptions}\n"

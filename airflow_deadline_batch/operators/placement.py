@@ -115,6 +115,7 @@ def read_job_view(
         pools=parse_pools(pools, job.config),
         parallelism=parallelism,
         attempts=store.list_attempts(job_id),
+        tenant=job.tenant,
     )
 
 

@@ -44,6 +44,7 @@ from airflow_deadline_batch.core.records import (
 )
 from airflow_deadline_batch.core.results import ResultRecord, encode_results
 from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
@@ -83,9 +84,14 @@ class PlanRequest:
     prompt_template_version: str = "v1"
     limits: ValidationLimits = field(default_factory=ValidationLimits)
     allow_infeasible: bool = False
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
+        try:
+            object.__setattr__(self, "tenant", check_tenant(self.tenant))
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
         if not self.pools:
             raise ConfigurationError("no pools given: define at least one Spot or on-demand pool")
         if self.workers < 1:
@@ -493,6 +499,7 @@ def _record(
         output_uri=output_base,
         config=job_config(request, analysis.target_shard_s),
         admission=report.to_dict(),
+        tenant=request.tenant,
     )
     if not admitted:
         job, _ = store.create_job(new_job, [], None)
