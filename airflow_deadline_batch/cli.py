@@ -7,6 +7,7 @@ Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import hashlib
 import math
 import os
@@ -29,7 +30,7 @@ from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXI
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.core.states import JobState
-from airflow_deadline_batch.core.tenants import DEFAULT_TENANT
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
         if name != "cancel":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_tenant_parsers(sub)
     try:
         from airflow_deadline_batch.sim.cli import add_simulate_parser
     except ImportError:  # pragma: no cover - the simulator ships with the package
@@ -148,6 +150,74 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_simulate_parser(sub)
     return parser
+
+
+# -- tenants: usage, capacity, quota (docs/tenants.md) -----------------------------------------------
+
+
+def _add_tenant_parsers(sub: Any) -> None:
+    usage = sub.add_parser("usage", help="settled usage and cost per tenant (docs/tenants.md)")
+    usage.add_argument("--tenant", default=None, help="only this tenant (default: every tenant)")
+    usage.add_argument(
+        "--since",
+        default=None,
+        help="attempts started at or after: an ISO 8601 instant, or a duration back from now (24h, 7d)",
+    )
+    usage.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+    usage.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _parse_since(text: str | None, now: dt.datetime) -> dt.datetime | None:
+    """``--since``: an aware ISO 8601 instant, or a duration (``24h``, ``-7d``) back from ``now``."""
+    from airflow_deadline_batch.core.deadlines import parse_duration
+
+    if text is None:
+        return None
+    value = text.strip()
+    if re.match(r"^[-+]?\d", value) and value[-1:] in "dhms" and "T" not in value:
+        try:
+            return now - parse_duration("+" + value.lstrip("+-"))
+        except ValueError as exc:
+            raise ConfigurationError(f"--since {text}: {exc}") from None
+    try:
+        return parse_deadline(value, now)
+    except ValueError as exc:
+        raise ConfigurationError(f"--since {text}: {str(exc).replace('deadline', 'instant')}") from None
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.settlement import usage_by_tenant
+
+    now = SystemClock().now()
+    since = _parse_since(args.since, now)
+    tenant = None
+    if args.tenant is not None:
+        try:
+            tenant = check_tenant(args.tenant)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    store = _open_store(args)
+    report = usage_by_tenant(store.usage(tenant=tenant, since=since))
+    payload = {
+        "since": since.isoformat() if since else None,
+        "tenant": tenant,
+        "tenants": [t.to_dict() for t in report],
+    }
+    lines = [f"settled usage since {since.isoformat(timespec='seconds') if since else 'the beginning'}:"]
+    for t in report:
+        u = t.usage
+        lines.append(
+            f"  {u.tenant}: {t.jobs} job(s), {u.attempts} attempt(s), {u.prompt_tokens:,} prompt + "
+            f"{u.completion_tokens:,} completion tokens, {u.gpu_seconds:,.1f} GPU-s, cost {u.cost:.4f}"
+        )
+        lines.extend(
+            f"    {name}: {p.attempts} attempt(s), {p.gpu_seconds:,.1f} GPU-s, cost {p.cost:.4f}"
+            for name, p in t.pools.items()
+        )
+    if not report:
+        lines.append("  nothing settled" + (f" for tenant {tenant}" if tenant else ""))
+    _emit(args, payload, "\n".join(lines))
+    return EXIT_OK
 
 
 def _load_pools(path: str | None, engine: str) -> tuple[PoolSpec, ...]:
@@ -672,6 +742,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "status": cmd_status,
         "verify": cmd_verify,
         "cancel": cmd_cancel,
+        "usage": cmd_usage,
     }
     try:
         if args.command == "simulate":
