@@ -166,6 +166,135 @@ def _add_tenant_parsers(sub: Any) -> None:
     usage.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
     usage.add_argument("--json", action="store_true", help="print one JSON object")
 
+    capacity = sub.add_parser("capacity", help="shared GPU capacity of pools (docs/tenants.md)")
+    cap = capacity.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    cap_set = cap.add_parser("set", help="set a pool's shared GPUs: admission then checks every deadline")
+    cap_set.add_argument("pool", metavar="POOL", help="pool name, as in the jobs' pool definitions")
+    cap_set.add_argument("--gpus", type=int, required=True, help="GPUs of the pool shared by all tenants")
+    cap_list = cap.add_parser("list", help="each pool's GPUs, reservations and free capacity")
+    cap_list.add_argument(
+        "--until", default="+24h", help="free capacity until: ISO 8601 instant or +DURATION (default +24h)"
+    )
+    cap_del = cap.add_parser("delete", help="stop managing a pool: its jobs are admitted alone again")
+    cap_del.add_argument("pool", metavar="POOL")
+    quota = sub.add_parser("quota", help="GPU quotas and budgets per tenant (docs/tenants.md)")
+    qa = quota.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    q_set = qa.add_parser("set", help="set (replace) a tenant's quota; omitted limits are unlimited")
+    q_set.add_argument("tenant", metavar="TENANT")
+    q_set.add_argument("--spot-gpus", type=int, default=None, help="max Spot GPUs at once")
+    q_set.add_argument("--on-demand-gpus", type=int, default=None, help="max on-demand GPUs at once")
+    q_set.add_argument("--budget", type=float, default=None, help="cost budget per period (pool price units)")
+    q_set.add_argument("--period", default="+1d", help="budget period as +DURATION (default +1d)")
+    qa.add_parser("list", help="every tenant's quota")
+    q_del = qa.add_parser("delete", help="remove a tenant's quota (no limits)")
+    q_del.add_argument("tenant", metavar="TENANT")
+    for p in (cap_set, cap_list, cap_del, q_set, q_del, *qa.choices.values()):
+        if not any(a.dest == "store" for a in p._actions):
+            p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _usage_error(exc: ValueError) -> ConfigurationError:
+    return ConfigurationError(str(exc))
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.admission import capacity_view
+
+    store = _open_store(args)
+    if args.action == "set":
+        try:
+            row = store.set_capacity(args.pool, args.gpus)
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        _emit(args, {"pool": row.pool, "gpus": row.gpus}, f"pool {row.pool}: {row.gpus} shared GPU(s)")
+        return EXIT_OK
+    if args.action == "delete":
+        gone = store.delete_capacity(args.pool)
+        _emit(
+            args,
+            {"pool": args.pool, "deleted": gone},
+            f"pool {args.pool}: " + ("no longer managed" if gone else "was not managed"),
+        )
+        return EXIT_OK
+    now = SystemClock().now()
+    try:
+        until = parse_deadline(args.until, now)
+    except ValueError as exc:
+        raise ConfigurationError(f"--until {args.until}: {exc}") from None
+    pools = capacity_view(store.admission_snapshot(DEFAULT_TENANT), until)
+    lines = [f"shared capacity until {until.isoformat(timespec='seconds')}:"]
+    for p in pools:
+        lines.append(
+            f"  {p.pool}: {p.gpus} GPU(s), {len(p.reservations)} job(s) hold {p.reserved_gpu_s:,.0f} "
+            f"GPU-s, free {p.free_gpu_s:,.0f} GPU-s"
+        )
+        lines.extend(
+            f"    {r.job_id} ({r.tenant}): {r.reserved_gpu_s:,.0f} GPU-s due {r.deadline.isoformat()}"
+            for r in p.reservations
+        )
+    if not pools:
+        lines.append("  no pool is managed: every job is admitted alone (deadline-batch capacity set)")
+    _emit(args, {"until": until.isoformat(), "pools": [p.to_dict() for p in pools]}, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_quota(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.core.deadlines import parse_duration
+    from airflow_deadline_batch.store import TenantQuotaRow
+
+    store = _open_store(args)
+    if args.action == "set":
+        try:
+            period = parse_duration(args.period).total_seconds() if args.budget is not None else None
+            row = store.set_quota(
+                TenantQuotaRow(
+                    tenant=args.tenant,
+                    spot_gpus=args.spot_gpus,
+                    on_demand_gpus=args.on_demand_gpus,
+                    budget=args.budget,
+                    budget_period_s=period,
+                )
+            )
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        rows = [row]
+    elif args.action == "delete":
+        gone = store.delete_quota(args.tenant)
+        _emit(
+            args,
+            {"tenant": args.tenant, "deleted": gone},
+            f"tenant {args.tenant}: " + ("quota removed" if gone else "had no quota"),
+        )
+        return EXIT_OK
+    else:
+        rows = store.list_quotas()
+    data = [
+        {
+            "tenant": r.tenant,
+            "spot_gpus": r.spot_gpus,
+            "on_demand_gpus": r.on_demand_gpus,
+            "budget": r.budget,
+            "budget_period_s": r.budget_period_s,
+        }
+        for r in rows
+    ]
+
+    def limit(value: object) -> str:
+        return "unlimited" if value is None else str(value)
+
+    lines = [
+        f"{r.tenant}: spot GPUs {limit(r.spot_gpus)}, on-demand GPUs {limit(r.on_demand_gpus)}, budget "
+        + (
+            "unlimited"
+            if r.budget is None
+            else f"{r.budget:.2f} per {format_duration(r.budget_period_s or 0.0)}"
+        )
+        for r in rows
+    ] or ["no quotas: every tenant is unlimited"]
+    _emit(args, {"quotas": data}, "\n".join(lines))
+    return EXIT_OK
+
 
 def _parse_since(text: str | None, now: dt.datetime) -> dt.datetime | None:
     """``--since``: an aware ISO 8601 instant, or a duration (``24h``, ``-7d``) back from ``now``."""
@@ -743,6 +872,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         "verify": cmd_verify,
         "cancel": cmd_cancel,
         "usage": cmd_usage,
+        "capacity": cmd_capacity,
+        "quota": cmd_quota,
     }
     try:
         if args.command == "simulate":

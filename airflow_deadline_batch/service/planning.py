@@ -51,6 +51,7 @@ from airflow_deadline_batch.exceptions import (
     InputError,
     ObjectNotFound,
 )
+from airflow_deadline_batch.service.admission import shared_admission
 from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
@@ -534,9 +535,11 @@ def _record(
             records=analysis.work.invalid,
             counts={"errored": analysis.work.invalid},
         )
-    job, created = store.create_job(new_job, shards, validation)
-    if not created:
-        # lost an idempotency race: the first job stands, our validation object is garbage
+    # shared capacity, the tenant's quota and budget are checked as the job is recorded
+    admit = None if request.allow_infeasible else shared_admission(job_id, report, request.pools)
+    job, created = store.create_job(new_job, shards, validation, admit=admit)
+    if not created or job.state is JobState.REJECTED:
+        # lost an idempotency race (the first job stands) or refused: our validation object is garbage
         if validation is not None:
             storage.delete(VALIDATION_KEY)
         return _existing_result(store, job)

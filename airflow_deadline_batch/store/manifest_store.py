@@ -27,7 +27,8 @@ from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
 from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, shard_id
-from airflow_deadline_batch.core.job_view import shard_done_fraction
+from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
+from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import (
     TERMINAL_JOB_STATES,
     AttemptOutcome,
@@ -953,6 +954,24 @@ class ManifestStore:
     def usage(self, *, tenant: str | None = None, since: dt.datetime | None = None) -> list[UsageRow]:
         """Settled usage of attempts started at or after ``since``, of one tenant or of all."""
         return self._tx(lambda conn: tenancy.tenant_usage(conn, tenant, since), write=False)
+
+    def admission_snapshot(self, tenant: str) -> tenancy.TenancySnapshot:
+        """What admission of ``tenant``'s next job would read (read-only; ``deadline-batch capacity``)."""
+        return self._tx(lambda conn: tenancy.read_snapshot(conn, tenant, _ts(self._now(conn))), write=False)
+
+    def tenant_gpus_in_use(self, tenant: str, *, exclude_job: str | None = None) -> dict[str, int]:
+        """Live leases of the tenant's running jobs by pool kind (``spot`` / ``on_demand``)."""
+
+        def read(conn: Connection) -> dict[str, int]:
+            counts: dict[str, int] = {}
+            for pool_name, config in tenancy.live_leases(conn, tenant, exclude_job):
+                pools = [PoolSpec.from_dict(p) for p in (config or {}).get("pools") or ()]
+                pool = pool_named(pool_name, pools)
+                if pool is not None:
+                    counts[pool.kind.value] = counts.get(pool.kind.value, 0) + 1
+            return counts
+
+        return self._tx(read, write=False)
 
     def list_capacity(self) -> list[PoolCapacityRow]:
         """Pools whose GPUs are shared under admission control (docs/tenants.md)."""

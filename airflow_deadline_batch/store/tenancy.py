@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 from airflow_deadline_batch.core.job_view import shard_done_fraction
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.store.rows import PoolCapacityRow, ShardRow, TenantQuotaRow, UsageRow
-from airflow_deadline_batch.store.schema import jobs, pool_capacity, shards, tenant_quotas, usage
+from airflow_deadline_batch.store.schema import db_epoch, jobs, pool_capacity, shards, tenant_quotas, usage
 
 #: pg_advisory_xact_lock key that serializes admissions against shared capacity ("adb_admi")
 ADMISSION_LOCK_KEY = 0x6164625F61646D69
@@ -134,6 +134,23 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
             admission=row.admission,
             settled_cost=None if row.cost is None else float(row.cost),
         )
+
+
+def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[tuple[str, Any]]:
+    """``(pool, job config)`` of every live lease of the tenant's running jobs (database clock)."""
+    query = (
+        sa.select(shards.c.last_pool, jobs.c.config)
+        .select_from(shards.join(jobs, jobs.c.job_id == shards.c.job_id))
+        .where(
+            jobs.c.tenant == tenant,
+            jobs.c.state.in_(HOLDING_JOB_STATES),
+            shards.c.state == ShardState.LEASED.value,
+            shards.c.lease_expires_at > db_epoch(),
+        )
+    )
+    if exclude_job is not None:
+        query = query.where(jobs.c.job_id != exclude_job)
+    return [(row.last_pool, row.config) for row in conn.execute(query)]
 
 
 # -- usage ledger -----------------------------------------------------------------------------------
