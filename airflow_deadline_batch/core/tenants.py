@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DEFAULT_TENANT", "check_tenant", "kueue_queue_name"]
+__all__ = [
+    "DEFAULT_TENANT",
+    "KUEUE_PRIORITY_LABEL",
+    "KUEUE_QUEUE_LABEL",
+    "PRIORITY_BANDS",
+    "check_tenant",
+    "kueue_labels",
+    "kueue_queue_name",
+    "priority_class_for_slack",
+]
 
 #: the tenant of a job submitted without one (and of every job recorded before tenants existed)
 DEFAULT_TENANT = "default"
@@ -30,3 +39,29 @@ def check_tenant(name: str | None) -> str:
 def kueue_queue_name(tenant: str) -> str:
     """The Kueue LocalQueue a tenant's shard pods are submitted to (docs/kubernetes.md)."""
     return check_tenant(tenant)
+
+
+#: the label Kueue's pod integration queues a pod by (its value names a LocalQueue)
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: the label naming the pod's Kueue WorkloadPriorityClass (queue order, not kube preemption)
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+#: WorkloadPriorityClasses by the job's slack at the try: (slack below, class, value), urgent first;
+#: docs/kubernetes.md defines the three objects with these values
+PRIORITY_BANDS: tuple[tuple[float, str, int], ...] = (
+    (3600.0, "deadline-batch-urgent", 1000),
+    (6 * 3600.0, "deadline-batch-normal", 500),
+    (float("inf"), "deadline-batch-relaxed", 100),
+)
+
+
+def priority_class_for_slack(slack_s: float) -> str:
+    """The WorkloadPriorityClass of a try: less slack, higher priority (negative slack is urgent)."""
+    return next((name for bound, name, _ in PRIORITY_BANDS if slack_s < bound), PRIORITY_BANDS[-1][1])
+
+
+def kueue_labels(tenant: str, slack_s: float) -> dict[str, str]:
+    """The pod labels Kueue queues a shard pod by: the tenant's LocalQueue and the slack's priority."""
+    return {
+        KUEUE_QUEUE_LABEL: kueue_queue_name(tenant),
+        KUEUE_PRIORITY_LABEL: priority_class_for_slack(slack_s),
+    }
