@@ -188,20 +188,26 @@ def _add_tenant_parsers(sub: Any) -> None:
     qa.add_parser("list", help="every tenant's quota")
     q_del = qa.add_parser("delete", help="remove a tenant's quota (no limits)")
     q_del.add_argument("tenant", metavar="TENANT")
-    for p in (cap_set, cap_list, cap_del, q_set, q_del, *qa.choices.values()):
-        if not any(a.dest == "store" for a in p._actions):
-            p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
-            p.add_argument("--json", action="store_true", help="print one JSON object")
+    for p in (*cap.choices.values(), *qa.choices.values()):
+        p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _usage_error(exc: ValueError) -> ConfigurationError:
     return ConfigurationError(str(exc))
 
 
+def _open_admin_store(args: argparse.Namespace) -> ManifestStore:
+    """``capacity``/``quota``: ``set`` may come before any job, so it creates the store if needed."""
+    if args.action == "set":
+        return _open_run_store(args.store or default_store_url())
+    return _open_store(args)
+
+
 def cmd_capacity(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.admission import capacity_view
 
-    store = _open_store(args)
+    store = _open_admin_store(args)
     if args.action == "set":
         try:
             row = store.set_capacity(args.pool, args.gpus)
@@ -243,7 +249,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.core.deadlines import parse_duration
     from airflow_deadline_batch.store import TenantQuotaRow
 
-    store = _open_store(args)
+    store = _open_admin_store(args)
     if args.action == "set":
         try:
             period = parse_duration(args.period).total_seconds() if args.budget is not None else None

@@ -58,15 +58,16 @@ def test_capacity_set_list_delete(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_quota_set_list_delete(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    url = f"sqlite:///{tmp_path / 'store.db'}"
-    ManifestStore.open(url).close()
-    assert main(["quota", "list", "--store", url]) == 0
-    assert "no quotas" in capsys.readouterr().out
+    url = f"sqlite:///{tmp_path / 'new' / 'store.db'}"
+    assert main(["quota", "list", "--store", url]) == 2  # nothing there yet
+    assert "no manifest store" in capsys.readouterr().err
     args = ["quota", "set", "ads", "--spot-gpus", "8", "--budget", "120", "--period", "+7d", "--store", url]
     assert main(args) == 0
     assert "ads: spot GPUs 8, on-demand GPUs unlimited, budget 120.00 per 168h00m" in capsys.readouterr().out
     assert main(["quota", "set", "search", "--on-demand-gpus", "2", "--store", url]) == 0
     capsys.readouterr()
+    assert main(["quota", "list", "--store", url]) == 0
+    assert "search: spot GPUs unlimited, on-demand GPUs 2, budget unlimited" in capsys.readouterr().out
     assert main(["quota", "list", "--store", url, "--json"]) == 0
     quotas = {q["tenant"]: q for q in _last_json(capsys)["quotas"]}  # type: ignore[attr-defined]
     assert quotas["ads"]["budget_period_s"] == 7 * 86400 and quotas["ads"]["on_demand_gpus"] is None
