@@ -268,17 +268,24 @@ def _gpus_needed(
 
 
 def reserved_gpu_seconds(
-    admission: Mapping[str, Any] | None, est_work_s: float, remaining_work_s: float, policy: AdmissionPolicy
+    admission: Mapping[str, Any] | None,
+    est_work_s: float,
+    remaining_work_s: float,
+    policy: AdmissionPolicy,
+    work_scale: float = 1.0,
 ) -> float:
     """GPU-seconds a job still holds: its admitted plan's (run × GPUs) times the share of work left.
 
     Without a plan in the report (an older job), its estimated work over the policy's efficiency.
+    ``work_scale`` is the slowdown its committed microbatches measured (``JobView.work_scale``):
+    a job that runs slower than estimated holds more.
     """
     chosen = (admission or {}).get("chosen") or {}
     run, gpus = chosen.get("run_seconds"), chosen.get("gpus")
+    scale = work_scale if math.isfinite(work_scale) and work_scale > 0 else 1.0
     if isinstance(run, int | float) and isinstance(gpus, int) and math.isfinite(run) and est_work_s > 0:
-        return float(run) * gpus * max(0.0, min(1.0, remaining_work_s / est_work_s))
-    return max(0.0, remaining_work_s) / policy.efficiency
+        return float(run) * gpus * max(0.0, min(1.0, remaining_work_s / est_work_s)) * scale
+    return max(0.0, remaining_work_s) / policy.efficiency * scale
 
 
 def projected_cost(admission: Mapping[str, Any] | None) -> float:

@@ -98,7 +98,9 @@ def _refusals(
                 job_id=h.job_id,
                 tenant=h.tenant,
                 deadline=h.deadline,
-                gpu_seconds=reserved_gpu_seconds(h.admission, h.est_work_s, h.remaining_work_s, policy),
+                gpu_seconds=reserved_gpu_seconds(
+                    h.admission, h.est_work_s, h.remaining_work_s, policy, h.work_scale
+                ),
             )
             for h in snapshot.held
             if names.intersection(h.pools)
@@ -180,7 +182,9 @@ def capacity_view(
         for held in snapshot.held:
             managed = [p for p in held.pools if p in snapshot.capacity]
             if pool in managed:
-                share = reserved_gpu_seconds(held.admission, held.est_work_s, held.remaining_work_s, policy)
+                share = reserved_gpu_seconds(
+                    held.admission, held.est_work_s, held.remaining_work_s, policy, held.work_scale
+                )
                 reservations.append(
                     Reservation(
                         job_id=held.job_id,

@@ -15,10 +15,25 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from airflow_deadline_batch.core.job_view import shard_done_fraction
+from airflow_deadline_batch.core.job_view import build_job_view, shard_done_fraction
 from airflow_deadline_batch.core.states import JobState, ShardState
-from airflow_deadline_batch.store.rows import PoolCapacityRow, ShardRow, TenantQuotaRow, UsageRow
-from airflow_deadline_batch.store.schema import db_epoch, jobs, pool_capacity, shards, tenant_quotas, usage
+from airflow_deadline_batch.store.rows import (
+    CommitRow,
+    JobRow,
+    PoolCapacityRow,
+    ShardRow,
+    TenantQuotaRow,
+    UsageRow,
+)
+from airflow_deadline_batch.store.schema import (
+    commits,
+    db_epoch,
+    jobs,
+    pool_capacity,
+    shards,
+    tenant_quotas,
+    usage,
+)
 
 #: pg_advisory_xact_lock key that serializes admissions against shared capacity ("adb_admi")
 ADMISSION_LOCK_KEY = 0x6164625F61646D69
@@ -37,6 +52,8 @@ class HeldWork:
     admission: Mapping[str, Any] | None
     est_work_s: float
     remaining_work_s: float
+    #: measured seconds per estimated second of work (1.0 before the job committed anything)
+    work_scale: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +93,7 @@ def read_snapshot(conn: Connection, tenant: str, now: dt.datetime) -> TenancySna
     """Capacity, the tenant's quota, every holding job's remaining work, the tenant's period jobs."""
     capacity = {row.pool: row.gpus for row in list_capacity(conn)}
     quota = get_quota(conn, tenant)
-    held = tuple(_held_work(conn)) if capacity else ()
+    held = tuple(_held_work(conn, now)) if capacity else ()
     period: tuple[JobCost, ...] = ()
     if quota is not None and quota.budget is not None and quota.budget_period_s:
         since = now - dt.timedelta(seconds=quota.budget_period_s)
@@ -86,32 +103,38 @@ def read_snapshot(conn: Connection, tenant: str, now: dt.datetime) -> TenancySna
     )
 
 
-def _held_work(conn: Connection) -> Iterable[HeldWork]:
-    rows = conn.execute(
-        sa.select(jobs.c.job_id, jobs.c.tenant, jobs.c.deadline, jobs.c.config, jobs.c.admission).where(
-            jobs.c.state.in_(HOLDING_JOB_STATES)
-        )
-    ).all()
+def _held_work(conn: Connection, now: dt.datetime) -> Iterable[HeldWork]:
+    """Every holding job with its remaining work, re-rated by the throughput its commits measured."""
+    rows = [
+        JobRow.from_row(r) for r in conn.execute(sa.select(jobs).where(jobs.c.state.in_(HOLDING_JOB_STATES)))
+    ]
     if not rows:
         return
-    work: dict[str, list[float]] = {}
-    query = sa.select(shards).where(shards.c.job_id.in_([r.job_id for r in rows]))
-    for raw in conn.execute(query):
+    ids = [job.job_id for job in rows]
+    job_shards: dict[str, list[ShardRow]] = {}
+    for raw in conn.execute(sa.select(shards).where(shards.c.job_id.in_(ids))):
         shard = ShardRow.from_row(raw)
-        total_left = work.setdefault(shard.job_id, [0.0, 0.0])
-        total_left[0] += shard.est_work_s
-        if shard.state is not ShardState.SUCCEEDED:
-            total_left[1] += shard.est_work_s * (1.0 - shard_done_fraction(shard))
-    for row in rows:
-        total, left = work.get(row.job_id, [0.0, 0.0])
+        job_shards.setdefault(shard.job_id, []).append(shard)
+    job_commits: dict[str, list[CommitRow]] = {}
+    measured = sa.select(commits).where(commits.c.job_id.in_(ids), commits.c.shard_index >= 0)
+    for raw in conn.execute(measured):
+        commit = CommitRow.from_row(raw)
+        job_commits.setdefault(commit.job_id, []).append(commit)
+    for job in rows:
+        own = job_shards.get(job.job_id, [])
+        scale = 1.0
+        if job.config.get("pools") and job_commits.get(job.job_id):
+            # the job view's calibrated slowdown: the rates its committed microbatches measured
+            scale = build_job_view(job, own, job_commits[job.job_id], now=now).work_scale
         yield HeldWork(
-            job_id=row.job_id,
-            tenant=row.tenant,
-            deadline=row.deadline,
-            pools=tuple(str(p.get("name")) for p in (row.config or {}).get("pools") or ()),
-            admission=row.admission,
-            est_work_s=total,
-            remaining_work_s=left,
+            job_id=job.job_id,
+            tenant=job.tenant,
+            deadline=job.deadline,
+            pools=tuple(str(p.get("name")) for p in job.config.get("pools") or ()),
+            admission=job.admission,
+            est_work_s=sum(s.est_work_s for s in own),
+            remaining_work_s=sum(s.est_work_s * (1.0 - shard_done_fraction(s)) for s in own),
+            work_scale=scale,
         )
 
 

@@ -150,3 +150,40 @@ def test_concurrent_admissions_never_overcommit_a_pool(store_url: str, tmp_path:
     states = sorted(j.state.value for j in store.list_jobs())
     assert states == ["admitted"] * 2 + ["rejected"] * (RACERS - 2)
     store.close()
+
+
+def test_held_work_is_rerated_by_the_throughput_its_commits_measured(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    from airflow_deadline_batch.operators.placement import read_job_view
+    from airflow_deadline_batch.service.admission import capacity_view
+
+    store.set_capacity("shared", 2)
+    plan = plan_job(store, _request(tmp_path, "ads"))
+    until = dt.datetime.now(UTC) + dt.timedelta(hours=1)
+    [before] = capacity_view(store.admission_snapshot("ads"), until)
+    shards = store.list_shards(plan.job_id)
+    lease = store.claim_shard(plan.job_id, 0, ttl_s=60, worker="test", pool="shared")
+    # one microbatch that ran ten times slower than the pool's nominal rates
+    slow_s = 10 * (shards[0].est_work_s / shards[0].num_microbatches)
+    store.commit_microbatch(
+        lease,
+        seq=0,
+        uri="file:///mb0",
+        sha256="a" * 64,
+        records=1,
+        counts={"succeeded": 1},
+        prompt_tokens=70,
+        completion_tokens=36,
+        elapsed_s=slow_s,
+        model_digest=None,
+        pool="shared",
+    )
+    view = read_job_view(store, plan.job_id, now=dt.datetime.now(UTC))
+    assert view.work_scale > 1.0  # one slow microbatch moves the calibrated rate a step
+    [after] = capacity_view(store.admission_snapshot("ads"), until)
+    total = sum(s.est_work_s for s in shards)
+    left = total - shards[0].est_work_s / shards[0].num_microbatches
+    assert after.reserved_gpu_s == pytest.approx(
+        before.reserved_gpu_s * left / total * view.work_scale, rel=1e-6
+    )

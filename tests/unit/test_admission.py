@@ -148,3 +148,9 @@ def test_admitted_work_meets_every_deadline_under_edf(held: list[tuple[float, fl
         run = done / gpus
         finish = 30.0 + run + max(POLICY.min_recovery_reserve_s, POLICY.recovery_reserve_fraction * run)
         assert finish <= (job.deadline - NOW).total_seconds() + 1e-3
+
+
+def test_measured_slowdown_scales_the_reservation() -> None:
+    admission = {"chosen": {"run_seconds": 1000.0, "gpus": 4}}
+    assert reserved_gpu_seconds(admission, 800.0, 400.0, POLICY, 1.5) == pytest.approx(3000.0)
+    assert reserved_gpu_seconds(admission, 800.0, 400.0, POLICY, float("nan")) == pytest.approx(2000.0)
