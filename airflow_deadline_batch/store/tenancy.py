@@ -184,17 +184,15 @@ def _insert_ignoring_duplicates(conn: Connection, table: sa.Table) -> Any:
     return dialect.insert(table).on_conflict_do_nothing()
 
 
-def settle(conn: Connection, rows: Sequence[UsageRow], now: dt.datetime) -> int:
+def settle(conn: Connection, rows: Sequence[UsageRow], now: dt.datetime) -> None:
     """Insert each attempt's usage once: an attempt already settled is left as it is.
 
-    Returns how many rows were new. Idempotent under a second finalizer, on both databases
-    (``INSERT ... ON CONFLICT DO NOTHING`` on the attempt ID).
+    Idempotent under a second finalizer, on both databases (``INSERT ... ON CONFLICT DO NOTHING``
+    on the attempt ID); a concurrent finalizer's insert of the same attempt waits for ours.
     """
-    if not rows:
-        return 0
-    values = [{**_usage_values(r), "settled_at": now} for r in rows]
-    result = conn.execute(_insert_ignoring_duplicates(conn, usage), values)
-    return max(0, result.rowcount or 0)
+    if rows:
+        values = [{**_usage_values(r), "settled_at": now} for r in rows]
+        conn.execute(_insert_ignoring_duplicates(conn, usage), values)
 
 
 def _usage_values(row: UsageRow) -> dict[str, Any]:
