@@ -7,6 +7,7 @@ Exit codes: 0 manifest published; 2 usage or configuration error; 3 rejected at 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import hashlib
 import math
 import os
@@ -29,6 +30,7 @@ from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXI
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
 from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="reject the job when more input lines than this are invalid (default 0.1)",
         )
         p.add_argument("--json", action="store_true", help="print one JSON object (the last stdout line)")
+        # tenants (docs/tenants.md)
+        p.add_argument(
+            "--tenant", default=None, help="the team the job belongs to (default: default; docs/tenants.md)"
+        )
 
     run = sub.add_parser("run", help="run a whole job locally: plan, workers, verification, publication")
     job_options(run)
@@ -141,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="only stop the job; whoever finalizes it (the runner, the sensor) publishes",
             )
+    _add_tenant_parsers(sub)
     try:
         from airflow_deadline_batch.sim.cli import add_simulate_parser
     except ImportError:  # pragma: no cover - the simulator ships with the package
@@ -148,6 +155,209 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_simulate_parser(sub)
     return parser
+
+
+# -- tenants: usage, capacity, quota (docs/tenants.md) -----------------------------------------------
+
+
+def _add_tenant_parsers(sub: Any) -> None:
+    usage = sub.add_parser("usage", help="settled usage and cost per tenant (docs/tenants.md)")
+    usage.add_argument("--tenant", default=None, help="only this tenant (default: every tenant)")
+    usage.add_argument(
+        "--since",
+        default=None,
+        help="attempts started at or after: an ISO 8601 instant, or a duration back from now (24h, 7d)",
+    )
+    usage.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+    usage.add_argument("--json", action="store_true", help="print one JSON object")
+
+    capacity = sub.add_parser("capacity", help="shared GPU capacity of pools (docs/tenants.md)")
+    cap = capacity.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    cap_set = cap.add_parser("set", help="set a pool's shared GPUs: admission then checks every deadline")
+    cap_set.add_argument("pool", metavar="POOL", help="pool name, as in the jobs' pool definitions")
+    cap_set.add_argument("--gpus", type=int, required=True, help="GPUs of the pool shared by all tenants")
+    cap_list = cap.add_parser("list", help="each pool's GPUs, reservations and free capacity")
+    cap_list.add_argument(
+        "--until", default="+24h", help="free capacity until: ISO 8601 instant or +DURATION (default +24h)"
+    )
+    cap_del = cap.add_parser("delete", help="stop managing a pool: its jobs are admitted alone again")
+    cap_del.add_argument("pool", metavar="POOL")
+    quota = sub.add_parser("quota", help="GPU quotas and budgets per tenant (docs/tenants.md)")
+    qa = quota.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    q_set = qa.add_parser("set", help="set (replace) a tenant's quota; omitted limits are unlimited")
+    q_set.add_argument("tenant", metavar="TENANT")
+    q_set.add_argument("--spot-gpus", type=int, default=None, help="max Spot GPUs at once")
+    q_set.add_argument("--on-demand-gpus", type=int, default=None, help="max on-demand GPUs at once")
+    q_set.add_argument("--budget", type=float, default=None, help="cost budget per period (pool price units)")
+    q_set.add_argument("--period", default="+1d", help="budget period as +DURATION (default +1d)")
+    qa.add_parser("list", help="every tenant's quota")
+    q_del = qa.add_parser("delete", help="remove a tenant's quota (no limits)")
+    q_del.add_argument("tenant", metavar="TENANT")
+    for p in (*cap.choices.values(), *qa.choices.values()):
+        p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _usage_error(exc: ValueError) -> ConfigurationError:
+    return ConfigurationError(str(exc))
+
+
+def _open_admin_store(args: argparse.Namespace) -> ManifestStore:
+    """``capacity``/``quota``: ``set`` may come before any job, so it creates the store if needed."""
+    if args.action == "set":
+        return _open_run_store(args.store or default_store_url())
+    return _open_store(args)
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.admission import capacity_view
+
+    store = _open_admin_store(args)
+    if args.action == "set":
+        try:
+            row = store.set_capacity(args.pool, args.gpus)
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        _emit(args, {"pool": row.pool, "gpus": row.gpus}, f"pool {row.pool}: {row.gpus} shared GPU(s)")
+        return EXIT_OK
+    if args.action == "delete":
+        gone = store.delete_capacity(args.pool)
+        _emit(
+            args,
+            {"pool": args.pool, "deleted": gone},
+            f"pool {args.pool}: " + ("no longer managed" if gone else "was not managed"),
+        )
+        return EXIT_OK
+    now = SystemClock().now()
+    try:
+        until = parse_deadline(args.until, now)
+    except ValueError as exc:
+        raise ConfigurationError(f"--until {args.until}: {exc}") from None
+    pools = capacity_view(store.admission_snapshot(DEFAULT_TENANT), until)
+    lines = [f"shared capacity until {until.isoformat(timespec='seconds')}:"]
+    for p in pools:
+        lines.append(
+            f"  {p.pool}: {p.gpus} GPU(s), {len(p.reservations)} job(s) hold {p.reserved_gpu_s:,.0f} "
+            f"GPU-s, free {p.free_gpu_s:,.0f} GPU-s"
+        )
+        lines.extend(
+            f"    {r.job_id} ({r.tenant}): {r.reserved_gpu_s:,.0f} GPU-s due {r.deadline.isoformat()}"
+            for r in p.reservations
+        )
+    if not pools:
+        lines.append("  no pool is managed: every job is admitted alone (deadline-batch capacity set)")
+    _emit(args, {"until": until.isoformat(), "pools": [p.to_dict() for p in pools]}, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_quota(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.core.deadlines import parse_duration
+    from airflow_deadline_batch.store import TenantQuotaRow
+
+    store = _open_admin_store(args)
+    if args.action == "set":
+        try:
+            period = parse_duration(args.period).total_seconds() if args.budget is not None else None
+            row = store.set_quota(
+                TenantQuotaRow(
+                    tenant=args.tenant,
+                    spot_gpus=args.spot_gpus,
+                    on_demand_gpus=args.on_demand_gpus,
+                    budget=args.budget,
+                    budget_period_s=period,
+                )
+            )
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        rows = [row]
+    elif args.action == "delete":
+        gone = store.delete_quota(args.tenant)
+        _emit(
+            args,
+            {"tenant": args.tenant, "deleted": gone},
+            f"tenant {args.tenant}: " + ("quota removed" if gone else "had no quota"),
+        )
+        return EXIT_OK
+    else:
+        rows = store.list_quotas()
+    data = [
+        {
+            "tenant": r.tenant,
+            "spot_gpus": r.spot_gpus,
+            "on_demand_gpus": r.on_demand_gpus,
+            "budget": r.budget,
+            "budget_period_s": r.budget_period_s,
+        }
+        for r in rows
+    ]
+
+    def limit(value: object) -> str:
+        return "unlimited" if value is None else str(value)
+
+    lines = [
+        f"{r.tenant}: spot GPUs {limit(r.spot_gpus)}, on-demand GPUs {limit(r.on_demand_gpus)}, budget "
+        + (
+            "unlimited"
+            if r.budget is None
+            else f"{r.budget:.2f} per {format_duration(r.budget_period_s or 0.0)}"
+        )
+        for r in rows
+    ] or ["no quotas: every tenant is unlimited"]
+    _emit(args, {"quotas": data}, "\n".join(lines))
+    return EXIT_OK
+
+
+def _parse_since(text: str | None, now: dt.datetime) -> dt.datetime | None:
+    """``--since``: an aware ISO 8601 instant, or a duration (``24h``, ``-7d``) back from ``now``."""
+    from airflow_deadline_batch.core.deadlines import parse_duration
+
+    if text is None:
+        return None
+    value = text.strip()
+    if re.match(r"^[-+]?\d", value) and value[-1:] in "dhms" and "T" not in value:
+        try:
+            return now - parse_duration("+" + value.lstrip("+-"))
+        except ValueError as exc:
+            raise ConfigurationError(f"--since {text}: {exc}") from None
+    try:
+        return parse_deadline(value, now)
+    except ValueError as exc:
+        raise ConfigurationError(f"--since {text}: {str(exc).replace('deadline', 'instant')}") from None
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.settlement import usage_by_tenant
+
+    now = SystemClock().now()
+    since = _parse_since(args.since, now)
+    tenant = None
+    if args.tenant is not None:
+        try:
+            tenant = check_tenant(args.tenant)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    store = _open_store(args)
+    report = usage_by_tenant(store.usage(tenant=tenant, since=since))
+    payload = {
+        "since": since.isoformat() if since else None,
+        "tenant": tenant,
+        "tenants": [t.to_dict() for t in report],
+    }
+    lines = [f"settled usage since {since.isoformat(timespec='seconds') if since else 'the beginning'}:"]
+    for t in report:
+        u = t.usage
+        lines.append(
+            f"  {u.tenant}: {t.jobs} job(s), {u.attempts} attempt(s), {u.prompt_tokens:,} prompt + "
+            f"{u.completion_tokens:,} completion tokens, {u.gpu_seconds:,.1f} GPU-s, cost {u.cost:.4f}"
+        )
+        lines.extend(
+            f"    {name}: {p.attempts} attempt(s), {p.gpu_seconds:,.1f} GPU-s, cost {p.cost:.4f}"
+            for name, p in t.pools.items()
+        )
+    if not report:
+        lines.append("  nothing settled" + (f" for tenant {tenant}" if tenant else ""))
+    _emit(args, payload, "\n".join(lines))
+    return EXIT_OK
 
 
 def _load_pools(path: str | None, engine: str) -> tuple[PoolSpec, ...]:
@@ -268,6 +478,8 @@ def default_idempotency_key(request: PlanRequest) -> str:
         "max_invalid_fraction": request.max_invalid_fraction,
         "pools": [p.to_dict() for p in request.pools],
     }
+    if request.tenant != DEFAULT_TENANT:  # keys of jobs from before tenants stay as they were
+        options["tenant"] = request.tenant
     digest = hashlib.sha256(orjson.dumps(options, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()
     return f"run-{digest[:32]}"
 
@@ -331,6 +543,7 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         pools=_load_pools(args.pools, engine),
         workers=args.workers,
         max_invalid_fraction=args.max_invalid_fraction,
+        tenant=args.tenant or DEFAULT_TENANT,
         **extra,
     )
 
@@ -351,6 +564,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         report = analysis.report
         payload = {
+            "tenant": analysis.request.tenant,
             "feasible": report.feasible,
             "verdict": report.verdict.value,
             "report": report.to_dict(),
@@ -362,6 +576,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "target_shard_s": round(analysis.target_shard_s, 3),
         }
         text = report.summary() + (
+            f"\ntenant: {analysis.request.tenant}"
             f"\nrecords: {analysis.work.records}, invalid lines: {analysis.work.invalid}"
             f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}"
         )
@@ -540,6 +755,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     rates = view.rates()
     payload = {
         "job_id": view.job_id,
+        "tenant": view.tenant,
         "state": view.state.value,
         "deadline": view.deadline.isoformat(),
         "manifest": manifest,
@@ -577,6 +793,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     text = (
         f"job {view.job_id}: {view.state.value}, deadline {view.deadline.isoformat()}\n"
+        f"tenant: {view.tenant}\n"
         f"committed {progress.committed_records}/{progress.total_records} records ({pct:.1f}%): "
         f"succeeded {progress.succeeded}, errored {progress.errored}\n"
         f"shards: {payload['shards']}\nattempts: {progress.attempts}, preemptions: {progress.preemptions}\n"
@@ -687,6 +904,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         "status": cmd_status,
         "verify": cmd_verify,
         "cancel": cmd_cancel,
+        "usage": cmd_usage,
+        "capacity": cmd_capacity,
+        "quota": cmd_quota,
     }
     try:
         if args.command == "simulate":

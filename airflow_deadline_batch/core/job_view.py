@@ -53,6 +53,7 @@ from airflow_deadline_batch.core.states import (
     JobState,
     ShardState,
 )
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT
 
 __all__ = [
     "PREEMPTED_OUTCOMES",
@@ -235,6 +236,8 @@ class JobView:
     shard_spot_tries: Mapping[int, SpotTries] = field(default_factory=dict)
     #: shards leased by an attempt on a Spot pool (workers of the job on Spot now)
     spot_shards: frozenset[int] = frozenset()
+    #: the team the job belongs to (core.tenants)
+    tenant: str = DEFAULT_TENANT
 
     @property
     def stopped(self) -> bool:
@@ -390,11 +393,13 @@ def build_job_view(
     pools: Sequence[PoolSpec] | None = None,
     parallelism: int | None = None,
     attempts: Iterable[AttemptFields] = (),
+    tenant: str = DEFAULT_TENANT,
 ) -> JobView:
     """The :class:`JobView` of ``job`` at ``now`` from its shards, commits and attempts (pure).
 
     ``pools`` default to the pools the job was planned with, ``parallelism`` to its ``workers``;
-    without ``attempts`` nothing is known of preemptions but the pools' declared rates.
+    without ``attempts`` nothing is known of preemptions but the pools' declared rates. ``tenant``
+    is the job row's (the protocol leaves it out so that rows of older fakes still fit).
     """
     if pools is None:
         pools = tuple(PoolSpec.from_dict(p) for p in job.config.get("pools") or ())
@@ -440,4 +445,5 @@ def build_job_view(
         spot_tries=job_tries,
         shard_spot_tries=shard_tries,
         spot_shards=frozenset(on_spot),
+        tenant=tenant,
     )

@@ -31,6 +31,7 @@ __all__ = [
     "ResultError",
     "ResultRecord",
     "ResultStatus",
+    "SettledUsage",
     "Usage",
     "encode_results",
 ]
@@ -210,6 +211,23 @@ class ManifestShard(_Frozen):
     attempt_id: str = Field(min_length=1)
 
 
+class SettledUsage(_Frozen):
+    """What the job consumed, settled once from the usage ledger (docs/tenants.md).
+
+    Every attempt counts, also those whose output was superseded or never committed: tokens of
+    committed and uncommitted microbatches, GPU-seconds from the attempt's start to its end (or
+    its last sign of life), cost at its pool's ``price_per_gpu_hour``.
+    """
+
+    tenant: str = Field(min_length=1)
+    attempts: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    superseded_records: int = Field(ge=0)
+    gpu_seconds: float = Field(ge=0)
+    cost: float = Field(ge=0)
+
+
 class OutputManifest(_Frozen):
     """The published, immutable description of a finished job's outputs (docs/design.md §4.3).
 
@@ -228,6 +246,8 @@ class OutputManifest(_Frozen):
     outcomes: OutcomeCounts
     shards: tuple[ManifestShard, ...]
     completed_at: dt.datetime
+    #: the job's settled usage and cost; absent from manifests published before settlement existed
+    usage: SettledUsage | None = None
 
     @field_validator("created_at", "deadline", "completed_at")
     @classmethod
@@ -252,8 +272,10 @@ class OutputManifest(_Frozen):
 
     def to_json_bytes(self) -> bytes:
         """Stable bytes: sorted keys, ISO-8601 UTC datetimes, two-space indent, final newline."""
+        # without usage the bytes stay those of a manifest from before settlement existed
+        exclude = {"usage"} if self.usage is None else None
         return orjson.dumps(
-            self.model_dump(mode="json"),
+            self.model_dump(mode="json", exclude=exclude),
             option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE,
         )
 

@@ -56,11 +56,14 @@ from airflow_deadline_batch.local.launcher import (
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision, decide_for_try, read_job_view
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
+from airflow_deadline_batch.service.quotas import quota_allows_launch
 from airflow_deadline_batch.store import ManifestStore, Progress
 
 log = logging.getLogger("airflow_deadline_batch.local")
 #: environment variable the worker writes its termination message to (worker.worker)
 ENV_TERMINATION_LOG = "ADB_TERMINATION_LOG"
+#: how soon a launch held back by the tenant's GPU quota is tried again
+QUOTA_RECHECK_S = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +174,8 @@ class LocalRun:
 
     def __init__(self, store: ManifestStore, job_id: str, options: RunOptions, clock: Clock) -> None:
         self.job_id, self.options, self.clock = job_id, options, clock
-        self.deadline = store.get_job(job_id).deadline
+        job = store.get_job(job_id)
+        self.deadline, self.tenant = job.deadline, job.tenant
         self.store: ManifestStore = _DurableStore(store, self)  # type: ignore[assignment]
         self.raw_store = store
         self.injector = PreemptionInjector(options.preempt_rate_per_worker_hour, options.seed)
@@ -259,6 +263,12 @@ class LocalRun:
         if decision.pool is None:
             return  # already committed, or failed for good: nothing to launch
         pool = decision.pool
+        own = sum(1 for r in self.running.values() if r.pool is pool.kind)
+        if not quota_allows_launch(self.store, self.job_id, self.tenant, pool.kind, own):
+            # the tenant holds its GPU quota of this kind (docs/tenants.md): wait for one to end
+            self.not_before[index] = now + QUOTA_RECHECK_S
+            self.pending.append(index)
+            return
         self.placements[pool.kind.value] += 1
         self.launches += 1
         message_path = os.path.join(self.messages_dir, f"try-{self.launches}.json")

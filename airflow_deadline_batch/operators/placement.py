@@ -137,6 +137,7 @@ def job_view_of(
         pools=parse_pools(pools, job.config),
         parallelism=parallelism,
         attempts=attempts,
+        tenant=job.tenant,
     )
 
 

@@ -18,6 +18,7 @@ from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.feasibility import AdmissionReport
 from airflow_deadline_batch.core.pools import PoolSpec, default_local_pools
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import AdmissionRejected, ConfigurationError, InputError
 from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -85,6 +86,8 @@ class DeadlineBatchOperator(BaseOperator):
     :param workers: shards run at once.
     :param idempotency_key: default ``{dag_id}/{run_id}/{task_id}`` (templated).
     :param risk_notifier: alerted when admission leaves less slack than its threshold.
+    :param tenant: the team the job belongs to (docs/tenants.md; templated); default: the task's
+        owner (the DAG's ``default_args`` owner) when it is a valid tenant name, else ``default``.
     """
 
     template_fields: Sequence[str] = (
@@ -96,6 +99,7 @@ class DeadlineBatchOperator(BaseOperator):
         "idempotency_key",
         "model",
         "engine",
+        "tenant",
     )
     operator_extra_links = (DeadlineBatchProgressLink(),)
     ui_color = "#e8e0f7"
@@ -120,9 +124,11 @@ class DeadlineBatchOperator(BaseOperator):
         max_attempts: int = 10,
         risk_notifier: DeadlineRiskNotifier | None = None,
         clock: Clock | None = None,
+        tenant: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.tenant = tenant
         self.input_uri = input_uri
         self.deadline = deadline
         self.output_uri = output_uri
@@ -165,7 +171,21 @@ class DeadlineBatchOperator(BaseOperator):
             microbatch_size=self.microbatch_size,
             max_invalid_fraction=self.max_invalid_fraction,
             max_attempts=self.max_attempts,
+            tenant=self.resolve_tenant(),
         )
+
+    def resolve_tenant(self) -> str:
+        """The ``tenant`` argument, else the first owner if it is a valid tenant name, else ``default``."""
+        if self.tenant:
+            try:
+                return check_tenant(str(self.tenant))
+            except ValueError as exc:
+                raise AirflowFailException(str(exc)) from exc
+        owner = str(self.owner or "").split(",")[0].strip().lower()
+        try:
+            return check_tenant(owner)
+        except ValueError:
+            return DEFAULT_TENANT
 
     def execute(self, context: Any) -> list[dict[str, Any]]:
         from airflow_deadline_batch.service.planning import plan_job

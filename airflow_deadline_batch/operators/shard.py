@@ -55,6 +55,7 @@ from airflow_deadline_batch.core.failures import (
     classify_exit,
 )
 from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, kueue_labels
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
@@ -267,6 +268,7 @@ class _ShardTryMixin:
             raise AirflowFailException(str(exc)) from exc
         now = (self.clock or SystemClock()).now()
         view = read_job_view(store, self.job_id, now=now, pools=self.pools)
+        self.tenant = view.tenant  # the pod's Kueue queue (DeadlineShardPodOperator with kueue=True)
         decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
         emit_decision(view, decision, dag_id=dag_id_of(context))
@@ -350,6 +352,9 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param clock: injectable clock (tests).
     :param reschedule_retryable: preempted and transient tries reschedule the task instead of
         spending a retry (docs/design.md §6.6).
+    :param kueue: label the pod for Kueue (docs/kubernetes.md): ``kueue.x-k8s.io/queue-name`` is
+        the job's tenant (its LocalQueue), ``kueue.x-k8s.io/priority-class`` a WorkloadPriorityClass
+        chosen from the job's slack at this try.
 
     GPU defaults: ``do_xcom_push=False`` (no XCom sidecar), ``retries=5``, and mapped with
     ``.partial(...).expand_kwargs(plan.output)`` at most the plan's ``workers`` pods at once
@@ -386,10 +391,13 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         worker_args: Sequence[str] = (),
         clock: Clock | None = None,
         reschedule_retryable: bool = True,
+        kueue: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("retries", SHARD_RETRIES)
         kwargs.setdefault("name", "deadline-batch-shard")
+        self.kueue = kueue
+        self.tenant = DEFAULT_TENANT
         # no XCom sidecar: it would be one more image to pull on every fresh Spot node, and the
         # worker's result is in the store, not in the pod's return value
         kwargs.setdefault("do_xcom_push", False)
@@ -429,6 +437,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self.node_selector = {**node_selector, **placement.node_selector}
         self.tolerations = [*tolerations, *(k8s.V1Toleration(**t) for t in placement.tolerations)]
         self.labels = {**labels, **placement.labels}
+        if self.kueue and decision.placement is not None:
+            self.labels.update(kueue_labels(self.tenant, decision.placement.slack_s))
         self.annotations = {**annotations, **placement.annotations}
         self.startup_timeout_seconds = placement.startup_timeout_s
         self.schedule_timeout_seconds = placement.startup_timeout_s

@@ -28,6 +28,7 @@ from airflow_deadline_batch.core.results import (
     OutcomeCounts,
     OutputManifest,
     ResultRecord,
+    SettledUsage,
     encode_results,
 )
 from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
@@ -40,6 +41,7 @@ from airflow_deadline_batch.exceptions import (
     StorageError,
     VerificationError,
 )
+from airflow_deadline_batch.service.settlement import settle_job
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import ManifestStore
 
@@ -419,9 +421,12 @@ def finalize_job(
     commits = store.list_commits(job_id)
     output = open_storage(job.output_uri)
     extra = _write_unfinished_outcomes(store, job, commits, output, cancelled)
+    # the job is fenced: every attempt has ended, and its uncommitted objects are not yet collected
+    usage = settle_job(store, job, output)
     report = _verify_or_fail(store, job, commits, extra, cancelled=cancelled)
     final_state = JobState.CANCELLED if cancelled else (JobState.PARTIAL if extra else JobState.COMPLETED)
-    manifest = build_manifest(job, [_outcome_object(c) for c in commits] + extra, report, clock.now())
+    objects = [_outcome_object(c) for c in commits] + extra
+    manifest = build_manifest(job, objects, report, clock.now(), usage=usage)
     uri, body = _publish(output, manifest)
     store.record_manifest(job_id, uri=uri, sha256=sha256_hex(body), state=final_state)
     collect_garbage(store, job_id)
@@ -527,7 +532,12 @@ def _publish(output: Any, manifest: OutputManifest) -> tuple[str, bytes]:
 
 
 def build_manifest(
-    job: Any, objects: list[OutcomeObject], report: VerificationReport, now: dt.datetime
+    job: Any,
+    objects: list[OutcomeObject],
+    report: VerificationReport,
+    now: dt.datetime,
+    *,
+    usage: SettledUsage | None = None,
 ) -> OutputManifest:
     """The output manifest of a verified job (docs/design.md §4.3)."""
     config = job.config
@@ -555,6 +565,7 @@ def build_manifest(
             for o in objects
         ),
         completed_at=now,
+        usage=usage,
     )
 
 

@@ -44,12 +44,14 @@ from airflow_deadline_batch.core.records import (
 )
 from airflow_deadline_batch.core.results import ResultRecord, encode_results
 from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
     InputError,
     ObjectNotFound,
 )
+from airflow_deadline_batch.service.admission import shared_admission
 from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
@@ -83,9 +85,14 @@ class PlanRequest:
     prompt_template_version: str = "v1"
     limits: ValidationLimits = field(default_factory=ValidationLimits)
     allow_infeasible: bool = False
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
+        try:
+            object.__setattr__(self, "tenant", check_tenant(self.tenant))
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
         if not self.pools:
             raise ConfigurationError("no pools given: define at least one Spot or on-demand pool")
         if self.workers < 1:
@@ -493,6 +500,7 @@ def _record(
         output_uri=output_base,
         config=job_config(request, analysis.target_shard_s),
         admission=report.to_dict(),
+        tenant=request.tenant,
     )
     if not admitted:
         job, _ = store.create_job(new_job, [], None)
@@ -527,9 +535,11 @@ def _record(
             records=analysis.work.invalid,
             counts={"errored": analysis.work.invalid},
         )
-    job, created = store.create_job(new_job, shards, validation)
-    if not created:
-        # lost an idempotency race: the first job stands, our validation object is garbage
+    # shared capacity, the tenant's quota and budget are checked as the job is recorded
+    admit = None if request.allow_infeasible else shared_admission(job_id, report, request.pools)
+    job, created = store.create_job(new_job, shards, validation, admit=admit)
+    if not created or job.state is JobState.REJECTED:
+        # lost an idempotency race (the first job stands) or refused: our validation object is garbage
         if validation is not None:
             storage.delete(VALIDATION_KEY)
         return _existing_result(store, job)

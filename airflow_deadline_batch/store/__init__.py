@@ -16,8 +16,11 @@ from airflow_deadline_batch.store.rows import (
     NewCommit,
     NewJob,
     NewShard,
+    PoolCapacityRow,
     Progress,
     ShardRow,
+    TenantQuotaRow,
+    UsageRow,
 )
 from airflow_deadline_batch.store.schema import db_epoch
 
@@ -35,7 +38,10 @@ __all__ = [
     "NewCommit",
     "NewJob",
     "NewShard",
+    "PoolCapacityRow",
     "Progress",
     "ShardRow",
+    "TenantQuotaRow",
+    "UsageRow",
     "db_epoch",
 ]

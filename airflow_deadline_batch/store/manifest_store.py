@@ -27,7 +27,8 @@ from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
 from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, shard_id
-from airflow_deadline_batch.core.job_view import shard_done_fraction
+from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
+from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import (
     TERMINAL_JOB_STATES,
     AttemptOutcome,
@@ -42,7 +43,7 @@ from airflow_deadline_batch.exceptions import (
     JobNotFound,
     StoreError,
 )
-from airflow_deadline_batch.store import leases
+from airflow_deadline_batch.store import leases, tenancy
 from airflow_deadline_batch.store.engine import (
     BEGIN_MODE,
     PING_AFTER_IDLE_S,
@@ -63,8 +64,11 @@ from airflow_deadline_batch.store.rows import (
     NewCommit,
     NewJob,
     NewShard,
+    PoolCapacityRow,
     Progress,
     ShardRow,
+    TenantQuotaRow,
+    UsageRow,
 )
 from airflow_deadline_batch.store.schema import (
     attempts,
@@ -248,41 +252,38 @@ class ManifestStore:
         return JobRow.from_row(row) if row is not None else None
 
     def create_job(
-        self, job: NewJob, shards_: Sequence[NewShard] = (), validation: NewCommit | None = None
+        self,
+        job: NewJob,
+        shards_: Sequence[NewShard] = (),
+        validation: NewCommit | None = None,
+        *,
+        admit: Callable[[tenancy.TenancySnapshot], Mapping[str, Any] | None] | None = None,
     ) -> tuple[JobRow, bool]:
         """Record a job with its shards (and the planner's validation-errors object) in one transaction.
 
         With an ``idempotency_key`` already known, return ``(existing job, False)`` and write
         nothing, also when two submissions race (docs/design.md §4.5 invariant 6).
+
+        ``admit`` decides admission against shared capacity and the tenant's quota (docs/tenants.md)
+        inside this transaction, with admissions serialized: it reads the snapshot and returns None
+        to record the job as planned, or the admission report of a refusal, recorded as a
+        ``rejected`` job without shards (the caller sees the state of the returned job).
         """
         _check_new_job(job, shards_, validation)
         job_id = job.job_id or new_job_id()
 
         def insert(conn: Connection) -> tuple[JobRow, bool]:
+            if admit is not None:
+                tenancy.lock_admissions(conn)
             if job.idempotency_key is not None:
                 existing = self._job_by_key(conn, job.idempotency_key)
                 if existing is not None:
                     return existing, False
             now = _ts(self._now(conn))
-            conn.execute(
-                sa.insert(jobs).values(
-                    job_id=job_id,
-                    idempotency_key=job.idempotency_key,
-                    state=job.state.value,
-                    created_at=now,
-                    updated_at=now,
-                    deadline=job.deadline,
-                    input_uri=job.input_uri,
-                    input_sha256=job.input_sha256,
-                    input_lines=job.input_lines,
-                    input_total_lines=job.input_total_lines,
-                    output_uri=job.output_uri,
-                    max_attempts=int(job.config.get("max_attempts") or DEFAULT_MAX_ATTEMPTS),
-                    config=dict(job.config),
-                    admission=dict(job.admission) if job.admission is not None else None,
-                    completed_at=now if job.state is JobState.REJECTED else None,
-                )
-            )
+            refusal = admit(tenancy.read_snapshot(conn, job.tenant, now)) if admit is not None else None
+            if refusal is not None:
+                return self._insert_job(conn, job_id, job, now, JobState.REJECTED, refusal), True
+            self._insert_job(conn, job_id, job, now, job.state, job.admission)
             if shards_:
                 conn.execute(sa.insert(shards), [_shard_values(job_id, s, now) for s in shards_])
             if validation is not None:
@@ -313,6 +314,37 @@ class ManifestStore:
                 "a job with this ID already exists: omit job_id to generate one",
                 job_id=job_id,
             ) from exc
+
+    def _insert_job(
+        self,
+        conn: Connection,
+        job_id: str,
+        job: NewJob,
+        now: dt.datetime,
+        state: JobState,
+        admission: Mapping[str, Any] | None,
+    ) -> JobRow:
+        conn.execute(
+            sa.insert(jobs).values(
+                job_id=job_id,
+                idempotency_key=job.idempotency_key,
+                state=state.value,
+                created_at=now,
+                updated_at=now,
+                deadline=job.deadline,
+                input_uri=job.input_uri,
+                input_sha256=job.input_sha256,
+                input_lines=job.input_lines,
+                input_total_lines=job.input_total_lines,
+                output_uri=job.output_uri,
+                max_attempts=int(job.config.get("max_attempts") or DEFAULT_MAX_ATTEMPTS),
+                config=dict(job.config),
+                admission=dict(admission) if admission is not None else None,
+                completed_at=now if state is JobState.REJECTED else None,
+                tenant=job.tenant,
+            )
+        )
+        return self._job(conn, job_id)
 
     def get_job(self, job_id: str) -> JobRow:
         """The job, or :class:`JobNotFound`."""
@@ -902,6 +934,94 @@ class ManifestStore:
             )
 
         return self._tx(read, write=False)
+
+    # -- tenants: usage ledger, capacity, quotas (store/tenancy.py) --------------------------------
+
+    def settle_usage(self, job_id: str, rows: Sequence[UsageRow]) -> list[UsageRow]:
+        """Record each attempt's usage once (a settled attempt is left as it is); the job's ledger."""
+
+        def write(conn: Connection) -> list[UsageRow]:
+            self._job(conn, job_id)
+            tenancy.settle(conn, rows, _ts(self._now(conn)))
+            return tenancy.job_usage(conn, job_id)
+
+        return self._tx(write)
+
+    def job_usage(self, job_id: str) -> list[UsageRow]:
+        """The job's settled usage, one row per attempt (empty until the job is finalized)."""
+        return self._tx(lambda conn: tenancy.job_usage(conn, job_id), write=False)
+
+    def usage(self, *, tenant: str | None = None, since: dt.datetime | None = None) -> list[UsageRow]:
+        """Settled usage of attempts started at or after ``since``, of one tenant or of all."""
+        return self._tx(lambda conn: tenancy.tenant_usage(conn, tenant, since), write=False)
+
+    def admission_snapshot(self, tenant: str) -> tenancy.TenancySnapshot:
+        """What admission of ``tenant``'s next job would read (read-only; ``deadline-batch capacity``)."""
+        return self._tx(lambda conn: tenancy.read_snapshot(conn, tenant, _ts(self._now(conn))), write=False)
+
+    def tenant_gpus_in_use(self, tenant: str, *, exclude_job: str | None = None) -> dict[str, int]:
+        """Live leases of the tenant's running jobs by pool kind (``spot`` / ``on_demand``)."""
+
+        def read(conn: Connection) -> dict[str, int]:
+            counts: dict[str, int] = {}
+            for pool_name, config in tenancy.live_leases(conn, tenant, exclude_job):
+                pools = [PoolSpec.from_dict(p) for p in (config or {}).get("pools") or ()]
+                pool = pool_named(pool_name, pools)
+                if pool is not None:
+                    counts[pool.kind.value] = counts.get(pool.kind.value, 0) + 1
+            return counts
+
+        return self._tx(read, write=False)
+
+    def list_capacity(self) -> list[PoolCapacityRow]:
+        """Pools whose GPUs are shared under admission control (docs/tenants.md)."""
+        return self._tx(tenancy.list_capacity, write=False)
+
+    def set_capacity(self, pool: str, gpus: int) -> PoolCapacityRow:
+        """Set a pool's shared GPU capacity (a new row, or a replaced one)."""
+        row = PoolCapacityRow(pool=pool, gpus=gpus)
+
+        def write(conn: Connection) -> PoolCapacityRow:
+            tenancy.lock_admissions(conn)  # an admission in flight sees the old or the new capacity
+            tenancy.set_capacity(conn, row, _ts(self._now(conn)))
+            return next(r for r in tenancy.list_capacity(conn) if r.pool == pool)
+
+        return self._tx(write)
+
+    def delete_capacity(self, pool: str) -> bool:
+        """Stop managing a pool's capacity; False when it was not managed."""
+
+        def write(conn: Connection) -> bool:
+            tenancy.lock_admissions(conn)
+            return tenancy.delete_capacity(conn, pool)
+
+        return self._tx(write)
+
+    def get_quota(self, tenant: str) -> TenantQuotaRow | None:
+        """The tenant's quota, or None (no limits)."""
+        return self._tx(lambda conn: tenancy.get_quota(conn, tenant), write=False)
+
+    def list_quotas(self) -> list[TenantQuotaRow]:
+        return self._tx(tenancy.list_quotas, write=False)
+
+    def set_quota(self, quota: TenantQuotaRow) -> TenantQuotaRow:
+        """Set (replace) a tenant's GPU quotas and budget."""
+
+        def write(conn: Connection) -> TenantQuotaRow:
+            tenancy.lock_admissions(conn)
+            tenancy.set_quota(conn, quota, _ts(self._now(conn)))
+            found = tenancy.get_quota(conn, quota.tenant)
+            assert found is not None
+            return found
+
+        return self._tx(write)
+
+    def delete_quota(self, tenant: str) -> bool:
+        def write(conn: Connection) -> bool:
+            tenancy.lock_admissions(conn)
+            return tenancy.delete_quota(conn, tenant)
+
+        return self._tx(write)
 
 
 def _shard_values(job_id: str, shard: NewShard, now: dt.datetime) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.ids import shard_id
 from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 
 #: defaults when a job's config omits them
 DEFAULT_MAX_ATTEMPTS = 5
@@ -40,9 +41,11 @@ class NewJob:
     job_id: str | None = None
     idempotency_key: str | None = None
     state: JobState = JobState.ADMITTED
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
+        object.__setattr__(self, "tenant", check_tenant(self.tenant))
         object.__setattr__(self, "state", JobState(self.state))
         if self.state not in (JobState.ADMITTED, JobState.REJECTED):
             raise ValueError(f"a new job starts admitted or rejected, not {self.state.value}")
@@ -107,6 +110,7 @@ class JobRow:
     manifest_sha256: str | None
     completed_at: dt.datetime | None
     error: str | None
+    tenant: str = DEFAULT_TENANT
 
     @classmethod
     def from_row(cls, row: Any) -> JobRow:
@@ -129,6 +133,7 @@ class JobRow:
             manifest_sha256=m["manifest_sha256"],
             completed_at=m["completed_at"],
             error=m["error"],
+            tenant=m["tenant"],
         )
 
     @property
@@ -323,3 +328,88 @@ class Progress:
     @property
     def fraction(self) -> float:
         return self.committed_records / self.total_records if self.total_records else 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class UsageRow:
+    """One attempt's settled usage (``adb_usage``): kept whether or not its output was."""
+
+    attempt_id: str
+    job_id: str
+    tenant: str
+    shard_index: int
+    pool: str | None
+    pool_kind: str | None
+    price_per_gpu_hour: float
+    outcome: str
+    prompt_tokens: int
+    completion_tokens: int
+    committed_records: int
+    #: records of output objects the attempt wrote but never committed (superseded or fenced)
+    superseded_records: int
+    gpu_seconds: float
+    cost: float
+    started_at: dt.datetime
+    ended_at: dt.datetime | None
+    settled_at: dt.datetime | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> UsageRow:
+        m = _mapping(row)
+        return cls(**{name: m[name] for name in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for key in ("started_at", "ended_at", "settled_at"):
+            data[key] = None if data[key] is None else data[key].isoformat()
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolCapacityRow:
+    """GPUs of a pool that every tenant's jobs share (``deadline-batch capacity set``)."""
+
+    pool: str
+    gpus: int
+    updated_at: dt.datetime | None = None
+
+    def __post_init__(self) -> None:
+        if not self.pool:
+            raise ValueError("pool name must not be empty")
+        if self.gpus < 0:
+            raise ValueError(f"pool {self.pool!r}: gpus must be >= 0, got {self.gpus}")
+
+    @classmethod
+    def from_row(cls, row: Any) -> PoolCapacityRow:
+        m = _mapping(row)
+        return cls(pool=m["pool"], gpus=m["gpus"], updated_at=m["updated_at"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantQuotaRow:
+    """A tenant's limits (``deadline-batch quota set``); None is no limit."""
+
+    tenant: str
+    spot_gpus: int | None = None
+    on_demand_gpus: int | None = None
+    budget: float | None = None
+    budget_period_s: float | None = None
+    updated_at: dt.datetime | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tenant", check_tenant(self.tenant))
+        for name in ("spot_gpus", "on_demand_gpus", "budget"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"tenant {self.tenant}: {name} must be >= 0, got {value}")
+        if self.budget is not None and not (self.budget_period_s or 0) > 0:
+            raise ValueError(f"tenant {self.tenant}: a budget needs a period (budget_period_s > 0)")
+
+    @classmethod
+    def from_row(cls, row: Any) -> TenantQuotaRow:
+        m = _mapping(row)
+        return cls(**{name: m[name] for name in cls.__dataclass_fields__})
+
+    def gpus_of_kind(self, kind: str) -> int | None:
+        """The GPU limit for pools of ``kind`` (``spot`` / ``on_demand``), None when unlimited."""
+        return self.spot_gpus if kind == "spot" else self.on_demand_gpus

@@ -116,6 +116,9 @@ jobs = sa.Table(
     sa.Column("manifest_sha256", sa.String(64), nullable=True),
     sa.Column("completed_at", UTCDateTime(), nullable=True),
     sa.Column("error", sa.Text(), nullable=True),
+    # core.tenants: the team the job belongs to (revision 0003; older jobs are "default")
+    sa.Column("tenant", sa.String(63), nullable=False, server_default="default"),
+    sa.Index("ix_adb_jobs_tenant_created_at", "tenant", "created_at"),
 )
 
 shards = sa.Table(
@@ -191,4 +194,51 @@ commits = sa.Table(
     sa.Column("model_digest", sa.String(128), nullable=True),
     sa.Column("pool", sa.String(128), nullable=True),
     sa.Column("committed_at", UTCDateTime(), nullable=False),
+)
+
+usage = sa.Table(
+    "adb_usage",
+    metadata,
+    # One row per attempt, settled once by the finalizer (store.usage): what the attempt consumed,
+    # whether or not its output was kept. The primary key makes a second settlement a no-op.
+    sa.Column("attempt_id", sa.String(64), primary_key=True),
+    sa.Column("job_id", sa.String(64), nullable=False, index=True),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("shard_index", sa.Integer(), nullable=False),
+    sa.Column("pool", sa.String(128), nullable=True),
+    sa.Column("pool_kind", sa.String(32), nullable=True),
+    sa.Column("price_per_gpu_hour", sa.Double(), nullable=False),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("prompt_tokens", sa.BigInteger(), nullable=False),
+    sa.Column("completion_tokens", sa.BigInteger(), nullable=False),
+    sa.Column("committed_records", sa.Integer(), nullable=False),
+    sa.Column("superseded_records", sa.Integer(), nullable=False),
+    sa.Column("gpu_seconds", sa.Double(), nullable=False),
+    sa.Column("cost", sa.Double(), nullable=False),
+    sa.Column("started_at", UTCDateTime(), nullable=False),
+    sa.Column("ended_at", UTCDateTime(), nullable=True),
+    sa.Column("settled_at", UTCDateTime(), nullable=False),
+    sa.Index("ix_adb_usage_tenant_started_at", "tenant", "started_at"),
+)
+
+pool_capacity = sa.Table(
+    "adb_pool_capacity",
+    metadata,
+    # GPUs of a pool shared by every tenant's jobs (`deadline-batch capacity set`); a pool without
+    # a row is not managed: its jobs are admitted alone, as before revision 0003
+    sa.Column("pool", sa.String(128), primary_key=True),
+    sa.Column("gpus", sa.Integer(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+)
+
+tenant_quotas = sa.Table(
+    "adb_tenant_quotas",
+    metadata,
+    # `deadline-batch quota set`: None is no limit
+    sa.Column("tenant", sa.String(63), primary_key=True),
+    sa.Column("spot_gpus", sa.Integer(), nullable=True),
+    sa.Column("on_demand_gpus", sa.Integer(), nullable=True),
+    sa.Column("budget", sa.Double(), nullable=True),
+    sa.Column("budget_period_s", sa.Double(), nullable=True),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
 )

@@ -1,0 +1,206 @@
+"""Admission of a planned job against shared capacity, its tenant's GPU quota and budget.
+
+``service.planning`` asks :func:`shared_admission` for the check the store runs inside the
+transaction that records the job (``ManifestStore.create_job(admit=...)``), with admissions
+serialized, so two jobs admitted at the same moment never both count the same free capacity.
+With no pool capacity and no quota configured the check admits everything: each job is then
+judged alone by ``core.feasibility``, as before tenants existed (docs/tenants.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from airflow_deadline_batch.core.admission import (
+    Demand,
+    budget_refusal,
+    edf_test,
+    gpu_quota_refusals,
+    projected_cost,
+    reserved_gpu_seconds,
+    supply_seconds,
+)
+from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport
+from airflow_deadline_batch.core.pools import PoolSpec
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.store.tenancy import TenancySnapshot
+
+#: the admission report's verdict when shared capacity, a quota or a budget refuses the job
+REJECTED_SHARED = "rejected_shared"
+
+
+def shared_admission(
+    job_id: str,
+    report: AdmissionReport,
+    pools: tuple[PoolSpec, ...],
+    *,
+    policy: AdmissionPolicy | None = None,
+) -> Callable[[TenancySnapshot], Mapping[str, Any] | None]:
+    """The check ``create_job`` runs: None admits, a report (plain values) rejects."""
+    policy = policy or AdmissionPolicy()
+
+    def admit(snapshot: TenancySnapshot) -> Mapping[str, Any] | None:
+        reasons, details = _refusals(job_id, report, pools, snapshot, policy)
+        if not reasons:
+            return None
+        data = report.to_dict()
+        return {
+            **data,
+            "verdict": REJECTED_SHARED,
+            "feasible": False,
+            "reasons": [*data["reasons"], *reasons],
+            "shared": details,
+        }
+
+    return admit
+
+
+def _refusals(
+    job_id: str,
+    report: AdmissionReport,
+    pools: tuple[PoolSpec, ...],
+    snapshot: TenancySnapshot,
+    policy: AdmissionPolicy,
+) -> tuple[list[str], dict[str, Any]]:
+    reasons: list[str] = []
+    details: dict[str, Any] = {"tenant": snapshot.tenant}
+    chosen = report.chosen
+    quota = snapshot.quota
+    if quota is not None and chosen is not None:
+        by_name = {p.name: p for p in pools}
+        plan_gpus: dict[str, int] = {}
+        left = chosen.gpus
+        for name in chosen.pools:  # the plan fills its pools in order, as core.feasibility does
+            take = min(by_name[name].gpus, left)
+            kind = by_name[name].kind.value
+            plan_gpus[kind] = plan_gpus.get(kind, 0) + take
+            left -= take
+        limits = {"spot": quota.spot_gpus, "on_demand": quota.on_demand_gpus}
+        reasons += gpu_quota_refusals(snapshot.tenant, plan_gpus, limits)
+        cost = projected_cost({"chosen": chosen.to_dict()})
+        spent = [
+            j.settled_cost if j.settled_cost is not None else projected_cost(j.admission)
+            for j in snapshot.period_jobs
+        ]
+        refusal = budget_refusal(snapshot.tenant, cost, spent, quota.budget, quota.budget_period_s)
+        if refusal is not None:
+            reasons.append(refusal)
+        details["projected_cost"] = cost
+    shared = [p for p in pools if p.name in snapshot.capacity]
+    if shared and chosen is not None:
+        names = {p.name for p in shared}
+        held = [
+            Demand(
+                job_id=h.job_id,
+                tenant=h.tenant,
+                deadline=h.deadline,
+                gpu_seconds=reserved_gpu_seconds(
+                    h.admission, h.est_work_s, h.remaining_work_s, policy, h.work_scale
+                ),
+            )
+            for h in snapshot.held
+            if names.intersection(h.pools)
+        ]
+        new = Demand(
+            job_id=job_id,
+            tenant=snapshot.tenant,
+            deadline=report.deadline,
+            gpu_seconds=chosen.run_seconds * chosen.gpus,
+        )
+        result = edf_test(
+            new,
+            held,
+            gpus=sum(snapshot.capacity[p.name] for p in shared),
+            now=snapshot.now,
+            lead_s=max(p.queue_wait_seconds + p.startup_seconds for p in shared),
+            policy=policy,
+        )
+        details["edf"] = result.to_dict()
+        if not result.feasible:
+            reasons += result.reasons()
+    return reasons, details
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reservation:
+    """Work an admitted, unfinished job holds on a pool (split evenly over its managed pools)."""
+
+    job_id: str
+    tenant: str
+    deadline: dt.datetime
+    reserved_gpu_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolCapacity:
+    """``deadline-batch capacity list``: a managed pool's GPUs, reservations and free capacity."""
+
+    pool: str
+    gpus: int
+    reservations: tuple[Reservation, ...]
+    until: dt.datetime
+    #: GPU-seconds the pool can still take until ``until`` (recovery reserve kept) after the
+    #: reservations due by then
+    free_gpu_s: float
+
+    @property
+    def reserved_gpu_s(self) -> float:
+        return sum(r.reserved_gpu_s for r in self.reservations)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "gpus": self.gpus,
+            "reserved_gpu_s": round(self.reserved_gpu_s, 3),
+            "free_gpu_s_until": round(self.free_gpu_s, 3),
+            "until": self.until.isoformat(),
+            "reservations": [
+                {
+                    "job_id": r.job_id,
+                    "tenant": r.tenant,
+                    "deadline": r.deadline.isoformat(),
+                    "reserved_gpu_s": round(r.reserved_gpu_s, 3),
+                }
+                for r in self.reservations
+            ],
+        }
+
+
+def capacity_view(
+    snapshot: TenancySnapshot, until: dt.datetime, policy: AdmissionPolicy | None = None
+) -> list[PoolCapacity]:
+    """Each managed pool with the work admitted jobs hold on it and its free capacity until ``until``."""
+    policy = policy or AdmissionPolicy()
+    window = (until - snapshot.now).total_seconds()
+    out = []
+    for pool, gpus in sorted(snapshot.capacity.items()):
+        reservations = []
+        for held in snapshot.held:
+            managed = [p for p in held.pools if p in snapshot.capacity]
+            if pool in managed:
+                share = reserved_gpu_seconds(
+                    held.admission, held.est_work_s, held.remaining_work_s, policy, held.work_scale
+                )
+                reservations.append(
+                    Reservation(
+                        job_id=held.job_id,
+                        tenant=held.tenant,
+                        deadline=held.deadline,
+                        reserved_gpu_s=share / len(managed),
+                    )
+                )
+        due = sum(r.reserved_gpu_s for r in reservations if r.deadline <= until)
+        out.append(
+            PoolCapacity(
+                pool=pool,
+                gpus=gpus,
+                reservations=tuple(reservations),
+                until=until,
+                free_gpu_s=supply_seconds(gpus, window, policy) - due,
+            )
+        )
+    return out

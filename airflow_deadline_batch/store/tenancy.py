@@ -1,0 +1,261 @@
+"""SQL of tenants, the usage ledger, pool capacity and tenant quotas (docs/tenants.md).
+
+Functions over a :class:`Connection` inside a transaction the :class:`ManifestStore` opens; what
+the rows mean (earliest-deadline-first admission, budgets) is decided in ``core.admission``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from airflow_deadline_batch.core.job_view import build_job_view, shard_done_fraction
+from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.store.rows import (
+    CommitRow,
+    JobRow,
+    PoolCapacityRow,
+    ShardRow,
+    TenantQuotaRow,
+    UsageRow,
+)
+from airflow_deadline_batch.store.schema import (
+    commits,
+    db_epoch,
+    jobs,
+    pool_capacity,
+    shards,
+    tenant_quotas,
+    usage,
+)
+
+#: pg_advisory_xact_lock key that serializes admissions against shared capacity ("adb_admi")
+ADMISSION_LOCK_KEY = 0x6164625F61646D69
+#: jobs that still hold capacity: admitted and not yet finished
+HOLDING_JOB_STATES = (JobState.ADMITTED.value, JobState.RUNNING.value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldWork:
+    """An admitted, unfinished job and the work it still holds (estimated GPU-seconds)."""
+
+    job_id: str
+    tenant: str
+    deadline: dt.datetime
+    pools: tuple[str, ...]
+    admission: Mapping[str, Any] | None
+    est_work_s: float
+    remaining_work_s: float
+    #: measured seconds per estimated second of work (1.0 before the job committed anything)
+    work_scale: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobCost:
+    """A tenant's job in the budget period: its projected cost, and its settled cost once settled."""
+
+    job_id: str
+    admission: Mapping[str, Any] | None
+    settled_cost: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenancySnapshot:
+    """What admission of one tenant's job reads, in the transaction that records the job."""
+
+    now: dt.datetime
+    tenant: str
+    capacity: Mapping[str, int]
+    quota: TenantQuotaRow | None
+    held: tuple[HeldWork, ...]
+    #: the tenant's jobs created within its budget period (empty without a budget)
+    period_jobs: tuple[JobCost, ...]
+
+
+def lock_admissions(conn: Connection) -> None:
+    """Serialize admissions: on PostgreSQL a transaction-scoped advisory lock.
+
+    On SQLite every write transaction already runs alone (``BEGIN IMMEDIATE``). The lock is held
+    until the job is recorded, so a second admission reads the first one's job and cannot count
+    the same free capacity.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
+
+
+def read_snapshot(conn: Connection, tenant: str, now: dt.datetime) -> TenancySnapshot:
+    """Capacity, the tenant's quota, every holding job's remaining work, the tenant's period jobs."""
+    capacity = {row.pool: row.gpus for row in list_capacity(conn)}
+    quota = get_quota(conn, tenant)
+    held = tuple(_held_work(conn, now)) if capacity else ()
+    period: tuple[JobCost, ...] = ()
+    if quota is not None and quota.budget is not None and quota.budget_period_s:
+        since = now - dt.timedelta(seconds=quota.budget_period_s)
+        period = tuple(_period_jobs(conn, tenant, since))
+    return TenancySnapshot(
+        now=now, tenant=tenant, capacity=capacity, quota=quota, held=held, period_jobs=period
+    )
+
+
+def _held_work(conn: Connection, now: dt.datetime) -> Iterable[HeldWork]:
+    """Every holding job with its remaining work, re-rated by the throughput its commits measured."""
+    rows = [
+        JobRow.from_row(r) for r in conn.execute(sa.select(jobs).where(jobs.c.state.in_(HOLDING_JOB_STATES)))
+    ]
+    if not rows:
+        return
+    ids = [job.job_id for job in rows]
+    job_shards: dict[str, list[ShardRow]] = {}
+    for raw in conn.execute(sa.select(shards).where(shards.c.job_id.in_(ids))):
+        shard = ShardRow.from_row(raw)
+        job_shards.setdefault(shard.job_id, []).append(shard)
+    job_commits: dict[str, list[CommitRow]] = {}
+    measured = sa.select(commits).where(commits.c.job_id.in_(ids), commits.c.shard_index >= 0)
+    for raw in conn.execute(measured):
+        commit = CommitRow.from_row(raw)
+        job_commits.setdefault(commit.job_id, []).append(commit)
+    for job in rows:
+        own = job_shards.get(job.job_id, [])
+        scale = 1.0
+        if job.config.get("pools") and job_commits.get(job.job_id):
+            # the job view's calibrated slowdown: the rates its committed microbatches measured
+            scale = build_job_view(job, own, job_commits[job.job_id], now=now).work_scale
+        yield HeldWork(
+            job_id=job.job_id,
+            tenant=job.tenant,
+            deadline=job.deadline,
+            pools=tuple(str(p.get("name")) for p in job.config.get("pools") or ()),
+            admission=job.admission,
+            est_work_s=sum(s.est_work_s for s in own),
+            remaining_work_s=sum(s.est_work_s * (1.0 - shard_done_fraction(s)) for s in own),
+            work_scale=scale,
+        )
+
+
+def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[JobCost]:
+    settled = (
+        sa.select(usage.c.job_id, sa.func.sum(usage.c.cost).label("cost")).group_by(usage.c.job_id).subquery()
+    )
+    query = (
+        sa.select(jobs.c.job_id, jobs.c.admission, settled.c.cost)
+        .select_from(jobs.outerjoin(settled, settled.c.job_id == jobs.c.job_id))
+        .where(
+            jobs.c.tenant == tenant,
+            jobs.c.created_at >= since,
+            jobs.c.state != JobState.REJECTED.value,
+        )
+    )
+    for row in conn.execute(query):
+        yield JobCost(
+            job_id=row.job_id,
+            admission=row.admission,
+            settled_cost=None if row.cost is None else float(row.cost),
+        )
+
+
+def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[tuple[str, Any]]:
+    """``(pool, job config)`` of every live lease of the tenant's running jobs (database clock)."""
+    query = (
+        sa.select(shards.c.last_pool, jobs.c.config)
+        .select_from(shards.join(jobs, jobs.c.job_id == shards.c.job_id))
+        .where(
+            jobs.c.tenant == tenant,
+            jobs.c.state.in_(HOLDING_JOB_STATES),
+            shards.c.state == ShardState.LEASED.value,
+            shards.c.lease_expires_at > db_epoch(),
+        )
+    )
+    if exclude_job is not None:
+        query = query.where(jobs.c.job_id != exclude_job)
+    return [(row.last_pool, row.config) for row in conn.execute(query)]
+
+
+# -- usage ledger -----------------------------------------------------------------------------------
+
+
+def _insert_ignoring_duplicates(conn: Connection, table: sa.Table) -> Any:
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    return dialect.insert(table).on_conflict_do_nothing()
+
+
+def settle(conn: Connection, rows: Sequence[UsageRow], now: dt.datetime) -> None:
+    """Insert each attempt's usage once: an attempt already settled is left as it is.
+
+    Idempotent under a second finalizer, on both databases (``INSERT ... ON CONFLICT DO NOTHING``
+    on the attempt ID); a concurrent finalizer's insert of the same attempt waits for ours.
+    """
+    if rows:
+        values = [{**_usage_values(r), "settled_at": now} for r in rows]
+        conn.execute(_insert_ignoring_duplicates(conn, usage), values)
+
+
+def _usage_values(row: UsageRow) -> dict[str, Any]:
+    data = {name: getattr(row, name) for name in UsageRow.__dataclass_fields__}
+    data.pop("settled_at")
+    return data
+
+
+def job_usage(conn: Connection, job_id: str) -> list[UsageRow]:
+    query = sa.select(usage).where(usage.c.job_id == job_id).order_by(usage.c.started_at, usage.c.attempt_id)
+    return [UsageRow.from_row(r) for r in conn.execute(query)]
+
+
+def tenant_usage(conn: Connection, tenant: str | None, since: dt.datetime | None) -> list[UsageRow]:
+    query = sa.select(usage)
+    if tenant is not None:
+        query = query.where(usage.c.tenant == tenant)
+    if since is not None:
+        query = query.where(usage.c.started_at >= since)
+    query = query.order_by(usage.c.tenant, usage.c.started_at, usage.c.attempt_id)
+    return [UsageRow.from_row(r) for r in conn.execute(query)]
+
+
+# -- capacity and quotas -----------------------------------------------------------------------------
+
+
+def list_capacity(conn: Connection) -> list[PoolCapacityRow]:
+    query = sa.select(pool_capacity).order_by(pool_capacity.c.pool)
+    return [PoolCapacityRow.from_row(r) for r in conn.execute(query)]
+
+
+def set_capacity(conn: Connection, row: PoolCapacityRow, now: dt.datetime) -> None:
+    conn.execute(sa.delete(pool_capacity).where(pool_capacity.c.pool == row.pool))
+    conn.execute(sa.insert(pool_capacity).values(pool=row.pool, gpus=row.gpus, updated_at=now))
+
+
+def delete_capacity(conn: Connection, pool: str) -> bool:
+    return bool(conn.execute(sa.delete(pool_capacity).where(pool_capacity.c.pool == pool)).rowcount)
+
+
+def get_quota(conn: Connection, tenant: str) -> TenantQuotaRow | None:
+    row = conn.execute(sa.select(tenant_quotas).where(tenant_quotas.c.tenant == tenant)).first()
+    return TenantQuotaRow.from_row(row) if row is not None else None
+
+
+def list_quotas(conn: Connection) -> list[TenantQuotaRow]:
+    query = sa.select(tenant_quotas).order_by(tenant_quotas.c.tenant)
+    return [TenantQuotaRow.from_row(r) for r in conn.execute(query)]
+
+
+def set_quota(conn: Connection, row: TenantQuotaRow, now: dt.datetime) -> None:
+    conn.execute(sa.delete(tenant_quotas).where(tenant_quotas.c.tenant == row.tenant))
+    conn.execute(
+        sa.insert(tenant_quotas).values(
+            tenant=row.tenant,
+            spot_gpus=row.spot_gpus,
+            on_demand_gpus=row.on_demand_gpus,
+            budget=row.budget,
+            budget_period_s=row.budget_period_s,
+            updated_at=now,
+        )
+    )
+
+
+def delete_quota(conn: Connection, tenant: str) -> bool:
+    return bool(conn.execute(sa.delete(tenant_quotas).where(tenant_quotas.c.tenant == tenant)).rowcount)

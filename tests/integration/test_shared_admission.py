@@ -1,0 +1,189 @@
+"""Admission against shared capacity, quotas and budgets, on SQLite and PostgreSQL.
+
+The sample input on a deliberately slow pool holds ~1,850 GPU-seconds per job; the pool shares
+2 GPUs, so with a 45-minute deadline two jobs fit and a third, feasible alone, does not.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.exceptions import AdmissionRejected
+from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
+from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
+
+pytestmark = pytest.mark.integration
+UTC = dt.timezone.utc
+SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
+SHARED = PoolSpec(
+    name="shared",
+    kind=PoolKind.ON_DEMAND,
+    gpus=2,
+    price_per_gpu_hour=1.0,
+    prefill_tokens_per_s=100.0,
+    decode_tokens_per_s=1.0,
+    startup_seconds=0.0,
+)
+
+
+def _request(tmp_path: Path, tenant: str, minutes: float = 45, workers: int = 2) -> PlanRequest:
+    return PlanRequest(
+        input_uri=str(SAMPLE),
+        deadline=dt.datetime.now(UTC) + dt.timedelta(minutes=minutes),
+        output_uri=str(tmp_path / "out"),
+        pools=(SHARED,),
+        workers=workers,
+        tenant=tenant,
+    )
+
+
+def _rejected(store: ManifestStore, request: PlanRequest) -> AdmissionRejected:
+    with pytest.raises(AdmissionRejected) as info:
+        plan_job(store, request)
+    return info.value
+
+
+def test_without_capacity_or_quota_every_job_is_judged_alone(store: ManifestStore, tmp_path: Path) -> None:
+    for tenant in ("ads", "search", "ads"):
+        assert plan_job(store, _request(tmp_path, tenant)).created
+
+
+def test_the_third_job_on_a_shared_pool_waits_for_the_first_to_finish(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    store.set_capacity("shared", 2)
+    first = plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "search"))
+    third = _request(tmp_path, "ads")
+    refused = _rejected(store, third)
+    assert "rejected by shared capacity" in refused.message
+    assert "the earliest feasible deadline is" in refused.message
+    job = store.get_job(str(refused.fields["job_id"]))
+    assert job.state is JobState.REJECTED and job.tenant == "ads"
+    assert store.list_shards(job.job_id) == []
+    assert not (tmp_path / "out" / job.job_id / "validation" / "errors.jsonl").exists()  # garbage gone
+    edf = (job.admission or {})["shared"]["edf"]
+    earliest = dt.datetime.fromisoformat(edf["earliest_feasible_deadline"])
+    assert earliest > third.deadline and edf["gpus_needed"] == 3
+    assert (job.admission or {})["verdict"] == "rejected_shared"
+
+    # the same job with the earliest feasible deadline it was told is admitted
+    later = plan_job(
+        store, _request(tmp_path, "ads", minutes=(earliest - dt.datetime.now(UTC)).total_seconds() / 60 + 1)
+    )
+    assert later.created
+    store.cancel_job(later.job_id)
+
+    # the first job completes: it holds nothing any more, and the third one fits
+    store.set_job_state(first.job_id, JobState.FINALIZING)
+    store.set_job_state(first.job_id, JobState.COMPLETED)
+    assert plan_job(store, _request(tmp_path, "ads")).created
+
+
+def test_a_tenant_over_its_budget_is_rejected_with_the_numbers(store: ManifestStore, tmp_path: Path) -> None:
+    first = plan_job(store, _request(tmp_path, "ads"))
+    cost = float(first.report.chosen.cost_units)  # type: ignore[union-attr]
+    store.set_quota(TenantQuotaRow(tenant="ads", budget=cost * 1.5, budget_period_s=86400))
+    refused = _rejected(store, _request(tmp_path, "ads"))
+    assert "rejected by tenant ads's budget" in refused.message
+    assert f"{cost:.2f} spent or reserved in the last 1d" in refused.message.replace("24h00m", "1d")
+    assert f"above the budget of {cost * 1.5:.2f}" in refused.message
+    assert plan_job(store, _request(tmp_path, "search")).created  # other tenants are not charged
+
+
+def test_a_plan_above_the_tenant_gpu_quota_is_rejected(store: ManifestStore, tmp_path: Path) -> None:
+    store.set_quota(TenantQuotaRow(tenant="ads", on_demand_gpus=1))
+    refused = _rejected(store, _request(tmp_path, "ads"))
+    assert "needs 2 on_demand GPU(s) at once, the quota allows 1" in refused.message
+    assert plan_job(store, _request(tmp_path, "ads", workers=1, minutes=90)).created
+
+
+def _submit(url: str, out: str, tenant: str, barrier: object, results: object) -> None:
+    store = ManifestStore(url)
+    try:
+        request = PlanRequest(
+            input_uri=str(SAMPLE),
+            deadline=dt.datetime.now(UTC) + dt.timedelta(minutes=45),
+            output_uri=out,
+            pools=(SHARED,),
+            workers=2,
+            tenant=tenant,
+        )
+        barrier.wait()  # type: ignore[attr-defined]
+        try:
+            plan: PlanResult = plan_job(store, request)
+            results.put(("admitted", plan.job_id))  # type: ignore[attr-defined]
+        except AdmissionRejected as exc:
+            results.put(("rejected", str(exc.fields.get("job_id"))))  # type: ignore[attr-defined]
+    finally:
+        store.close()
+
+
+RACERS = 5
+
+
+def test_concurrent_admissions_never_overcommit_a_pool(store_url: str, tmp_path: Path) -> None:
+    """Real processes submit at once; the pool takes two jobs, whoever wins, never three."""
+    store = ManifestStore.open(store_url)
+    store.set_capacity("shared", 2)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_submit, args=(store_url, str(tmp_path / "out"), f"t{i}", barrier, results))
+        for i in range(RACERS)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=240) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * RACERS
+    admitted = [job for verdict, job in outcomes if verdict == "admitted"]
+    assert len(admitted) == 2, outcomes
+    states = sorted(j.state.value for j in store.list_jobs())
+    assert states == ["admitted"] * 2 + ["rejected"] * (RACERS - 2)
+    store.close()
+
+
+def test_held_work_is_rerated_by_the_throughput_its_commits_measured(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    from airflow_deadline_batch.operators.placement import read_job_view
+    from airflow_deadline_batch.service.admission import capacity_view
+
+    store.set_capacity("shared", 2)
+    plan = plan_job(store, _request(tmp_path, "ads"))
+    until = dt.datetime.now(UTC) + dt.timedelta(hours=1)
+    [before] = capacity_view(store.admission_snapshot("ads"), until)
+    shards = store.list_shards(plan.job_id)
+    lease = store.claim_shard(plan.job_id, 0, ttl_s=60, worker="test", pool="shared")
+    # one microbatch that ran ten times slower than the pool's nominal rates
+    slow_s = 10 * (shards[0].est_work_s / shards[0].num_microbatches)
+    store.commit_microbatch(
+        lease,
+        seq=0,
+        uri="file:///mb0",
+        sha256="a" * 64,
+        records=1,
+        counts={"succeeded": 1},
+        prompt_tokens=70,
+        completion_tokens=36,
+        elapsed_s=slow_s,
+        model_digest=None,
+        pool="shared",
+    )
+    view = read_job_view(store, plan.job_id, now=dt.datetime.now(UTC))
+    assert view.work_scale > 1.0  # one slow microbatch moves the calibrated rate a step
+    [after] = capacity_view(store.admission_snapshot("ads"), until)
+    total = sum(s.est_work_s for s in shards)
+    left = total - shards[0].est_work_s / shards[0].num_microbatches
+    assert after.reserved_gpu_s == pytest.approx(
+        before.reserved_gpu_s * left / total * view.work_scale, rel=1e-6
+    )
