@@ -99,6 +99,7 @@ class JobSummary:
     """One row of the jobs list."""
 
     job_id: str
+    tenant: str
     planned_by: DagRunRef | None
     state: JobState
     deadline: dt.datetime
@@ -195,6 +196,7 @@ def cost_summary(view: JobView, attempts: Sequence[AttemptRow], commits: Sequenc
 def summarize(job: JobRow, view: JobView, cost: CostSummary) -> JobSummary:
     return JobSummary(
         job_id=job.job_id,
+        tenant=job.tenant,
         planned_by=planned_by(job.idempotency_key),
         state=view.state,
         deadline=view.deadline,

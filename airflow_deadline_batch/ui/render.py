@@ -233,7 +233,7 @@ def render_jobs_page(summaries: Sequence[JobSummary], *, prefix: str, hidden: in
         href = f"{esc(prefix)}/jobs/{esc(quote(s.job_id, safe=''))}"
         rows.append(
             "<tr>"
-            f'<td><a href="{href}">{esc(s.job_id)}</a></td><td>{_planned_by(s)}</td>'
+            f'<td><a href="{href}">{esc(s.job_id)}</a></td><td>{esc(s.tenant)}</td><td>{_planned_by(s)}</td>'
             f"<td>{esc(s.state.value)}</td><td>{esc(fmt_time(s.deadline))}</td>"
             f"<td>{esc(fmt_time(s.predicted_finish))}</td>"
             f"<td class='n'>{_slack_cell(s.slack_s, s.stopped)}</td>"
@@ -246,7 +246,7 @@ def render_jobs_page(summaries: Sequence[JobSummary], *, prefix: str, hidden: in
         )
     note = f'<p class="muted">{hidden:d} job(s) of DAGs you may not read are not shown.</p>' if hidden else ""
     table = (
-        "<table id='jobs'><tr><th>job</th><th>DAG / run</th><th>state</th><th>deadline</th>"
+        "<table id='jobs'><tr><th>job</th><th>tenant</th><th>DAG / run</th><th>state</th><th>deadline</th>"
         "<th>predicted finish</th><th>slack</th><th>records done / total</th><th>cost so far</th>"
         "<th>cost projected</th><th>Spot / on-demand</th></tr>" + "".join(rows) + "</table>"
         if rows
@@ -271,6 +271,7 @@ def _facts(page: JobPage, prefix: str) -> str:
     )
     rows = [
         ("state", "state", esc(s.state.value)),
+        ("tenant", "tenant", esc(s.tenant)),
         ("planned-by", "DAG / run", _planned_by(s)),
         ("deadline", "deadline", esc(fmt_time(s.deadline))),
         ("predicted-finish", "predicted finish", esc(fmt_time(s.predicted_finish))),

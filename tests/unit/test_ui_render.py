@@ -34,6 +34,7 @@ def page(*, state: JobState = JobState.RUNNING, job_id: str = "j-1", evil: str =
     """100 records, deadline at 60 min, now at 30 min with 40 left, predicted finish at 45 min."""
     summary = JobSummary(
         job_id=job_id,
+        tenant="team" + evil,
         planned_by=DagRunRef(dag_id="dag" + evil, run_id="run" + evil, task_id="plan"),
         state=state,
         deadline=at(60),
