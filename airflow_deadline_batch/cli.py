@@ -136,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
         if name != "cancel":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+    export = sub.add_parser(
+        "export", help="write a published job's outcomes as OpenAI Batch output, error and retry files"
+    )
+    export.add_argument("job_id", metavar="JOB_ID")
+    export.add_argument("--format", choices=("openai",), default="openai", help="output format (openai)")
+    export.add_argument("--output", required=True, help="directory or s3://bucket/prefix to write to")
+    export.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+    export.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         from airflow_deadline_batch.sim.cli import add_simulate_parser
     except ImportError:  # pragma: no cover - the simulator ships with the package
@@ -610,6 +618,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.export import export_job
+
+    result = export_job(_open_store(args), args.job_id, args.output, fmt=args.format)
+    files = ", ".join(f"{f.name} {f.lines} lines" for f in result.files)
+    _emit(args, result.to_dict(), f"job {result.job_id}: exported ({files}); manifest {result.manifest_uri}")
+    return EXIT_OK
+
+
 def _error_line(args: argparse.Namespace | None, ctx: _RunContext, error: str) -> None:
     """With ``--json``, the contract's last stdout line also on errors: the state and the error."""
     if args is None or not getattr(args, "json", False):
@@ -660,6 +677,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "status": cmd_status,
         "verify": cmd_verify,
         "cancel": cmd_cancel,
+        "export": cmd_export,
     }
     try:
         if args.command == "simulate":
