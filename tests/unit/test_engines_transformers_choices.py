@@ -66,3 +66,19 @@ def test_n_choices_and_logprobs(engine: Any) -> None:
         == sum(len(engine._tokenizer(c.text, add_special_tokens=False)["input_ids"]) for c in sampled.choices)
         or sampled.completion_tokens <= 15
     )
+
+
+def test_json_response_format_is_refused_not_run_unconstrained(engine: Any) -> None:
+    """No constrained-decoding library is installed, so the table refuses it (core.params); the
+    engine's own guard refuses it too, and nothing is generated for that request."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    refused, ran = engine.generate(
+        [
+            Request("chat", None, (Message("user", "Give JSON"),), 4, {"response_format": schema}),
+            Request("chat", None, (Message("user", "Say hi"),), 4, {"response_format": {"type": "text"}}),
+        ],
+        GenerationParams(),
+    )
+    assert refused.error is not None and refused.error.code == "unsupported_parameter"
+    assert "body.response_format" in refused.error.message and refused.completion_tokens == 0
+    assert ran.ok
