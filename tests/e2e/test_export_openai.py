@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,10 @@ from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict
 
 from airflow_deadline_batch.core.pools import default_local_pools
-from airflow_deadline_batch.exceptions import ConfigurationError
+from airflow_deadline_batch.exceptions import ConfigurationError, StoreError
 from airflow_deadline_batch.service.export import export_job
 from airflow_deadline_batch.store import ManifestStore
-from tests.e2e.conftest import CliResult, run_cli
+from tests.e2e.conftest import CliResult, cli_argv, cli_env, run_cli, wait_for
 from tests.helpers.inputs import ECHO_FAIL_MARKER, mixed_input
 from tests.helpers.outcomes import read_manifest, read_outcomes
 
@@ -339,3 +340,54 @@ def test_export_refuses_a_job_without_a_published_manifest(tmp_path: Path) -> No
     assert result.code == 2, result.describe()
     assert len(result.stderr.strip().splitlines()) == 1 and "no published manifest" in result.stderr
     assert not (tmp_path / "exp").exists()
+
+
+def test_a_cancelled_job_exports_batch_cancelled_errors_and_retries_them(tmp_path: Path) -> None:
+    """A job cancelled mid-run: its unprocessed records are ``batch_cancelled`` errors (OpenAI's
+    code, ``response`` null), and the retry file runs exactly them."""
+    lines = [chat_line(f"r{i:02d}", f"hello {i}") for i in range(60)]
+    (tmp_path / "in.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    argv = cli_argv(
+        "run", str(tmp_path / "in.jsonl"), "--deadline", "+1h", "--engine", "echo", "--workers", "1",
+        "--microbatch-size", "4", "--store", store_url, "--output", str(tmp_path / "out"), "--json",
+    )  # fmt: skip
+    # each record takes 0.3 s of simulated work, so the job is still running when it is cancelled
+    env = cli_env({"ADB_ECHO_DELAY_S": "0.3"})
+    with subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+
+        def committed() -> str | None:
+            """The job's ID once its first microbatch committed (the run creates the store)."""
+            if not (tmp_path / "store.db").exists():
+                return None
+            store = ManifestStore(store_url)
+            try:
+                jobs = store.list_jobs()
+                if jobs and store.progress(jobs[0].job_id).committed_records > 0:
+                    return jobs[0].job_id
+            except StoreError:  # the file exists before the run's migration created the schema
+                return None
+            finally:
+                store.close()
+            return None
+
+        job_id = wait_for(committed, timeout_s=120, what="the first committed microbatch", interval_s=0.2)
+        cancel = run_cli("cancel", job_id, "--store", store_url, cwd=tmp_path)
+        assert cancel.code == 0, cancel.describe()
+        proc.communicate(timeout=120)
+    assert ManifestStore(store_url).get_job(job_id).manifest_uri is not None
+
+    result = export(tmp_path, job_id, store_url, str(tmp_path / "exp"))
+    assert result.code == 0, result.describe()
+    errors = jsonl(tmp_path / "exp" / "errors.jsonl")
+    output = jsonl(tmp_path / "exp" / "output.jsonl")
+    assert errors and output and len(errors) + len(output) == 60
+    for out in errors:
+        check_openai_line(out)
+        assert out["response"] is None and out["error"]["code"] == "batch_cancelled"
+    retry = tmp_path / "exp" / "retry.jsonl"
+    assert retry.read_bytes().splitlines() == [lines[line_number(o) - 1] for o in errors]
+    again = run_job(tmp_path, retry, store_url, str(tmp_path / "out-retry"))
+    assert (again["records"]["total"], again["records"]["succeeded"]) == (len(errors), len(errors))
