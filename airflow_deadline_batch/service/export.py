@@ -131,31 +131,14 @@ def export_job(
         raise ConfigurationError(f"run_bytes must be >= 1, got {run_bytes}")
     job = store.get_job(job_id)
     manifest, manifest_sha256 = _verified_manifest(store, job_id)
-    limits = limits_from_config(job.config)
     target = open_storage(output)
-    reader = _ObjectReader()
-    with tempfile.TemporaryDirectory(prefix="adb-export-") as tmp:
-        spool = Path(tmp)
-        files = _OpenAIFiles(spool, manifest, limits)
-        try:
-            outcomes = _ordered_outcomes(manifest, reader, run_bytes, spool)
-            for record, raw, copy in _with_input(outcomes, manifest, limits, reader):
-                files.add(record, raw, copy)
-        finally:
-            files.close()
-        written = tuple(
-            _publish(target, reader, spool / name, name, meta)
-            for name, meta in (
-                (OUTPUT_FILE, files.output),
-                (ERRORS_FILE, files.errors),
-                (RETRY_FILE, files.retry),
-            )
-        )
-    now = (clock or SystemClock()).now()
+    # an earlier export's manifest would vouch for files about to be replaced: it goes first
+    target.delete(EXPORT_MANIFEST)
+    written = _write_files(manifest, limits_from_config(job.config), target, run_bytes)
     export = {
         "format": fmt,
         "job_id": job_id,
-        "created_at": now.astimezone(dt.UTC).isoformat(),
+        "created_at": (clock or SystemClock()).now().astimezone(dt.UTC).isoformat(),
         "source": {
             "manifest_uri": job.manifest_uri,
             "manifest_sha256": manifest_sha256,
@@ -167,6 +150,24 @@ def export_job(
     data = orjson.dumps(export, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
     uri = target.put_bytes(EXPORT_MANIFEST, data)
     return ExportResult(job_id, fmt, uri, written, manifest.outcomes.model_dump())
+
+
+def _write_files(
+    manifest: OutputManifest, limits: ValidationLimits, target: ObjectStorage, run_bytes: int
+) -> tuple[ExportedFile, ...]:
+    """Spool the three files locally from the ordered outcomes and the input, then publish them."""
+    reader = _ObjectReader()
+    with tempfile.TemporaryDirectory(prefix="adb-export-") as tmp:
+        spool = Path(tmp)
+        files = _OpenAIFiles(spool, manifest, limits)
+        try:
+            outcomes = _ordered_outcomes(manifest, reader, run_bytes, spool)
+            for record, raw, line_bytes in _with_input(outcomes, manifest, limits, reader):
+                files.add(record, raw, line_bytes)
+        finally:
+            files.close()
+        spooled = ((OUTPUT_FILE, files.output), (ERRORS_FILE, files.errors), (RETRY_FILE, files.retry))
+        return tuple(_publish(target, spool / name, name, meta) for name, meta in spooled)
 
 
 # ------------------------------------------------------------------------------------- the source
@@ -576,9 +577,7 @@ def _completion_choice(choice: Choice, fallback: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- publication
 
 
-def _publish(
-    target: ObjectStorage, reader: _ObjectReader, path: Path, name: str, meta: _HashedFile
-) -> ExportedFile:
+def _publish(target: ObjectStorage, path: Path, name: str, meta: _HashedFile) -> ExportedFile:
     """Copy a spooled file to ``target`` without loading it: an atomic rename locally, a managed
     (multipart past 8 MiB) upload on S3."""
     if isinstance(target, LocalStorage):

@@ -284,9 +284,11 @@ def test_sorted_runs_that_spill_to_disk_give_the_same_files(local_job: dict[str,
     job_id = local_job["summary"]["job_id"]
     tmp = local_job["tmp"]
     small = export_job(store, job_id, str(tmp / "spill"), run_bytes=1)  # every outcome its own run
-    large = export_job(store, job_id, str(tmp / "memory"))
+    large = export_job(store, job_id, str(tmp / "spill"))  # again, in place: replaces the files
     assert [f.sha256 for f in small.files] == [f.sha256 for f in large.files]
     assert [f.lines for f in small.files] == [f.lines for f in large.files]
+    manifest = orjson.loads((tmp / "spill" / "export.json").read_bytes())
+    assert manifest["files"] == {f.name: f.to_dict() for f in large.files}
 
 
 def test_export_from_and_to_s3(tmp_path: Path, s3_base_uri: str, s3_client: Any) -> None:
