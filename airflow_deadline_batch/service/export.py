@@ -36,7 +36,14 @@ from typing import IO, Any, BinaryIO, Final, cast
 import orjson
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
-from airflow_deadline_batch.core.records import RawLine, Record, ValidationLimits, iter_raw_lines, parse_line
+from airflow_deadline_batch.core.records import (
+    RawLine,
+    Record,
+    ValidationLimits,
+    iter_raw_lines,
+    parse_line,
+    quick_parse,
+)
 from airflow_deadline_batch.core.results import (
     VALIDATION_SHARD_ID,
     Choice,
@@ -492,23 +499,30 @@ class _OpenAIFiles:
         for f in (self.output, self.errors, self.retry):
             f.close()
 
-    def _request(self, raw: RawLine) -> Record:
-        """The succeeded line's request (its kind and limit), re-read as the planner read it."""
+    def _request(self, raw: RawLine) -> tuple[bool, int | None]:
+        """Whether the succeeded line is a chat, and its own ``max_tokens``, re-read as the planner
+        read it (``quick_parse`` for the ordinary shapes, which is the planner's shortcut too)."""
+        data = raw.data
+        if data is not None and raw.line == 1 and data[:3] == b"\xef\xbb\xbf":
+            data = data[3:]
+        quick = quick_parse(data, self._limits) if data is not None else None
+        if quick is not None:
+            return not isinstance(quick[1], str), quick[2]
         parsed = parse_line(raw, self._limits) if raw.data is not None else None
         if not isinstance(parsed, Record):
             raise VerificationError(
                 f"line {raw.line} of job {self._job} succeeded but its input line does not parse"
             )
-        return parsed
+        return parsed.request.kind == "chat", parsed.request.max_tokens
 
-    def _body(self, record: ResultRecord, request: Record) -> dict[str, Any]:
-        limit = request.request.max_tokens or self._max_tokens
+    def _body(self, record: ResultRecord, request: tuple[bool, int | None]) -> dict[str, Any]:
+        chat, own_limit = request
+        limit = own_limit or self._max_tokens
         fallback = record.finish_reason or (
             "length" if record.usage.completion_tokens >= limit else "stop"
         )  # records written before finish_reason existed
         assert record.output is not None
         choices = record.choices or (Choice(index=0, text=record.output, finish_reason=fallback),)
-        chat = request.request.kind == "chat"
         usage = record.usage
         return {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{self._job}-{record.line}",
