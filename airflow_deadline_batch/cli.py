@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="only stop the job; whoever finalizes it (the runner, the sensor) publishes",
             )
     _add_tenant_parsers(sub)
+    export = sub.add_parser(
+        "export", help="write a published job's outcomes as OpenAI Batch output, error and retry files"
+    )
+    export.add_argument("job_id", metavar="JOB_ID")
+    export.add_argument("--format", choices=("openai",), default="openai", help="output format (openai)")
+    export.add_argument("--output", required=True, help="directory or s3://bucket/prefix to write to")
+    export.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
+    export.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         from airflow_deadline_batch.sim.cli import add_simulate_parser
     except ImportError:  # pragma: no cover - the simulator ships with the package
@@ -854,6 +862,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK if result.manifest_uri else EXIT_INCOMPLETE
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from airflow_deadline_batch.service.export import export_job
+
+    result = export_job(_open_store(args), args.job_id, args.output, fmt=args.format)
+    files = ", ".join(f"{f.name} {f.lines} lines" for f in result.files)
+    _emit(args, result.to_dict(), f"job {result.job_id}: exported ({files}); manifest {result.manifest_uri}")
+    return EXIT_OK
+
+
 def _error_line(args: argparse.Namespace | None, ctx: _RunContext, error: str) -> None:
     """With ``--json``, the contract's last stdout line also on errors: the state and the error."""
     if args is None or not getattr(args, "json", False):
@@ -907,6 +924,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "usage": cmd_usage,
         "capacity": cmd_capacity,
         "quota": cmd_quota,
+        "export": cmd_export,
     }
     try:
         if args.command == "simulate":

@@ -38,6 +38,7 @@ def get_provider_info() -> dict[str, Any]:
                 "python-modules": [
                     "airflow_deadline_batch.operators.plan",
                     "airflow_deadline_batch.operators.shard",
+                    "airflow_deadline_batch.operators.export",
                 ],
             }
         ],

@@ -115,7 +115,7 @@ _CHAT: Final[frozenset[Endpoint]] = frozenset({"chat"})
 _COMPLETION: Final[frozenset[Endpoint]] = frozenset({"completion"})
 _NO_EFFECT = "accepted; it does not change the output"
 _EVERY = dict.fromkeys(ENGINE_NAMES, _NO_EFFECT)
-_ONE_CHOICE = "a result record carries one output and no log probabilities"
+_ONE_CHOICE = "several outputs / log probabilities are not mapped on this engine yet"
 
 
 def _rule(
@@ -192,7 +192,11 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             _ALL,
             _int(1, 128),
             "an integer from 1 to 128",
-            {},
+            {
+                "echo": "n identical echoes (`choices`)",
+                "transformers": "generate(num_return_sequences=n) when sampling; greedy: one answer n times",
+                "vllm": "SamplingParams.n",
+            },
             neutral=_none_or(1),
             neutral_doc="`1`",
             refused=_ONE_CHOICE,
@@ -254,7 +258,11 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             _ALL,
             lambda v: isinstance(v, bool) or _int(0, 20)(v),
             "true/false (chat) or an integer from 0 to 5 (completions)",
-            {},
+            {
+                "echo": "every word a token of log probability 0",
+                "transformers": "log_softmax of the raw logits (generate(output_logits=True)) of each token",
+                "vllm": "SamplingParams.logprobs (completions: the integer; chat: top_logprobs, else 0)",
+            },
             neutral=lambda v: v is None or v is False,
             neutral_doc="`false`",
             refused=_ONE_CHOICE,
@@ -264,7 +272,11 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             _CHAT,
             _int(0, 20),
             "an integer from 0 to 20",
-            {},
+            {
+                "echo": "the word itself, log probability 0, as its only alternative",
+                "transformers": "the k likeliest tokens at each position, from the same logits",
+                "vllm": "SamplingParams.logprobs = k",
+            },
             refused=_ONE_CHOICE,
         ),
         _rule(
@@ -273,8 +285,10 @@ PARAMETERS: Final[Mapping[str, ParamRule]] = {
             _response_format,
             'an object with "type" text, json_object or json_schema (with "json_schema.schema")',
             {
-                "vllm": "structured outputs: json_object -> any JSON object, json_schema -> that schema",
-                "openai": "forwarded",
+                "vllm": "structured outputs: json_object -> any JSON object, json_schema -> that schema; "
+                "validated before commit",
+                "openai": "forwarded; validated before commit",
+                "echo": "the last user message verbatim, validated before commit (a dry run of the check)",
             },
             neutral=lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
             neutral_doc='`{"type": "text"}`',

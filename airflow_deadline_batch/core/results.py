@@ -23,6 +23,8 @@ __all__ = [
     "RESULT_STATUSES",
     "VALIDATION_ATTEMPT_ID",
     "VALIDATION_SHARD_ID",
+    "Choice",
+    "FinishReason",
     "InputInfo",
     "ManifestShard",
     "ModelInfo",
@@ -32,6 +34,8 @@ __all__ = [
     "ResultRecord",
     "ResultStatus",
     "SettledUsage",
+    "TokenLogprob",
+    "TopLogprob",
     "Usage",
     "encode_results",
 ]
@@ -45,6 +49,8 @@ VALIDATION_ATTEMPT_ID = "plan"
 FINALIZE_ATTEMPT_ID = "finalize"
 
 ResultStatus = Literal["succeeded", "errored", "cancelled", "expired"]
+#: why generation stopped: a stop condition (end of sequence, a stop string) or ``max_tokens``
+FinishReason = Literal["stop", "length"]
 #: every terminal status, in the order reports and manifests list them
 RESULT_STATUSES: tuple[ResultStatus, ...] = get_args(ResultStatus)
 _SHA256 = r"^[0-9a-f]{64}$"
@@ -68,8 +74,38 @@ class ResultError(_Frozen):
     message: str
 
 
+class TopLogprob(_Frozen):
+    """One of the most likely tokens at a position, with its log probability."""
+
+    token: str
+    logprob: float
+
+
+class TokenLogprob(_Frozen):
+    """A generated token, its log probability and (when asked) the most likely alternatives."""
+
+    token: str
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+class Choice(_Frozen):
+    """One generated output of a record: ``n > 1`` gives several, ``logprobs`` adds per-token data."""
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
 class ResultRecord(_Frozen):
-    """The terminal outcome of one input line."""
+    """The terminal outcome of one input line.
+
+    ``finish_reason`` and ``choices`` are optional and written only when set, so records without
+    them keep their exact bytes: ``output`` is always the first (or only) output, ``choices``
+    appears when a request asked for ``n > 1`` or log probabilities and then lists every output,
+    ``choices[0].text == output``.
+    """
 
     line: int = Field(ge=1)
     id: str | None
@@ -79,6 +115,8 @@ class ResultRecord(_Frozen):
     usage: Usage = Usage()
     shard_id: str
     attempt_id: str
+    finish_reason: FinishReason | None = None
+    choices: tuple[Choice, ...] | None = None
 
     @model_validator(mode="after")
     def _output_xor_error(self) -> ResultRecord:
@@ -87,11 +125,27 @@ class ResultRecord(_Frozen):
                 raise ValueError(f"line {self.line}: a succeeded result needs an output and no error")
         elif self.error is None or self.output is not None:
             raise ValueError(f"line {self.line}: a {self.status} result needs an error and no output")
+        if self.choices is not None:
+            if self.status != "succeeded" or not self.choices:
+                raise ValueError(f"line {self.line}: only a succeeded result has choices, at least one")
+            if [c.index for c in self.choices] != list(range(len(self.choices))):
+                raise ValueError(f"line {self.line}: choices must be numbered 0, 1, ... in order")
+            if self.choices[0].text != self.output:
+                raise ValueError(f"line {self.line}: the output must be the text of choices[0]")
         return self
 
     @classmethod
     def succeeded(
-        cls, *, line: int, id: str | None, output: str, usage: Usage, shard_id: str, attempt_id: str
+        cls,
+        *,
+        line: int,
+        id: str | None,
+        output: str,
+        usage: Usage,
+        shard_id: str,
+        attempt_id: str,
+        finish_reason: FinishReason | None = None,
+        choices: tuple[Choice, ...] | None = None,
     ) -> ResultRecord:
         """A record the engine answered."""
         return cls(
@@ -102,6 +156,8 @@ class ResultRecord(_Frozen):
             usage=usage,
             shard_id=shard_id,
             attempt_id=attempt_id,
+            finish_reason=finish_reason,
+            choices=choices,
         )
 
     @classmethod
@@ -143,23 +199,29 @@ class ResultRecord(_Frozen):
         )
 
     def to_json_bytes(self) -> bytes:
-        """One JSONL line (without the newline), keys in docs/design.md §4.2 order."""
+        """One JSONL line (without the newline), keys in docs/design.md §4.2 order.
+
+        ``finish_reason`` and ``choices`` follow only when set (older records stay byte-identical).
+        """
         error = self.error
-        return orjson.dumps(
-            {
-                "line": self.line,
-                "id": self.id,
-                "status": self.status,
-                "output": self.output,
-                "error": None if error is None else {"code": error.code, "message": error.message},
-                "usage": {
-                    "prompt_tokens": self.usage.prompt_tokens,
-                    "completion_tokens": self.usage.completion_tokens,
-                },
-                "shard_id": self.shard_id,
-                "attempt_id": self.attempt_id,
-            }
-        )
+        line: dict[str, Any] = {
+            "line": self.line,
+            "id": self.id,
+            "status": self.status,
+            "output": self.output,
+            "error": None if error is None else {"code": error.code, "message": error.message},
+            "usage": {
+                "prompt_tokens": self.usage.prompt_tokens,
+                "completion_tokens": self.usage.completion_tokens,
+            },
+            "shard_id": self.shard_id,
+            "attempt_id": self.attempt_id,
+        }
+        if self.finish_reason is not None:
+            line["finish_reason"] = self.finish_reason
+        if self.choices is not None:
+            line["choices"] = [c.model_dump(mode="json") for c in self.choices]
+        return orjson.dumps(line)
 
     @classmethod
     def parse_line(cls, data: bytes | str) -> ResultRecord:

@@ -77,6 +77,7 @@ from airflow_deadline_batch.exceptions import (
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
 from airflow_deadline_batch.worker.engines import Engine, Generation, GenerationParams, get_engine
+from airflow_deadline_batch.worker.engines.base import check_structured
 
 #: the worker's exit codes (docs/design.md §6), defined once in core.exit_codes
 EXIT_DONE = EXIT_OK
@@ -200,6 +201,8 @@ def result_records(
                     usage=usage,
                     shard_id=sid,
                     attempt_id=attempt_id,
+                    finish_reason=gen.finish_reason,
+                    choices=gen.choices,
                 )
             )
         else:
@@ -242,7 +245,8 @@ def generate_microbatch(
                 "requests; this is an engine bug"
             )
         for pos, gen in zip(runnable, produced, strict=True):
-            generations[pos] = gen
+            # structured output is checked here, for every engine, before anything commits
+            generations[pos] = check_structured(gen, params.for_request(records[pos].request))
     return generations, rejected
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from airflow_deadline_batch.core.records import Message, Request
+from airflow_deadline_batch.core.results import TokenLogprob, TopLogprob
 from airflow_deadline_batch.exceptions import ConfigurationError, EngineError
 from airflow_deadline_batch.worker.engines import Generation, GenerationParams, get_engine
 from airflow_deadline_batch.worker.engines.echo import FAIL_MARKER
@@ -33,7 +34,7 @@ def completion(text: str, max_tokens: int | None = None, **params: Any) -> Reque
 def test_request_params_override_job_params() -> None:
     job = GenerationParams(max_tokens=64, temperature=0.0, seed=7, stop=("\n",))
     effective = job.for_request(chat("hi", max_tokens=5, temperature=0.5, top_p=0.9, stop="END", n=3))
-    assert effective == GenerationParams(max_tokens=5, temperature=0.5, top_p=0.9, seed=7, stop=("END",))
+    assert effective == GenerationParams(max_tokens=5, temperature=0.5, top_p=0.9, seed=7, stop=("END",), n=3)
     assert job.for_request(chat("hi")) == job
 
 
@@ -62,8 +63,8 @@ def test_echo_is_deterministic_and_respects_max_tokens() -> None:
     first = engine.generate(requests, GenerationParams(max_tokens=3))
     assert first == engine.generate(requests, GenerationParams(max_tokens=3))
     assert first == [
-        Generation("echo: one two", None, prompt_tokens=4, completion_tokens=3),
-        Generation("echo: alpha", None, prompt_tokens=2, completion_tokens=2),
+        Generation("echo: one two", None, prompt_tokens=4, completion_tokens=3, finish_reason="length"),
+        Generation("echo: alpha", None, prompt_tokens=2, completion_tokens=2, finish_reason="length"),
     ]
     assert engine.model_digest == get_engine("echo", delay_s_per_record="0").model_digest
     assert len(engine.model_digest) == 64
@@ -88,9 +89,20 @@ def test_echo_delay_option_reads_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @dataclass
+class FakeLogprob:
+    """vLLM's ``Logprob``: one token's log probability, its rank and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+@dataclass
 class FakeCompletion:
     text: str
     token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, FakeLogprob]] | None = None
 
 
 @dataclass
@@ -110,6 +122,8 @@ class FakeSamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: Any = None
+    n: int = 1
+    logprobs: int | None = None
 
 
 @dataclass
@@ -158,12 +172,30 @@ class FakeLLM:
         assert all(set(p) == {"prompt_token_ids"} for p in prompts)  # token ids: vLLM adds nothing
         self.calls.append((prompts, params))
         return [
-            FakeRequestOutput(p["prompt_token_ids"], [FakeCompletion(f" out {i} ", [1] * (i + 2))])
-            for i, p in enumerate(prompts)
+            FakeRequestOutput(p["prompt_token_ids"], [_fake_completion(i, k, sp) for k in range(sp.n)])
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
 
 
 FAKE_LLMS: list[FakeLLM] = []
+
+
+def _fake_completion(i: int, k: int, params: FakeSamplingParams) -> FakeCompletion:
+    """Choice k of prompt i: tokens 7, 8, ... (" t7", " t8", ...); the sampled token ranks 2nd,
+    after token 99, when log probabilities are asked for."""
+    tokens = list(range(7, 7 + i + 2))
+    text = "".join(f" t{t}" for t in tokens) + (f" #{k}" if k else "")
+    logprobs = None
+    if params.logprobs is not None:
+        logprobs = [
+            {
+                t: FakeLogprob(-0.5, 2, f" t{t}"),
+                99: FakeLogprob(-0.25, 1, " x"),
+                98: FakeLogprob(-3.0, 3, " y"),
+            }
+            for t in tokens
+        ]
+    return FakeCompletion(text, tokens, "length" if i else "stop", logprobs)
 
 
 @pytest.fixture
@@ -199,9 +231,15 @@ def test_vllm_engine_passes_params_per_request_and_maps_outputs(fake_vllm: None)
     ]
     # the text exactly as generated (never stripped); usage from the ids that ran
     assert out[0] == Generation(
-        " out 0 ", None, prompt_tokens=len(prompts[0]["prompt_token_ids"]), completion_tokens=2
+        " t7 t8",
+        None,
+        prompt_tokens=len(prompts[0]["prompt_token_ids"]),
+        completion_tokens=2,
+        finish_reason="stop",
     )
-    assert out[1] == Generation(" out 1 ", None, prompt_tokens=3, completion_tokens=3)
+    assert out[1] == Generation(
+        " t7 t8 t9", None, prompt_tokens=3, completion_tokens=3, finish_reason="length"
+    )
     assert out[2].error is not None and out[2].error.code == "prompt_too_long"
     assert out[2].prompt_tokens == 31  # counted on the same ids that would run: BOS + 30 words
 
@@ -231,17 +269,47 @@ def test_vllm_engine_maps_every_supported_parameter(fake_vllm: None) -> None:
     assert sampling[2].structured_outputs is None
 
 
+def test_vllm_engine_maps_n_and_logprobs_into_choices(fake_vllm: None) -> None:
+    engine = get_engine("vllm", "/models/m")
+    several, with_logprobs, plain = engine.generate(
+        [
+            completion("a", max_tokens=4, n=3),
+            chat("b", max_tokens=4, logprobs=True, top_logprobs=1),
+            chat("c", max_tokens=4),
+        ],
+        GenerationParams(),
+    )
+    ((_, sampling),) = FAKE_LLMS[0].calls
+    assert [(sp.n, sp.logprobs) for sp in sampling] == [(3, None), (1, 1), (1, None)]
+    assert several.choices is not None and [c.text for c in several.choices] == [
+        " t7 t8",
+        " t7 t8 #1",
+        " t7 t8 #2",
+    ]
+    assert several.output == " t7 t8" and several.completion_tokens == 6
+    assert all(c.logprobs is None for c in several.choices)
+    assert with_logprobs.choices is not None and len(with_logprobs.choices) == 1
+    tokens = with_logprobs.choices[0].logprobs
+    assert tokens is not None and [t.token for t in tokens] == [" t7", " t8", " t9"]
+    assert tokens[0] == TokenLogprob(
+        token=" t7", logprob=-0.5, top_logprobs=(TopLogprob(token=" x", logprob=-0.25),)
+    )
+    assert with_logprobs.finish_reason == "length"
+    assert plain.choices is None
+
+
 def test_vllm_engine_refuses_what_it_cannot_honour(fake_vllm: None) -> None:
     engine = get_engine("vllm", "/models/m")
     out = engine.generate(
-        [chat("a", n=2), chat("b", logprobs=True), chat("c")], GenerationParams(max_tokens=4)
+        [chat("a", tools=[{"type": "function"}]), chat("b", stream=True), chat("c")],
+        GenerationParams(max_tokens=4),
     )
     assert [g.error.code if g.error else None for g in out] == [
         "unsupported_parameter",
         "unsupported_parameter",
         None,
     ]
-    assert out[0].error is not None and "body.n" in out[0].error.message
+    assert out[0].error is not None and "body.tools" in out[0].error.message
     ((prompts, _),) = FAKE_LLMS[0].calls
     assert len(prompts) == 1
 
@@ -249,11 +317,13 @@ def test_vllm_engine_refuses_what_it_cannot_honour(fake_vllm: None) -> None:
 def test_echo_and_transformers_guard_refuse_unsupported_parameters() -> None:
     echo = get_engine("echo")
     out = echo.generate(
-        [chat("x y z", response_format={"type": "json_object"}), chat("a b STOP c", stop="STOP")],
+        [chat("x y z", tools=[{"type": "function"}]), chat("a b STOP c", stop="STOP")],
         GenerationParams(),
     )
     assert out[0].error is not None and out[0].error.code == "unsupported_parameter"
-    assert out[1] == Generation("echo: a b ", None, prompt_tokens=4, completion_tokens=3)
+    assert out[1] == Generation(
+        "echo: a b ", None, prompt_tokens=4, completion_tokens=3, finish_reason="stop"
+    )
 
 
 def test_vllm_engine_without_vllm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -69,11 +69,11 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type":
         ({"presence_penalty": 0.5}, {"vllm", "openai", "echo"}),
         ({"frequency_penalty": -1}, {"vllm", "openai", "echo"}),
         ({"logit_bias": {"42": -100}}, {"vllm", "openai", "echo"}),
-        ({"response_format": {"type": "json_object"}}, {"vllm", "openai"}),
-        ({"response_format": SCHEMA}, {"vllm", "openai"}),
-        ({"n": 2}, set()),
-        ({"logprobs": True}, set()),
-        ({"top_logprobs": 3}, set()),
+        ({"response_format": {"type": "json_object"}}, {"vllm", "openai", "echo"}),
+        ({"response_format": SCHEMA}, {"vllm", "openai", "echo"}),
+        ({"n": 2}, {"echo", "transformers", "vllm"}),
+        ({"logprobs": True}, {"echo", "transformers", "vllm"}),
+        ({"top_logprobs": 3}, {"echo", "transformers", "vllm"}),
         ({"tools": [{"type": "function"}]}, set()),
         ({"stream": True}, set()),
         ({"reasoning_effort": "low"}, {"openai"}),
@@ -114,7 +114,7 @@ def test_unknown_and_wrong_endpoint_parameters_are_refused_on_every_engine() -> 
 
 def test_completion_only_parameters() -> None:
     assert isinstance(outcome(line(COMPLETIONS, echo=False, best_of=1, suffix=""), "vllm"), Record)
-    for params in ({"echo": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}):
+    for params in ({"echo": True}, {"best_of": 3}, {"suffix": "end"}):
         result = outcome(line(COMPLETIONS, **params), "vllm")
         assert isinstance(result, LineError) and result.code is ErrorCode.UNSUPPORTED_PARAMETER
 
@@ -183,7 +183,7 @@ def test_the_planner_refuses_per_line_and_counts_by_code(tmp_path: Path) -> None
     lines = [
         line(temperature=0.1),
         line(presence_penalty=0.5).replace(b'"r1"', b'"r2"'),
-        line(n=2).replace(b'"r1"', b'"r3"'),
+        line(stream=True).replace(b'"r1"', b'"r3"'),
         orjson.dumps({"id": "r4", "prompt": "native"}),
     ]
     (tmp_path / "input.jsonl").write_bytes(b"\n".join(lines) + b"\n")
@@ -202,8 +202,8 @@ def test_the_planner_refuses_per_line_and_counts_by_code(tmp_path: Path) -> None
 def test_job_generation_defaults_are_refused_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="generation frequency_penalty .* transformers engine"):
         _plan_request(tmp_path, "transformers", generation={"frequency_penalty": 0.3})
-    with pytest.raises(ConfigurationError, match="generation n"):
-        _plan_request(tmp_path, "vllm", generation={"n": 4})
+    with pytest.raises(ConfigurationError, match="generation stream"):
+        _plan_request(tmp_path, "vllm", generation={"stream": True})
     _plan_request(tmp_path, "vllm", generation={"max_tokens": 8, "frequency_penalty": 0.3, "seed": 2})
 
 

@@ -40,7 +40,8 @@ def test_result_record_round_trip_has_exactly_the_design_keys() -> None:
         "shard_id",
         "attempt_id",
     ]
-    assert orjson.loads(data) == rec.model_dump()
+    # finish_reason and choices are written only when set (older records keep their bytes)
+    assert orjson.loads(data) == rec.model_dump(exclude={"finish_reason", "choices"})
     assert ResultRecord.parse_line(data) == rec
 
 

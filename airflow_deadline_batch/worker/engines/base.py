@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.core.records import Request
+    from airflow_deadline_batch.core.results import Choice, FinishReason
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -25,6 +26,8 @@ ENGINE_ERROR = "engine_error"
 PROMPT_TOO_LONG = "prompt_too_long"
 REQUEST_REJECTED = "request_rejected"
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
+#: the completion of a ``response_format`` json_object / json_schema request is not that JSON
+INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,12 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: the body's ``response_format`` as canonical JSON (None or text: free text)
     response_format: str | None = None
+    #: outputs per request (the body's ``n``)
+    n: int = 1
+    #: per-token log probabilities asked for (chat ``logprobs: true``, completions ``logprobs: k``)
+    logprobs: bool = False
+    #: alternatives per position (chat ``top_logprobs``, completions ``logprobs: k``)
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +63,8 @@ class GenerationParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < float(self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.n) < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +98,15 @@ class GenerationParams:
         bias = values.get("logit_bias")
         if bias:
             updates["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in dict(bias).items()))
+        if values.get("n") is not None:
+            updates["n"] = int(values["n"])
+        logprobs = values.get("logprobs")
+        if logprobs is not None and logprobs is not False:
+            updates["logprobs"] = True
+            if not isinstance(logprobs, bool):  # completions: logprobs is the number of alternatives
+                updates["top_logprobs"] = int(logprobs)
+        if values.get("top_logprobs") is not None:
+            updates["top_logprobs"] = int(values["top_logprobs"])
         fmt = values.get("response_format")
         if fmt is not None:
             if not isinstance(fmt, Mapping):
@@ -116,12 +136,19 @@ class GenerationError:
 
 @dataclass(frozen=True)
 class Generation:
-    """The outcome of one request: ``output`` or ``error``, plus token usage."""
+    """The outcome of one request: ``output`` or ``error``, plus token usage.
+
+    ``finish_reason`` says why generation stopped, when the engine knows; ``choices`` lists every
+    output (``choices[0].text == output``) when the request asked for ``n > 1`` or log
+    probabilities; ``completion_tokens`` then counts the tokens of all of them.
+    """
 
     output: str | None
     error: GenerationError | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    choices: tuple[Choice, ...] | None = None
 
     @classmethod
     def failed(cls, code: str, message: str, prompt_tokens: int = 0) -> Generation:
@@ -273,3 +300,52 @@ def refusal(request: Request, engine: str) -> Generation | None:
         return None
     code = UNSUPPORTED_PARAMETER if problem.kind == "unsupported" else "invalid_record"
     return Generation.failed(code, problem.message)
+
+
+def check_structured(generation: Generation, params: GenerationParams) -> Generation:
+    """``generation`` unchanged, or an ``invalid_structured_output`` one when the request asked
+    for JSON (``response_format`` json_object / json_schema) and an output is not that JSON.
+
+    Run on every engine's results before commit (the worker calls it), so a success is never a
+    completion that breaks the schema it was asked for, whatever the engine guaranteed.
+    """
+    fmt = params.json_format()
+    if fmt is None or generation.output is None:
+        return generation
+    kind, schema = fmt
+    texts = [c.text for c in generation.choices] if generation.choices else [generation.output]
+    for index, text in enumerate(texts):
+        problem = structured_output_problem(text, kind, schema)
+        if problem is not None:
+            which = f"choice {index}: " if len(texts) > 1 else ""
+            return Generation(
+                None,
+                GenerationError(INVALID_STRUCTURED_OUTPUT, which + problem),
+                generation.prompt_tokens,
+                generation.completion_tokens,
+            )
+    return generation
+
+
+def structured_output_problem(
+    text: str, kind: Literal["json_object", "json_schema"], schema: Mapping[str, Any] | None
+) -> str | None:
+    """Why ``text`` is not the JSON ``response_format`` asked for, in one line; None when it is."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"the completion is not JSON ({exc}); response_format asked for {kind}"
+    if kind == "json_object" or schema is None:
+        return None if isinstance(value, dict) else "the completion is JSON but not an object"
+    import jsonschema
+
+    try:
+        validator_class = jsonschema.validators.validator_for(schema)
+        validator_class.check_schema(schema)
+        error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(value))
+    except (jsonschema.exceptions.SchemaError, jsonschema.exceptions.UnknownType) as exc:
+        return f"the response_format schema is invalid: {str(exc).splitlines()[0]}"
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+    return f"the completion does not match the json_schema at {where}: {error.message}"

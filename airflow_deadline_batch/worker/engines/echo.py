@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from airflow_deadline_batch.core.results import Choice, FinishReason, TokenLogprob, TopLogprob
 from airflow_deadline_batch.worker.engines.base import (
     ENGINE_ERROR,
     Generation,
@@ -29,8 +31,11 @@ class EchoEngine:
     and at its first stop string).
 
     Echo has no model, so sampling parameters (temperature, penalties, logit_bias, ...) are
-    accepted and have nothing to act on; parameters that change the shape of the answer (JSON
-    ``response_format``, several choices, log probabilities) are refused (core.params).
+    accepted and have nothing to act on. ``n`` gives n identical choices; ``logprobs`` makes
+    every word a token of log probability 0 (certain), with itself as its only alternative. With
+    a JSON ``response_format`` the last user message comes back verbatim (no ``echo:`` prefix),
+    so a test or a dry run decides whether the completion conforms; the worker validates it
+    like any engine's (``invalid_structured_output``).
 
     Option ``delay_s_per_record`` (or env ``ADB_ECHO_DELAY_S``) makes each record take real time,
     so tests can interrupt a worker in the middle of a microbatch.
@@ -71,9 +76,38 @@ def echo_one(request: Request, params: GenerationParams) -> Generation:
     prompt_tokens = len(text.split())
     if FAIL_MARKER in text:
         return Generation.failed(ENGINE_ERROR, "echo engine: the prompt asked to fail", prompt_tokens)
-    words = ["echo:", *text.split()][: params.max_tokens]
-    output = truncate_at_stop(" ".join(words), params.stop)
-    return Generation(output, None, prompt_tokens, len(output.split()))
+    if params.json_format() is not None:
+        output, finish = _verbatim(text, params)
+    else:
+        words = ["echo:", *text.split()]
+        finish = "length" if len(words) > params.max_tokens else "stop"
+        output = truncate_at_stop(" ".join(words[: params.max_tokens]), params.stop)
+    tokens = len(output.split())
+    if params.n == 1 and not params.logprobs:
+        return Generation(output, None, prompt_tokens, tokens, finish_reason=finish)
+    logprobs = _certain_logprobs(output, params.top_logprobs) if params.logprobs else None
+    choices = tuple(
+        Choice(index=i, text=output, finish_reason=finish, logprobs=logprobs) for i in range(params.n)
+    )
+    return Generation(output, None, prompt_tokens, tokens * params.n, finish_reason=finish, choices=choices)
+
+
+def _verbatim(text: str, params: GenerationParams) -> tuple[str, FinishReason]:
+    """The text itself, cut after ``max_tokens`` words (whitespace kept) and at a stop string."""
+    finish: FinishReason = "stop"
+    words = list(re.finditer(r"\S+", text))
+    if len(words) > params.max_tokens:
+        text, finish = text[: words[params.max_tokens - 1].end()], "length"
+    return truncate_at_stop(text, params.stop), finish
+
+
+def _certain_logprobs(output: str, top: int) -> tuple[TokenLogprob, ...]:
+    """Each word a token (with its leading space, so the tokens join to the text), log prob 0."""
+    tokens = re.findall(r"\s*\S+", output)
+    return tuple(
+        TokenLogprob(token=t, logprob=0.0, top_logprobs=(TopLogprob(token=t, logprob=0.0),) if top else ())
+        for t in tokens
+    )
 
 
 def build(model: str | None, options: dict[str, Any]) -> EchoEngine:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_deadline_batch.core.results import Choice, FinishReason, TokenLogprob, TopLogprob
 from airflow_deadline_batch.exceptions import EngineError
 from airflow_deadline_batch.worker.engines.base import (
     PROMPT_TOO_LONG,
@@ -174,20 +175,90 @@ class TransformersEngine:
             gen_kwargs: dict[str, Any] = {
                 "max_new_tokens": params.max_tokens,
                 "pad_token_id": tok.pad_token_id,
+                "return_dict_in_generate": True,
+                # raw logits, not the sampling-processed scores: log probabilities of the model itself
+                "output_logits": params.logprobs,
             }
             if params.greedy:
-                gen_kwargs["do_sample"] = False
+                gen_kwargs["do_sample"] = False  # n greedy choices are one choice n times (below)
             else:
                 torch.manual_seed(params.seed)
-                gen_kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+                gen_kwargs.update(
+                    do_sample=True,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    num_return_sequences=params.n,
+                )
             with torch.no_grad():
-                ids = self._model.generate(**batch, **gen_kwargs)
-            new_tokens = ids[:, batch["input_ids"].shape[1] :]  # strip the (left-padded) prompt
+                produced = self._model.generate(**batch, **gen_kwargs)
+            per_prompt = 1 if params.greedy else params.n
+            new_tokens = produced.sequences[:, batch["input_ids"].shape[1] :]  # drop the (left-padded) prompt
+            logprobs = _token_logprobs(produced.logits, new_tokens) if params.logprobs else None
             for row, i in enumerate(runnable):
-                tokens = _until_eos(new_tokens[row].tolist(), tok.eos_token_id, tok.pad_token_id)
-                text = truncate_at_stop(tok.decode(tokens, skip_special_tokens=True), params.stop)
-                out[i] = Generation(text.strip(), None, lengths[i], len(tokens))
+                choices = []
+                for k in range(per_prompt):
+                    seq = row * per_prompt + k  # generate() puts a prompt's sequences next to each other
+                    choices.append(self._choice(new_tokens[seq].tolist(), logprobs, seq, params))
+                if per_prompt == 1 and params.n > 1:
+                    choices = [choices[0]] * params.n  # greedy decoding has one answer
+                out[i] = _generation(choices, lengths[i], params)
         return [g for g in out if g is not None]
+
+    def _choice(
+        self, row: list[int], logprobs: Any, seq: int, params: GenerationParams
+    ) -> tuple[str, int, FinishReason, tuple[TokenLogprob, ...] | None]:
+        """One sequence's exact text (special tokens dropped, never stripped), its token count,
+        why it stopped and, when asked, its tokens' log probabilities."""
+        tok = self._tokenizer
+        tokens = _until_eos(row, tok.eos_token_id, tok.pad_token_id)
+        decoded = tok.decode(tokens, skip_special_tokens=True)
+        text = truncate_at_stop(decoded, params.stop)
+        cut = len(tokens) < len(row) or len(text) < len(decoded)
+        finish: FinishReason = "stop" if cut or len(tokens) < params.max_tokens else "length"
+        detail = None
+        if logprobs is not None:
+            chosen, top_ids, top_values = logprobs
+            detail = tuple(
+                TokenLogprob(
+                    token=tok.decode([t]),
+                    logprob=float(chosen[seq, j]),
+                    top_logprobs=tuple(
+                        TopLogprob(token=tok.decode([int(a)]), logprob=float(v))
+                        for a, v in zip(
+                            top_ids[seq, j, : params.top_logprobs],
+                            top_values[seq, j, : params.top_logprobs],
+                            strict=True,
+                        )
+                    ),
+                )
+                for j, t in enumerate(tokens)
+            )
+        return text, len(tokens), finish, detail
+
+
+def _token_logprobs(logits: Any, new_tokens: Any) -> tuple[Any, Any, Any]:
+    """Log probabilities of the generated tokens and the 20 likeliest per position, from raw logits."""
+    import torch
+
+    logp = torch.log_softmax(torch.stack(logits, dim=1).float(), dim=-1)  # [sequences, steps, vocab]
+    chosen = logp.gather(-1, new_tokens[:, : logp.shape[1]].unsqueeze(-1)).squeeze(-1)
+    top_values, top_ids = logp.topk(min(20, logp.shape[-1]), dim=-1)
+    return chosen, top_ids, top_values
+
+
+def _generation(
+    choices: list[tuple[str, int, FinishReason, tuple[TokenLogprob, ...] | None]],
+    prompt_tokens: int,
+    params: GenerationParams,
+) -> Generation:
+    text, _, finish, _ = choices[0]
+    completion_tokens = sum(c[1] for c in choices)
+    if params.n == 1 and not params.logprobs:
+        return Generation(text, None, prompt_tokens, completion_tokens, finish_reason=finish)
+    listed = tuple(
+        Choice(index=k, text=t, finish_reason=f, logprobs=lp) for k, (t, _, f, lp) in enumerate(choices)
+    )
+    return Generation(text, None, prompt_tokens, completion_tokens, finish_reason=finish, choices=listed)
 
 
 def _until_eos(tokens: list[int], eos: int | None, pad: int | None) -> list[int]:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from airflow_deadline_batch.core.results import Choice, FinishReason, TokenLogprob, TopLogprob
 from airflow_deadline_batch.exceptions import EngineError
 from airflow_deadline_batch.worker.engines.base import (
     ENGINE_ERROR,
@@ -112,7 +113,7 @@ class VllmEngine:
         if prompts:
             outputs = self._llm.generate(prompts, sampling, use_tqdm=False)
             for pos, output in zip(positions, outputs, strict=True):
-                results[pos] = _to_generation(output)
+                results[pos] = _to_generation(output, params.for_request(requests[pos]))
         return [r for r in results if r is not None]
 
     def _sampling_params(self, p: GenerationParams) -> Any:
@@ -130,6 +131,11 @@ class VllmEngine:
             kwargs["frequency_penalty"] = p.frequency_penalty
         if p.logit_bias:
             kwargs["logit_bias"] = dict(p.logit_bias)
+        if p.n > 1:
+            kwargs["n"] = p.n
+        if p.logprobs:
+            # vLLM returns the sampled token's log probability plus the k likeliest (k may be 0)
+            kwargs["logprobs"] = p.top_logprobs
         structured = p.json_format()
         if structured is not None:
             kwargs.update(self._structured(*structured))
@@ -168,14 +174,51 @@ def prompt_token_ids(tokenizer: Any, request: Request) -> list[int]:
     return [int(t) for t in tokenizer.encode(prompt, add_special_tokens=True)]
 
 
-def _to_generation(output: Any) -> Generation:
-    """Map a vLLM ``RequestOutput`` to a Generation (usage from token ids; the text exactly)."""
+def _to_generation(output: Any, params: GenerationParams) -> Generation:
+    """Map a vLLM ``RequestOutput`` to a Generation (usage from token ids; the text exactly).
+
+    Every ``CompletionOutput`` becomes a choice when the request asked for ``n > 1`` or log
+    probabilities; ``finish_reason`` is vLLM's own (``stop`` / ``length``).
+    """
     prompt_tokens = len(getattr(output, "prompt_token_ids", None) or [])
     completions = getattr(output, "outputs", None) or []
     if not completions:
         return Generation.failed(ENGINE_ERROR, "vLLM returned no completion", prompt_tokens)
-    first = completions[0]
-    return Generation(str(first.text), None, prompt_tokens, len(first.token_ids or []))
+    choices = tuple(_choice(k, c, params) for k, c in enumerate(completions))
+    tokens = sum(len(c.token_ids or []) for c in completions)
+    first = choices[0]
+    listed = choices if params.n > 1 or params.logprobs else None
+    return Generation(
+        first.text, None, prompt_tokens, tokens, finish_reason=first.finish_reason, choices=listed
+    )
+
+
+def _choice(index: int, completion: Any, params: GenerationParams) -> Choice:
+    reason = getattr(completion, "finish_reason", None)
+    finish: FinishReason | None = reason if reason in ("stop", "length") else None
+    logprobs = None
+    if params.logprobs:
+        # one {token_id: Logprob(logprob, rank, decoded_token)} per generated token
+        positions = getattr(completion, "logprobs", None) or []
+        logprobs = tuple(
+            _token_logprob(token_id, alternatives, params.top_logprobs)
+            for token_id, alternatives in zip(completion.token_ids or [], positions, strict=False)
+        )
+    return Choice(index=index, text=str(completion.text), finish_reason=finish, logprobs=logprobs)
+
+
+def _token_logprob(token_id: int, alternatives: Mapping[int, Any], top: int) -> TokenLogprob:
+    chosen = alternatives[token_id]
+    # the k likeliest have ranks 1..k; the sampled token is there too, with its own rank
+    ranked = sorted((a for a in alternatives.values() if a.rank is not None), key=lambda a: a.rank)
+    best = [a for a in ranked if a.rank <= top][:top]
+    return TokenLogprob(
+        token=str(chosen.decoded_token or ""),
+        logprob=float(chosen.logprob),
+        top_logprobs=tuple(
+            TopLogprob(token=str(a.decoded_token or ""), logprob=float(a.logprob)) for a in best
+        ),
+    )
 
 
 def build(model: str | None, options: dict[str, Any]) -> VllmEngine:
