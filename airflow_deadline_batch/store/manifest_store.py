@@ -894,15 +894,14 @@ class ManifestStore:
                     commits.c.job_id == job_id
                 )
             ).all()
-            outcome_counts: dict[str, int] = dict(
-                conn.execute(
+            outcome_counts: dict[str, int] = {
+                str(outcome): int(count)
+                for outcome, count in conn.execute(
                     sa.select(attempts.c.outcome, sa.func.count())
                     .where(attempts.c.job_id == job_id)
                     .group_by(attempts.c.outcome)
                 )
-                .tuples()
-                .all()
-            )
+            }
             by_state: dict[str, int] = {}
             committed_work = remaining_work = 0.0
             for shard in shard_rows:
