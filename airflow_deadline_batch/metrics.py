@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -171,15 +171,27 @@ def send_gauges(values: Mapping[str, float], *, job_id: str, dag_id: str | None)
 def emit_job(store: ManifestStore, job_id: str, *, dag_id: str | None, now: dt.datetime) -> dict[str, float]:
     """Read the job's view, attempts and commits; send every gauge; return them (never raises)."""
     try:
-        from airflow_deadline_batch.operators.placement import read_job_view
+        from airflow_deadline_batch.operators.placement import job_view_of
 
-        view = read_job_view(store, job_id, now=now)
-        totals = attempt_totals(view, store.list_attempts(job_id), store.list_commits(job_id))
-        values = job_metrics(view, totals)
+        job, shards = store.get_job(job_id), store.list_shards(job_id)
+        attempts, commits = store.list_attempts(job_id), store.list_commits(job_id)
+        view = job_view_of(job, shards, commits, attempts, now=now)
     except Exception:
         log.warning("reading deadline_batch metrics for job %s failed", job_id, exc_info=True)
         return {}
-    send_gauges(values, job_id=job_id, dag_id=dag_id)
+    return emit_view(view, attempts, commits, dag_id=dag_id)
+
+
+def emit_view(
+    view: JobView, attempts: Sequence[Any], commits: Sequence[Any], *, dag_id: str | None
+) -> dict[str, float]:
+    """:func:`emit_job` over rows the caller has read already (the trigger reuses them); never raises."""
+    try:
+        values = job_metrics(view, attempt_totals(view, attempts, commits))
+    except Exception:
+        log.warning("computing deadline_batch metrics for job %s failed", view.job_id, exc_info=True)
+        return {}
+    send_gauges(values, job_id=view.job_id, dag_id=dag_id)
     return values
 
 

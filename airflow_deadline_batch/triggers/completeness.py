@@ -12,15 +12,15 @@ import dataclasses
 import datetime as dt
 import enum
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from airflow_deadline_batch.core.clock import UTC, ensure_aware
-from airflow_deadline_batch.core.job_view import is_stopped
+from airflow_deadline_batch.core.job_view import JobView, is_stopped
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, ShardState
-from airflow_deadline_batch.metrics import emit_job
+from airflow_deadline_batch.metrics import emit_view
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import ManifestStore
@@ -124,6 +124,15 @@ def evaluate_progress(job_id: str, progress: Mapping[str, Any]) -> CompletenessE
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Poll:
+    """What one poll read: the progress, and the job view with the attempts (None if unreadable)."""
+
+    progress: dict[str, Any]
+    view: JobView | None
+    attempts: Sequence[Any]
+
+
 class CompletenessTrigger(BaseTrigger):
     """Poll a job's committed progress until all shards are terminal, the job stops, or ``timeout_at``.
 
@@ -134,7 +143,7 @@ class CompletenessTrigger(BaseTrigger):
     :param timeout_at: ISO-8601 aware instant after which a ``timeout`` event is sent; absolute so a
         triggerer restart does not restart the clock.
     :param dag_id: the sensor's DAG, the ``dag_id`` tag of the metrics each poll sends
-        (:func:`airflow_deadline_batch.metrics.emit_job`).
+        (:func:`airflow_deadline_batch.metrics.emit_view`).
     :param aws_conn_id: the AWS connection :meth:`on_kill` publishes a cancelled job's manifest with.
     :param first_poll_delay_s: seconds before the first read. The sensor sets it (it has just read
         progress itself) so that the task never resumes within seconds of deferring: Airflow 3.3's
@@ -186,18 +195,15 @@ class CompletenessTrigger(BaseTrigger):
             kwargs.update(risk_threshold_s=self.risk_threshold_s, risk_armed=self.risk_armed)
         return ("airflow_deadline_batch.triggers.completeness.CompletenessTrigger", kwargs)
 
-    def _watch_risk(self, store: ManifestStore, progress: dict[str, Any]) -> CompletenessEvent | None:
+    def _watch_risk(self, poll: _Poll) -> CompletenessEvent | None:
         """A ``risk`` event when the once-per-crossing watch fires or re-arms; None otherwise."""
         from airflow_deadline_batch.notifiers.deadline_risk import track_risk
-        from airflow_deadline_batch.operators.placement import read_job_view
 
-        if self.risk_threshold_s is None:
+        if self.risk_threshold_s is None or poll.view is None:
             return None
         try:
-            view = read_job_view(store, self.job_id, now=dt.datetime.now(UTC))
-            watch = track_risk(
-                view, self.risk_threshold_s, armed=self.risk_armed, attempts=store.list_attempts(self.job_id)
-            )
+            armed, attempts = self.risk_armed, poll.attempts
+            watch = track_risk(poll.view, self.risk_threshold_s, armed=armed, attempts=attempts)
         except Exception:  # the alert is best effort: it never ends the wait for completeness
             self.log.warning("job %s: deadline-risk watch failed; polling on", self.job_id, exc_info=True)
             return None
@@ -207,16 +213,27 @@ class CompletenessTrigger(BaseTrigger):
         return CompletenessEvent(
             CompletenessStatus.RISK,
             self.job_id,
-            progress,
+            poll.progress,
             f"job {self.job_id}: deadline risk: {what}",
             risk=watch.alert.to_dict() if watch.alert else None,
             resume={**self.serialize()[1], "risk_armed": watch.armed},
         )
 
-    def _read_progress(self, store: ManifestStore) -> dict[str, Any]:
+    def _poll(self, store: ManifestStore) -> _Poll:
+        """One read of the job: its progress (what the wait decides on), and the job view the
+        metrics and the risk watch share (best effort: a failure there never ends the wait)."""
+        from airflow_deadline_batch.operators.placement import job_view_of
+
         progress = plain(store.progress(self.job_id))
-        emit_job(store, self.job_id, dag_id=self.dag_id, now=dt.datetime.now(UTC))
-        return progress
+        try:
+            job, shards = store.get_job(self.job_id), store.list_shards(self.job_id)
+            commits, attempts = store.list_commits(self.job_id), store.list_attempts(self.job_id)
+            view = job_view_of(job, shards, commits, attempts, now=dt.datetime.now(UTC))
+        except Exception:
+            self.log.warning("job %s: reading the job view failed; polling on", self.job_id, exc_info=True)
+            return _Poll(progress, None, ())
+        emit_view(view, attempts, commits, dag_id=self.dag_id)
+        return _Poll(progress, view, attempts)
 
     def _open_store(self) -> ManifestStore:
         from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -237,7 +254,8 @@ class CompletenessTrigger(BaseTrigger):
             if self.first_poll_delay_s:
                 await asyncio.sleep(self.first_poll_delay_s)
             while True:
-                progress = await asyncio.to_thread(self._read_progress, store)
+                poll = await asyncio.to_thread(self._poll, store)
+                progress = poll.progress
                 event = evaluate_progress(self.job_id, progress)
                 if event is not None:
                     break
@@ -250,7 +268,7 @@ class CompletenessTrigger(BaseTrigger):
                     )
                     break
                 if self.risk_threshold_s is not None:
-                    event = await asyncio.to_thread(self._watch_risk, store, progress)
+                    event = self._watch_risk(poll)
                     if event is not None:
                         break
                 await asyncio.sleep(self.poll_interval_s)

@@ -26,6 +26,7 @@ from airflow_deadline_batch.triggers.completeness import (
     CompletenessEvent,
     CompletenessStatus,
     CompletenessTrigger,
+    _Poll,
 )
 
 NOW = dt.datetime(2026, 3, 1, 4, 0, tzinfo=dt.timezone.utc)
@@ -200,7 +201,7 @@ def test_trigger_fires_a_risk_event_once_and_resumes_disarmed(store):
     assert event.risk is not None and event.risk["job_id"] == job_id and event.risk["slack_s"] < THRESHOLD
     assert event.resume is not None and event.resume["risk_armed"] is False
     # the sensor re-defers with the kwargs of the event: that trigger (or a restarted one) is silent
-    assert CompletenessTrigger(**event.resume)._watch_risk(store, {}) is None
+    assert watch(CompletenessTrigger(**event.resume), store) is None
 
 
 def test_a_disarmed_trigger_re_arms_once_slack_is_back(store):
@@ -208,7 +209,7 @@ def test_a_disarmed_trigger_re_arms_once_slack_is_back(store):
     event = first_event(trigger_for(store, job_id, risk_threshold_s=THRESHOLD, risk_armed=False))
     assert event.status is CompletenessStatus.RISK
     assert event.risk is None and event.resume is not None and event.resume["risk_armed"] is True
-    assert CompletenessTrigger(**event.resume)._watch_risk(store, {}) is None
+    assert watch(CompletenessTrigger(**event.resume), store) is None
 
 
 class Recording(BaseNotifier):
@@ -257,8 +258,14 @@ def test_the_deferred_sensor_alerts_on_a_risk_event_and_waits_on_with_its_state(
     assert len(sent) == 1 and again.value.trigger.serialize()[1]["risk_armed"] is True
 
 
+def watch(trigger: CompletenessTrigger, store) -> object:
+    """One poll of the trigger, then its risk watch over what the poll read."""
+    return trigger._watch_risk(trigger._poll(store))
+
+
 def test_a_failing_watch_never_ends_the_wait(store):
     job_id = make_job(store, work_s=7000)
-    trigger = trigger_for(store, "j-no-such-job", risk_threshold_s=THRESHOLD)
-    assert trigger._watch_risk(store, {}) is None  # logged, and the trigger polls on
-    assert trigger_for(store, job_id, risk_threshold_s=THRESHOLD)._watch_risk(store, {}) is not None
+    trigger = trigger_for(store, job_id, risk_threshold_s=THRESHOLD)
+    # the job view could not be read this poll: no risk event, the trigger polls on
+    assert trigger._watch_risk(_Poll({}, None, ())) is None
+    assert watch(trigger, store) is not None
