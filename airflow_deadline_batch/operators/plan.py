@@ -87,7 +87,8 @@ class DeadlineBatchOperator(BaseOperator):
     :param idempotency_key: default ``{dag_id}/{run_id}/{task_id}`` (templated).
     :param risk_notifier: alerted when admission leaves less slack than its threshold.
     :param tenant: the team the job belongs to (docs/tenants.md; templated); default: the task's
-        owner (the DAG's ``default_args`` owner) when it is a valid tenant name, else ``default``.
+        owner (the DAG's ``default_args`` owner) when it is a valid tenant name and not Airflow's
+        default owner (``[operators] default_owner``, ``airflow``), else ``default``.
     """
 
     template_fields: Sequence[str] = (
@@ -182,6 +183,8 @@ class DeadlineBatchOperator(BaseOperator):
             except ValueError as exc:
                 raise AirflowFailException(str(exc)) from exc
         owner = str(self.owner or "").split(",")[0].strip().lower()
+        if owner == _airflow_default_owner():  # no owner given: Airflow filled in its default
+            return DEFAULT_TENANT
         try:
             return check_tenant(owner)
         except ValueError:
@@ -241,3 +244,13 @@ class DeadlineBatchOperator(BaseOperator):
         risk = assess_risk(view, threshold_s=self.risk_notifier.threshold_s)
         if risk is not None:
             self.risk_notifier.notify_risk(context, risk)
+
+
+def _airflow_default_owner() -> str:
+    """Airflow's ``[operators] default_owner`` (what a task without an owner gets), lower-cased."""
+    try:
+        from airflow.configuration import conf
+
+        return str(conf.get("operators", "default_owner", fallback="airflow")).strip().lower()
+    except Exception:  # no configuration to read: Airflow's own default
+        return "airflow"

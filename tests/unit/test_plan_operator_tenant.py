@@ -21,6 +21,8 @@ def _op(**kwargs: object) -> DeadlineBatchOperator:
         ({"owner": "Data-Team, ml"}, "data-team"),
         ({"owner": "not a name"}, "default"),
         ({"owner": ""}, "default"),
+        ({}, "default"),  # no owner: Airflow's default owner ("airflow") is not a team
+        ({"owner": "airflow"}, "default"),
     ],
 )
 def test_tenant_comes_from_the_argument_then_the_owner(kwargs: dict[str, object], tenant: str) -> None:
