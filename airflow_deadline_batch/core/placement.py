@@ -165,6 +165,9 @@ class JobSnapshot:
     #: cost so far minus ``price_ratio`` × (committed work + changeover done and uncommitted work of
     #: the running on-demand tries); ``None``: unknown (the cost cap is off)
     cost_excess_s: float | None = None
+    #: shards of the whole job (``None``: unknown, assumed at least ``parallelism``); on-demand only
+    #: starts ``min(parallelism, total_shards)`` workers, each paying one changeover
+    total_shards: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -182,6 +185,8 @@ class JobSnapshot:
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.total_shards is not None and self.total_shards < 1:
+            raise ValueError(f"total_shards must be >= 1, got {self.total_shards}")
         if self.on_demand_workers < 0 or self.spot_workers < 0 or self.spot_fruitless_tries < 0:
             raise ValueError("on_demand_workers, spot_workers and spot_fruitless_tries must be >= 0")
         if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
@@ -309,12 +314,19 @@ def cost_room_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) ->
     ``cost_excess_s``. On-demand work never raises the excess (paid ``k``, credited ``k``); only
     Spot time that commits nothing does, and throwing away a running on-demand try. The room is
     ``cost_cap × on-demand only's cost − excess``; ``None`` when the cap is off or an input unknown.
+
+    On-demand only starts ``m = min(parallelism, total_shards)`` workers, while the bound above
+    pays a changeover for all ``parallelism``: the ``parallelism − m`` extra changeovers (credited
+    to the excess for the workers with nothing to pull) are taken from the room, so a job with
+    fewer shards than workers cannot spend that credit on Spot.
     """
     k, excess, total = snapshot.price_ratio, snapshot.cost_excess_s, snapshot.total_work_s
     if policy.cost_cap is None or k is None or excess is None or total is None:
         return None
-    on_demand_only = k * (total + snapshot.parallelism * snapshot.changeover_s)
-    return policy.cost_cap * on_demand_only - excess
+    p = snapshot.parallelism
+    starts = p if snapshot.total_shards is None else min(p, snapshot.total_shards)
+    on_demand_only = k * (total + starts * snapshot.changeover_s)
+    return policy.cost_cap * on_demand_only - excess - k * (p - starts) * snapshot.changeover_s
 
 
 def spot_waste_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:

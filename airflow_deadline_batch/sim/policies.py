@@ -182,6 +182,7 @@ class SlackAware:
                 changeover_left_s=slot.changeover_left_h * 3600 if running else None,
                 price_ratio=cfg.price_ratio,
                 cost_excess_s=excess_s,
+                total_shards=cfg.shards,
             )
             pool = choose_pool(snapshot, self.run_params).pool
             if pool is PoolKind.SPOT and slot.mode is Mode.ON_DEMAND:
