@@ -82,6 +82,11 @@ class PolicyParams:
     #: taken only while what it can waste before the next decision fits (:func:`cost_room_s`);
     #: ``None``, or a snapshot without ``price_ratio``/``cost_excess_s``/``total_work_s``: off
     cost_cap: float | None = None
+    #: a fresh Spot try is taken only while its expected price per committed hour of work
+    #: (:func:`spot_cost_ratio`: changeover, work lost to a preemption, spells of the learned mean
+    #: length) stays under this fraction of on-demand's; ``None``, or a snapshot without
+    #: ``price_ratio``/``spot_mean_run_s``: off
+    spot_cost_limit: float | None = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -103,6 +108,8 @@ class PolicyParams:
             raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
+        if self.spot_cost_limit is not None and not self.spot_cost_limit > 0:
+            raise ValueError("spot_cost_limit must be > 0")
         if self.cost_cap is not None and not self.cost_cap >= 0:
             raise ValueError("cost_cap must be >= 0")
         if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
@@ -350,6 +357,32 @@ def spot_waste_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -
     return waste
 
 
+def spot_cost_ratio(
+    snapshot: JobSnapshot, *, mean_run_s: float | None = None, price: float = 1.0, speed: float = 1.0
+) -> float | None:
+    """Expected price of a fresh Spot try per hour of work it commits, over on-demand's price.
+
+    A try runs for a time ``T`` drawn from an exponential of the learned mean spell length ``L``
+    (memoryless: what the job has seen is all it knows); it pays ``T`` at the Spot ``price`` and
+    commits a shard for every full ``S / speed`` after its changeover ``d``, so its expected work
+    is ``S · e^(−(d + S/speed)/L) / (1 − e^(−S/(speed·L)))`` for ``price · L`` paid. Above 1 the
+    try is expected to cost more than running the same work on on-demand (``price_ratio``,
+    reference throughput). ``None`` when the price ratio or the spell length is unknown.
+    """
+    k = snapshot.price_ratio
+    run = snapshot.spot_mean_run_s if mean_run_s is None else mean_run_s
+    shard = snapshot.shard_work_s
+    if k is None or run is None or shard <= 0 or speed <= 0:
+        return None
+    if run <= 0:
+        return math.inf
+    shard_wall = shard / speed
+    work = shard * math.exp(-(snapshot.changeover_s + shard_wall) / run) / -math.expm1(-shard_wall / run)
+    if work <= 0:
+        return math.inf
+    return price * run / (k * work)
+
+
 def line_slack_s(snapshot: JobSnapshot) -> float:
     """Slack left now by a job that spends its initial slack uniformly over its window.
 
@@ -461,6 +494,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         )
     short = policy.rate_rule and b.required_rate > b.expected_rate
     worth = snapshot.spot_mean_run_s is None or snapshot.spot_mean_run_s >= policy.min_run_changeovers * d
+    ratio = None if policy.spot_cost_limit is None else spot_cost_ratio(snapshot)
+    dear = ratio is not None and policy.spot_cost_limit is not None and ratio >= policy.spot_cost_limit
+    if dear and not continuing_spot:
+        # waiting is free but cannot be told apart from a Spot try here: on-demand when Spot is
+        # there, else wait above the reserve (below)
+        worth = False
     if snapshot.spot_available and (continuing_spot or worth):
         if continuing_spot:
             return decide(PoolKind.SPOT, "keep the running Spot try while it is safe")
@@ -484,6 +523,10 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         return decide(PoolKind.ON_DEMAND, "Spot is missing or short-lived and slack is down to its reserve")
     if continuing_od:
         return decide(PoolKind.ON_DEMAND, "keep the running on-demand try: Spot runs are too short")
+    if snapshot.spot_available and dear:
+        return decide(
+            PoolKind.ON_DEMAND, f"a Spot try is expected to cost {ratio:.2f} x on-demand per hour of work"
+        )
     if snapshot.spot_available:
         return decide(PoolKind.SPOT, "Spot runs are short-lived, but slack still affords a try")
     return decide(PoolKind.SPOT, "wait for Spot: slack is above its reserve")
