@@ -23,6 +23,12 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
   anything, fresh tries go on-demand whatever the slack; one Spot probe is allowed after a
   cool-down that doubles with every further fruitless try, and only while no other Spot try of the
   job runs.
+* **Expected cost**: a fresh Spot try only while its expected price per committed hour of work
+  (:func:`spot_cost_ratio`, from the learned spell length) is below on-demand's; an optional hard
+  cap (:func:`cost_room_s`) bounds the worst case of a run.
+* **Several Spot pools** (``JobSnapshot.spot_pools``): the Spot side is the pool with the lowest
+  expected price per unit of work (:func:`pick_spot_pool`), named in the decision; the safety
+  rule is the same, with that pool's risk.
 """
 
 from __future__ import annotations
