@@ -145,10 +145,17 @@ def calibrate(specs: Iterable[PoolSpec], samples: Iterable[RateSample]) -> Calib
 
 @dataclass(frozen=True)
 class AvailabilityEstimate:
-    """Fraction of the job's workers Spot could hold, recent ticks weighing more, shrunk to a prior.
+    """Fraction of the job's workers Spot could hold, recent ticks weighing more, shrunk to a prior;
+    and the rate at which Spot spells end, a Gamma–Poisson posterior.
 
-    The prior counts as ``prior_hours`` of evidence, so a few lucky minutes do not make waiting
-    look safe; older evidence halves in weight every ``half_life_hours``. O(1) per observation.
+    The availability prior counts as ``prior_hours`` of evidence, so a few lucky minutes do not make
+    waiting look safe; older evidence halves in weight every ``half_life_hours``.
+
+    Spell ends are a Poisson process over the hours Spot is there: with a Gamma prior of mean
+    ``1 / prior_run_hours`` worth ``run_prior_hours`` of exposure (the pool's declared or persisted
+    behaviour), the posterior mean rate is ``(run_prior_hours / prior_run_hours + ends) /
+    (run_prior_hours + hours with Spot)``, both counts forgetting with the same half-life, and the
+    expected spell is its inverse. O(1) per observation.
     """
 
     prior: float = 0.5
@@ -156,36 +163,47 @@ class AvailabilityEstimate:
     half_life_hours: float = 24.0
     weighted_sum: float = 0.0
     weight: float = 0.0
-    #: mean length of a spell with capacity (hours), exponentially weighted over finished spells
+    #: prior mean length of a spell with capacity (hours) and the exposure it is worth (hours)
     prior_run_hours: float = 1.0
-    mean_run_hours: float | None = None
+    run_prior_hours: float = 1.0
+    #: spells ended and hours with capacity seen, both decayed
+    spell_ends: float = 0.0
+    spot_hours: float = 0.0
     current_run_hours: float = 0.0
-    run_alpha: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.prior_run_hours <= 0 or self.run_prior_hours <= 0 or self.half_life_hours <= 0:
+            raise ValueError("prior_run_hours, run_prior_hours and half_life_hours must be > 0")
 
     def observe(self, capacity: int, workers: int, hours: float) -> AvailabilityEstimate:
         if workers < 1 or hours < 0:
             raise ValueError("workers must be >= 1 and hours >= 0")
         decay = 0.5 ** (hours / self.half_life_hours)
         share = min(max(capacity, 0), workers) / workers
-        mean, current = self.mean_run_hours, self.current_run_hours
+        ends, spot, current = self.spell_ends * decay, self.spot_hours * decay, self.current_run_hours
         if capacity > 0:
-            current += hours
+            spot, current = spot + hours, current + hours
         elif current > 0:
-            base = self.prior_run_hours if mean is None else mean
-            mean, current = (1 - self.run_alpha) * base + self.run_alpha * current, 0.0
+            ends, current = ends + 1.0, 0.0
         return replace(
             self,
             weighted_sum=self.weighted_sum * decay + hours * share,
             weight=self.weight * decay + hours,
-            mean_run_hours=mean,
+            spell_ends=ends,
+            spot_hours=spot,
             current_run_hours=current,
         )
 
     @property
+    def spell_end_rate(self) -> float:
+        """Posterior mean of the rate at which Spot spells end, per hour of Spot (Gamma–Poisson)."""
+        alpha = self.run_prior_hours / self.prior_run_hours + self.spell_ends
+        return alpha / (self.run_prior_hours + self.spot_hours)
+
+    @property
     def run_hours(self) -> float:
-        """Expected length of a Spot spell: the learned mean, at least the spell running now."""
-        mean = self.prior_run_hours if self.mean_run_hours is None else self.mean_run_hours
-        return max(mean, self.current_run_hours)
+        """Expected length of a Spot spell: the posterior mean, at least the spell running now."""
+        return max(1.0 / self.spell_end_rate, self.current_run_hours)
 
     @property
     def value(self) -> float:

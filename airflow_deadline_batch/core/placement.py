@@ -23,13 +23,19 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
   anything, fresh tries go on-demand whatever the slack; one Spot probe is allowed after a
   cool-down that doubles with every further fruitless try, and only while no other Spot try of the
   job runs.
+* **Expected cost**: a fresh Spot try only while its expected price per committed hour of work
+  (:func:`spot_cost_ratio`, from the learned spell length) is below on-demand's; an optional hard
+  cap (:func:`cost_room_s`) bounds the worst case of a run.
+* **Several Spot pools** (``JobSnapshot.spot_pools``): the Spot side is the pool with the lowest
+  expected price per unit of work (:func:`pick_spot_pool`), named in the decision; the safety
+  rule is the same, with that pool's risk.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.pools import PoolKind
@@ -82,6 +88,11 @@ class PolicyParams:
     #: taken only while what it can waste before the next decision fits (:func:`cost_room_s`);
     #: ``None``, or a snapshot without ``price_ratio``/``cost_excess_s``/``total_work_s``: off
     cost_cap: float | None = None
+    #: a fresh Spot try is taken only while its expected price per committed hour of work
+    #: (:func:`spot_cost_ratio`: changeover, work lost to a preemption, spells of the learned mean
+    #: length) stays under this fraction of on-demand's; ``None``, or a snapshot without
+    #: ``price_ratio``/``spot_mean_run_s``: off
+    spot_cost_limit: float | None = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -103,6 +114,8 @@ class PolicyParams:
             raise ValueError("margins must be >= 0")
         if self.decision_interval_s is not None and self.decision_interval_s < 0:
             raise ValueError("decision_interval_s must be >= 0")
+        if self.spot_cost_limit is not None and not self.spot_cost_limit > 0:
+            raise ValueError("spot_cost_limit must be > 0")
         if self.cost_cap is not None and not self.cost_cap >= 0:
             raise ValueError("cost_cap must be >= 0")
         if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
@@ -110,6 +123,35 @@ class PolicyParams:
 
 
 DEFAULT_POLICY = PolicyParams()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpotOption:
+    """One of several Spot pools (zones, regions, GPU types) a try may go to, as the job sees it now.
+
+    Prices are per GPU-second relative to the reference Spot price (on-demand costs
+    ``JobSnapshot.price_ratio``); ``speed`` is the pool's throughput over the reference rate the
+    work is counted in (a shard of ``S`` takes ``S / speed`` there). ``mean_run_s`` and
+    ``availability`` are what the job learned of this pool (``None``: unknown, the job-wide values
+    stand).
+    """
+
+    name: str
+    price: float = 1.0
+    speed: float = 1.0
+    available: bool = True
+    availability: float | None = None
+    mean_run_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a Spot option needs a name")
+        if not (self.price > 0 and self.speed > 0) or math.isinf(self.price) or math.isinf(self.speed):
+            raise ValueError(f"Spot option {self.name!r}: price and speed must be finite and > 0")
+        if self.availability is not None and not 0.0 <= self.availability <= 1.0:
+            raise ValueError(f"Spot option {self.name!r}: availability must be within [0, 1]")
+        if self.mean_run_s is not None and not self.mean_run_s >= 0:
+            raise ValueError(f"Spot option {self.name!r}: mean_run_s must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +207,14 @@ class JobSnapshot:
     #: cost so far minus ``price_ratio`` × (committed work + changeover done and uncommitted work of
     #: the running on-demand tries); ``None``: unknown (the cost cap is off)
     cost_excess_s: float | None = None
+    #: shards of the whole job (``None``: unknown, assumed at least ``parallelism``); on-demand only
+    #: starts ``min(parallelism, total_shards)`` workers, each paying one changeover
+    total_shards: int | None = None
+    #: the job's Spot pools when it has several (empty: one Spot pool, described by the ``spot_*``
+    #: fields above); :func:`choose_pool` then names the pool of a Spot decision
+    spot_pools: tuple[SpotOption, ...] = ()
+    #: the Spot pool (an option's name) of the running try or the one being decided for
+    spot_pool: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -182,6 +232,11 @@ class JobSnapshot:
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        object.__setattr__(self, "spot_pools", tuple(self.spot_pools))
+        if len({o.name for o in self.spot_pools}) != len(self.spot_pools):
+            raise ValueError("Spot option names must be unique")
+        if self.total_shards is not None and self.total_shards < 1:
+            raise ValueError(f"total_shards must be >= 1, got {self.total_shards}")
         if self.on_demand_workers < 0 or self.spot_workers < 0 or self.spot_fruitless_tries < 0:
             raise ValueError("on_demand_workers, spot_workers and spot_fruitless_tries must be >= 0")
         if self.spot_availability is not None and not 0.0 <= self.spot_availability <= 1.0:
@@ -216,6 +271,8 @@ class PlacementDecision:
     startup_timeout_s: int
     #: termination grace the worker needs (notice-aware)
     grace_period_s: int
+    #: the Spot pool a Spot decision names, with several (``JobSnapshot.spot_pools``); else ``None``
+    spot_pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +296,16 @@ def od_need_s(snapshot: JobSnapshot) -> float:
     p = snapshot.parallelism
     imbalance = snapshot.shard_work_s * (p - 1) / p
     return snapshot.changeover_s + snapshot.remaining_work_s / p + imbalance
+
+
+def spot_option(snapshot: JobSnapshot) -> SpotOption | None:
+    """The option of ``snapshot.spot_pool`` among ``spot_pools`` (``None``: single pool, or unknown)."""
+    return next((o for o in snapshot.spot_pools if o.name == snapshot.spot_pool), None)
+
+
+def _spot_speed(snapshot: JobSnapshot) -> float:
+    option = spot_option(snapshot)
+    return 1.0 if option is None else option.speed
 
 
 def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
@@ -266,12 +333,18 @@ def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) ->
         changeover = snapshot.changeover_s if left is None else left
     else:
         changeover = snapshot.changeover_s
-    try_worst = changeover + max(0.0, snapshot.shard_work_s - snapshot.notice_s)
+    # a slower Spot pool (several pools) takes longer to commit the shard
+    speed = _spot_speed(snapshot)
+    try_worst = changeover + max(0.0, snapshot.shard_work_s / speed - snapshot.notice_s)
     interval = policy.decision_interval_s
     if interval is None:
         return try_worst
     if snapshot.parallelism > 1 or not (snapshot.spot_available or continuing):
         return interval
+    if speed < 1.0:
+        # committing at ``speed`` gives back less slack than the wall time it takes: beyond its
+        # first shard a slow pool still burns ``1 − speed`` of the interval
+        try_worst += (1.0 - speed) * max(0.0, interval - try_worst)
     return min(try_worst, interval)
 
 
@@ -309,12 +382,19 @@ def cost_room_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) ->
     ``cost_excess_s``. On-demand work never raises the excess (paid ``k``, credited ``k``); only
     Spot time that commits nothing does, and throwing away a running on-demand try. The room is
     ``cost_cap × on-demand only's cost − excess``; ``None`` when the cap is off or an input unknown.
+
+    On-demand only starts ``m = min(parallelism, total_shards)`` workers, while the bound above
+    pays a changeover for all ``parallelism``: the ``parallelism − m`` extra changeovers (credited
+    to the excess for the workers with nothing to pull) are taken from the room, so a job with
+    fewer shards than workers cannot spend that credit on Spot.
     """
     k, excess, total = snapshot.price_ratio, snapshot.cost_excess_s, snapshot.total_work_s
     if policy.cost_cap is None or k is None or excess is None or total is None:
         return None
-    on_demand_only = k * (total + snapshot.parallelism * snapshot.changeover_s)
-    return policy.cost_cap * on_demand_only - excess
+    p = snapshot.parallelism
+    starts = p if snapshot.total_shards is None else min(p, snapshot.total_shards)
+    on_demand_only = k * (total + starts * snapshot.changeover_s)
+    return policy.cost_cap * on_demand_only - excess - k * (p - starts) * snapshot.changeover_s
 
 
 def spot_waste_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
@@ -326,16 +406,58 @@ def spot_waste_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -
     """
     d = snapshot.changeover_s
     interval = math.inf if policy.decision_interval_s is None else policy.decision_interval_s
-    own = d + snapshot.shard_work_s
+    option = spot_option(snapshot)
+    price, speed = (1.0, 1.0) if option is None else (option.price, option.speed)
+    shard_wall = snapshot.shard_work_s / speed
+    own = d + shard_wall
     left = snapshot.changeover_left_s
     if snapshot.running and snapshot.previous_pool is PoolKind.SPOT and left is not None:
         # the running try commits once its changeover and the rest of its shard are done
         uncommitted = max(0.0, snapshot.running_progress_s - (d - left))
-        own = left + max(0.0, snapshot.shard_work_s - uncommitted)
-    waste = min(own, interval) + min(d + snapshot.shard_work_s, interval) * snapshot.spot_workers
+        own = left + max(0.0, shard_wall - uncommitted)
+    # other workers may be on any of the job's Spot pools: the dearest and slowest price them
+    others_price = max((o.price for o in snapshot.spot_pools), default=1.0)
+    others_wall = snapshot.shard_work_s / min((o.speed for o in snapshot.spot_pools), default=1.0)
+    waste = price * min(own, interval) + others_price * min(d + others_wall, interval) * snapshot.spot_workers
     if snapshot.running and snapshot.previous_pool is PoolKind.ON_DEMAND:
         waste += (snapshot.price_ratio or 1.0) * snapshot.running_progress_s
     return waste
+
+
+def spot_cost_ratio(
+    snapshot: JobSnapshot,
+    *,
+    mean_run_s: float | None = None,
+    price: float | None = None,
+    speed: float | None = None,
+) -> float | None:
+    """Expected price of a fresh Spot try per hour of work it commits, over on-demand's price.
+
+    A try runs for a time ``T`` drawn from an exponential of the learned mean spell length ``L``
+    (memoryless: what the job has seen is all it knows); it pays ``T`` at the Spot ``price`` and
+    commits a shard for every full ``S / speed`` after its changeover ``d``, so its expected work
+    is ``S · e^(−(d + S/speed)/L) / (1 − e^(−S/(speed·L)))`` for ``price · L`` paid. Above 1 the
+    try is expected to cost more than running the same work on on-demand (``price_ratio``,
+    reference throughput). ``None`` when the price ratio or the spell length is unknown. Price and
+    speed default to those of ``snapshot.spot_pool`` (1 with a single Spot pool).
+    """
+    k = snapshot.price_ratio
+    run = snapshot.spot_mean_run_s if mean_run_s is None else mean_run_s
+    shard = snapshot.shard_work_s
+    option = spot_option(snapshot)
+    if price is None:
+        price = 1.0 if option is None else option.price
+    if speed is None:
+        speed = 1.0 if option is None else option.speed
+    if k is None or run is None or shard <= 0 or speed <= 0:
+        return None
+    if run <= 0:
+        return math.inf
+    shard_wall = shard / speed
+    work = shard * math.exp(-(snapshot.changeover_s + shard_wall) / run) / -math.expm1(-shard_wall / run)
+    if work <= 0:
+        return math.inf
+    return price * run / (k * work)
 
 
 def line_slack_s(snapshot: JobSnapshot) -> float:
@@ -395,9 +517,62 @@ def grace_period_s(snapshot: JobSnapshot) -> int:
     return DEFAULT_GRACE_S
 
 
+def pick_spot_pool(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> SpotOption | None:
+    """The Spot pool a Spot try (or a wait for Spot) would go to, with several; ``None`` with one.
+
+    A running Spot try keeps its pool. Otherwise, among the pools with capacity now (all of them
+    when none has), the lowest expected price per unit of work (:func:`spot_cost_ratio` with each
+    pool's learned spell length, price and speed; the price per unit of work where no spell length
+    is known); ties go to the more available pool, then to the order of declaration.
+    """
+    options = snapshot.spot_pools
+    if not options:
+        return None
+    if snapshot.running and snapshot.previous_pool is PoolKind.SPOT:
+        current = spot_option(snapshot)
+        if current is not None:
+            return current
+    candidates = [o for o in options if o.available] or list(options)
+    k = snapshot.price_ratio or 1.0
+
+    def key(item: tuple[int, SpotOption]) -> tuple[float, float, int]:
+        index, option = item
+        run, price, speed = option.mean_run_s, option.price, option.speed
+        ratio = spot_cost_ratio(snapshot, mean_run_s=run, price=price, speed=speed)
+        if ratio is None:
+            ratio = option.price / (option.speed * k)
+        availability = policy.availability_prior if option.availability is None else option.availability
+        return ratio, -availability, index
+
+    return min(enumerate(candidates), key=key)[1]
+
+
+def _on_option(snapshot: JobSnapshot, option: SpotOption) -> JobSnapshot:
+    """The snapshot as if the job had only ``option`` as Spot pool (waiting counts on any pool)."""
+    known = [o.availability for o in snapshot.spot_pools if o.availability is not None]
+    availability = snapshot.spot_availability
+    if known:
+        availability = 1.0 - math.prod(1.0 - a for a in known)
+    return replace(
+        snapshot,
+        spot_pool=option.name,
+        spot_available=option.available,
+        spot_mean_run_s=snapshot.spot_mean_run_s if option.mean_run_s is None else option.mean_run_s,
+        spot_availability=availability,
+    )
+
+
 def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> PlacementDecision:
-    """Choose Spot or on-demand for the next try of a shard (see the module docstring for the rule)."""
+    """Choose Spot or on-demand for the next try of a shard (see the module docstring for the rule).
+
+    With several Spot pools (``snapshot.spot_pools``) the Spot side is the pool
+    :func:`pick_spot_pool` names, and a Spot decision carries its name; the safety rule is the same
+    (slack against the on-demand fallback, the risk of a try on that pool).
+    """
     policy = policy or DEFAULT_POLICY
+    option = pick_spot_pool(snapshot, policy)
+    if option is not None:
+        snapshot = _on_option(snapshot, option)
     b = breakdown(snapshot, policy)
     d = snapshot.changeover_s
     prev = snapshot.previous_pool
@@ -431,6 +606,7 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
             last_safe_spot_start=safe,
             startup_timeout_s=timeout,
             grace_period_s=grace_period_s(snapshot),
+            spot_pool=option.name if option is not None and pool is PoolKind.SPOT else None,
         )
 
     if b.slack_s < spot_needs:
@@ -449,6 +625,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         )
     short = policy.rate_rule and b.required_rate > b.expected_rate
     worth = snapshot.spot_mean_run_s is None or snapshot.spot_mean_run_s >= policy.min_run_changeovers * d
+    ratio = None if policy.spot_cost_limit is None else spot_cost_ratio(snapshot)
+    dear = ratio is not None and policy.spot_cost_limit is not None and ratio >= policy.spot_cost_limit
+    if dear and not continuing_spot:
+        # waiting is free but cannot be told apart from a Spot try here: on-demand when Spot is
+        # there, else wait above the reserve (below)
+        worth = False
     if snapshot.spot_available and (continuing_spot or worth):
         if continuing_spot:
             return decide(PoolKind.SPOT, "keep the running Spot try while it is safe")
@@ -472,6 +654,10 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         return decide(PoolKind.ON_DEMAND, "Spot is missing or short-lived and slack is down to its reserve")
     if continuing_od:
         return decide(PoolKind.ON_DEMAND, "keep the running on-demand try: Spot runs are too short")
+    if snapshot.spot_available and dear:
+        return decide(
+            PoolKind.ON_DEMAND, f"a Spot try is expected to cost {ratio:.2f} x on-demand per hour of work"
+        )
     if snapshot.spot_available:
         return decide(PoolKind.SPOT, "Spot runs are short-lived, but slack still affords a try")
     return decide(PoolKind.SPOT, "wait for Spot: slack is above its reserve")

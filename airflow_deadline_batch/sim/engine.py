@@ -7,6 +7,10 @@ nothing; the simulator grants Spot up to the tick's capacity, charges a changeov
 A preemption (capacity dropping under the slots on Spot) or a voluntary switch destroys the
 uncommitted part of the running shard. Cost is Σ price × time: Spot 1, on-demand ``k``.
 A job not done at its deadline is finished on on-demand (counted as a miss).
+
+Several Spot pools (:func:`simulate_pools`): one trace per pool, each with its price (relative to
+the reference Spot price) and speed (throughput relative to the reference rate the work is counted
+in); a policy then names a pool per Spot slot (:class:`SpotIn`), each pool preempts its own slots.
 """
 
 from __future__ import annotations
@@ -28,6 +32,34 @@ class Mode(str, enum.Enum):
     NONE = "none"
     SPOT = "spot"
     ON_DEMAND = "on_demand"
+
+
+@dataclass(frozen=True)
+class SpotIn:
+    """A policy's choice of Spot in one pool of a multi-pool run (``Mode.SPOT`` is pool 0)."""
+
+    pool: int
+
+
+#: what a policy chooses for one slot
+Choice = Mode | SpotIn
+
+
+@dataclass(frozen=True)
+class SimPool:
+    """One Spot pool: its capacity trace, price per GPU-hour over the reference Spot price, speed."""
+
+    trace: Trace
+    price: float = 1.0
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.price > 0 and self.speed > 0):
+            raise ValueError(f"pool {self.trace.name!r}: price and speed must be > 0")
+
+    @property
+    def name(self) -> str:
+        return self.trace.name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +105,9 @@ def on_demand_makespan(cfg: SimConfig) -> float:
 class SlotView:
     mode: Mode
     changeover_left_h: float
-    progress_h: float  # uncommitted work done on the current shard
+    progress_h: float  # uncommitted work done on the current shard (reference hours)
     busy: bool  # holds a shard
+    pool: int = 0  # the Spot pool of a slot on Spot
 
 
 @dataclass(frozen=True)
@@ -86,6 +119,7 @@ class EndedSpotTry:
     duration_h: float
     preempted: bool
     commits: int
+    pool: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +140,16 @@ class View:
     ended_spot_tries: tuple[EndedSpotTry, ...] = ()
     #: what the job has cost so far (Spot-GPU-hours: Spot 1, on-demand ``price_ratio``)
     cost: float = 0.0
+    #: capacity of every Spot pool this tick (``capacity`` is pool 0's), and their names, prices
+    #: and speeds (one pool: empty)
+    capacities: tuple[int, ...] = ()
+    pool_names: tuple[str, ...] = ()
+    pool_prices: tuple[float, ...] = ()
+    pool_speeds: tuple[float, ...] = ()
+
+    @property
+    def pool_capacities(self) -> tuple[int, ...]:
+        return self.capacities or (self.capacity,)
 
     @property
     def time_left_h(self) -> float:
@@ -117,7 +161,7 @@ class Policy(Protocol):
 
     def reset(self, config: SimConfig, gap_h: float) -> None: ...
 
-    def decide(self, view: View) -> list[Mode]: ...
+    def decide(self, view: View) -> Sequence[Choice]: ...
 
 
 @dataclass
@@ -150,6 +194,7 @@ class _Slot:
     started_at_tick: int = 0
     started_h: float = 0.0
     commits: int = 0
+    pool: int = 0
 
 
 def simulate(
@@ -162,10 +207,32 @@ def simulate(
     max_ticks: int | None = None,
 ) -> RunResult:
     """Run ``policy`` on ``trace`` from ``start_tick``; exact accounting (see the module docstring)."""
-    gap = trace.gap_s / 3600.0
+    return simulate_pools([SimPool(trace)], start_tick, config, policy, record=record, max_ticks=max_ticks)
+
+
+def simulate_pools(
+    pools: Sequence[SimPool],
+    start_tick: int,
+    config: SimConfig,
+    policy: Policy,
+    *,
+    record: bool = False,
+    max_ticks: int | None = None,
+) -> RunResult:
+    """Run ``policy`` on several Spot pools (traces of one tick length) from ``start_tick``."""
+    if not pools:
+        raise ValueError("at least one Spot pool is needed")
+    if len({p.trace.gap_s for p in pools}) != 1:
+        raise ValueError("the pools' traces must share one tick length (gap_s)")
+    multi = len(pools) > 1
+    gap = pools[0].trace.gap_s / 3600.0
     size = config.shard_size_h
-    price = {Mode.SPOT: 1.0, Mode.ON_DEMAND: config.price_ratio, Mode.NONE: 0.0}
+    k = config.price_ratio
     policy.reset(config, gap)
+
+    def speed(slot: _Slot) -> float:
+        return pools[slot.pool].speed if slot.mode is Mode.SPOT else 1.0
+
     slots = [_Slot() for _ in range(config.workers)]
     pending = config.shards
     committed = 0
@@ -179,7 +246,7 @@ def simulate(
 
     def end_spot_try(i: int, slot: _Slot, when: float, preempted: bool) -> None:
         if slot.mode is Mode.SPOT:
-            ended.append(EndedSpotTry(i, when, when - slot.started_h, preempted, slot.commits))
+            ended.append(EndedSpotTry(i, when, when - slot.started_h, preempted, slot.commits, slot.pool))
 
     def stop(i: int, slot: _Slot, when: float, preempted: bool = False) -> None:
         nonlocal pending
@@ -194,15 +261,17 @@ def simulate(
     while committed < config.shards:
         if tick >= limit:
             raise RuntimeError(f"policy {policy.name} did not finish within {limit} ticks")
-        cap = trace.at(start_tick + tick)
+        caps = [p.trace.at(start_tick + tick) for p in pools]
+        cap = caps[0]
         history.append(cap)
         # 1. preemptions: capacity fell under the slots on Spot (the latest started lose first)
-        on_spot = [i for i, s in enumerate(slots) if s.mode is Mode.SPOT]
-        if len(on_spot) > cap:
-            victims = sorted(on_spot, key=lambda i: (slots[i].started_at_tick, i))[cap:]
-            for i in victims:
-                result.preemptions += 1
-                stop(i, slots[i], t, preempted=True)
+        for j, pool_cap in enumerate(caps):
+            on_spot = [i for i, s in enumerate(slots) if s.mode is Mode.SPOT and s.pool == j]
+            if len(on_spot) > pool_cap:
+                victims = sorted(on_spot, key=lambda i: (slots[i].started_at_tick, i))[pool_cap:]
+                for i in victims:
+                    result.preemptions += 1
+                    stop(i, slots[i], t, preempted=True)
         # 2. decisions (after the deadline a missed job finishes on on-demand)
         if not forced and t >= config.deadline_h - EPS:
             forced = True
@@ -215,25 +284,34 @@ def simulate(
             remaining_h=(config.shards - committed) * size,
             committed_shards=committed,
             pending_shards=pending,
-            slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy) for s in slots),
+            slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy, s.pool) for s in slots),
             history=history,
             ended_spot_tries=tuple(ended),
             cost=result.cost,
+            capacities=tuple(caps) if multi else (),
+            pool_names=tuple(p.name for p in pools) if multi else (),
+            pool_prices=tuple(p.price for p in pools) if multi else (),
+            pool_speeds=tuple(p.speed for p in pools) if multi else (),
         )
         ended.clear()
-        wanted = [Mode.ON_DEMAND] * len(slots) if forced else list(policy.decide(view))
+        choices = [Mode.ON_DEMAND] * len(slots) if forced else list(policy.decide(view))
+        wanted = [_mode(c) for c in choices]
+        want_pool = [c.pool if isinstance(c, SpotIn) else 0 for c in choices]
         # 3. apply: keep what continues, stop what changes, then start (Spot up to capacity)
-        for i, (slot, want) in enumerate(zip(slots, wanted, strict=True)):
-            if slot.mode is not Mode.NONE and slot.mode is not want:
+        for i, slot in enumerate(slots):
+            moves = slot.mode is Mode.SPOT and wanted[i] is Mode.SPOT and slot.pool != want_pool[i]
+            if slot.mode is not Mode.NONE and (slot.mode is not wanted[i] or moves):
                 stop(i, slot, t)
-        spot_used = sum(1 for s in slots if s.mode is Mode.SPOT)
+        spot_used = [sum(1 for s in slots if s.mode is Mode.SPOT and s.pool == j) for j in range(len(pools))]
         for i, (slot, want) in enumerate(zip(slots, wanted, strict=True)):
             if slot.mode is not Mode.NONE or want is Mode.NONE or pending == 0:
                 continue
             if want is Mode.SPOT:
-                if spot_used >= cap:
+                j = want_pool[i]
+                if spot_used[j] >= caps[j]:
                     continue
-                spot_used += 1
+                spot_used[j] += 1
+                slot.pool = j
             slot.mode, slot.co_left, slot.busy, slot.progress = want, config.changeover_h, True, 0.0
             slot.started_at_tick = tick
             slot.started_h, slot.commits = t, 0
@@ -248,19 +326,22 @@ def simulate(
             running = [s for s in slots if s.mode is not Mode.NONE]
             if not running:
                 break
-            step = min([gap - used] + [s.co_left if s.co_left > 0 else size - s.progress for s in running])
+            step = min(
+                [gap - used]
+                + [s.co_left if s.co_left > 0 else (size - s.progress) / speed(s) for s in running]
+            )
             step = max(step, 0.0)
             for i, slot in enumerate(slots):
                 if slot.mode is Mode.NONE:
                     continue
-                _bill(result, slot.mode, step, price)
+                _bill(result, slot.mode, step, k if slot.mode is Mode.ON_DEMAND else pools[slot.pool].price)
                 if slot.co_left > 0:
                     slot.co_left -= step
                     result.changeover_hours += step
                     if slot.co_left <= EPS:
                         slot.co_left = 0.0
                     continue
-                slot.progress += step
+                slot.progress += step * speed(slot)
                 if slot.progress < size - EPS:
                     continue
                 committed += 1
@@ -288,9 +369,13 @@ def simulate(
     return result
 
 
-def _bill(result: RunResult, mode: Mode, hours: float, price: dict[Mode, float]) -> None:
+def _mode(choice: Choice) -> Mode:
+    return Mode.SPOT if isinstance(choice, SpotIn) else choice
+
+
+def _bill(result: RunResult, mode: Mode, hours: float, price: float) -> None:
     if mode is Mode.SPOT:
         result.spot_hours += hours
     elif mode is Mode.ON_DEMAND:
         result.on_demand_hours += hours
-    result.cost += price[mode] * hours
+    result.cost += price * hours

@@ -7,11 +7,12 @@ policy but a bound computed from the future trace (:mod:`.omniscient`).
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 
 from airflow_deadline_batch.core.calibration import AvailabilityEstimate, SpotTries
-from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, choose_pool
+from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, SpotOption, choose_pool
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.sim.engine import Mode, Policy, SimConfig, View
+from airflow_deadline_batch.sim.engine import Choice, Mode, Policy, SimConfig, SpotIn, View
 
 EPOCH = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -104,7 +105,11 @@ class UniformProgress:
 
 
 class SlackAware:
-    """The project's policy: :func:`core.placement.choose_pool` for every worker at every tick."""
+    """The project's policy: :func:`core.placement.choose_pool` for every worker at every tick.
+
+    With several Spot pools each pool's availability and spell length are learned from its own
+    capacity, and ``choose_pool`` names the pool of every Spot decision (``SpotIn``).
+    """
 
     name = "slack_aware"
 
@@ -115,15 +120,42 @@ class SlackAware:
         self.deadline = EPOCH + dt.timedelta(hours=config.deadline_h)
         self.run_params = PolicyParams(**{**self.params.__dict__, "decision_interval_s": gap_h * 3600})
         self.availability = AvailabilityEstimate(prior=self.params.availability_prior)
+        self.pool_availability: list[AvailabilityEstimate] = []
         self.spot_tries = SpotTries()
 
-    def decide(self, view: View) -> list[Mode]:
+    def _observe_pools(self, view: View) -> tuple[SpotOption, ...]:
+        """Each pool's option before this tick's capacity is folded in (one pool: none)."""
+        caps = view.capacities
+        if not caps:
+            return ()
+        if not self.pool_availability:
+            self.pool_availability = [self.availability] * len(caps)
+        options = tuple(
+            SpotOption(
+                name=name,
+                price=price,
+                speed=speed,
+                availability=est.value,
+                mean_run_s=est.run_hours * 3600,
+            )
+            for name, price, speed, est in zip(
+                view.pool_names, view.pool_prices, view.pool_speeds, self.pool_availability, strict=True
+            )
+        )
+        self.pool_availability = [
+            est.observe(cap, view.config.workers, view.gap_h)
+            for est, cap in zip(self.pool_availability, caps, strict=True)
+        ]
+        return options
+
+    def decide(self, view: View) -> list[Choice]:
         cfg = view.config
         now = EPOCH + dt.timedelta(hours=view.t_h)
         # The tick now starting is known to be (un)available, not yet observed for its length.
         availability = self.availability.value
         mean_run_s = self.availability.run_hours * 3600
         self.availability = self.availability.observe(view.capacity, cfg.workers, view.gap_h)
+        options = self._observe_pools(view)
         # the same storm input as the job view's (docs/design.md §5, Observed preemptions)
         for ended in view.ended_spot_tries:
             self.spot_tries = self.spot_tries.observe(
@@ -148,9 +180,13 @@ class SlackAware:
         fruitless_end = self.spot_tries.fruitless_end_s
         fruitless_age = None if fruitless_end is None else view.t_h * 3600 - fruitless_end
         on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)
-        free_spot = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        free = [
+            cap - sum(1 for s in view.slots if s.mode is Mode.SPOT and s.pool == j)
+            for j, cap in enumerate(view.pool_capacities)
+        ]
+        free_spot = free[0]
         on_demand = sum(1 for s in view.slots if s.mode is Mode.ON_DEMAND)
-        modes: list[Mode] = []
+        modes: list[Choice] = []
         if view.pending_shards == 0 and not any(s.busy for s in view.slots):
             return [Mode.NONE] * len(view.slots)
         for slot in view.slots:
@@ -158,6 +194,9 @@ class SlackAware:
             previous = None if slot.mode is Mode.NONE else PoolKind(slot.mode.value)
             others_on_demand = on_demand - (1 if slot.mode is Mode.ON_DEMAND else 0)
             others_on_spot = on_spot - (1 if slot.mode is Mode.SPOT else 0)
+            free_spot = free[0]
+            on_pool = slot.pool if slot.mode is Mode.SPOT else None
+            pools = tuple(replace(o, available=on_pool == j or free[j] > 0) for j, o in enumerate(options))
             snapshot = JobSnapshot(
                 now=now,
                 deadline=self.deadline,
@@ -182,16 +221,24 @@ class SlackAware:
                 changeover_left_s=slot.changeover_left_h * 3600 if running else None,
                 price_ratio=cfg.price_ratio,
                 cost_excess_s=excess_s,
+                total_shards=cfg.shards,
+                spot_pools=pools,
+                spot_pool=None if on_pool is None or not pools else pools[on_pool].name,
             )
-            pool = choose_pool(snapshot, self.run_params).pool
+            decision = choose_pool(snapshot, self.run_params)
+            pool = decision.pool
+            j = 0 if decision.spot_pool is None else view.pool_names.index(decision.spot_pool)
             if pool is PoolKind.SPOT and slot.mode is Mode.ON_DEMAND:
                 # leaving on-demand throws its try away: the workers after this one see it
                 excess_s += cfg.price_ratio * snapshot.running_progress_s
             if pool is PoolKind.SPOT:
-                if slot.mode is not Mode.SPOT and free_spot > 0:
-                    free_spot -= 1
-                    on_spot += 1
-                modes.append(Mode.SPOT)
+                if on_pool != j and free[j] > 0:
+                    free[j] -= 1
+                    if on_pool is None:
+                        on_spot += 1
+                    else:
+                        free[on_pool] += 1
+                modes.append(SpotIn(j) if options else Mode.SPOT)
             else:
                 if slot.mode is not Mode.ON_DEMAND:
                     on_demand += 1

@@ -4,6 +4,8 @@
 ``d`` ∈ {0.1, 0.2} h; ``N = 1, W = 16 h, D = 20/30 h``; ``N = 4, W = 32 h, D = 10 h``; ``k = 3``)
 plus the paper-setting ordering check, prints the Markdown table and the target lines.
 ``--synthetic`` runs the same settings on :func:`~.traces.synthetic_suite` (the tuning set).
+``--multi-gpu`` runs issue 13's multi-GPU setting (``W = 192 GPU-h, N = 8, d = 0.2 h, k = 3,
+D = 30/40 h``, 40 starts) on unseen synthetic 8- and 16-GPU traces (:func:`multi_gpu_traces`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from airflow_deadline_batch.sim.engine import SimConfig
+from airflow_deadline_batch.sim.engine import SimConfig, simulate
+from airflow_deadline_batch.sim.policies import OnDemand, SlackAware
 from airflow_deadline_batch.sim.runner import Summary, compare, start_ticks
-from airflow_deadline_batch.sim.traces import Trace, load_trace, synthetic_suite
+from airflow_deadline_batch.sim.traces import Trace, load_trace, multi_gpu_suite, synthetic_suite
 
 ORDER = ("on_demand", "greedy", "uniform_progress", "omniscient")
 
@@ -50,10 +53,29 @@ def settings(starts_n1: int = 30, starts_n4: int = 20) -> list[Setting]:
     return out
 
 
+def multi_gpu_settings(starts: int = 40) -> list[Setting]:
+    """Issue 13's multi-GPU setting: 192 GPU-hours on 8 workers, ``d = 0.2 h``, ``D = 30 / 40 h``."""
+    return [Setting(8, 192.0, dl, 0.2, starts) for dl in (30.0, 40.0)]
+
+
+def multi_gpu_traces(seed: int = 900) -> list[Trace]:
+    """Unseen synthetic traces for the multi-GPU setting (never used for tuning): 8- and 16-GPU gangs."""
+    return multi_gpu_suite(seed, capacity=8) + multi_gpu_suite(seed, capacity=16)
+
+
 def run_row(trace: Trace, setting: Setting, seed: int = 1) -> dict[str, Summary]:
     cfg = setting.config()
     ticks = start_ticks(trace, cfg, starts=setting.starts, seed=seed)
     return {s.policy: s for s in compare(trace, cfg, ticks)}
+
+
+def worst_run(args: tuple[Trace, Setting]) -> float:
+    """slack_aware's dearest single start of a row, over on-demand only's cost."""
+    trace, setting = args
+    cfg = setting.config()
+    ticks = start_ticks(trace, cfg, starts=setting.starts, seed=1)
+    on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
+    return max(simulate(trace, t, cfg, SlackAware()).cost for t in ticks) / on_demand
 
 
 def _job(args: tuple[Trace, Setting]) -> tuple[str, Setting, dict[str, Summary]]:
@@ -72,6 +94,7 @@ def run_all(
 def targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> dict[str, float]:
     """The issue's targets over the rows: cost ratios, rows above 1.01 × UP, misses, ordering."""
     up = [r["slack_aware"].mean_cost / r["uniform_progress"].mean_cost for _, _, r in rows]
+    od = [r["slack_aware"].mean_cost / r["on_demand"].mean_cost for _, _, r in rows]
     om = [r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, _, r in rows]
     om_exact = [r["slack_aware"].mean_cost / r["omniscient"].mean_cost for _, s, r in rows if s.workers == 1]
     misses = sum(1 for _, _, r in rows if r["slack_aware"].miss_rate > r["omniscient"].miss_rate + 1e-12)
@@ -87,6 +110,8 @@ def targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> dict[str
         "rows_over_1.01_up": sum(1 for x in up if x > 1.01 + 1e-12),
         "mean_sa_over_omniscient": sum(om) / len(om),
         "mean_sa_over_exact_optimum_n1": sum(om_exact) / len(om_exact) if om_exact else math.nan,
+        "max_sa_over_on_demand": max(od),
+        "rows_over_1.01_on_demand": sum(1 for x in od if x > 1.01 + 1e-12),
         "sa_misses_where_omniscient_meets": misses,
         "paper_order_holds": order,
     }
@@ -95,7 +120,7 @@ def targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> dict[str
 def markdown(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> str:
     head = (
         "| trace | N | W h | D h | d h | on_demand | greedy | uniform_progress | omniscient | "
-        "slack_aware | sa / UP | sa / omniscient | misses (sa) |\n" + "|---" * 13 + "|\n"
+        "slack_aware | sa / UP | sa / omniscient | sa / on_demand | misses (sa) |\n" + "|---" * 14 + "|\n"
     )
     lines = []
     for name, s, r in rows:
@@ -104,7 +129,8 @@ def markdown(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> str:
             f"| {name} | {s.workers} | {s.work_h:g} | {s.deadline_h:g} | {s.changeover_h:g} | "
             + " | ".join(f"{r[p].mean_cost:.1f}" for p in ORDER)
             + f" | {sa.mean_cost:.1f} | {sa.mean_cost / r['uniform_progress'].mean_cost:.3f} | "
-            f"{sa.mean_cost / r['omniscient'].mean_cost:.3f} | {sa.miss_rate:.2f} |"
+            f"{sa.mean_cost / r['omniscient'].mean_cost:.3f} | "
+            f"{sa.mean_cost / r['on_demand'].mean_cost:.3f} | {sa.miss_rate:.2f} |"
         )
     return head + "\n".join(lines)
 
@@ -113,21 +139,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_deadline_batch.sim.study")
     parser.add_argument("--traces", type=Path, help="folder searched for *.json Spot traces")
     parser.add_argument("--synthetic", action="store_true", help="use the synthetic suite instead")
+    parser.add_argument(
+        "--multi-gpu", action="store_true", help="issue 13's N = 8 setting on synthetic 8/16-GPU traces"
+    )
+    parser.add_argument("--starts", type=int, default=40, help="starts per row with --multi-gpu")
     parser.add_argument("--shard-hours", type=float, default=0.25, help="0.0167 ≈ the paper's no-loss model")
     parser.add_argument("--starts-n1", type=int, default=30)
     parser.add_argument("--starts-n4", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--table", action="store_true", help="print the Markdown table")
+    parser.add_argument(
+        "--worst-run", action="store_true", help="also slack_aware's dearest start ÷ on-demand (reruns it)"
+    )
     args = parser.parse_args(argv)
-    if args.synthetic:
+    if args.multi_gpu:
+        traces = multi_gpu_traces()
+    elif args.synthetic:
         traces = synthetic_suite(100) + synthetic_suite(200, capacity=4)
     elif args.traces:
         traces = [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
     else:
         parser.error("pass --traces DIR or --synthetic")
+    base = multi_gpu_settings(args.starts) if args.multi_gpu else settings(args.starts_n1, args.starts_n4)
     grid = [
-        Setting(s.workers, s.work_h, s.deadline_h, s.changeover_h, s.starts, args.shard_hours)
-        for s in settings(args.starts_n1, args.starts_n4)
+        Setting(s.workers, s.work_h, s.deadline_h, s.changeover_h, s.starts, args.shard_hours) for s in base
     ]
     if args.synthetic:  # N = 1 settings on 1-GPU traces, N = 4 on 4-GPU traces
         rows = [
@@ -140,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(markdown(rows))
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in targets(rows).items()))
+    if args.worst_run:
+        by_name = {t.name: t for t in traces}
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            worst = list(pool.map(worst_run, [(by_name[name], s) for name, s, _ in rows]))
+        print(
+            f"worst_run_over_on_demand={max(worst):.3f} "
+            f"rows_with_a_run_over_1.01_on_demand={sum(1 for x in worst if x > 1.01 + 1e-12)}"
+        )
     for name, s, r in rows:
         ratio = r["slack_aware"].mean_cost / r["uniform_progress"].mean_cost
         if ratio > 1.01:

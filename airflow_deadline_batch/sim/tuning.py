@@ -1,8 +1,9 @@
 """The tuning set of ``slack_aware`` (synthetic traces only) and its score against Uniform Progress.
 
 ``python -m airflow_deadline_batch.sim.tuning '{"switch_run_factor": 2.5}'`` prints the mean / max
-of slack_aware ÷ uniform_progress over every case (and per ``N``), the cases above 1.01 and the
-misses beyond on-demand's. The shared trace files are never read here: they are for evaluation.
+of slack_aware ÷ uniform_progress over every case (and per ``N``), the cases above 1.01, the misses
+beyond on-demand's, and against on-demand only the worst case (mean over its starts) and the worst
+single run. The shared trace files are never read here: they are for evaluation.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from concurrent.futures import ProcessPoolExecutor
 from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim import traces
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
-from airflow_deadline_batch.sim.policies import SlackAware, UniformProgress
+from airflow_deadline_batch.sim.policies import OnDemand, SlackAware, UniformProgress
 from airflow_deadline_batch.sim.runner import start_ticks
 
 Case = tuple[traces.Trace, SimConfig, int]
-Score = tuple[str, int, float, float, float, int]
+Score = tuple[str, int, float, float, float, int, float, float]
 
 
 def cases(seed: int = 500, starts: int = 8) -> list[Case]:
@@ -38,13 +39,26 @@ def cases(seed: int = 500, starts: int = 8) -> list[Case]:
 
 
 def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> Score:
-    """slack_aware ÷ uniform_progress (summed cost over the starts) and its misses for one case."""
+    """slack_aware ÷ uniform_progress (summed cost over the starts), its misses, and its mean and
+    worst run ÷ on-demand only for one case."""
     trace, cfg, starts, params = args
     ticks = start_ticks(trace, cfg, starts=starts, seed=7)
     up = sum(simulate(trace, t, cfg, UniformProgress()).cost for t in ticks)
     runs = [simulate(trace, t, cfg, SlackAware(params)) for t in ticks]
     misses = sum(r.missed for r in runs) - (0 if cfg.on_demand_feasible() else len(ticks))
-    return trace.name, cfg.workers, cfg.deadline_h, cfg.changeover_h, sum(r.cost for r in runs) / up, misses
+    on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
+    cost = sum(r.cost for r in runs)
+    worst = max(r.cost for r in runs)
+    return (
+        trace.name,
+        cfg.workers,
+        cfg.deadline_h,
+        cfg.changeover_h,
+        cost / up,
+        misses,
+        cost / len(runs) / on_demand,
+        worst / on_demand,
+    )
 
 
 def evaluate(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
@@ -68,6 +82,9 @@ def evaluate(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
         "mean_n4": mean4,
         "max_n4": max4,
         "misses": sum(r[5] for r in rows),
+        "max_case_over_on_demand": max(r[6] for r in rows),
+        "cases_over_1.01_on_demand": sum(r[6] > 1.01 for r in rows),
+        "max_run_over_on_demand": max(r[7] for r in rows),
     }
 
 

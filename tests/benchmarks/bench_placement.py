@@ -2,7 +2,8 @@
 
 The policy runs on every try and, in the simulator, for every worker at every tick. Measures the
 decision alone and the decision with the :class:`JobSnapshot` built for it, over the branches of
-the rule (Spot, waiting, on-demand at the safety net, storm, cost cap). Never a timed assertion.
+the rule (Spot, waiting, on-demand at the safety net, storm, cost cap, the expected-cost rule,
+three Spot pools). Never a timed assertion.
 
     .venv/bin/python tests/benchmarks/bench_placement.py [--decisions 20000] [--json]
 """
@@ -18,7 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, choose_pool  # noqa: E402
+from airflow_deadline_batch.core.placement import (  # noqa: E402
+    JobSnapshot,
+    PolicyParams,
+    SpotOption,
+    choose_pool,
+)
 from airflow_deadline_batch.core.pools import PoolKind  # noqa: E402
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -49,6 +55,15 @@ CASES: dict[str, dict[str, object]] = {
     "safety net": {"deadline": NOW + dt.timedelta(hours=4.3)},
     "storm": {"spot_fruitless_tries": 12, "spot_fruitless_age_s": 60.0},
     "cost cap": {"price_ratio": 3.0, "cost_excess_s": 100.0},
+    "expected cost": {"price_ratio": 3.0, "spot_mean_run_s": 0.2 * H},
+    "three spot pools": {
+        "price_ratio": 3.0,
+        "spot_pools": (
+            SpotOption(name="a", price=0.8, availability=0.2, mean_run_s=0.5 * H),
+            SpotOption(name="b", price=1.0, availability=0.8, mean_run_s=3 * H),
+            SpotOption(name="c", price=1.2, speed=1.5, available=False, availability=0.9),
+        ),
+    },
 }
 
 

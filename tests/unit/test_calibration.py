@@ -65,4 +65,19 @@ def test_availability_and_spell_length() -> None:
     est = AvailabilityEstimate(prior_run_hours=1.0)
     for cap in [1, 1, 0] * 50:
         est = est.observe(cap, 1, 0.1)
-    assert est.run_hours == pytest.approx(0.2, rel=0.05)
+    # Gamma-Poisson: the 1 h prior (worth 1 h of Spot) fades behind 50 spells of 0.2 h
+    assert est.run_hours == pytest.approx(0.2, rel=0.1)
+    assert est.spell_end_rate == pytest.approx((1.0 + est.spell_ends) / (1.0 + est.spot_hours))
+
+
+def test_spell_rate_posterior_starts_at_the_prior_and_learns_the_pool() -> None:
+    prior = AvailabilityEstimate(prior_run_hours=2.0, run_prior_hours=4.0)
+    assert prior.run_hours == pytest.approx(2.0)
+    # 6 h of Spot in 12 spells of 0.5 h, no forgetting: (4/2 + 12) / (4 + 6) = 1.4 per hour
+    est = AvailabilityEstimate(prior_run_hours=2.0, run_prior_hours=4.0, half_life_hours=1e9)
+    for _ in range(12):
+        est = est.observe(1, 1, 0.5).observe(0, 1, 0.25)
+    assert est.spell_end_rate == pytest.approx(1.4)
+    assert est.run_hours == pytest.approx(1 / 1.4)
+    with pytest.raises(ValueError):
+        AvailabilityEstimate(run_prior_hours=0.0)

@@ -265,6 +265,9 @@ def test_sim_slack_aware_escalates_in_a_storm_and_meets_the_deadline(workers: in
     assert result.finish_h < on_demand_makespan(cfg) + 1.0
     on_demand_cost = simulate(storm, 0, cfg, OnDemand()).cost
     assert result.cost <= 1.05 * on_demand_cost  # the few Spot tries the storm took to notice
-    # without the rule the same policy wastes Spot until the slack runs low
-    off = simulate(storm, 0, cfg, SlackAware(PolicyParams(storm_tries=0)))
+    # without the rule (and the expected-cost rule, which learns the 5-minute spells as well) the
+    # same policy wastes Spot until the slack runs low
+    off = simulate(storm, 0, cfg, SlackAware(PolicyParams(storm_tries=0, spot_cost_limit=None)))
     assert off.preemptions > 2 * result.preemptions and off.cost > result.cost
+    cost_rule_only = simulate(storm, 0, cfg, SlackAware(PolicyParams(storm_tries=0)))
+    assert cost_rule_only.cost <= 1.05 * on_demand_cost

@@ -4,7 +4,7 @@ plus ``c`` × its cost, on any trace (docs/simulator.md, *Never dearer than on-d
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from airflow_deadline_batch.core.placement import PolicyParams
@@ -18,8 +18,6 @@ def scenarios(draw: st.DrawFn) -> tuple[Trace, SimConfig]:
     workers = draw(st.integers(1, 4))
     work = draw(st.floats(0.5, 8.0))
     shard = max(draw(st.sampled_from([1 / 60, 0.1, 0.25, 0.5])), work / 150)
-    # every worker gets a shard: with fewer shards than workers the cap is known not to hold (below)
-    assume(work / shard >= workers)
     d = draw(st.sampled_from([0.0, 0.05, 0.1, 0.2, 0.5]))
     base = SimConfig(work_h=work, deadline_h=1.0, workers=workers, changeover_h=d, shard_h=shard)
     cfg = SimConfig(
@@ -40,12 +38,9 @@ def _bound(trace: Trace, cfg: SimConfig, cap: float) -> float:
     return on_demand + cap * cfg.price_ratio * (cfg.work_h + cfg.workers * cfg.changeover_h)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: with fewer shards than workers the cap's accounting misses a Spot try's "
-    "changeover (0.892 > 0.825 here); the cap is off by default",
-)
 def test_the_cost_cap_with_fewer_shards_than_workers() -> None:
+    # a worker with nothing to pull was credited a changeover on-demand only never pays: the cap
+    # spent it on Spot (0.892 > 0.825); the room now subtracts the changeovers of idle workers
     trace = Trace("random", 60.0, (1,))
     cfg = SimConfig(work_h=0.5, deadline_h=1.55, workers=2, changeover_h=0.05, price_ratio=1.5, shard_h=0.5)
     result = simulate(trace, 0, cfg, SlackAware(PolicyParams(cost_cap=0.0)))
@@ -78,6 +73,8 @@ def test_spells_shorter_than_a_try_cost_more_than_on_demand_without_the_cap_only
     # 10-minute Spot spells against a 0.2 h changeover: every try is wasted until the storm rule
     cfg = SimConfig(work_h=4.0, deadline_h=12.0, changeover_h=0.2, shard_h=0.25)
     on_demand = simulate(trace, 0, cfg, OnDemand()).cost
-    assert simulate(trace, 0, cfg, SlackAware()).cost > 1.03 * on_demand  # off by default
+    # off by default: the first tries go by the prior spell length (1 h) until the posterior and
+    # the storm rule learn the short spells (1.016 and 1.079 x on-demand here)
+    assert simulate(trace, 0, cfg, SlackAware()).cost > on_demand
     assert simulate(trace, 0, cfg, SlackAware(PolicyParams(cost_cap=0.01))).cost <= 1.01 * on_demand
     assert simulate(trace, 0, cfg, SlackAware(PolicyParams(cost_cap=0.0))).cost == pytest.approx(on_demand)

@@ -4,7 +4,8 @@ The argument (docs/simulator.md, *Why it cannot miss*): at every decision either
 now still meets the deadline after the worst the current choice can burn before the next decision,
 or every worker is on on-demand. :class:`_Checked` asserts that invariant at every tick from the
 simulator's own state (independently of ``core.placement``), and the property test asserts its
-consequence over random traces, ticks, shard sizes, changeovers and deadlines.
+consequence over random traces, ticks, shard sizes, changeovers and deadlines, with one Spot pool
+or several (each its own trace, price and speed).
 """
 
 from __future__ import annotations
@@ -13,27 +14,44 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from airflow_deadline_batch.sim.engine import Mode, SimConfig, View, on_demand_makespan, simulate
+from airflow_deadline_batch.sim.engine import (
+    Choice,
+    Mode,
+    SimConfig,
+    SimPool,
+    SpotIn,
+    View,
+    on_demand_makespan,
+    simulate,
+    simulate_pools,
+)
 from airflow_deadline_batch.sim.policies import POLICIES, SlackAware
 from airflow_deadline_batch.sim.traces import Trace
 
 EPS = 1e-9
 
 
-def worst_burn_h(view: View, modes: list[Mode]) -> float:
+def worst_burn_h(view: View, choices: list[Choice]) -> float:
     """The most slack this tick can burn, from the engine's rules (capacity holds for a tick).
 
     Slack counts committed work only, so it falls at most by the tick. With one worker on Spot with
-    capacity (or on on-demand), by at most the changeover still to run plus one shard.
+    capacity (or on on-demand), by at most the changeover still to run plus one shard at the
+    pool's speed.
     """
     cfg = view.config
     if cfg.workers > 1:
         return view.gap_h
-    slot, want = view.slots[0], modes[0]
-    if want is Mode.SPOT and slot.mode is not Mode.SPOT and view.capacity == 0:
+    slot, choice = view.slots[0], choices[0]
+    want = Mode.SPOT if isinstance(choice, SpotIn) else choice
+    pool = choice.pool if isinstance(choice, SpotIn) else 0
+    speed = view.pool_speeds[pool] if want is Mode.SPOT and view.pool_speeds else 1.0
+    same = slot.mode is want and (want is not Mode.SPOT or slot.pool == pool)
+    if want is Mode.SPOT and not same and view.pool_capacities[pool] == 0:
         return view.gap_h  # waiting for Spot
-    changeover = slot.changeover_left_h if slot.mode is want else cfg.changeover_h
-    return min(view.gap_h, changeover + cfg.shard_size_h)
+    changeover = slot.changeover_left_h if same else cfg.changeover_h
+    first = changeover + cfg.shard_size_h / speed
+    # after its first shard a pool slower than the reference commits less work than time passes
+    return min(view.gap_h, first + max(0.0, 1.0 - speed) * max(0.0, view.gap_h - first))
 
 
 def slack_h(view: View) -> float:
@@ -46,7 +64,7 @@ def slack_h(view: View) -> float:
 class _Checked(SlackAware):
     """slack_aware, asserting the last-safe-decision invariant at every decision."""
 
-    def decide(self, view: View) -> list[Mode]:
+    def decide(self, view: View) -> list[Choice]:
         modes = super().decide(view)
         off_on_demand = any(
             want is not Mode.ON_DEMAND and (slot.busy or view.pending_shards > 0)
@@ -82,9 +100,12 @@ def scenarios(draw: st.DrawFn) -> tuple[Trace, SimConfig]:
         price_ratio=3.0,
     )
     # spells of capacity 0..workers, each a random number of ticks (the trace repeats)
+    return _random_trace(draw, workers, gap), cfg
+
+
+def _random_trace(draw: st.DrawFn, workers: int, gap: float, name: str = "random") -> Trace:
     spells = draw(st.lists(st.tuples(st.integers(0, workers), st.integers(1, 40)), min_size=1, max_size=12))
-    capacity = tuple(c for c, n in spells for _ in range(n))
-    return Trace("random", gap, capacity), cfg
+    return Trace(name, gap, tuple(c for c, n in spells for _ in range(n)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -119,3 +140,22 @@ def test_hourly_ticks_spot_for_48_h_then_gone_finishes_with_the_baselines(
     finish = {name: simulate(_hourly(48), 0, cfg, cls()).finish_h for name, cls in POLICIES.items()}
     assert finish["slack_aware"] <= deadline
     assert finish["slack_aware"] == pytest.approx(finish["greedy"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(), data=st.data(), start=st.integers(0, 500))
+def test_slack_aware_never_misses_with_several_spot_pools(
+    scenario: tuple[Trace, SimConfig], data: st.DataObject, start: int
+) -> None:
+    trace, cfg = scenario
+    extra = data.draw(st.integers(1, 2))
+    pools = [SimPool(trace)] + [
+        SimPool(
+            _random_trace(data.draw, cfg.workers, trace.gap_s, f"pool-{i}"),
+            price=data.draw(st.sampled_from([0.5, 0.8, 1.0, 1.5])),
+            speed=data.draw(st.sampled_from([0.5, 1.0, 1.5])),
+        )
+        for i in range(extra)
+    ]
+    result = simulate_pools(pools, start % len(trace.capacity), cfg, _Checked())
+    assert not result.missed, (result.finish_h, cfg.deadline_h)
