@@ -1,8 +1,10 @@
 """Planning a job: validate the input, estimate the work, decide admission, cut shards, record the job.
 
-One streaming pass parses and validates every line (keeping only a few numbers per record), the
-shards are cut as contiguous byte ranges by cumulative estimated work, and a second pass of large
-reads hashes each range and the whole input so workers can prove they read the same snapshot.
+One streaming pass parses and validates every line (spilling a few numbers and the ID of each to
+temporary files, so memory stays within a budget whatever the input's size), duplicate IDs are
+found from the spilled IDs, the shards are cut as contiguous byte ranges by cumulative estimated
+work, and a second pass of large reads hashes each range and the whole input so workers can prove
+they read the same snapshot.
 Shared by the ``deadline-batch`` CLI and ``DeadlineBatchOperator``.
 """
 
@@ -16,10 +18,13 @@ import math
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
@@ -35,11 +40,13 @@ from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count
 from airflow_deadline_batch.core.params import check_generation_defaults
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
 from airflow_deadline_batch.core.records import (
+    ErrorCode,
     LineError,
     RawLine,
     Record,
     ValidationLimits,
     Validator,
+    duplicate_error,
     iter_line_tuples,
 )
 from airflow_deadline_batch.core.results import ResultRecord, encode_results
@@ -50,6 +57,13 @@ from airflow_deadline_batch.exceptions import (
     InputError,
     ObjectNotFound,
 )
+from airflow_deadline_batch.service.spill import (
+    CHUNK_ROWS,
+    DEFAULT_MEMORY_BUDGET,
+    Column,
+    ColumnFloats,
+    DuplicateIds,
+)
 from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
@@ -57,6 +71,7 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-ba
 
 #: key of the validation-errors object, relative to the job's output base
 VALIDATION_KEY = "validation/errors.jsonl"
+_NO_LINE = 1 << 62  # past every line number: the end of the provisional errors
 _READ_CHUNK = 4 * 1024 * 1024
 
 
@@ -83,6 +98,8 @@ class PlanRequest:
     prompt_template_version: str = "v1"
     limits: ValidationLimits = field(default_factory=ValidationLimits)
     allow_infeasible: bool = False
+    #: planning's memory budget for the duplicate-ID check (its spill files take the rest)
+    memory_budget_mb: int = DEFAULT_MEMORY_BUDGET // (1024 * 1024)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
@@ -100,6 +117,14 @@ class PlanRequest:
             )
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if (
+            isinstance(self.memory_budget_mb, bool)
+            or not isinstance(self.memory_budget_mb, int)
+            or (self.memory_budget_mb < 1)
+        ):
+            raise ConfigurationError(
+                f"memory_budget_mb must be a positive integer, got {self.memory_budget_mb!r}"
+            )
         if not 1 <= self.max_shards <= 100_000:
             raise ConfigurationError(f"max_shards must be between 1 and 100000, got {self.max_shards}")
         max_tokens = self.generation.get("max_tokens", 256)
@@ -167,22 +192,30 @@ class PlanResult:
 def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputAnalysis:
     """Validate and estimate every line of the input, decide admission, cut shards.
 
-    Memory stays proportional to the number of records (three numbers each) plus the ID digests
-    the duplicate check needs; invalid lines are spooled to a temporary file as outcomes.
+    Memory stays within ``request.memory_budget_mb`` whatever the input's size: what is kept per
+    line (numbers, IDs) is spilled to temporary files, deleted before this returns; invalid lines'
+    outcomes are spooled to a temporary file that :meth:`InputAnalysis.close` deletes.
     """
     now = (clock or SystemClock()).now()
     pool = request.reference_pool()
     scan = _scan_input(request, WorkModel.from_pool(pool))
-    work = scan.summary()
-    report = assess(
-        work,
-        request.pools,
-        deadline=request.deadline,
-        now=now,
-        policy=AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction),
-        max_parallel=request.workers,
-    )
-    target = _shard_target(request, pool, work.gpu_seconds, work.records)
+    try:
+        work = scan.summary()
+        report = assess(
+            work,
+            request.pools,
+            deadline=request.deadline,
+            now=now,
+            policy=AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction),
+            max_parallel=request.workers,
+        )
+        target = _shard_target(request, pool, work.gpu_seconds, work.records)
+        cuts = _cut_shards(scan, target, request.max_shards)
+    except BaseException:
+        scan.spool.close()
+        raise
+    finally:
+        scan.close()
     return InputAnalysis(
         request=request,
         report=report,
@@ -190,62 +223,198 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
         total_lines=scan.total_lines,
         outcome_lines=work.lines,
         errors_by_code=dict(scan.errors),
-        cuts=_cut_shards(scan, target, request.max_shards),
+        cuts=cuts,
         target_shard_s=target,
         error_spool=scan.spool,
     )
 
 
-@dataclass(eq=False)
 class _InputScan:
-    """What the validating pass keeps: three numbers per record, invalid line numbers, totals.
+    """What the validating pass keeps, on disk: numbers per record, IDs, invalid lines.
 
-    ``spool`` holds the ``errored`` outcome of every invalid line (rewound when the pass
-    ends); whoever takes the scan closes it (through :meth:`InputAnalysis.close`).
+    While the input is read, every valid-looking record's line, end offset, tokens and work go to
+    :class:`~airflow_deadline_batch.service.spill.Column` files, every ID to
+    :class:`~airflow_deadline_batch.service.spill.DuplicateIds`, every invalid line's outcome to
+    a provisional spool. :meth:`finish` then applies the duplicate-ID rule: a later line of an
+    ID becomes a ``duplicate_id`` error (whatever it was), the records and the spool are rewritten
+    without them, and the totals are summed in line order, as the in-memory pass summed them.
+    Memory stays within the budget whatever the input's size. :meth:`close` deletes every file
+    but ``spool`` (the ``errored`` outcomes in line order, rewound), which whoever takes the
+    scan closes (through :meth:`InputAnalysis.close`).
     """
 
-    work_model: WorkModel
-    rec_line: array[int] = field(default_factory=lambda: array("q"))
-    rec_end: array[int] = field(default_factory=lambda: array("q"))
-    rec_work: array[float] = field(default_factory=lambda: array("d"))
-    invalid_lines: array[int] = field(default_factory=lambda: array("q"))
-    errors: Counter[str] = field(default_factory=Counter)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    gpu_seconds: float = 0.0
-    total_lines: int = 0
-    file_size: int = 0
-    spool: Any = field(
-        default_factory=lambda: tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
-    )
+    def __init__(self, work_model: WorkModel, *, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.work_model = work_model
+        self._tmp = tempfile.TemporaryDirectory(prefix="deadline-batch-plan-")
+        self._dir = Path(self._tmp.name)
+        self.ids = DuplicateIds(self._dir / "ids", memory_budget=memory_budget)
+        # records as read (later lines of an ID still among them), flushed every CHUNK_ROWS
+        self.rec_line: array[int] = array("q")
+        self.rec_end: array[int] = array("q")
+        self.rec_work: array[float] = array("d")
+        self.rec_prompt: array[int] = array("q")
+        self.rec_output: array[int] = array("q")
+        self._read = {
+            name: Column(self._dir / f"read-{name}", code)
+            for name, code in (("line", "q"), ("end", "q"), ("work", "d"), ("prompt", "q"), ("output", "q"))
+        }
+        # "<line> <code> <outcome JSON>\n" per invalid line, in line order
+        self._err_spool = open(self._dir / "errors-read", "w+b")  # noqa: SIM115 - closed by close()
+        # after finish(): the records and invalid lines that stand, and the totals
+        self.lines = Column(self._dir / "line", "q")
+        self.ends = Column(self._dir / "end", "q")
+        self.works = Column(self._dir / "work", "d")
+        self.invalid_lines = Column(self._dir / "invalid", "q")
+        self.records = 0
+        self.errors: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.gpu_seconds = 0.0
+        self.total_lines = 0
+        self.file_size = 0
+        self.spool: Any = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
 
     def add_record(self, line: int, end_offset: int, prompt_tokens: int, output_tokens: int) -> None:
-        """Count one valid record: its estimated tokens and GPU-seconds, where it ends."""
-        work = self.work_model.seconds(prompt_tokens, output_tokens)
-        self.prompt_tokens += prompt_tokens
-        self.output_tokens += output_tokens
-        self.gpu_seconds += work
+        """Count one valid-looking record: where it ends, its estimated tokens and GPU-seconds."""
         self.rec_line.append(line)
         self.rec_end.append(end_offset)
-        self.rec_work.append(work)
+        self.rec_work.append(self.work_model.seconds(prompt_tokens, output_tokens))
+        self.rec_prompt.append(prompt_tokens)
+        self.rec_output.append(output_tokens)
+        if len(self.rec_line) >= CHUNK_ROWS:
+            self._spill_records()
+
+    def _spill_records(self) -> None:
+        for name, values in (
+            ("line", self.rec_line),
+            ("end", self.rec_end),
+            ("work", self.rec_work),
+            ("prompt", self.rec_prompt),
+            ("output", self.rec_output),
+        ):
+            self._read[name].extend(values)
+            del values[:]
 
     def add_error(self, error: LineError) -> None:
-        """Count one invalid line and spool its ``errored`` outcome."""
-        self.invalid_lines.append(error.line)
-        self.errors[error.code.value] += 1
-        self.spool.write(encode_results([ResultRecord.from_line_error(error)]))
+        """Count one invalid line and spool its provisional ``errored`` outcome."""
+        self._err_spool.write(
+            b"%d %s " % (error.line, error.code.value.encode())
+            + encode_results([ResultRecord.from_line_error(error)])
+        )
+
+    def finish(self, total_lines: int, file_size: int) -> None:
+        """Apply the duplicate-ID rule and write the final records, invalid lines and spool."""
+        self.total_lines, self.file_size = total_lines, file_size
+        self._spill_records()
+        for column in self._read.values():
+            column.seal()
+        self._err_spool.seek(0)
+        duplicate_records = Column(self._dir / "duplicate-records", "q")
+        self._merge_errors(self.ids.duplicates(), duplicate_records)
+        self._keep_records(duplicate_records.seal())
+        for column in (self.lines, self.ends, self.works, self.invalid_lines):
+            column.seal()
+        self.spool.seek(0)
+
+    def _merge_errors(self, duplicates: Iterator[tuple[int, str]], duplicate_records: Column) -> None:
+        """The final spool, in line order: provisional outcomes, duplicates replacing them."""
+        provisional = iter(self._err_spool.readline, b"")
+        invalid: array[int] = array("q")
+        dup_records: array[int] = array("q")
+        write = self.spool.write
+        errors = self.errors
+
+        def next_error() -> tuple[int, bytes, bytes]:
+            entry = next(provisional, None)
+            if entry is None:
+                return _NO_LINE, b"", b""
+            line, code, outcome = entry.split(b" ", 2)
+            return int(line), code, outcome
+
+        err_line, err_code, err_outcome = next_error()
+        for dup_line, dup_id in duplicates:
+            while err_line < dup_line:  # invalid lines before the duplicate stand as they are
+                invalid.append(err_line)
+                errors[err_code.decode()] += 1
+                write(err_outcome)
+                err_line, err_code, err_outcome = next_error()
+            if err_line == dup_line:  # an invalid line repeating an ID: a duplicate_id instead
+                err_line, err_code, err_outcome = next_error()
+            else:
+                dup_records.append(dup_line)
+            invalid.append(dup_line)
+            errors[ErrorCode.DUPLICATE_ID.value] += 1
+            write(encode_results([ResultRecord.from_line_error(duplicate_error(dup_line, dup_id))]))
+            if len(invalid) >= CHUNK_ROWS:
+                self.invalid_lines.extend(invalid)
+                del invalid[:]
+            if len(dup_records) >= CHUNK_ROWS:
+                duplicate_records.extend(dup_records)
+                del dup_records[:]
+        while err_line != _NO_LINE:
+            invalid.append(err_line)
+            errors[err_code.decode()] += 1
+            write(err_outcome)
+            err_line, err_code, err_outcome = next_error()
+            if len(invalid) >= CHUNK_ROWS:
+                self.invalid_lines.extend(invalid)
+                del invalid[:]
+        self.invalid_lines.extend(invalid)
+        duplicate_records.extend(dup_records)
+
+    def _keep_records(self, duplicates: Column) -> None:
+        """Copy the records that are no duplicate to the final columns; sum the totals in order."""
+        lines, ends, works = self._read["line"], self._read["end"], self._read["work"]
+        prompts, outputs = self._read["prompt"], self._read["output"]
+        dup_chunks = duplicates.chunks()
+        pending = np.empty(0, dtype=np.int64)
+        gpu_seconds = 0.0
+        start = 0
+        for line_chunk in lines.chunks():
+            stop = start + len(line_chunk)
+            last_line = int(line_chunk[-1])
+            while not len(pending) or pending[-1] <= last_line:
+                more = next(dup_chunks, None)
+                if more is None:
+                    break
+                pending = np.concatenate((pending, more))
+            cut = int(np.searchsorted(pending, last_line, side="right"))
+            here, pending = pending[:cut], pending[cut:]
+            keep = ~np.isin(line_chunk, here, assume_unique=True) if len(here) else slice(None)
+            work = next(works.chunks(start, stop))[keep]
+            self.lines.extend(line_chunk[keep])
+            self.ends.extend(next(ends.chunks(start, stop))[keep])
+            self.works.extend(work)
+            self.records += len(work)
+            self.prompt_tokens += int(next(prompts.chunks(start, stop))[keep].sum())
+            self.output_tokens += int(next(outputs.chunks(start, stop))[keep].sum())
+            if len(work):
+                # a running sum in line order, as ``total += work`` record by record would give
+                # (np.add.accumulate adds sequentially; a plain sum would add pairwise)
+                work = work.copy()
+                work[0] += gpu_seconds
+                gpu_seconds = float(np.add.accumulate(work)[-1])
+            start = stop
+        self.gpu_seconds = gpu_seconds
 
     def summary(self) -> WorkSummary:
-        records = len(self.rec_line)
         invalid = len(self.invalid_lines)
         return WorkSummary(
-            records=records,
+            records=self.records,
             invalid=invalid,
-            lines=records + invalid,
+            lines=self.records + invalid,
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.output_tokens,
             gpu_seconds=self.gpu_seconds,
         )
+
+    def close(self) -> None:
+        """Delete the spill files (``spool`` stays open for its taker)."""
+        self.ids.close()
+        for column in (*self._read.values(), self.lines, self.ends, self.works, self.invalid_lines):
+            column.close()
+        self._err_spool.close()
+        self._tmp.cleanup()
 
 
 def _open_input(input_uri: str) -> BinaryIO:
@@ -257,52 +426,69 @@ def _open_input(input_uri: str) -> BinaryIO:
 
 
 def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
-    """The validating pass: every line once, in order; the spool is rewound at the end."""
+    """The validating pass: every line once, in order; then the duplicate-ID rule (:meth:`_InputScan.finish`).
+
+    The caller closes the scan; on an error it is closed here.
+    """
     # lines whose body asks for what the job's engine cannot honour are refused here, per line
     limits = dataclasses.replace(request.limits, engine=request.engine)
     default_max = request.default_max_tokens
-    validator = Validator(limits)
+    # every line is judged on its own; the IDs go to disk and duplicates are found afterwards
+    validator = Validator(limits, check_duplicates=False)
     feed_quick = validator.feed_quick
-    scan = _InputScan(work_model)
-    add_record = scan.add_record
-    line = end_offset = 0
-    with _open_input(request.input_uri) as stream:
-        for line, offset, end_offset, data, head in iter_line_tuples(
-            stream, max_line_bytes=limits.max_line_bytes
-        ):
-            # the common case skips building Record objects (same numbers: see quick_parse)
-            quick = feed_quick(data) if data is not None else None
-            if quick is not None:
-                # a valid max_tokens is >= 1, as expected_output_tokens says
-                add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
-                continue
-            outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
-            if isinstance(outcome, Record):
-                add_record(
-                    line,
-                    end_offset,
-                    estimate_prompt_tokens(outcome.request),
-                    expected_output_tokens(outcome.request, default_max_tokens=default_max),
-                )
-            elif outcome is not None:
-                scan.add_error(outcome)
-    scan.total_lines, scan.file_size = line, end_offset
-    scan.spool.seek(0)
+    scan = _InputScan(work_model, memory_budget=request.memory_budget_mb * 1024 * 1024)
+    try:
+        add_record = scan.add_record
+        add_id = scan.ids.add
+        line = end_offset = 0
+        with _open_input(request.input_uri) as stream:
+            for line, offset, end_offset, data, head in iter_line_tuples(
+                stream, max_line_bytes=limits.max_line_bytes
+            ):
+                # the common case skips building Record objects (same numbers: see quick_parse)
+                quick = feed_quick(data) if data is not None else None
+                if quick is not None:
+                    add_id(line, quick[0])
+                    # a valid max_tokens is >= 1, as expected_output_tokens says
+                    add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
+                    continue
+                outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
+                if outcome is None:
+                    continue
+                if outcome.id is not None:  # the first line of an ID owns it, even an invalid one
+                    add_id(line, outcome.id)
+                if isinstance(outcome, Record):
+                    add_record(
+                        line,
+                        end_offset,
+                        estimate_prompt_tokens(outcome.request),
+                        expected_output_tokens(outcome.request, default_max_tokens=default_max),
+                    )
+                else:
+                    scan.add_error(outcome)
+        scan.finish(line, end_offset)
+    except BaseException:
+        scan.close()
+        scan.spool.close()
+        raise
     return scan
 
 
 def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[ShardCut, ...]:
     """Contiguous byte ranges by cumulative work; the last one runs to the end of the input."""
-    records = len(scan.rec_line)
-    ranges = cut_contiguous(scan.rec_work, target_seconds=target_s, max_shards=max_shards) if records else []
+    records = scan.records
+    works = scan.works
+    ranges = (
+        cut_contiguous(ColumnFloats(works), target_seconds=target_s, max_shards=max_shards) if records else []
+    )
     invalid_lines = scan.invalid_lines
     cuts: list[ShardCut] = []
     prev_end_offset = 0
     prev_last_line = 0
     for index, (a, b) in enumerate(ranges):
         last = index == len(ranges) - 1
-        end_offset = scan.file_size if last else scan.rec_end[b - 1]
-        last_line = scan.total_lines if last else scan.rec_line[b - 1]
+        end_offset = scan.file_size if last else int(scan.ends[b - 1])
+        last_line = scan.total_lines if last else int(scan.lines[b - 1])
         lo = bisect.bisect_left(invalid_lines, prev_last_line + 1)
         hi = bisect.bisect_right(invalid_lines, last_line)
         cuts.append(
@@ -313,8 +499,8 @@ def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[Sha
                 first_line=prev_last_line + 1,
                 line_count=last_line - prev_last_line,
                 records=b - a,
-                excluded_lines=tuple(invalid_lines[lo:hi]),
-                est_work_s=math.fsum(scan.rec_work[a:b]),
+                excluded_lines=tuple(invalid_lines.read_list(lo, hi)),
+                est_work_s=math.fsum(works.values(a, b)),
             )
         )
         prev_end_offset, prev_last_line = end_offset, last_line
