@@ -14,12 +14,15 @@ import bisect
 import dataclasses
 import datetime as dt
 import hashlib
+import io
 import math
+import multiprocessing
+import os
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -62,7 +65,10 @@ from airflow_deadline_batch.service.spill import (
     DEFAULT_MEMORY_BUDGET,
     Column,
     ColumnFloats,
-    DuplicateIds,
+    DuplicateFinder,
+    IdSpill,
+    PartitionFiles,
+    combine,
 )
 from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
@@ -72,6 +78,9 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-ba
 #: key of the validation-errors object, relative to the job's output base
 VALIDATION_KEY = "validation/errors.jsonl"
 _NO_LINE = 1 << 62  # past every line number: the end of the provisional errors
+#: a local input is validated on several cores from this size on, one range per core at most
+#: every PARALLEL_MIN_BYTES (a process costs about a third of a second to start)
+PARALLEL_MIN_BYTES = 32 * 1024 * 1024
 _READ_CHUNK = 4 * 1024 * 1024
 
 
@@ -100,6 +109,8 @@ class PlanRequest:
     allow_infeasible: bool = False
     #: planning's memory budget for the duplicate-ID check (its spill files take the rest)
     memory_budget_mb: int = DEFAULT_MEMORY_BUDGET // (1024 * 1024)
+    #: processes that validate a large local input (None: one per core)
+    scan_processes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
@@ -125,6 +136,8 @@ class PlanRequest:
             raise ConfigurationError(
                 f"memory_budget_mb must be a positive integer, got {self.memory_budget_mb!r}"
             )
+        if self.scan_processes is not None and self.scan_processes < 1:
+            raise ConfigurationError(f"scan_processes must be >= 1 or None, got {self.scan_processes}")
         if not 1 <= self.max_shards <= 100_000:
             raise ConfigurationError(f"max_shards must be between 1 and 100000, got {self.max_shards}")
         max_tokens = self.generation.get("max_tokens", 256)
@@ -229,42 +242,225 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
     )
 
 
-class _InputScan:
-    """What the validating pass keeps, on disk: numbers per record, IDs, invalid lines.
+_COLUMNS = (("line", "q"), ("end", "q"), ("work", "d"), ("prompt", "q"), ("output", "q"))
 
-    While the input is read, every valid-looking record's line, end offset, tokens and work go to
-    :class:`~airflow_deadline_batch.service.spill.Column` files, every ID to
-    :class:`~airflow_deadline_batch.service.spill.DuplicateIds`, every invalid line's outcome to
-    a provisional spool. :meth:`finish` then applies the duplicate-ID rule: a later line of an
-    ID becomes a ``duplicate_id`` error (whatever it was), the records and the spool are rewritten
-    without them, and the totals are summed in line order, as the in-memory pass summed them.
-    Memory stays within the budget whatever the input's size. :meth:`close` deletes every file
-    but ``spool`` (the ``errored`` outcomes in line order, rewound), which whoever takes the
-    scan closes (through :meth:`InputAnalysis.close`).
+
+@dataclass(frozen=True)
+class _PartJob:
+    """Scan one byte range of the input (whole lines) into files under ``directory``.
+
+    ``path`` is the local file to read (None: the caller hands the stream over).
     """
 
-    def __init__(self, work_model: WorkModel, *, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
-        self.work_model = work_model
-        self._tmp = tempfile.TemporaryDirectory(prefix="deadline-batch-plan-")
-        self._dir = Path(self._tmp.name)
-        self.ids = DuplicateIds(self._dir / "ids", memory_budget=memory_budget)
-        # records as read (later lines of an ID still among them), flushed every CHUNK_ROWS
+    path: str | None
+    byte_start: int
+    byte_end: int | None
+    first_line: int
+    directory: str
+    limits: ValidationLimits
+    default_max_tokens: int
+    work_model: WorkModel
+
+
+@dataclass(frozen=True)
+class _ScanPart:
+    """What scanning one byte range wrote, and where its lines end."""
+
+    directory: str
+    records: int
+    partitions: list[PartitionFiles]
+    last_line: int
+    end_offset: int
+
+
+class _PartWriter:
+    """The files of one scanned range: valid-looking records' numbers as columns, IDs to an
+    :class:`~airflow_deadline_batch.service.spill.IdSpill`, invalid lines' provisional outcomes
+    (``"<line> <code> <outcome JSON>\\n"``), all in line order. Memory: one chunk of each."""
+
+    def __init__(self, directory: Path, work_model: WorkModel) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.seconds = work_model.seconds
+        self.ids = IdSpill(directory / "ids")
         self.rec_line: array[int] = array("q")
         self.rec_end: array[int] = array("q")
         self.rec_work: array[float] = array("d")
         self.rec_prompt: array[int] = array("q")
         self.rec_output: array[int] = array("q")
-        self._read = {
-            name: Column(self._dir / f"read-{name}", code)
-            for name, code in (("line", "q"), ("end", "q"), ("work", "d"), ("prompt", "q"), ("output", "q"))
-        }
-        # "<line> <code> <outcome JSON>\n" per invalid line, in line order
-        self._err_spool = open(self._dir / "errors-read", "w+b")  # noqa: SIM115 - closed by close()
-        # after finish(): the records and invalid lines that stand, and the totals
-        self.lines = Column(self._dir / "line", "q")
-        self.ends = Column(self._dir / "end", "q")
-        self.works = Column(self._dir / "work", "d")
-        self.invalid_lines = Column(self._dir / "invalid", "q")
+        self._columns = [Column(directory / name, code) for name, code in _COLUMNS]
+        self._errors = (directory / "errors").open("wb")
+
+    def add_record(self, line: int, end_offset: int, prompt_tokens: int, output_tokens: int) -> None:
+        """Count one valid-looking record: where it ends, its estimated tokens and GPU-seconds."""
+        self.rec_line.append(line)
+        self.rec_end.append(end_offset)
+        self.rec_work.append(self.seconds(prompt_tokens, output_tokens))
+        self.rec_prompt.append(prompt_tokens)
+        self.rec_output.append(output_tokens)
+        if len(self.rec_line) >= CHUNK_ROWS:
+            self._spill_records()
+
+    def _spill_records(self) -> None:
+        arrays: tuple[array[Any], ...] = (
+            self.rec_line,
+            self.rec_end,
+            self.rec_work,
+            self.rec_prompt,
+            self.rec_output,
+        )
+        for column, values in zip(self._columns, arrays, strict=True):
+            column.extend(values)
+            del values[:]
+
+    def add_error(self, error: LineError) -> None:
+        """Spool one invalid line's provisional ``errored`` outcome."""
+        self._errors.write(
+            b"%d %s " % (error.line, error.code.value.encode())
+            + encode_results([ResultRecord.from_line_error(error)])
+        )
+
+    def close(self, last_line: int, end_offset: int) -> _ScanPart:
+        self._spill_records()
+        for column in self._columns:
+            column.close()
+        self._errors.close()
+        return _ScanPart(
+            directory=str(self.directory),
+            records=len(self._columns[0]),
+            partitions=self.ids.close(),
+            last_line=last_line,
+            end_offset=end_offset,
+        )
+
+
+def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
+    """The validating pass over one range: every line once, in order, judged on its own."""
+    limits = job.limits
+    default_max = job.default_max_tokens
+    # every line is judged on its own; the IDs go to disk and duplicates are found afterwards
+    validator = Validator(limits, check_duplicates=False)
+    feed_quick = validator.feed_quick
+    out = _PartWriter(Path(job.directory), job.work_model)
+    add_record = out.add_record
+    add_id = out.ids.add
+    line, end_offset = job.first_line - 1, job.byte_start
+    for line, offset, end_offset, data, head in iter_line_tuples(
+        stream, start_line=job.first_line, start_offset=job.byte_start, max_line_bytes=limits.max_line_bytes
+    ):
+        # the common case skips building Record objects (same numbers: see quick_parse)
+        quick = feed_quick(data) if data is not None else None
+        if quick is not None:
+            add_id(line, quick[0])
+            # a valid max_tokens is >= 1, as expected_output_tokens says
+            add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
+            continue
+        outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
+        if outcome is None:
+            continue
+        if outcome.id is not None:  # the first line of an ID owns it, even an invalid one
+            add_id(line, outcome.id)
+        if isinstance(outcome, Record):
+            add_record(
+                line,
+                end_offset,
+                estimate_prompt_tokens(outcome.request),
+                expected_output_tokens(outcome.request, default_max_tokens=default_max),
+            )
+        else:
+            out.add_error(outcome)
+    return out.close(line, end_offset)
+
+
+class _RangeReader(io.RawIOBase):
+    """At most ``length`` bytes of a file from its current position."""
+
+    def __init__(self, file: BinaryIO, length: int) -> None:
+        self._file = file
+        self._left = length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._left <= 0:
+            return 0
+        view = memoryview(buffer)
+        got = self._file.readinto(view[: min(len(view), self._left)])  # type: ignore[attr-defined]
+        self._left -= got or 0
+        return got or 0
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _scan_part(job: _PartJob) -> _ScanPart:
+    """Scan one byte range of a local file (run in a worker process)."""
+    assert job.path is not None and job.byte_end is not None
+    raw = open(job.path, "rb", buffering=0)  # noqa: SIM115 - the reader closes it
+    raw.seek(job.byte_start)
+    with io.BufferedReader(_RangeReader(raw, job.byte_end - job.byte_start), buffer_size=1 << 20) as stream:
+        return _scan_lines(stream, job)
+
+
+def _count_newlines(path: str, start: int, end: int) -> int:
+    """Newlines in ``[start, end)`` of a local file (run in a worker process)."""
+    count = 0
+    with open(path, "rb") as file:
+        file.seek(start)
+        left = end - start
+        while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
+
+
+def _line_ranges(path: str, size: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` byte ranges of about equal size, each starting right after a newline (or at 0)."""
+    starts = [0]
+    with open(path, "rb") as file:
+        for k in range(1, parts):
+            position = max(k * size // parts, starts[-1])
+            file.seek(position)
+            while True:  # to the byte after the next newline: a range begins a line
+                chunk = file.read(65_536)
+                if not chunk:
+                    position = size
+                    break
+                newline = chunk.find(b"\n")
+                if newline >= 0:
+                    position += newline + 1
+                    break
+                position += len(chunk)
+            starts.append(position)
+    bounds = sorted(set(starts)) + [size]
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a] or [(0, size)]
+
+
+class _InputScan:
+    """What the validating pass kept, on disk, and (after :meth:`finish`) the duplicate-ID rule applied.
+
+    The scanned ranges (one, or one per process) each wrote their records' numbers, IDs and
+    invalid lines' provisional outcomes to files (:class:`_PartWriter`). :meth:`finish` then
+    finds the later lines of every ID (:class:`~airflow_deadline_batch.service.spill.DuplicateFinder`):
+    each becomes a ``duplicate_id`` error, whatever it was, the records and the spool are written
+    again without them, and the totals are summed in line order, as the in-memory pass summed them.
+    Memory stays within the budget whatever the input's size. :meth:`close` deletes every file
+    but ``spool`` (the ``errored`` outcomes in line order, rewound), which whoever takes the
+    scan closes (through :meth:`InputAnalysis.close`).
+    """
+
+    def __init__(self, *, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="deadline-batch-plan-")
+        self.directory = Path(self._tmp.name)
+        self._memory_budget = memory_budget
+        # the records and invalid lines that stand, and the totals
+        self.lines = Column(self.directory / "line", "q")
+        self.ends = Column(self.directory / "end", "q")
+        self.works = Column(self.directory / "work", "d")
+        self.invalid_lines = Column(self.directory / "invalid", "q")
+        self._opened: list[Column] = []
         self.records = 0
         self.errors: Counter[str] = Counter()
         self.prompt_tokens = 0
@@ -274,127 +470,103 @@ class _InputScan:
         self.file_size = 0
         self.spool: Any = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
 
-    def add_record(self, line: int, end_offset: int, prompt_tokens: int, output_tokens: int) -> None:
-        """Count one valid-looking record: where it ends, its estimated tokens and GPU-seconds."""
-        self.rec_line.append(line)
-        self.rec_end.append(end_offset)
-        self.rec_work.append(self.work_model.seconds(prompt_tokens, output_tokens))
-        self.rec_prompt.append(prompt_tokens)
-        self.rec_output.append(output_tokens)
-        if len(self.rec_line) >= CHUNK_ROWS:
-            self._spill_records()
-
-    def _spill_records(self) -> None:
-        for name, values in (
-            ("line", self.rec_line),
-            ("end", self.rec_end),
-            ("work", self.rec_work),
-            ("prompt", self.rec_prompt),
-            ("output", self.rec_output),
-        ):
-            self._read[name].extend(values)
-            del values[:]
-
-    def add_error(self, error: LineError) -> None:
-        """Count one invalid line and spool its provisional ``errored`` outcome."""
-        self._err_spool.write(
-            b"%d %s " % (error.line, error.code.value.encode())
-            + encode_results([ResultRecord.from_line_error(error)])
-        )
-
-    def finish(self, total_lines: int, file_size: int) -> None:
-        """Apply the duplicate-ID rule and write the final records, invalid lines and spool."""
-        self.total_lines, self.file_size = total_lines, file_size
-        self._spill_records()
-        for column in self._read.values():
-            column.seal()
-        self._err_spool.seek(0)
-        duplicate_records = Column(self._dir / "duplicate-records", "q")
-        self._merge_errors(self.ids.duplicates(), duplicate_records)
-        self._keep_records(duplicate_records.seal())
+    def finish(self, parts: Sequence[_ScanPart]) -> None:
+        """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results."""
+        self.total_lines, self.file_size = parts[-1].last_line, parts[-1].end_offset
+        finder = DuplicateFinder(self.directory / "duplicates", memory_budget=self._memory_budget)
+        duplicates = finder.duplicates(combine([part.partitions for part in parts]))
+        duplicate_records = Column(self.directory / "duplicate-records", "q")
+        self._opened.append(duplicate_records)
+        self._merge_errors(parts, duplicates, duplicate_records)
+        self._keep_records(parts, duplicate_records.seal())
         for column in (self.lines, self.ends, self.works, self.invalid_lines):
             column.seal()
         self.spool.seek(0)
 
-    def _merge_errors(self, duplicates: Iterator[tuple[int, str]], duplicate_records: Column) -> None:
+    def _provisional_errors(self, parts: Sequence[_ScanPart]) -> Iterator[tuple[int, bytes, bytes]]:
+        for part in parts:
+            with (Path(part.directory) / "errors").open("rb") as file:
+                for entry in file:
+                    line, code, outcome = entry.split(b" ", 2)
+                    yield int(line), code, outcome
+        yield _NO_LINE, b"", b""
+
+    def _merge_errors(
+        self, parts: Sequence[_ScanPart], duplicates: Iterator[tuple[int, str]], duplicate_records: Column
+    ) -> None:
         """The final spool, in line order: provisional outcomes, duplicates replacing them."""
-        provisional = iter(self._err_spool.readline, b"")
+        provisional = self._provisional_errors(parts)
         invalid: array[int] = array("q")
         dup_records: array[int] = array("q")
         write = self.spool.write
         errors = self.errors
 
-        def next_error() -> tuple[int, bytes, bytes]:
-            entry = next(provisional, None)
-            if entry is None:
-                return _NO_LINE, b"", b""
-            line, code, outcome = entry.split(b" ", 2)
-            return int(line), code, outcome
+        def stand(line: int, code: bytes, outcome: bytes) -> None:
+            invalid.append(line)
+            errors[code.decode()] += 1
+            write(outcome)
+            if len(invalid) >= CHUNK_ROWS:
+                self.invalid_lines.extend(invalid)
+                del invalid[:]
 
-        err_line, err_code, err_outcome = next_error()
+        err_line, err_code, err_outcome = next(provisional)
         for dup_line, dup_id in duplicates:
             while err_line < dup_line:  # invalid lines before the duplicate stand as they are
-                invalid.append(err_line)
-                errors[err_code.decode()] += 1
-                write(err_outcome)
-                err_line, err_code, err_outcome = next_error()
+                stand(err_line, err_code, err_outcome)
+                err_line, err_code, err_outcome = next(provisional)
             if err_line == dup_line:  # an invalid line repeating an ID: a duplicate_id instead
-                err_line, err_code, err_outcome = next_error()
+                err_line, err_code, err_outcome = next(provisional)
             else:
                 dup_records.append(dup_line)
-            invalid.append(dup_line)
-            errors[ErrorCode.DUPLICATE_ID.value] += 1
-            write(encode_results([ResultRecord.from_line_error(duplicate_error(dup_line, dup_id))]))
-            if len(invalid) >= CHUNK_ROWS:
-                self.invalid_lines.extend(invalid)
-                del invalid[:]
-            if len(dup_records) >= CHUNK_ROWS:
-                duplicate_records.extend(dup_records)
-                del dup_records[:]
+                if len(dup_records) >= CHUNK_ROWS:
+                    duplicate_records.extend(dup_records)
+                    del dup_records[:]
+            outcome = encode_results([ResultRecord.from_line_error(duplicate_error(dup_line, dup_id))])
+            stand(dup_line, ErrorCode.DUPLICATE_ID.value.encode(), outcome)
         while err_line != _NO_LINE:
-            invalid.append(err_line)
-            errors[err_code.decode()] += 1
-            write(err_outcome)
-            err_line, err_code, err_outcome = next_error()
-            if len(invalid) >= CHUNK_ROWS:
-                self.invalid_lines.extend(invalid)
-                del invalid[:]
+            stand(err_line, err_code, err_outcome)
+            err_line, err_code, err_outcome = next(provisional)
         self.invalid_lines.extend(invalid)
         duplicate_records.extend(dup_records)
 
-    def _keep_records(self, duplicates: Column) -> None:
+    def _keep_records(self, parts: Sequence[_ScanPart], duplicates: Column) -> None:
         """Copy the records that are no duplicate to the final columns; sum the totals in order."""
-        lines, ends, works = self._read["line"], self._read["end"], self._read["work"]
-        prompts, outputs = self._read["prompt"], self._read["output"]
         dup_chunks = duplicates.chunks()
         pending = np.empty(0, dtype=np.int64)
         gpu_seconds = 0.0
-        start = 0
-        for line_chunk in lines.chunks():
-            stop = start + len(line_chunk)
-            last_line = int(line_chunk[-1])
-            while not len(pending) or pending[-1] <= last_line:
-                more = next(dup_chunks, None)
-                if more is None:
-                    break
-                pending = np.concatenate((pending, more))
-            cut = int(np.searchsorted(pending, last_line, side="right"))
-            here, pending = pending[:cut], pending[cut:]
-            keep = ~np.isin(line_chunk, here, assume_unique=True) if len(here) else slice(None)
-            work = next(works.chunks(start, stop))[keep]
-            self.lines.extend(line_chunk[keep])
-            self.ends.extend(next(ends.chunks(start, stop))[keep])
-            self.works.extend(work)
-            self.records += len(work)
-            self.prompt_tokens += int(next(prompts.chunks(start, stop))[keep].sum())
-            self.output_tokens += int(next(outputs.chunks(start, stop))[keep].sum())
-            if len(work):
-                # a running sum in line order, as ``total += work`` record by record would give
-                # (np.add.accumulate adds sequentially; a plain sum would add pairwise)
-                work = work.copy()
-                work[0] += gpu_seconds
-                gpu_seconds = float(np.add.accumulate(work)[-1])
-            start = stop
+        for part in parts:
+            lines, ends, works, prompts, outputs = columns = [
+                Column(Path(part.directory) / name, code, written=part.records) for name, code in _COLUMNS
+            ]
+            self._opened.extend(columns)
+            start = 0
+            for line_chunk in lines.chunks():
+                stop = start + len(line_chunk)
+                last_line = int(line_chunk[-1])
+                while not len(pending) or pending[-1] <= last_line:
+                    more = next(dup_chunks, None)
+                    if more is None:
+                        break
+                    pending = np.concatenate((pending, more))
+                cut = int(np.searchsorted(pending, last_line, side="right"))
+                here, pending = pending[:cut], pending[cut:]
+                keep = ~np.isin(line_chunk, here, assume_unique=True) if len(here) else slice(None)
+                work = next(works.chunks(start, stop))[keep]
+                self.lines.extend(line_chunk[keep])
+                self.ends.extend(next(ends.chunks(start, stop))[keep])
+                self.works.extend(work)
+                self.records += len(work)
+                self.prompt_tokens += int(next(prompts.chunks(start, stop))[keep].sum())
+                self.output_tokens += int(next(outputs.chunks(start, stop))[keep].sum())
+                if len(work):
+                    # a running sum in line order, as ``total += work`` record by record would give
+                    # (np.add.accumulate adds sequentially; a plain sum would add pairwise)
+                    work = work.copy()
+                    work[0] += gpu_seconds
+                    gpu_seconds = float(np.add.accumulate(work)[-1])
+                start = stop
+            for column in columns:
+                column.close()
         self.gpu_seconds = gpu_seconds
 
     def summary(self) -> WorkSummary:
@@ -410,10 +582,8 @@ class _InputScan:
 
     def close(self) -> None:
         """Delete the spill files (``spool`` stays open for its taker)."""
-        self.ids.close()
-        for column in (*self._read.values(), self.lines, self.ends, self.works, self.invalid_lines):
+        for column in (*self._opened, self.lines, self.ends, self.works, self.invalid_lines):
             column.close()
-        self._err_spool.close()
         self._tmp.cleanup()
 
 
@@ -425,53 +595,65 @@ def _open_input(input_uri: str) -> BinaryIO:
         raise InputError(f"input {input_uri} does not exist: check the path or URI") from None
 
 
-def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
-    """The validating pass: every line once, in order; then the duplicate-ID rule (:meth:`_InputScan.finish`).
+def _local_path(input_uri: str) -> str | None:
+    storage, key = open_uri(input_uri)
+    return str(storage.root / key) if isinstance(storage, LocalStorage) else None
 
-    The caller closes the scan; on an error it is closed here.
-    """
+
+def _scan_processes(request: PlanRequest, path: str | None) -> int:
+    """How many processes validate the input: one for a small or remote input, else one per core."""
+    if path is None:
+        return 1
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return 1  # _open_input says so
+    wanted = request.scan_processes or len(os.sched_getaffinity(0))
+    return max(1, min(wanted, size // PARALLEL_MIN_BYTES))
+
+
+def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
+    """The validating pass over the input (in byte ranges on several cores when it is large and
+    local), then the duplicate-ID rule (:meth:`_InputScan.finish`). The caller closes the scan;
+    on an error it is closed here."""
     # lines whose body asks for what the job's engine cannot honour are refused here, per line
     limits = dataclasses.replace(request.limits, engine=request.engine)
-    default_max = request.default_max_tokens
-    # every line is judged on its own; the IDs go to disk and duplicates are found afterwards
-    validator = Validator(limits, check_duplicates=False)
-    feed_quick = validator.feed_quick
-    scan = _InputScan(work_model, memory_budget=request.memory_budget_mb * 1024 * 1024)
+    scan = _InputScan(memory_budget=request.memory_budget_mb * 1024 * 1024)
     try:
-        add_record = scan.add_record
-        add_id = scan.ids.add
-        line = end_offset = 0
-        with _open_input(request.input_uri) as stream:
-            for line, offset, end_offset, data, head in iter_line_tuples(
-                stream, max_line_bytes=limits.max_line_bytes
-            ):
-                # the common case skips building Record objects (same numbers: see quick_parse)
-                quick = feed_quick(data) if data is not None else None
-                if quick is not None:
-                    add_id(line, quick[0])
-                    # a valid max_tokens is >= 1, as expected_output_tokens says
-                    add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
-                    continue
-                outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
-                if outcome is None:
-                    continue
-                if outcome.id is not None:  # the first line of an ID owns it, even an invalid one
-                    add_id(line, outcome.id)
-                if isinstance(outcome, Record):
-                    add_record(
-                        line,
-                        end_offset,
-                        estimate_prompt_tokens(outcome.request),
-                        expected_output_tokens(outcome.request, default_max_tokens=default_max),
-                    )
-                else:
-                    scan.add_error(outcome)
-        scan.finish(line, end_offset)
+        path = _local_path(request.input_uri)
+        processes = _scan_processes(request, path)
+
+        def job(index: int, start: int, end: int | None, first_line: int) -> _PartJob:
+            directory = str(scan.directory / f"part-{index:04d}")
+            return _PartJob(
+                path, start, end, first_line, directory, limits, request.default_max_tokens, work_model
+            )
+
+        if processes > 1 and path is not None:
+            parts = _scan_parallel(path, processes, job)
+        else:
+            with _open_input(request.input_uri) as stream:
+                parts = [_scan_lines(stream, job(0, 0, None, 1))]
+        scan.finish(parts)
     except BaseException:
         scan.close()
         scan.spool.close()
         raise
     return scan
+
+
+def _scan_parallel(
+    path: str, processes: int, job: Callable[[int, int, int | None, int], _PartJob]
+) -> list[_ScanPart]:
+    """Scan ``processes`` byte ranges of a local file in as many processes (line numbers first)."""
+    ranges = _line_ranges(path, os.stat(path).st_size, processes)
+    # spawned, not forked: the planner may run beside other threads (the whole-input hash)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(len(ranges), mp_context=context) as pool:
+        newlines = list(pool.map(_count_newlines, [path] * len(ranges), *zip(*ranges, strict=True)))
+        first_lines = [1 + sum(newlines[:k]) for k in range(len(ranges))]
+        jobs = [job(k, a, b, first_lines[k]) for k, (a, b) in enumerate(ranges)]
+        return list(pool.map(_scan_part, jobs))
 
 
 def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[ShardCut, ...]:

@@ -4,12 +4,12 @@ Two pieces, both append-only while the input is read and read back in chunks aft
 
 * :class:`Column`: one number per record (or per invalid line) in a file of its own, so the
   per-record bookkeeping of ten million records costs a few chunks of memory, not gigabytes;
-* :class:`DuplicateIds`: exact duplicate-ID detection without a set of every ID. Each ID goes,
-  with its line number, to one of a fixed number of partition files by a hash of the ID; after the
-  pass each partition is checked on its own with a set of only its IDs (a partition too big for
-  the memory budget is split again by another hash first). The first line of an ID in a partition
-  is the first line of that ID in the input, so the verdicts are today's in-memory ones, exactly:
-  IDs are compared in full, never by digest.
+* :class:`IdSpill` and :class:`DuplicateFinder`: exact duplicate-ID detection without a set of
+  every ID. Each ID goes, with its line number, to one of a fixed number of partition files by a
+  hash of the ID; after the pass each partition is checked on its own with a set of only its IDs
+  (a partition too big for the memory budget is split again by another hash first). The first
+  line of an ID in a partition is the first line of that ID in the input, so the verdicts are
+  the in-memory ones, exactly: IDs are compared in full, never by digest.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import marshal
-import os
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,7 +25,15 @@ from typing import Any, BinaryIO, overload
 
 import numpy as np
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "Column", "ColumnFloats", "DuplicateIds"]
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "Column",
+    "ColumnFloats",
+    "DuplicateFinder",
+    "IdSpill",
+    "PartitionFiles",
+    "combine",
+]
 
 #: planning's default memory budget for its duplicate check (docs/benchmarks.md)
 DEFAULT_MEMORY_BUDGET = 512 * 1024 * 1024
@@ -44,21 +51,23 @@ class Column:
     back in chunks, by index and by range, without ever loading the whole column.
     """
 
-    def __init__(self, path: Path, typecode: str) -> None:
+    def __init__(self, path: Path, typecode: str, *, written: int | None = None) -> None:
+        """A new, empty column; or with ``written``, the sealed column of that many values at ``path``
+        (another process wrote it)."""
         if typecode not in _TYPECODES:
             raise ValueError(f"column typecode must be one of {sorted(_TYPECODES)}, got {typecode!r}")
         self.path = path
         self.typecode = typecode
         self._dtype = np.dtype(_TYPECODES[typecode])
         self._itemsize = self._dtype.itemsize
-        self._file: BinaryIO | None = path.open("wb")
+        self._file: BinaryIO | None = path.open("wb") if written is None else None
         self._reader: BinaryIO | None = None
-        self._len = 0
+        self._len = written or 0
 
     def __len__(self) -> int:
         return self._len
 
-    def extend(self, values: array[int] | array[float] | np.ndarray) -> None:
+    def extend(self, values: array[Any] | np.ndarray) -> None:
         """Append ``values`` (an ``array`` of this typecode or a matching NumPy array)."""
         if self._file is None:
             raise RuntimeError(f"column {self.path.name} is sealed")
@@ -182,46 +191,31 @@ class _Partition:
             self.file.close()
             self.file = None
 
-    @property
-    def size(self) -> int:
-        return self.path.stat().st_size if self.count else 0
+
+#: one partition of the spilled IDs: its files, in line order, and how many entries they hold
+PartitionFiles = tuple[tuple[Path, ...], int]
 
 
-class DuplicateIds:
-    """Exact duplicate-ID detection in bounded memory, from IDs spilled to partition files.
+class IdSpill:
+    """Spill every line's ID, with its line number, to one of ``partitions`` files by a hash of the ID.
 
-    :meth:`add` every line's ID in line order (invalid lines with an ID too: the first line of an
-    ID owns it even when it is invalid); :meth:`duplicates` then yields ``(line, id)`` for every
-    later line of an ID, in line order. Memory: the pending entries (``flush_entries``), the IDs
-    of one partition at a time (at most about half of ``memory_budget``; a bigger partition is
-    split first), and a few chunks of each sorted run while the runs are merged.
+    :meth:`add` IDs in line order (invalid lines with an ID too: the first line of an ID owns it
+    even when it is invalid); :meth:`close` returns the partitions for :func:`find_duplicates`.
+    Memory: at most ``flush_entries`` pending entries. Several spills of consecutive parts of
+    the input (one per process) combine partition by partition, in input order.
     """
 
-    def __init__(
-        self,
-        directory: Path,
-        *,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
-        partitions: int = 64,
-        flush_entries: int = CHUNK_ROWS,
-        fan_in: int = 64,
-    ) -> None:
+    def __init__(self, directory: Path, *, partitions: int = 64, flush_entries: int = CHUNK_ROWS) -> None:
         if partitions < 1 or partitions & (partitions - 1):
             raise ValueError(f"partitions must be a power of two, got {partitions}")
-        if memory_budget < 1 or flush_entries < 1 or fan_in < 2:
-            raise ValueError("memory_budget and flush_entries must be >= 1, fan_in >= 2")
-        self._dir = directory
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._set_budget = memory_budget // 2
+        if flush_entries < 1:
+            raise ValueError(f"flush_entries must be >= 1, got {flush_entries}")
+        directory.mkdir(parents=True, exist_ok=True)
         self._flush_entries = flush_entries
-        self._fan_in = fan_in
         self._mask = partitions - 1
         self._parts = [_Partition(directory / f"ids-{p:04d}") for p in range(partitions)]
         self._pending = [p.pending for p in self._parts]
         self._buffered = 0
-        self._runs: list[Path] = []
-        self._names = 0
-        self.splits = 0  # partitions split for the budget (for tests and diagnostics)
         self.ids = 0
 
     def add(self, line: int, record_id: str) -> None:
@@ -240,42 +234,77 @@ class DuplicateIds:
         self.ids += self._buffered
         self._buffered = 0
 
+    def close(self) -> list[PartitionFiles]:
+        """Write what is pending; the partitions' files (none for an empty one) and entry counts."""
+        self._flush()
+        for part in self._parts:
+            part.close()
+        return [((part.path,) if part.count else (), part.count) for part in self._parts]
+
+
+def combine(spills: Sequence[Sequence[PartitionFiles]]) -> list[PartitionFiles]:
+    """The partitions of consecutive parts of the input, joined partition by partition, in order."""
+    if not spills:
+        return []
+    return [
+        (tuple(path for spill in spills for path in spill[p][0]), sum(spill[p][1] for spill in spills))
+        for p in range(len(spills[0]))
+    ]
+
+
+class DuplicateFinder:
+    """Exact duplicate-ID detection over spilled partitions, within a memory budget.
+
+    Each partition is checked on its own with a set of only its IDs (at most about half of
+    ``memory_budget``; a bigger partition is split first by an independent hash), its later
+    lines are written as a sorted run, and the runs are merged by line, at most ``fan_in`` open
+    at once. Every file it reads is deleted once read.
+    """
+
+    def __init__(
+        self, directory: Path, *, memory_budget: int = DEFAULT_MEMORY_BUDGET, fan_in: int = 64
+    ) -> None:
+        if memory_budget < 1 or fan_in < 2:
+            raise ValueError("memory_budget must be >= 1 and fan_in >= 2")
+        directory.mkdir(parents=True, exist_ok=True)
+        self._dir = directory
+        self._set_budget = memory_budget // 2
+        self._flush_entries = CHUNK_ROWS
+        self._fan_in = fan_in
+        self._runs: list[Path] = []
+        self._names = 0
+        self.splits = 0  # partitions split for the budget (for tests and diagnostics)
+
     def _new_path(self, stem: str) -> Path:
         self._names += 1
         return self._dir / f"{stem}-{self._names:06d}"
 
-    def duplicates(self) -> Iterator[tuple[int, str]]:
+    def duplicates(self, partitions: Sequence[PartitionFiles]) -> Iterator[tuple[int, str]]:
         """``(line, id)`` of every line whose ID an earlier line carries, in line order."""
-        self._flush()
-        for part in self._parts:
-            part.close()
-            if part.count:
-                self._check(part.path, part.count, part.size, depth=0)
+        for paths, count in partitions:
+            if count:
+                self._check(paths, count, sum(p.stat().st_size for p in paths), depth=0)
         for line, key in self._merge(self._runs):
             yield line, key.decode("utf-8", "surrogatepass")
 
-    def _estimate(self, count: int, size: int) -> int:
-        return count * _SET_ENTRY_BYTES + size
-
-    def _check(self, path: Path, count: int, size: int, depth: int) -> None:
-        """Find the duplicates of one partition file, splitting it first when it is too big."""
-        if self._estimate(count, size) > self._set_budget and depth < 6:
-            children = self._split(path, depth)
-            path.unlink()
+    def _check(self, paths: Sequence[Path], count: int, size: int, depth: int) -> None:
+        """Find the duplicates of one partition, splitting it first when it is too big."""
+        if count * _SET_ENTRY_BYTES + size > self._set_budget and depth < 6:
+            children = self._split(paths, depth)
             self.splits += 1
             for child, child_count in children:
                 if child_count == count:  # every entry hashed alike: one ID (or a few) many times
-                    self._check_in_memory(child)
+                    self._check_in_memory((child,))
                 elif child_count:
-                    self._check(child, child_count, child.stat().st_size, depth + 1)
+                    self._check((child,), child_count, child.stat().st_size, depth + 1)
             return
-        self._check_in_memory(path)
+        self._check_in_memory(paths)
 
-    def _split(self, path: Path, depth: int) -> list[tuple[Path, int]]:
+    def _split(self, paths: Sequence[Path], depth: int) -> list[tuple[Path, int]]:
         """Distribute a partition's entries over 16 files by a second, independent hash."""
-        person = f"adb-split-{depth}".encode()[:16]
+        person = f"adb-split-{depth}".encode()
         children = [_Partition(self._new_path("split")) for _ in range(16)]
-        for chunk in _read_chunks(path):
+        for chunk in _read_all(paths):
             for entry in chunk:
                 digest = hashlib.blake2b(entry[1], digest_size=1, person=person).digest()
                 children[digest[0] & 15].pending.append(entry)
@@ -288,13 +317,13 @@ class DuplicateIds:
             result.append((child.path, child.count))
         return result
 
-    def _check_in_memory(self, path: Path) -> None:
+    def _check_in_memory(self, paths: Sequence[Path]) -> None:
         """The duplicates of one partition, with a set of its distinct IDs; written as a sorted run."""
         seen: set[bytes] = set()
         run: list[tuple[int, bytes]] = []
-        run_path: Path | None = None
         run_file: BinaryIO | None = None
-        for chunk in _read_chunks(path):
+        run_path = self._new_path("run")
+        for chunk in _read_all(paths):
             keys = [key for _, key in chunk]
             distinct = set(keys)
             if len(distinct) == len(keys) and seen.isdisjoint(distinct):
@@ -307,17 +336,14 @@ class DuplicateIds:
                     seen.add(entry[1])
             if len(run) >= 4096:
                 if run_file is None:
-                    run_path = self._new_path("run")
                     run_file = run_path.open("wb")
                 _write_chunk(run_file, run)
                 run = []
-        path.unlink()
         if run:
             if run_file is None:
-                run_path = self._new_path("run")
                 run_file = run_path.open("wb")
             _write_chunk(run_file, run)
-        if run_file is not None and run_path is not None:
+        if run_file is not None:
             run_file.close()
             self._runs.append(run_path)
 
@@ -334,18 +360,17 @@ class DuplicateIds:
                     path.unlink()
                 merged.append(out_path)
             runs = merged
+        self._runs = []
         yield from heapq.merge(*(_iter_run(p) for p in runs))
         for path in runs:
             path.unlink()
 
-    def close(self) -> None:
-        """Close and delete every file still open (the directory's owner removes the rest)."""
-        for part in self._parts:
-            if part.file is not None:
-                part.file.close()
-                part.file = None
-            if part.path.exists():
-                os.unlink(part.path)
+
+def _read_all(paths: Sequence[Path]) -> Iterator[list[tuple[int, bytes]]]:
+    """The chunks of ``paths`` in order, each file deleted once read."""
+    for path in paths:
+        yield from _read_chunks(path)
+        path.unlink()
 
 
 def _iter_run(path: Path) -> Iterator[tuple[int, bytes]]:

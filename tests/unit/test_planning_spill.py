@@ -27,8 +27,9 @@ from airflow_deadline_batch.core.records import (
     iter_raw_lines,
     parse_line,
 )
+from airflow_deadline_batch.service import planning
 from airflow_deadline_batch.service.planning import analyze_input
-from airflow_deadline_batch.service.spill import Column, ColumnFloats, DuplicateIds
+from airflow_deadline_batch.service.spill import Column, ColumnFloats, DuplicateFinder, IdSpill, combine
 from tests.unit.planning_inputs import MAX_LINE_BYTES, ODD_IDS, plan_request, summarize, write_input
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "planning_cut_golden.json").read_text())
@@ -60,6 +61,36 @@ def test_analysis_is_identical_to_the_in_memory_planner(
     finally:
         analysis.close()
     assert got == GOLDEN[f"{seed}-{lines}"]
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+@pytest.mark.parametrize(("seed", "lines", "pool"), [CASES[1], CASES[5], CASES[6]])
+def test_parallel_scan_is_identical_to_the_in_memory_planner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, lines: int, pool: int | None, processes: int
+) -> None:
+    monkeypatch.setattr(planning, "PARALLEL_MIN_BYTES", 1)
+    path = write_input(tmp_path / "in.jsonl", lines, seed, pool=pool)
+    request = plan_request(path, scan_processes=processes)
+    assert planning._scan_processes(request, str(path)) == processes
+    analysis = analyze_input(request)
+    try:
+        got = summarize(analysis)
+    finally:
+        analysis.close()
+    assert got == GOLDEN[f"{seed}-{lines}"]
+
+
+def test_line_ranges_start_lines_and_cover_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" + b"x" * 5000 + b"\n\nb\nc")  # one line longer than a range
+    size = path.stat().st_size
+    ranges = planning._line_ranges(str(path), size, 8)
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a < b for a, b in ranges) and all(
+        r[1] == s[0] for r, s in zip(ranges, ranges[1:], strict=False)
+    )
+    data = path.read_bytes()
+    assert all(a == 0 or data[a - 1 : a] == b"\n" for a, _ in ranges)
 
 
 def test_the_spill_files_are_gone_once_analysed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,43 +231,64 @@ def reference_duplicates(entries: list[tuple[int, str]]) -> list[tuple[int, str]
 
 
 def find_duplicates(
-    tmp_path: Path, entries: list[tuple[int, str]], **kwargs: int
-) -> tuple[list[tuple[int, str]], DuplicateIds]:
-    ids = DuplicateIds(tmp_path / "ids", **kwargs)
+    tmp_path: Path,
+    entries: list[tuple[int, str]],
+    *,
+    partitions: int = 64,
+    flush_entries: int = 1 << 16,
+    memory_budget: int = 1 << 29,
+    fan_in: int = 64,
+) -> tuple[list[tuple[int, str]], DuplicateFinder, IdSpill]:
+    spill = IdSpill(tmp_path / "ids", partitions=partitions, flush_entries=flush_entries)
     for line, record_id in entries:
-        ids.add(line, record_id)
-    found = list(ids.duplicates())
-    ids.close()
-    return found, ids
+        spill.add(line, record_id)
+    finder = DuplicateFinder(tmp_path / "dups", memory_budget=memory_budget, fan_in=fan_in)
+    return list(finder.duplicates(spill.close())), finder, spill
 
 
 def test_duplicates_across_partitions_in_line_order(tmp_path: Path) -> None:
     rng = random.Random(5)
     entries = [(line, f"id-{rng.randrange(3000)}") for line in range(1, 10_001)]
-    found, ids = find_duplicates(tmp_path, entries, partitions=8, flush_entries=100)
+    found, _, spill = find_duplicates(tmp_path, entries, partitions=8, flush_entries=100)
     assert found == reference_duplicates(entries)
-    assert ids.ids == 10_000
-    assert list((tmp_path / "ids").iterdir()) == []  # every spill file is deleted
+    assert spill.ids == 10_000
+    assert list((tmp_path / "ids").iterdir()) == []  # every spill file is deleted once read
+    assert list((tmp_path / "dups").iterdir()) == []
+
+
+def test_spills_of_consecutive_ranges_combine(tmp_path: Path) -> None:
+    rng = random.Random(8)
+    entries = [(line, f"id-{rng.randrange(700)}") for line in range(1, 3001)]
+    spills = []
+    for k, (a, b) in enumerate([(0, 1000), (1000, 1001), (1001, 1001), (1001, 3000)]):
+        spill = IdSpill(tmp_path / f"ids-{k}", partitions=4, flush_entries=37)
+        for line, record_id in entries[a:b]:
+            spill.add(line, record_id)
+        spills.append(spill.close())
+    finder = DuplicateFinder(tmp_path / "dups", memory_budget=30_000)
+    assert list(finder.duplicates(combine(spills))) == reference_duplicates(entries)
 
 
 def test_a_partition_over_the_budget_is_split_and_stays_exact(tmp_path: Path) -> None:
     rng = random.Random(6)
     entries = [(line, rng.choice(ODD_IDS) + str(rng.randrange(2000))) for line in range(1, 8001)]
-    found, ids = find_duplicates(tmp_path, entries, partitions=2, memory_budget=20_000, flush_entries=64)
-    assert ids.splits > 0
+    found, finder, _ = find_duplicates(
+        tmp_path, entries, partitions=2, memory_budget=20_000, flush_entries=64
+    )
+    assert finder.splits > 0
     assert found == reference_duplicates(entries)
 
 
 def test_one_id_many_times_stops_splitting(tmp_path: Path) -> None:
     entries = [(line, "same") for line in range(1, 20_001)]
-    found, ids = find_duplicates(tmp_path, entries, partitions=1, memory_budget=1000)
-    assert ids.splits == 1
+    found, finder, _ = find_duplicates(tmp_path, entries, partitions=1, memory_budget=1000)
+    assert finder.splits == 1
     assert found == entries[1:]
 
 
 def test_many_runs_are_merged_with_a_small_fan_in(tmp_path: Path) -> None:
     entries = [(line, f"k{line % 500}") for line in range(1, 6001)]
-    found, _ = find_duplicates(tmp_path, entries, partitions=64, fan_in=2, flush_entries=50)
+    found, _, _ = find_duplicates(tmp_path, entries, partitions=64, fan_in=2, flush_entries=50)
     assert found == reference_duplicates(entries)
 
 
@@ -256,14 +308,14 @@ def test_ids_are_compared_exactly_long_short_and_odd(tmp_path: Path) -> None:
         "\u0000",
     ]
     entries = [(line, record_id) for line, record_id in enumerate(ids + ids[::-1] + ids, start=1)]
-    found, _ = find_duplicates(tmp_path, entries, partitions=4)
+    found, _, _ = find_duplicates(tmp_path, entries, partitions=4)
     assert found == reference_duplicates(entries)
     assert len(found) == 2 * len(ids)
 
 
 def test_partitions_must_be_a_power_of_two(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="power of two"):
-        DuplicateIds(tmp_path, partitions=3)
+        IdSpill(tmp_path, partitions=3)
 
 
 # --------------------------------------------------------------------------------------------
