@@ -726,7 +726,14 @@ def hash_ranges(
     The whole-input digest is updated on a second thread: hashlib releases the GIL on large
     buffers, so the two digests of each chunk are computed side by side on two cores. With
     ``include_whole=False`` (the caller hashes the whole input itself) the first item is "".
+    Then a large local input's ranges are hashed in parallel processes, one group of
+    consecutive shards each.
     """
+    path = _local_path(input_uri)
+    if not include_whole and path is not None and len(cuts) > 1:
+        processes = min(len(os.sched_getaffinity(0)), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
+        if processes > 1:
+            return "", _hash_parallel(path, cuts, processes)
     storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
     digests: list[str] = []
@@ -765,6 +772,34 @@ def hash_ranges(
         current = hashlib.sha256()
         shard += 1
     return (whole.hexdigest() if include_whole else ""), digests
+
+
+def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], processes: int) -> list[str]:
+    """SHA-256 of each shard's byte range, consecutive shards grouped by bytes over ``processes``."""
+    size = max(1, cuts[-1].byte_end)
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(processes)]
+    for cut in cuts:
+        middle = (cut.byte_start + cut.byte_end) / 2
+        groups[min(processes - 1, int(middle * processes / size))].append((cut.byte_start, cut.byte_end))
+    groups = [g for g in groups if g]
+    context = multiprocessing.get_context("spawn")  # not forked: see _scan_parallel
+    with ProcessPoolExecutor(len(groups), mp_context=context) as pool:
+        return [digest for part in pool.map(_hash_spans, [path] * len(groups), groups) for digest in part]
+
+
+def _hash_spans(path: str, spans: list[tuple[int, int]]) -> list[str]:
+    """SHA-256 of each ``[start, end)`` of a local file (run in a worker process)."""
+    digests = []
+    with open(path, "rb") as file:
+        for start, end in spans:
+            file.seek(start)
+            digest = hashlib.sha256()
+            left = end - start
+            while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
+                digest.update(chunk)
+                left -= len(chunk)
+            digests.append(digest.hexdigest())
+    return digests
 
 
 def job_config(request: PlanRequest, target_shard_s: float) -> dict[str, Any]:

@@ -7,6 +7,8 @@ inputs of :mod:`tests.unit.planning_inputs`; the spilling planner must reproduce
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
 import random
@@ -78,6 +80,23 @@ def test_parallel_scan_is_identical_to_the_in_memory_planner(
     finally:
         analysis.close()
     assert got == GOLDEN[f"{seed}-{lines}"]
+
+
+def test_parallel_range_hashes_are_the_sequential_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_input(tmp_path / "in.jsonl", 3000, 3)
+    analysis = analyze_input(plan_request(path))
+    analysis.close()
+    cuts = analysis.cuts
+    empty = dataclasses.replace(cuts[-1], index=len(cuts), byte_start=cuts[-1].byte_end)
+    cuts = (*cuts, empty)
+    whole, sequential = planning.hash_ranges(str(path), cuts)
+    monkeypatch.setattr(planning, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(planning.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert planning.hash_ranges(str(path), cuts, include_whole=False) == ("", sequential)
+    assert whole == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sequential[-1] == hashlib.sha256(b"").hexdigest()
 
 
 def test_line_ranges_start_lines_and_cover_the_file(tmp_path: Path) -> None:
