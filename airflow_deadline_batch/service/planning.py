@@ -600,6 +600,13 @@ def _local_path(input_uri: str) -> str | None:
     return str(storage.root / key) if isinstance(storage, LocalStorage) else None
 
 
+def _cores() -> int:
+    """The cores this process may run on (the CPU count where affinity is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _scan_processes(request: PlanRequest, path: str | None) -> int:
     """How many processes validate the input: one for a small or remote input, else one per core."""
     if path is None:
@@ -608,7 +615,7 @@ def _scan_processes(request: PlanRequest, path: str | None) -> int:
         size = os.stat(path).st_size
     except FileNotFoundError:
         return 1  # _open_input says so
-    wanted = request.scan_processes or len(os.sched_getaffinity(0))
+    wanted = request.scan_processes or _cores()
     return max(1, min(wanted, size // PARALLEL_MIN_BYTES))
 
 
@@ -731,7 +738,7 @@ def hash_ranges(
     """
     path = _local_path(input_uri)
     if not include_whole and path is not None and len(cuts) > 1:
-        processes = min(len(os.sched_getaffinity(0)), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
+        processes = min(_cores(), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
         if processes > 1:
             return "", _hash_parallel(path, cuts, processes)
     storage, key = open_uri(input_uri)
