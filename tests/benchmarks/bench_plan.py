@@ -236,6 +236,10 @@ def create_store(workdir: Path) -> None:
     ManifestStore(f"sqlite:///{workdir}/store.db").migrate()
 
 
+#: the largest worker process's peak RSS (MB) of the last :func:`run_child`, 0 without workers
+last_worker_rss_mb = [0.0]
+
+
 def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, float, float, str]:
     """Run ``argv`` (from :func:`python_child`); return its (wall s, CPU s, peak RSS MB, stdout).
 
@@ -262,10 +266,7 @@ def run_child(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[f
     if not peaks:
         raise SystemExit(f"{' '.join(argv[3:])} did not report its peak RSS:\n{errors[-3000:]}")
     workers = [line.split()[1] for line in errors.splitlines() if line.startswith("@@children_peak_rss_kb ")]
-    if workers and int(workers[-1]) > 0:
-        print(
-            f"    (largest worker process of that run: <= {int(workers[-1]) / 1024:.0f} MB)", file=sys.stderr
-        )
+    last_worker_rss_mb[0] = int(workers[-1]) / 1024 if workers else 0.0
     return wall, usage.ru_utime + usage.ru_stime, int(peaks[-1]) / 1024, out.decode()
 
 
@@ -350,8 +351,10 @@ def main() -> None:
                 wall, cpu, rss, out = run_child(commands(path, workdir)[name], env)
                 samples[name].append((wall, cpu, rss))
                 details[name] = json.loads(out.strip().splitlines()[-1])
+                workers = last_worker_rss_mb[0]
                 print(
-                    f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB",
+                    f"  {name:<9} run {attempt + 1}: {wall:7.2f} s wall {cpu:7.2f} s CPU {rss:7.1f} MB"
+                    + (f" (largest worker process <= {workers:.0f} MB)" if workers else ""),
                     file=sys.stderr,
                     flush=True,
                 )
