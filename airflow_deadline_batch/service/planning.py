@@ -16,13 +16,12 @@ import datetime as dt
 import hashlib
 import io
 import math
-import multiprocessing
 import os
 import tempfile
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -60,6 +59,7 @@ from airflow_deadline_batch.exceptions import (
     InputError,
     ObjectNotFound,
 )
+from airflow_deadline_batch.service.processes import run_in_processes
 from airflow_deadline_batch.service.spill import (
     CHUNK_ROWS,
     DEFAULT_MEMORY_BUDGET,
@@ -405,7 +405,7 @@ def _scan_part(job: _PartJob) -> _ScanPart:
 
 
 def _count_newlines(path: str, start: int, end: int) -> int:
-    """Newlines in ``[start, end)`` of a local file (run in a worker process)."""
+    """Newlines in ``[start, end)`` of a local file."""
     count = 0
     with open(path, "rb") as file:
         file.seek(start)
@@ -654,13 +654,14 @@ def _scan_parallel(
 ) -> list[_ScanPart]:
     """Scan ``processes`` byte ranges of a local file in as many processes (line numbers first)."""
     ranges = _line_ranges(path, os.stat(path).st_size, processes)
-    # spawned, not forked: the planner may run beside other threads (the whole-input hash)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(len(ranges), mp_context=context) as pool:
-        newlines = list(pool.map(_count_newlines, [path] * len(ranges), *zip(*ranges, strict=True)))
-        first_lines = [1 + sum(newlines[:k]) for k in range(len(ranges))]
-        jobs = [job(k, a, b, first_lines[k]) for k, (a, b) in enumerate(ranges)]
-        return list(pool.map(_scan_part, jobs))
+    # each range's first line number: count the newlines before it (C speed: a second or two a GB)
+    first_lines = [1]
+    for a, b in ranges[:-1]:
+        first_lines.append(first_lines[-1] + _count_newlines(path, a, b))
+    parts: list[_ScanPart] = run_in_processes(
+        _scan_part, [(job(k, a, b, first_lines[k]),) for k, (a, b) in enumerate(ranges)]
+    )
+    return parts
 
 
 def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[ShardCut, ...]:
@@ -788,10 +789,8 @@ def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], processes: int) -> lis
     for cut in cuts:
         middle = (cut.byte_start + cut.byte_end) / 2
         groups[min(processes - 1, int(middle * processes / size))].append((cut.byte_start, cut.byte_end))
-    groups = [g for g in groups if g]
-    context = multiprocessing.get_context("spawn")  # not forked: see _scan_parallel
-    with ProcessPoolExecutor(len(groups), mp_context=context) as pool:
-        return [digest for part in pool.map(_hash_spans, [path] * len(groups), groups) for digest in part]
+    calls = [(path, group) for group in groups if group]
+    return [digest for part in run_in_processes(_hash_spans, calls) for digest in part]
 
 
 def _hash_spans(path: str, spans: list[tuple[int, int]]) -> list[str]:
