@@ -1,10 +1,11 @@
 """Planning a job: validate the input, estimate the work, decide admission, cut shards, record the job.
 
-One streaming pass parses and validates every line (spilling a few numbers and the ID of each to
-temporary files, so memory stays within a budget whatever the input's size), duplicate IDs are
-found from the spilled IDs, the shards are cut as contiguous byte ranges by cumulative estimated
-work, and a second pass of large reads hashes each range and the whole input so workers can prove
-they read the same snapshot.
+One streaming pass parses and validates every line (a large local input in byte ranges, one
+process per core; a few numbers and the ID of each line are spilled to temporary files, so memory
+stays within a budget whatever the input's size), duplicate IDs are found from the spilled IDs,
+the shards are cut as contiguous byte ranges by cumulative estimated work, and a second pass of
+large reads hashes each range and the whole input so workers can prove they read the same
+snapshot.
 Shared by the ``deadline-batch`` CLI and ``DeadlineBatchOperator``.
 """
 
