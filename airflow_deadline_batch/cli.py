@@ -570,7 +570,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     engine = args.engine or "echo"
     analysis = analyze_input(_plan_request(args, engine, default_output()))
     try:
+        from airflow_deadline_batch.core.capacity import capacity
+        from airflow_deadline_batch.core.feasibility import AdmissionPolicy
+
         report = analysis.report
+        request = analysis.request
+        room = capacity(
+            analysis.work,
+            request.pools,
+            now=report.now,
+            deadline=report.deadline,
+            policy=AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction),
+        )
         payload = {
             "tenant": analysis.request.tenant,
             "feasible": report.feasible,
@@ -582,11 +593,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "errors_by_code": dict(analysis.errors_by_code),
             "shards": len(analysis.cuts),
             "target_shard_s": round(analysis.target_shard_s, 3),
+            "capacity": room.to_dict(),
         }
         text = report.summary() + (
             f"\ntenant: {analysis.request.tenant}"
             f"\nrecords: {analysis.work.records}, invalid lines: {analysis.work.invalid}"
-            f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}"
+            f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}\n"
+            + "\n".join(room.lines())
         )
         _emit(args, payload, text)
         if report.feasible:

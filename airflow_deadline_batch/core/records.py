@@ -31,6 +31,8 @@ __all__ = [
     "Request",
     "ValidationLimits",
     "Validator",
+    "duplicate_error",
+    "id_key",
     "iter_line_tuples",
     "iter_raw_lines",
     "parse_line",
@@ -726,7 +728,23 @@ def _id_digest(record_id: str) -> bytes | str:
     its 16-byte BLAKE2b digest (a str never equals a bytes, so the two kinds cannot collide)."""
     if len(record_id) <= 16:
         return record_id
-    return hashlib.blake2b(record_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return hashlib.blake2b(id_key(record_id), digest_size=16).digest()
+
+
+def id_key(record_id: str) -> bytes:
+    """An ID as bytes, exactly: equal keys are equal IDs (for spilling IDs to disk)."""
+    return record_id.encode("utf-8", "surrogatepass")
+
+
+def duplicate_error(line: int, record_id: str) -> LineError:
+    """The outcome of a line whose ID an earlier line already owns."""
+    return LineError(
+        line,
+        record_id,
+        ErrorCode.DUPLICATE_ID,
+        f"ID {_clip(record_id)} was already used by an earlier line (the first one is kept); "
+        "give every record a unique ID",
+    )
 
 
 class Validator:
@@ -735,10 +753,15 @@ class Validator:
     The first line carrying an ID owns it, even when that line is itself invalid, so every ID
     maps to exactly one outcome. Seen IDs of more than 16 characters are kept as 16-byte BLAKE2b
     digests, shorter ones as they are (about 80 MB for a million IDs either way).
+
+    With ``check_duplicates=False`` nothing is remembered and every line is judged on its own:
+    the planner does that and finds duplicates afterwards from IDs spilled to disk
+    (:mod:`airflow_deadline_batch.service.spill`), so its memory does not grow with the input.
     """
 
-    def __init__(self, limits: ValidationLimits | None = None) -> None:
+    def __init__(self, limits: ValidationLimits | None = None, *, check_duplicates: bool = True) -> None:
         self.limits = limits or ValidationLimits()
+        self.check_duplicates = check_duplicates
         self._seen: set[bytes | str] = set()
         self.lines = 0
         self.records = 0
@@ -758,10 +781,11 @@ class Validator:
         quick = quick_parse(data, self.limits)
         if quick is None:
             return None
-        digest = _id_digest(quick[0])
-        if digest in self._seen:
-            return None
-        self._seen.add(digest)
+        if self.check_duplicates:
+            digest = _id_digest(quick[0])
+            if digest in self._seen:
+                return None
+            self._seen.add(digest)
         self.lines += 1
         self.records += 1
         return quick
@@ -772,16 +796,10 @@ class Validator:
         outcome = parse_line(raw, self.limits)
         if outcome is None:
             return None
-        if outcome.id is not None:
+        if self.check_duplicates and outcome.id is not None:
             digest = _id_digest(outcome.id)
             if digest in self._seen:
-                outcome = LineError(
-                    outcome.line,
-                    outcome.id,
-                    ErrorCode.DUPLICATE_ID,
-                    f"ID {_clip(outcome.id)} was already used by an earlier line (the first one is kept); "
-                    "give every record a unique ID",
-                )
+                outcome = duplicate_error(outcome.line, outcome.id)
             else:
                 self._seen.add(digest)
         if isinstance(outcome, Record):

@@ -1,8 +1,11 @@
 """Planning a job: validate the input, estimate the work, decide admission, cut shards, record the job.
 
-One streaming pass parses and validates every line (keeping only a few numbers per record), the
-shards are cut as contiguous byte ranges by cumulative estimated work, and a second pass of large
-reads hashes each range and the whole input so workers can prove they read the same snapshot.
+One streaming pass parses and validates every line (a large local input in byte ranges, one
+process per core; a few numbers and the ID of each line are spilled to temporary files, so memory
+stays within a budget whatever the input's size), duplicate IDs are found from the spilled IDs,
+the shards are cut as contiguous byte ranges by cumulative estimated work, and a second pass of
+large reads hashes each range and the whole input so workers can prove they read the same
+snapshot.
 Shared by the ``deadline-batch`` CLI and ``DeadlineBatchOperator``.
 """
 
@@ -12,14 +15,19 @@ import bisect
 import dataclasses
 import datetime as dt
 import hashlib
+import io
 import math
+import os
 import tempfile
 from array import array
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
@@ -35,11 +43,13 @@ from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count
 from airflow_deadline_batch.core.params import check_generation_defaults
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
 from airflow_deadline_batch.core.records import (
+    ErrorCode,
     LineError,
     RawLine,
     Record,
     ValidationLimits,
     Validator,
+    duplicate_error,
     iter_line_tuples,
 )
 from airflow_deadline_batch.core.results import ResultRecord, encode_results
@@ -52,6 +62,17 @@ from airflow_deadline_batch.exceptions import (
     ObjectNotFound,
 )
 from airflow_deadline_batch.service.admission import shared_admission
+from airflow_deadline_batch.service.processes import run_in_processes
+from airflow_deadline_batch.service.spill import (
+    CHUNK_ROWS,
+    DEFAULT_MEMORY_BUDGET,
+    Column,
+    ColumnFloats,
+    DuplicateFinder,
+    IdSpill,
+    PartitionFiles,
+    combine,
+)
 from airflow_deadline_batch.storage import LocalStorage, join_uri, open_storage, open_uri, sha256_hex
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
@@ -59,6 +80,10 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-ba
 
 #: key of the validation-errors object, relative to the job's output base
 VALIDATION_KEY = "validation/errors.jsonl"
+_NO_LINE = 1 << 62  # past every line number: the end of the provisional errors
+#: a local input is validated on several cores from this size on, one range per core at most
+#: every PARALLEL_MIN_BYTES (a process costs about a third of a second to start)
+PARALLEL_MIN_BYTES = 32 * 1024 * 1024
 _READ_CHUNK = 4 * 1024 * 1024
 
 
@@ -86,6 +111,10 @@ class PlanRequest:
     limits: ValidationLimits = field(default_factory=ValidationLimits)
     allow_infeasible: bool = False
     tenant: str = DEFAULT_TENANT
+    #: planning's memory budget for the duplicate-ID check (its spill files take the rest)
+    memory_budget_mb: int = DEFAULT_MEMORY_BUDGET // (1024 * 1024)
+    #: processes that validate a large local input (None: one per core)
+    scan_processes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deadline", ensure_aware(self.deadline, "deadline"))
@@ -107,6 +136,16 @@ class PlanRequest:
             )
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if (
+            isinstance(self.memory_budget_mb, bool)
+            or not isinstance(self.memory_budget_mb, int)
+            or (self.memory_budget_mb < 1)
+        ):
+            raise ConfigurationError(
+                f"memory_budget_mb must be a positive integer, got {self.memory_budget_mb!r}"
+            )
+        if self.scan_processes is not None and self.scan_processes < 1:
+            raise ConfigurationError(f"scan_processes must be >= 1 or None, got {self.scan_processes}")
         if not 1 <= self.max_shards <= 100_000:
             raise ConfigurationError(f"max_shards must be between 1 and 100000, got {self.max_shards}")
         max_tokens = self.generation.get("max_tokens", 256)
@@ -174,22 +213,30 @@ class PlanResult:
 def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputAnalysis:
     """Validate and estimate every line of the input, decide admission, cut shards.
 
-    Memory stays proportional to the number of records (three numbers each) plus the ID digests
-    the duplicate check needs; invalid lines are spooled to a temporary file as outcomes.
+    Memory stays within ``request.memory_budget_mb`` whatever the input's size: what is kept per
+    line (numbers, IDs) is spilled to temporary files, deleted before this returns; invalid lines'
+    outcomes are spooled to a temporary file that :meth:`InputAnalysis.close` deletes.
     """
     now = (clock or SystemClock()).now()
     pool = request.reference_pool()
     scan = _scan_input(request, WorkModel.from_pool(pool))
-    work = scan.summary()
-    report = assess(
-        work,
-        request.pools,
-        deadline=request.deadline,
-        now=now,
-        policy=AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction),
-        max_parallel=request.workers,
-    )
-    target = _shard_target(request, pool, work.gpu_seconds, work.records)
+    try:
+        work = scan.summary()
+        report = assess(
+            work,
+            request.pools,
+            deadline=request.deadline,
+            now=now,
+            policy=AdmissionPolicy(max_invalid_fraction=request.max_invalid_fraction),
+            max_parallel=request.workers,
+        )
+        target = _shard_target(request, pool, work.gpu_seconds, work.records)
+        cuts = _cut_shards(scan, target, request.max_shards)
+    except BaseException:
+        scan.spool.close()
+        raise
+    finally:
+        scan.close()
     return InputAnalysis(
         request=request,
         report=report,
@@ -197,62 +244,355 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
         total_lines=scan.total_lines,
         outcome_lines=work.lines,
         errors_by_code=dict(scan.errors),
-        cuts=_cut_shards(scan, target, request.max_shards),
+        cuts=cuts,
         target_shard_s=target,
         error_spool=scan.spool,
     )
 
 
-@dataclass(eq=False)
-class _InputScan:
-    """What the validating pass keeps: three numbers per record, invalid line numbers, totals.
+_COLUMNS = (("line", "q"), ("end", "q"), ("work", "d"), ("prompt", "q"), ("output", "q"))
 
-    ``spool`` holds the ``errored`` outcome of every invalid line (rewound when the pass
-    ends); whoever takes the scan closes it (through :meth:`InputAnalysis.close`).
+
+@dataclass(frozen=True)
+class _PartJob:
+    """Scan one byte range of the input (whole lines) into files under ``directory``.
+
+    ``path`` is the local file to read (None: the caller hands the stream over).
     """
 
+    path: str | None
+    byte_start: int
+    byte_end: int | None
+    first_line: int
+    directory: str
+    limits: ValidationLimits
+    default_max_tokens: int
     work_model: WorkModel
-    rec_line: array[int] = field(default_factory=lambda: array("q"))
-    rec_end: array[int] = field(default_factory=lambda: array("q"))
-    rec_work: array[float] = field(default_factory=lambda: array("d"))
-    invalid_lines: array[int] = field(default_factory=lambda: array("q"))
-    errors: Counter[str] = field(default_factory=Counter)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    gpu_seconds: float = 0.0
-    total_lines: int = 0
-    file_size: int = 0
-    spool: Any = field(
-        default_factory=lambda: tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
-    )
+
+
+@dataclass(frozen=True)
+class _ScanPart:
+    """What scanning one byte range wrote, and where its lines end."""
+
+    directory: str
+    records: int
+    partitions: list[PartitionFiles]
+    last_line: int
+    end_offset: int
+
+
+class _PartWriter:
+    """The files of one scanned range: valid-looking records' numbers as columns, IDs to an
+    :class:`~airflow_deadline_batch.service.spill.IdSpill`, invalid lines' provisional outcomes
+    (``"<line> <code> <outcome JSON>\\n"``), all in line order. Memory: one chunk of each."""
+
+    def __init__(self, directory: Path, work_model: WorkModel) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.seconds = work_model.seconds
+        self.ids = IdSpill(directory / "ids")
+        self.rec_line: array[int] = array("q")
+        self.rec_end: array[int] = array("q")
+        self.rec_work: array[float] = array("d")
+        self.rec_prompt: array[int] = array("q")
+        self.rec_output: array[int] = array("q")
+        self._columns = [Column(directory / name, code) for name, code in _COLUMNS]
+        self._errors = (directory / "errors").open("wb")
 
     def add_record(self, line: int, end_offset: int, prompt_tokens: int, output_tokens: int) -> None:
-        """Count one valid record: its estimated tokens and GPU-seconds, where it ends."""
-        work = self.work_model.seconds(prompt_tokens, output_tokens)
-        self.prompt_tokens += prompt_tokens
-        self.output_tokens += output_tokens
-        self.gpu_seconds += work
+        """Count one valid-looking record: where it ends, its estimated tokens and GPU-seconds."""
         self.rec_line.append(line)
         self.rec_end.append(end_offset)
-        self.rec_work.append(work)
+        self.rec_work.append(self.seconds(prompt_tokens, output_tokens))
+        self.rec_prompt.append(prompt_tokens)
+        self.rec_output.append(output_tokens)
+        if len(self.rec_line) >= CHUNK_ROWS:
+            self._spill_records()
+
+    def _spill_records(self) -> None:
+        arrays: tuple[array[Any], ...] = (
+            self.rec_line,
+            self.rec_end,
+            self.rec_work,
+            self.rec_prompt,
+            self.rec_output,
+        )
+        for column, values in zip(self._columns, arrays, strict=True):
+            column.extend(values)
+            del values[:]
 
     def add_error(self, error: LineError) -> None:
-        """Count one invalid line and spool its ``errored`` outcome."""
-        self.invalid_lines.append(error.line)
-        self.errors[error.code.value] += 1
-        self.spool.write(encode_results([ResultRecord.from_line_error(error)]))
+        """Spool one invalid line's provisional ``errored`` outcome."""
+        self._errors.write(
+            b"%d %s " % (error.line, error.code.value.encode())
+            + encode_results([ResultRecord.from_line_error(error)])
+        )
+
+    def close(self, last_line: int, end_offset: int) -> _ScanPart:
+        self._spill_records()
+        for column in self._columns:
+            column.close()
+        self._errors.close()
+        return _ScanPart(
+            directory=str(self.directory),
+            records=len(self._columns[0]),
+            partitions=self.ids.close(),
+            last_line=last_line,
+            end_offset=end_offset,
+        )
+
+
+def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
+    """The validating pass over one range: every line once, in order, judged on its own."""
+    limits = job.limits
+    default_max = job.default_max_tokens
+    # every line is judged on its own; the IDs go to disk and duplicates are found afterwards
+    validator = Validator(limits, check_duplicates=False)
+    feed_quick = validator.feed_quick
+    out = _PartWriter(Path(job.directory), job.work_model)
+    add_record = out.add_record
+    add_id = out.ids.add
+    line, end_offset = job.first_line - 1, job.byte_start
+    for line, offset, end_offset, data, head in iter_line_tuples(
+        stream, start_line=job.first_line, start_offset=job.byte_start, max_line_bytes=limits.max_line_bytes
+    ):
+        # the common case skips building Record objects (same numbers: see quick_parse)
+        quick = feed_quick(data) if data is not None else None
+        if quick is not None:
+            add_id(line, quick[0])
+            # a valid max_tokens is >= 1, as expected_output_tokens says
+            add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
+            continue
+        outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
+        if outcome is None:
+            continue
+        if outcome.id is not None:  # the first line of an ID owns it, even an invalid one
+            add_id(line, outcome.id)
+        if isinstance(outcome, Record):
+            add_record(
+                line,
+                end_offset,
+                estimate_prompt_tokens(outcome.request),
+                expected_output_tokens(outcome.request, default_max_tokens=default_max),
+            )
+        else:
+            out.add_error(outcome)
+    return out.close(line, end_offset)
+
+
+class _RangeReader(io.RawIOBase):
+    """At most ``length`` bytes of a file from its current position."""
+
+    def __init__(self, file: BinaryIO, length: int) -> None:
+        self._file = file
+        self._left = length
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._left <= 0:
+            return 0
+        view = memoryview(buffer)
+        got = self._file.readinto(view[: min(len(view), self._left)])  # type: ignore[attr-defined]
+        self._left -= got or 0
+        return got or 0
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _scan_part(job: _PartJob) -> _ScanPart:
+    """Scan one byte range of a local file (run in a worker process)."""
+    assert job.path is not None and job.byte_end is not None
+    raw = open(job.path, "rb", buffering=0)  # noqa: SIM115 - the reader closes it
+    raw.seek(job.byte_start)
+    with io.BufferedReader(_RangeReader(raw, job.byte_end - job.byte_start), buffer_size=1 << 20) as stream:
+        return _scan_lines(stream, job)
+
+
+def _count_newlines(path: str, start: int, end: int) -> int:
+    """Newlines in ``[start, end)`` of a local file."""
+    count = 0
+    with open(path, "rb") as file:
+        file.seek(start)
+        left = end - start
+        while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
+            count += chunk.count(b"\n")
+            left -= len(chunk)
+    return count
+
+
+def _line_ranges(path: str, size: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` byte ranges of about equal size, each starting right after a newline (or at 0)."""
+    starts = [0]
+    with open(path, "rb") as file:
+        for k in range(1, parts):
+            position = max(k * size // parts, starts[-1])
+            file.seek(position)
+            while True:  # to the byte after the next newline: a range begins a line
+                chunk = file.read(65_536)
+                if not chunk:
+                    position = size
+                    break
+                newline = chunk.find(b"\n")
+                if newline >= 0:
+                    position += newline + 1
+                    break
+                position += len(chunk)
+            starts.append(position)
+    bounds = sorted(set(starts)) + [size]
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a] or [(0, size)]
+
+
+class _InputScan:
+    """What the validating pass kept, on disk, and (after :meth:`finish`) the duplicate-ID rule applied.
+
+    The scanned ranges (one, or one per process) each wrote their records' numbers, IDs and
+    invalid lines' provisional outcomes to files (:class:`_PartWriter`). :meth:`finish` then
+    finds the later lines of every ID (:class:`~airflow_deadline_batch.service.spill.DuplicateFinder`):
+    each becomes a ``duplicate_id`` error, whatever it was, the records and the spool are written
+    again without them, and the totals are summed in line order, as the in-memory pass summed them.
+    Memory stays within the budget whatever the input's size. :meth:`close` deletes every file
+    but ``spool`` (the ``errored`` outcomes in line order, rewound), which whoever takes the
+    scan closes (through :meth:`InputAnalysis.close`).
+    """
+
+    def __init__(self, *, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="deadline-batch-plan-")
+        self.directory = Path(self._tmp.name)
+        self._memory_budget = memory_budget
+        # the records and invalid lines that stand, and the totals
+        self.lines = Column(self.directory / "line", "q")
+        self.ends = Column(self.directory / "end", "q")
+        self.works = Column(self.directory / "work", "d")
+        self.invalid_lines = Column(self.directory / "invalid", "q")
+        self._opened: list[Column] = []
+        self.records = 0
+        self.errors: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.gpu_seconds = 0.0
+        self.total_lines = 0
+        self.file_size = 0
+        self.spool: Any = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
+
+    def finish(self, parts: Sequence[_ScanPart]) -> None:
+        """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results."""
+        self.total_lines, self.file_size = parts[-1].last_line, parts[-1].end_offset
+        finder = DuplicateFinder(self.directory / "duplicates", memory_budget=self._memory_budget)
+        duplicates = finder.duplicates(combine([part.partitions for part in parts]))
+        duplicate_records = Column(self.directory / "duplicate-records", "q")
+        self._opened.append(duplicate_records)
+        self._merge_errors(parts, duplicates, duplicate_records)
+        self._keep_records(parts, duplicate_records.seal())
+        for column in (self.lines, self.ends, self.works, self.invalid_lines):
+            column.seal()
+        self.spool.seek(0)
+
+    def _provisional_errors(self, parts: Sequence[_ScanPart]) -> Iterator[tuple[int, bytes, bytes]]:
+        for part in parts:
+            with (Path(part.directory) / "errors").open("rb") as file:
+                for entry in file:
+                    line, code, outcome = entry.split(b" ", 2)
+                    yield int(line), code, outcome
+        yield _NO_LINE, b"", b""
+
+    def _merge_errors(
+        self, parts: Sequence[_ScanPart], duplicates: Iterator[tuple[int, str]], duplicate_records: Column
+    ) -> None:
+        """The final spool, in line order: provisional outcomes, duplicates replacing them."""
+        provisional = self._provisional_errors(parts)
+        invalid: array[int] = array("q")
+        dup_records: array[int] = array("q")
+        write = self.spool.write
+        errors = self.errors
+
+        def stand(line: int, code: bytes, outcome: bytes) -> None:
+            invalid.append(line)
+            errors[code.decode()] += 1
+            write(outcome)
+            if len(invalid) >= CHUNK_ROWS:
+                self.invalid_lines.extend(invalid)
+                del invalid[:]
+
+        err_line, err_code, err_outcome = next(provisional)
+        for dup_line, dup_id in duplicates:
+            while err_line < dup_line:  # invalid lines before the duplicate stand as they are
+                stand(err_line, err_code, err_outcome)
+                err_line, err_code, err_outcome = next(provisional)
+            if err_line == dup_line:  # an invalid line repeating an ID: a duplicate_id instead
+                err_line, err_code, err_outcome = next(provisional)
+            else:
+                dup_records.append(dup_line)
+                if len(dup_records) >= CHUNK_ROWS:
+                    duplicate_records.extend(dup_records)
+                    del dup_records[:]
+            outcome = encode_results([ResultRecord.from_line_error(duplicate_error(dup_line, dup_id))])
+            stand(dup_line, ErrorCode.DUPLICATE_ID.value.encode(), outcome)
+        while err_line != _NO_LINE:
+            stand(err_line, err_code, err_outcome)
+            err_line, err_code, err_outcome = next(provisional)
+        self.invalid_lines.extend(invalid)
+        duplicate_records.extend(dup_records)
+
+    def _keep_records(self, parts: Sequence[_ScanPart], duplicates: Column) -> None:
+        """Copy the records that are no duplicate to the final columns; sum the totals in order."""
+        dup_chunks = duplicates.chunks()
+        pending = np.empty(0, dtype=np.int64)
+        gpu_seconds = 0.0
+        for part in parts:
+            lines, ends, works, prompts, outputs = columns = [
+                Column(Path(part.directory) / name, code, written=part.records) for name, code in _COLUMNS
+            ]
+            self._opened.extend(columns)
+            start = 0
+            for line_chunk in lines.chunks():
+                stop = start + len(line_chunk)
+                last_line = int(line_chunk[-1])
+                while not len(pending) or pending[-1] <= last_line:
+                    more = next(dup_chunks, None)
+                    if more is None:
+                        break
+                    pending = np.concatenate((pending, more))
+                cut = int(np.searchsorted(pending, last_line, side="right"))
+                here, pending = pending[:cut], pending[cut:]
+                keep = ~np.isin(line_chunk, here, assume_unique=True) if len(here) else slice(None)
+                work = next(works.chunks(start, stop))[keep]
+                self.lines.extend(line_chunk[keep])
+                self.ends.extend(next(ends.chunks(start, stop))[keep])
+                self.works.extend(work)
+                self.records += len(work)
+                self.prompt_tokens += int(next(prompts.chunks(start, stop))[keep].sum())
+                self.output_tokens += int(next(outputs.chunks(start, stop))[keep].sum())
+                if len(work):
+                    # a running sum in line order, as ``total += work`` record by record would give
+                    # (np.add.accumulate adds sequentially; a plain sum would add pairwise)
+                    work = work.copy()
+                    work[0] += gpu_seconds
+                    gpu_seconds = float(np.add.accumulate(work)[-1])
+                start = stop
+            for column in columns:
+                column.close()
+        self.gpu_seconds = gpu_seconds
 
     def summary(self) -> WorkSummary:
-        records = len(self.rec_line)
         invalid = len(self.invalid_lines)
         return WorkSummary(
-            records=records,
+            records=self.records,
             invalid=invalid,
-            lines=records + invalid,
+            lines=self.records + invalid,
             prompt_tokens=self.prompt_tokens,
             output_tokens=self.output_tokens,
             gpu_seconds=self.gpu_seconds,
         )
+
+    def close(self) -> None:
+        """Delete the spill files (``spool`` stays open for its taker)."""
+        for column in (*self._opened, self.lines, self.ends, self.works, self.invalid_lines):
+            column.close()
+        self._tmp.cleanup()
 
 
 def _open_input(input_uri: str) -> BinaryIO:
@@ -263,53 +603,90 @@ def _open_input(input_uri: str) -> BinaryIO:
         raise InputError(f"input {input_uri} does not exist: check the path or URI") from None
 
 
+def _local_path(input_uri: str) -> str | None:
+    storage, key = open_uri(input_uri)
+    return str(storage.root / key) if isinstance(storage, LocalStorage) else None
+
+
+def _cores() -> int:
+    """The cores this process may run on (the CPU count where affinity is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _scan_processes(request: PlanRequest, path: str | None) -> int:
+    """How many processes validate the input: one for a small or remote input, else one per core."""
+    if path is None:
+        return 1
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return 1  # _open_input says so
+    wanted = request.scan_processes or _cores()
+    return max(1, min(wanted, size // PARALLEL_MIN_BYTES))
+
+
 def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
-    """The validating pass: every line once, in order; the spool is rewound at the end."""
+    """The validating pass over the input (in byte ranges on several cores when it is large and
+    local), then the duplicate-ID rule (:meth:`_InputScan.finish`). The caller closes the scan;
+    on an error it is closed here."""
     # lines whose body asks for what the job's engine cannot honour are refused here, per line
     limits = dataclasses.replace(request.limits, engine=request.engine)
-    default_max = request.default_max_tokens
-    validator = Validator(limits)
-    feed_quick = validator.feed_quick
-    scan = _InputScan(work_model)
-    add_record = scan.add_record
-    line = end_offset = 0
-    with _open_input(request.input_uri) as stream:
-        for line, offset, end_offset, data, head in iter_line_tuples(
-            stream, max_line_bytes=limits.max_line_bytes
-        ):
-            # the common case skips building Record objects (same numbers: see quick_parse)
-            quick = feed_quick(data) if data is not None else None
-            if quick is not None:
-                # a valid max_tokens is >= 1, as expected_output_tokens says
-                add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
-                continue
-            outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
-            if isinstance(outcome, Record):
-                add_record(
-                    line,
-                    end_offset,
-                    estimate_prompt_tokens(outcome.request),
-                    expected_output_tokens(outcome.request, default_max_tokens=default_max),
-                )
-            elif outcome is not None:
-                scan.add_error(outcome)
-    scan.total_lines, scan.file_size = line, end_offset
-    scan.spool.seek(0)
+    scan = _InputScan(memory_budget=request.memory_budget_mb * 1024 * 1024)
+    try:
+        path = _local_path(request.input_uri)
+        processes = _scan_processes(request, path)
+
+        def job(index: int, start: int, end: int | None, first_line: int) -> _PartJob:
+            directory = str(scan.directory / f"part-{index:04d}")
+            return _PartJob(
+                path, start, end, first_line, directory, limits, request.default_max_tokens, work_model
+            )
+
+        if processes > 1 and path is not None:
+            parts = _scan_parallel(path, processes, job)
+        else:
+            with _open_input(request.input_uri) as stream:
+                parts = [_scan_lines(stream, job(0, 0, None, 1))]
+        scan.finish(parts)
+    except BaseException:
+        scan.close()
+        scan.spool.close()
+        raise
     return scan
+
+
+def _scan_parallel(
+    path: str, processes: int, job: Callable[[int, int, int | None, int], _PartJob]
+) -> list[_ScanPart]:
+    """Scan ``processes`` byte ranges of a local file in as many processes (line numbers first)."""
+    ranges = _line_ranges(path, os.stat(path).st_size, processes)
+    # each range's first line number: count the newlines before it (C speed: a second or two a GB)
+    first_lines = [1]
+    for a, b in ranges[:-1]:
+        first_lines.append(first_lines[-1] + _count_newlines(path, a, b))
+    parts: list[_ScanPart] = run_in_processes(
+        _scan_part, [(job(k, a, b, first_lines[k]),) for k, (a, b) in enumerate(ranges)]
+    )
+    return parts
 
 
 def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[ShardCut, ...]:
     """Contiguous byte ranges by cumulative work; the last one runs to the end of the input."""
-    records = len(scan.rec_line)
-    ranges = cut_contiguous(scan.rec_work, target_seconds=target_s, max_shards=max_shards) if records else []
+    records = scan.records
+    works = scan.works
+    ranges = (
+        cut_contiguous(ColumnFloats(works), target_seconds=target_s, max_shards=max_shards) if records else []
+    )
     invalid_lines = scan.invalid_lines
     cuts: list[ShardCut] = []
     prev_end_offset = 0
     prev_last_line = 0
     for index, (a, b) in enumerate(ranges):
         last = index == len(ranges) - 1
-        end_offset = scan.file_size if last else scan.rec_end[b - 1]
-        last_line = scan.total_lines if last else scan.rec_line[b - 1]
+        end_offset = scan.file_size if last else int(scan.ends[b - 1])
+        last_line = scan.total_lines if last else int(scan.lines[b - 1])
         lo = bisect.bisect_left(invalid_lines, prev_last_line + 1)
         hi = bisect.bisect_right(invalid_lines, last_line)
         cuts.append(
@@ -320,8 +697,8 @@ def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[Sha
                 first_line=prev_last_line + 1,
                 line_count=last_line - prev_last_line,
                 records=b - a,
-                excluded_lines=tuple(invalid_lines[lo:hi]),
-                est_work_s=math.fsum(scan.rec_work[a:b]),
+                excluded_lines=tuple(invalid_lines.read_list(lo, hi)),
+                est_work_s=math.fsum(works.values(a, b)),
             )
         )
         prev_end_offset, prev_last_line = end_offset, last_line
@@ -365,7 +742,14 @@ def hash_ranges(
     The whole-input digest is updated on a second thread: hashlib releases the GIL on large
     buffers, so the two digests of each chunk are computed side by side on two cores. With
     ``include_whole=False`` (the caller hashes the whole input itself) the first item is "".
+    Then a large local input's ranges are hashed in parallel processes, one group of
+    consecutive shards each.
     """
+    path = _local_path(input_uri)
+    if not include_whole and path is not None and len(cuts) > 1:
+        processes = min(_cores(), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
+        if processes > 1:
+            return "", _hash_parallel(path, cuts, processes)
     storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
     digests: list[str] = []
@@ -404,6 +788,32 @@ def hash_ranges(
         current = hashlib.sha256()
         shard += 1
     return (whole.hexdigest() if include_whole else ""), digests
+
+
+def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], processes: int) -> list[str]:
+    """SHA-256 of each shard's byte range, consecutive shards grouped by bytes over ``processes``."""
+    size = max(1, cuts[-1].byte_end)
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(processes)]
+    for cut in cuts:
+        middle = (cut.byte_start + cut.byte_end) / 2
+        groups[min(processes - 1, int(middle * processes / size))].append((cut.byte_start, cut.byte_end))
+    calls = [(path, group) for group in groups if group]
+    return [digest for part in run_in_processes(_hash_spans, calls) for digest in part]
+
+
+def _hash_spans(path: str, spans: list[tuple[int, int]]) -> list[str]:
+    """SHA-256 of each ``[start, end)`` of a local file (run in a worker process)."""
+    digests = []
+    with open(path, "rb") as file:
+        for start, end in spans:
+            file.seek(start)
+            digest = hashlib.sha256()
+            left = end - start
+            while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
+                digest.update(chunk)
+                left -= len(chunk)
+            digests.append(digest.hexdigest())
+    return digests
 
 
 def job_config(request: PlanRequest, target_shard_s: float) -> dict[str, Any]:

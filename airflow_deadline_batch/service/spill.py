@@ -1,0 +1,389 @@
+"""Planning's spill files: what the validating pass keeps per line lives on disk, not in RAM.
+
+Two pieces, both append-only while the input is read and read back in chunks afterwards:
+
+* :class:`Column`: one number per record (or per invalid line) in a file of its own, so the
+  per-record bookkeeping of ten million records costs a few chunks of memory, not gigabytes;
+* :class:`IdSpill` and :class:`DuplicateFinder`: exact duplicate-ID detection without a set of
+  every ID. Each ID goes, with its line number, to one of a fixed number of partition files by a
+  hash of the ID; after the pass each partition is checked on its own with a set of only its IDs
+  (a partition too big for the memory budget is split again by another hash first). The first
+  line of an ID in a partition is the first line of that ID in the input, so the verdicts are
+  the in-memory ones, exactly: IDs are compared in full, never by digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import marshal
+import zlib
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, overload
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "Column",
+    "ColumnFloats",
+    "DuplicateFinder",
+    "IdSpill",
+    "PartitionFiles",
+    "combine",
+]
+
+#: planning's default memory budget for its duplicate check (docs/benchmarks.md)
+DEFAULT_MEMORY_BUDGET = 512 * 1024 * 1024
+#: rows a column keeps in memory before it appends them to its file
+CHUNK_ROWS = 1 << 16
+#: estimated bytes of RAM per distinct ID in a set, on top of the ID's own bytes
+_SET_ENTRY_BYTES = 112
+_TYPECODES = {"q": np.int64, "d": np.float64}
+
+
+class Column:
+    """An append-only column of ``int64`` (``"q"``) or ``float64`` (``"d"``) values in a file.
+
+    Writers :meth:`extend` it with arrays (the caller batches); once :meth:`seal`-ed it reads
+    back in chunks, by index and by range, without ever loading the whole column.
+    """
+
+    def __init__(self, path: Path, typecode: str, *, written: int | None = None) -> None:
+        """A new, empty column; or with ``written``, the sealed column of that many values at ``path``
+        (another process wrote it)."""
+        if typecode not in _TYPECODES:
+            raise ValueError(f"column typecode must be one of {sorted(_TYPECODES)}, got {typecode!r}")
+        self.path = path
+        self.typecode = typecode
+        self._dtype = np.dtype(_TYPECODES[typecode])
+        self._itemsize = self._dtype.itemsize
+        self._file: BinaryIO | None = path.open("wb") if written is None else None
+        self._reader: BinaryIO | None = None
+        self._len = written or 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def extend(self, values: array[Any] | np.ndarray) -> None:
+        """Append ``values`` (an ``array`` of this typecode or a matching NumPy array)."""
+        if self._file is None:
+            raise RuntimeError(f"column {self.path.name} is sealed")
+        if isinstance(values, np.ndarray):
+            self._file.write(np.ascontiguousarray(values, dtype=self._dtype).tobytes())
+        else:
+            values.tofile(self._file)
+        self._len += len(values)
+
+    def seal(self) -> Column:
+        """Stop writing; reading may begin."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return self
+
+    def close(self) -> None:
+        self.seal()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        if self._file is not None:
+            raise RuntimeError(f"column {self.path.name} is still being written: seal it first")
+        if self._reader is None:
+            self._reader = self.path.open("rb")
+        self._reader.seek(start * self._itemsize)
+        return np.fromfile(self._reader, dtype=self._dtype, count=count)
+
+    def chunks(self, start: int = 0, stop: int | None = None, size: int = CHUNK_ROWS) -> Iterator[np.ndarray]:
+        """The values ``[start, stop)`` as NumPy arrays of at most ``size`` values."""
+        stop = self._len if stop is None else min(stop, self._len)
+        while start < stop:
+            count = min(size, stop - start)
+            yield self._read(start, count)
+            start += count
+
+    def values(self, start: int = 0, stop: int | None = None) -> Iterator[float]:
+        """The values ``[start, stop)`` one by one, as Python numbers."""
+        for chunk in self.chunks(start, stop):
+            yield from chunk.tolist()
+
+    def read_list(self, start: int, stop: int) -> list[Any]:
+        """The values ``[start, stop)`` as a list of Python numbers (for short ranges)."""
+        values: list[Any] = self._read(start, max(0, min(stop, self._len) - start)).tolist()
+        return values
+
+    def __getitem__(self, index: int) -> Any:
+        """One value, as a Python number."""
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"column index {index} out of range (length {self._len})")
+        return self._read(index, 1).tolist()[0]
+
+
+class ColumnFloats(Sequence[float]):
+    """A float :class:`Column` as a read-only sequence that iterates in chunks (for ``cut_contiguous``)."""
+
+    def __init__(self, column: Column) -> None:
+        self._column = column
+
+    def __len__(self) -> int:
+        return len(self._column)
+
+    def __iter__(self) -> Iterator[float]:
+        return self._column.values()
+
+    @overload
+    def __getitem__(self, index: int) -> float: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[float]: ...
+    def __getitem__(self, index: int | slice) -> float | Sequence[float]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self._column))
+            if step != 1:
+                raise ValueError("a column reads contiguous ranges only")
+            return self._column.read_list(start, stop)
+        value: float = self._column[index]
+        return value
+
+
+def _write_chunk(file: BinaryIO, entries: list[tuple[int, bytes]]) -> None:
+    # length-prefixed: marshal.load() on a file reads object by object, ten times slower
+    data = marshal.dumps(entries)
+    file.write(len(data).to_bytes(8, "little"))
+    file.write(data)
+
+
+def _read_chunks(path: Path) -> Iterator[list[tuple[int, bytes]]]:
+    with path.open("rb") as file:
+        while size := file.read(8):
+            entries: list[tuple[int, bytes]] = marshal.loads(file.read(int.from_bytes(size, "little")))
+            yield entries
+
+
+class _Partition:
+    """One partition file of (line, ID key) entries, in line order."""
+
+    __slots__ = ("count", "file", "path", "pending")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: BinaryIO | None = None
+        self.pending: list[tuple[int, bytes]] = []
+        self.count = 0
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        if self.file is None:
+            self.file = self.path.open("wb")
+        _write_chunk(self.file, self.pending)
+        self.count += len(self.pending)
+        self.pending = []
+
+    def close(self) -> None:
+        self.flush()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+#: one partition of the spilled IDs: its files, in line order, and how many entries they hold
+PartitionFiles = tuple[tuple[Path, ...], int]
+
+
+class IdSpill:
+    """Spill every line's ID, with its line number, to one of ``partitions`` files by a hash of the ID.
+
+    :meth:`add` IDs in line order (invalid lines with an ID too: the first line of an ID owns it
+    even when it is invalid); :meth:`close` returns the partitions for :func:`find_duplicates`.
+    Memory: at most ``flush_entries`` pending entries. Several spills of consecutive parts of
+    the input (one per process) combine partition by partition, in input order.
+    """
+
+    def __init__(self, directory: Path, *, partitions: int = 64, flush_entries: int = CHUNK_ROWS) -> None:
+        if partitions < 1 or partitions & (partitions - 1):
+            raise ValueError(f"partitions must be a power of two, got {partitions}")
+        if flush_entries < 1:
+            raise ValueError(f"flush_entries must be >= 1, got {flush_entries}")
+        directory.mkdir(parents=True, exist_ok=True)
+        self._flush_entries = flush_entries
+        self._mask = partitions - 1
+        self._parts = [_Partition(directory / f"ids-{p:04d}") for p in range(partitions)]
+        self._pending = [p.pending for p in self._parts]
+        self._buffered = 0
+        self.ids = 0
+
+    def add(self, line: int, record_id: str) -> None:
+        """Remember that ``line`` carries ``record_id`` (lines must come in increasing order)."""
+        key = record_id.encode("utf-8", "surrogatepass")  # id_key(), inlined: once per input line
+        self._pending[zlib.crc32(key) & self._mask].append((line, key))
+        self._buffered += 1
+        if self._buffered >= self._flush_entries:
+            self._flush()
+
+    def _flush(self) -> None:
+        for index, part in enumerate(self._parts):
+            if part.pending:
+                part.flush()
+                self._pending[index] = part.pending
+        self.ids += self._buffered
+        self._buffered = 0
+
+    def close(self) -> list[PartitionFiles]:
+        """Write what is pending; the partitions' files (none for an empty one) and entry counts."""
+        self._flush()
+        for part in self._parts:
+            part.close()
+        return [((part.path,) if part.count else (), part.count) for part in self._parts]
+
+
+def combine(spills: Sequence[Sequence[PartitionFiles]]) -> list[PartitionFiles]:
+    """The partitions of consecutive parts of the input, joined partition by partition, in order."""
+    if not spills:
+        return []
+    return [
+        (tuple(path for spill in spills for path in spill[p][0]), sum(spill[p][1] for spill in spills))
+        for p in range(len(spills[0]))
+    ]
+
+
+class DuplicateFinder:
+    """Exact duplicate-ID detection over spilled partitions, within a memory budget.
+
+    Each partition is checked on its own with a set of only its IDs (at most about half of
+    ``memory_budget``; a bigger partition is split first by an independent hash), its later
+    lines are written as a sorted run, and the runs are merged by line, at most ``fan_in`` open
+    at once. Every file it reads is deleted once read.
+    """
+
+    def __init__(
+        self, directory: Path, *, memory_budget: int = DEFAULT_MEMORY_BUDGET, fan_in: int = 64
+    ) -> None:
+        if memory_budget < 1 or fan_in < 2:
+            raise ValueError("memory_budget must be >= 1 and fan_in >= 2")
+        directory.mkdir(parents=True, exist_ok=True)
+        self._dir = directory
+        self._set_budget = memory_budget // 2
+        self._flush_entries = CHUNK_ROWS
+        self._fan_in = fan_in
+        self._runs: list[Path] = []
+        self._names = 0
+        self.splits = 0  # partitions split for the budget (for tests and diagnostics)
+
+    def _new_path(self, stem: str) -> Path:
+        self._names += 1
+        return self._dir / f"{stem}-{self._names:06d}"
+
+    def duplicates(self, partitions: Sequence[PartitionFiles]) -> Iterator[tuple[int, str]]:
+        """``(line, id)`` of every line whose ID an earlier line carries, in line order."""
+        for paths, count in partitions:
+            if count:
+                self._check(paths, count, sum(p.stat().st_size for p in paths), depth=0)
+        for line, key in self._merge(self._runs):
+            yield line, key.decode("utf-8", "surrogatepass")
+
+    def _check(self, paths: Sequence[Path], count: int, size: int, depth: int) -> None:
+        """Find the duplicates of one partition, splitting it first when it is too big."""
+        if count * _SET_ENTRY_BYTES + size > self._set_budget and depth < 6:
+            children = self._split(paths, depth)
+            self.splits += 1
+            for child, child_count in children:
+                if child_count == count:  # every entry hashed alike: one ID (or a few) many times
+                    self._check_in_memory((child,))
+                elif child_count:
+                    self._check((child,), child_count, child.stat().st_size, depth + 1)
+            return
+        self._check_in_memory(paths)
+
+    def _split(self, paths: Sequence[Path], depth: int) -> list[tuple[Path, int]]:
+        """Distribute a partition's entries over 16 files by a second, independent hash."""
+        person = f"adb-split-{depth}".encode()
+        children = [_Partition(self._new_path("split")) for _ in range(16)]
+        for chunk in _read_all(paths):
+            for entry in chunk:
+                digest = hashlib.blake2b(entry[1], digest_size=1, person=person).digest()
+                children[digest[0] & 15].pending.append(entry)
+            for child in children:
+                if len(child.pending) >= self._flush_entries // 16 + 1:
+                    child.flush()
+        result = []
+        for child in children:
+            child.close()
+            result.append((child.path, child.count))
+        return result
+
+    def _check_in_memory(self, paths: Sequence[Path]) -> None:
+        """The duplicates of one partition, with a set of its distinct IDs; written as a sorted run."""
+        seen: set[bytes] = set()
+        run: list[tuple[int, bytes]] = []
+        run_file: BinaryIO | None = None
+        run_path = self._new_path("run")
+        for chunk in _read_all(paths):
+            keys = [key for _, key in chunk]
+            distinct = set(keys)
+            if len(distinct) == len(keys) and seen.isdisjoint(distinct):
+                seen |= distinct  # the common case: no duplicate in this chunk, at C speed
+                continue
+            for entry in chunk:
+                if entry[1] in seen:
+                    run.append(entry)
+                else:
+                    seen.add(entry[1])
+            if len(run) >= 4096:
+                if run_file is None:
+                    run_file = run_path.open("wb")
+                _write_chunk(run_file, run)
+                run = []
+        if run:
+            if run_file is None:
+                run_file = run_path.open("wb")
+            _write_chunk(run_file, run)
+        if run_file is not None:
+            run_file.close()
+            self._runs.append(run_path)
+
+    def _merge(self, runs: list[Path]) -> Iterator[tuple[int, bytes]]:
+        """Merge sorted runs by line, at most ``fan_in`` files open at once."""
+        while len(runs) > self._fan_in:
+            merged: list[Path] = []
+            for start in range(0, len(runs), self._fan_in):
+                group = runs[start : start + self._fan_in]
+                out_path = self._new_path("run")
+                with out_path.open("wb") as out:
+                    _write_entries(out, heapq.merge(*(_iter_run(p) for p in group)))
+                for path in group:
+                    path.unlink()
+                merged.append(out_path)
+            runs = merged
+        self._runs = []
+        yield from heapq.merge(*(_iter_run(p) for p in runs))
+        for path in runs:
+            path.unlink()
+
+
+def _read_all(paths: Sequence[Path]) -> Iterator[list[tuple[int, bytes]]]:
+    """The chunks of ``paths`` in order, each file deleted once read."""
+    for path in paths:
+        yield from _read_chunks(path)
+        path.unlink()
+
+
+def _iter_run(path: Path) -> Iterator[tuple[int, bytes]]:
+    for chunk in _read_chunks(path):
+        yield from chunk
+
+
+def _write_entries(out: BinaryIO, entries: Iterable[tuple[int, bytes]]) -> None:
+    batch: list[tuple[int, bytes]] = []
+    for entry in entries:
+        batch.append(entry)
+        if len(batch) >= 4096:
+            _write_chunk(out, batch)
+            batch = []
+    if batch:
+        _write_chunk(out, batch)

@@ -1,0 +1,45 @@
+"""Planning's worker processes: results in order, a child's failure named, no re-run of ``__main__``."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from airflow_deadline_batch.service.processes import run_in_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_results_come_back_in_call_order() -> None:
+    assert run_in_processes(math.factorial, [(5,), (6,), (1,)]) == [120, 720, 1]
+
+
+def test_a_failing_child_raises_with_its_traceback() -> None:
+    with pytest.raises(RuntimeError, match="(?s)factorial.*ValueError"):
+        run_in_processes(math.factorial, [(3,), (-1,)])
+
+
+def test_a_script_without_a_main_guard_is_not_run_again(tmp_path: Path) -> None:
+    # multiprocessing's spawn would import this script in every child, which would start children again
+    script = tmp_path / "unguarded.py"
+    marker = tmp_path / "runs"
+    script.write_text(
+        "import math\n"
+        f"open({str(marker)!r}, 'a').write('x')\n"
+        "from airflow_deadline_batch.service.processes import run_in_processes\n"
+        "print(run_in_processes(math.factorial, [(4,), (3,)]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[24, 6]"
+    assert marker.read_text() == "x"
