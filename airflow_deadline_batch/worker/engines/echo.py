@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from airflow_deadline_batch.core.results import Choice, FinishReason, TokenLogprob, TopLogprob
@@ -38,16 +40,33 @@ class EchoEngine:
     like any engine's (``invalid_structured_output``).
 
     Option ``delay_s_per_record`` (or env ``ADB_ECHO_DELAY_S``) makes each record take real time,
-    so tests can interrupt a worker in the middle of a microbatch.
+    so tests can interrupt a worker in the middle of a microbatch. Option ``delay_file`` (or env
+    ``ADB_ECHO_DELAY_FILE``) names a file holding that delay, read again for every microbatch:
+    writing a larger number into it slows every running worker on cue (a throughput drop).
     """
 
     name = "echo"
 
-    def __init__(self, model: str | None = None, *, delay_s_per_record: float = 0.0) -> None:
+    def __init__(
+        self, model: str | None = None, *, delay_s_per_record: float = 0.0, delay_file: str | None = None
+    ) -> None:
         if delay_s_per_record < 0:
             raise ValueError(f"delay_s_per_record must be >= 0, got {delay_s_per_record}")
         self._model = model or "echo-v1"
         self.delay_s_per_record = delay_s_per_record
+        self.delay_file = Path(delay_file) if delay_file else None
+        if self.delay_file is not None:
+            self._read_delay()  # a missing or unreadable file is a configuration error, now
+
+    def _read_delay(self) -> float:
+        assert self.delay_file is not None
+        try:
+            delay = float(self.delay_file.read_text().strip() or 0)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"echo delay_file {self.delay_file}: {exc}; write a number of seconds") from exc
+        if not delay >= 0:
+            raise ValueError(f"echo delay_file {self.delay_file} holds {delay}; write a number >= 0")
+        return delay
 
     @property
     def model_name(self) -> str:
@@ -62,9 +81,10 @@ class EchoEngine:
 
     def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
         results = []
+        delay = self._read_delay() if self.delay_file is not None else self.delay_s_per_record
         for request in requests:
-            if self.delay_s_per_record:
-                time.sleep(self.delay_s_per_record)  # simulated work, not synchronisation
+            if delay:
+                time.sleep(delay)  # simulated work, not synchronisation
             refused = refusal(request, self.name)
             results.append(refused or echo_one(request, params.for_request(request)))
         return results
@@ -112,7 +132,9 @@ def _certain_logprobs(output: str, top: int) -> tuple[TokenLogprob, ...]:
 
 def build(model: str | None, options: dict[str, Any]) -> EchoEngine:
     return EchoEngine(
-        model, delay_s_per_record=option_float(options, "delay_s_per_record", 0.0, env="ADB_ECHO_DELAY_S")
+        model,
+        delay_s_per_record=option_float(options, "delay_s_per_record", 0.0, env="ADB_ECHO_DELAY_S"),
+        delay_file=str(options.get("delay_file") or os.environ.get("ADB_ECHO_DELAY_FILE") or "") or None,
     )
 
 
