@@ -223,3 +223,6 @@ def test_sdk_cancel_mid_run_ends_cancelled_with_partial_output(front_door: Front
     assert len(output) + len(errors) == total
     assert {line["custom_id"] for line in output + errors} == {f"c-{i}" for i in range(total)}
     assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+    # the DAG run ends on its own (its workers are fenced); the batch stays cancelled
+    front_door.airflow.wait_for_run(DAG_ID, batch.id, timeout_s=BATCH_TIMEOUT_S)
+    assert client.batches.retrieve(batch.id).status == "cancelled"
