@@ -16,7 +16,7 @@ The official SDK works unchanged::
   runs (:func:`ui.access.may_read`) and read the run's state from the metadata database.
 * The job is the one whose idempotency key is ``{dag_id}/{run_id}/{plan_task_id}``
   (``DeadlineBatchOperator``'s default); once its manifest is published, the first read exports
-  it (``service.export.export_job``) under ``batches/<id>/export`` and names ``output.jsonl`` /
+  it (``service.export.export_job``) under ``runs/<id>/export`` and names ``output.jsonl`` /
   ``errors.jsonl`` as files.
 """
 
@@ -33,6 +33,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
@@ -144,7 +145,7 @@ def _put_stream(storage: ObjectStorage, key: str, stream: BinaryIO) -> str:
         storage._client.upload_fileobj(stream, bucket, object_key)
         return uri
     if isinstance(storage, LocalStorage):
-        path = storage.root / key
+        path = Path(storage.uri(key))  # the storage's own key check
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".adb-tmp")
         try:
@@ -248,6 +249,7 @@ _export_lock = threading.Lock()
 
 def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
     """Export a published job into the files store once; the batch sidecar as it is then."""
+    from airflow_deadline_batch.exceptions import DeadlineBatchError
     from airflow_deadline_batch.service.export import export_job
 
     storage = _files()
@@ -255,7 +257,11 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
         current = _read_json(storage, f"batches/{batch['id']}.json") or batch
         if current.get("exported"):
             return current
-        result = export_job(_store(), job.job_id, storage.uri(f"batches/{batch['id']}/export"))
+        try:
+            result = export_job(_store(), job.job_id, storage.uri(f"runs/{batch['id']}/export"))
+        except DeadlineBatchError as exc:  # a manifest that does not verify, storage unreachable
+            detail = f"cannot export job {job.job_id} of batch {batch['id']}: {exc}"
+            raise HTTPException(status_code=500, detail=detail) from exc
         created = _ts(_now())
         file_ids: dict[str, str | None] = {}
         for exported in result.files:
@@ -540,7 +546,7 @@ def create_router() -> APIRouter:
         dag_id = batch_dag_id()
         conf = {
             "input_uri": storage.uri(f"files/{input_meta['id']}/content"),
-            "output_uri": storage.uri(f"batches/{batch_id}/output"),
+            "output_uri": storage.uri(f"runs/{batch_id}/output"),
             "deadline": deadline,
         }
         batch = {
@@ -573,7 +579,7 @@ def create_router() -> APIRouter:
         sidecars = [
             b
             for key in storage.list_keys("batches/")
-            if key.count("/") == 1 and key.endswith(".json")
+            if key.endswith(".json")
             if (b := _read_json(storage, key)) is not None
         ]
         sidecars.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
