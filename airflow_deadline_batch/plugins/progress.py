@@ -162,6 +162,10 @@ def create_app() -> FastAPI:
             raise HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}") from exc
         return JSONResponse(json.loads(data))
 
+    from airflow_deadline_batch.api.openai_batches import create_router
+
+    # the OpenAI Files and Batches API (docs/openai.md): OpenAI(base_url=".../deadline-batch/openai/v1")
+    app.include_router(create_router(), prefix="/openai/v1")
     return app
 
 

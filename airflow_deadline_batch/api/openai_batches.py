@@ -1,0 +1,620 @@
+"""OpenAI's Files and Batches API on top of DAG runs: ``/deadline-batch/openai/v1`` (docs/openai.md).
+
+The official SDK works unchanged::
+
+    OpenAI(base_url="https://airflow.example/deadline-batch/openai/v1", api_key=<Airflow JWT>)
+
+* Files live in the files store (``ADB_FILES_URI`` / ``[deadline_batch] files_uri``: a folder or
+  ``s3://bucket/prefix``), never in the metadata database: ``files/<id>/content`` (the upload,
+  streamed from the request's spool file) and ``files/<id>/meta.json`` (id, bytes, created_at,
+  filename, purpose; an exported file's meta points at the export's object instead).
+* A batch is one run of the batch DAG (``ADB_BATCH_DAG_ID`` / ``[deadline_batch] batch_dag_id``,
+  default ``example_deadline_batch_local``) whose ``run_id`` is the batch id; its sidecar
+  ``batches/<id>.json`` in the files store records the request, the run and, once exported, the
+  output files. The run is triggered through Airflow's own REST API with the caller's token, so
+  Airflow's authorization (``POST`` on the DAG's runs) decides; reads check ``GET`` on the DAG's
+  runs (:func:`ui.access.may_read`) and read the run's state from the metadata database.
+* The job is the one whose idempotency key is ``{dag_id}/{run_id}/{plan_task_id}``
+  (``DeadlineBatchOperator``'s default); once its manifest is published, the first read exports
+  it (``service.export.export_job``) under ``runs/<id>/export`` and names ``output.jsonl`` /
+  ``errors.jsonl`` as files.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import orjson
+from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
+from airflow.api_fastapi.core_api.security import get_user
+from fastapi import APIRouter, Body, Depends, File, Form, HTTPException, Request, UploadFile
+from fastapi.responses import StreamingResponse
+
+from airflow_deadline_batch.api.status import (
+    PUBLISHED_JOB_STATES,
+    TERMINAL_STATUSES,
+    UNFINISHED_JOB_STATES,
+    batch_status,
+)
+
+if TYPE_CHECKING:
+    from airflow_deadline_batch.storage.base import ObjectStorage
+    from airflow_deadline_batch.store import JobRow, ManifestStore
+
+log = logging.getLogger(__name__)
+UTC = dt.timezone.utc
+
+DEFAULT_BATCH_DAG_ID = "example_deadline_batch_local"
+DEFAULT_PLAN_TASK_ID = "plan"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
+_WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+LIST_MAX = 100
+COPY_CHUNK = 1024 * 1024
+
+
+# -- configuration ----------------------------------------------------------------------------------
+def _setting(env: str, key: str, default: str | None) -> str | None:
+    value = os.environ.get(env)
+    if value:
+        return value
+    try:
+        from airflow.configuration import conf
+
+        return conf.get("deadline_batch", key, fallback=default)
+    except Exception:  # no such section
+        return default
+
+
+def files_uri() -> str:
+    uri = _setting("ADB_FILES_URI", "files_uri", None)
+    if not uri:
+        raise HTTPException(
+            status_code=503,
+            detail="no files store configured: set [deadline_batch] files_uri or ADB_FILES_URI",
+        )
+    return uri
+
+
+def batch_dag_id() -> str:
+    return _setting("ADB_BATCH_DAG_ID", "batch_dag_id", DEFAULT_BATCH_DAG_ID) or DEFAULT_BATCH_DAG_ID
+
+
+def plan_task_id() -> str:
+    return _setting("ADB_BATCH_PLAN_TASK_ID", "batch_plan_task_id", DEFAULT_PLAN_TASK_ID) or "plan"
+
+
+@functools.lru_cache(maxsize=4)
+def _open_files(uri: str) -> ObjectStorage:
+    from airflow_deadline_batch.storage import open_storage
+
+    return open_storage(uri)
+
+
+def _files() -> ObjectStorage:
+    return _open_files(files_uri())
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(UTC)
+
+
+def _ts(value: dt.datetime | None) -> int | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return int(value.timestamp())
+
+
+# -- the files store ----------------------------------------------------------------------------------
+def _read_json(storage: ObjectStorage, key: str) -> dict[str, Any] | None:
+    from airflow_deadline_batch.exceptions import ObjectNotFound
+
+    try:
+        return dict(orjson.loads(storage.get_bytes(key)))
+    except ObjectNotFound:
+        return None
+
+
+def _write_json(storage: ObjectStorage, key: str, value: dict[str, Any]) -> None:
+    storage.put_bytes(key, orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE))
+
+
+def _put_stream(storage: ObjectStorage, key: str, stream: BinaryIO) -> str:
+    """Copy ``stream`` to ``key`` without holding it in memory (local: temp file + rename; S3: multipart)."""
+    from airflow_deadline_batch.storage.local import LocalStorage
+    from airflow_deadline_batch.storage.s3 import S3Storage
+
+    if isinstance(storage, S3Storage):
+        uri = storage.uri(key)
+        bucket, _, object_key = uri.removeprefix("s3://").partition("/")
+        storage._client.upload_fileobj(stream, bucket, object_key)
+        return uri
+    if isinstance(storage, LocalStorage):
+        path = Path(storage.uri(key))  # the storage's own key check
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".adb-tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(stream, out, COPY_CHUNK)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, path)
+        finally:
+            if os.path.exists(temp):
+                os.unlink(temp)
+        return str(path)
+    return storage.put_bytes(key, stream.read())  # an unknown backend: bytes are all it offers
+
+
+def _file_meta_key(file_id: str) -> str:
+    return f"files/{file_id}/meta.json"
+
+
+def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": meta["id"],
+        "object": "file",
+        "bytes": meta["bytes"],
+        "created_at": meta["created_at"],
+        "filename": meta["filename"],
+        "purpose": meta["purpose"],
+        "status": "processed",
+        "status_details": None,
+    }
+
+
+def _checked_id(value: str, what: str) -> str:
+    if not _ID.match(value):
+        raise HTTPException(status_code=404, detail=f"no such {what}: {value!r}")
+    return value
+
+
+def _file_meta(file_id: str) -> dict[str, Any]:
+    meta = _read_json(_files(), _file_meta_key(_checked_id(file_id, "file")))
+    if meta is None:
+        raise HTTPException(status_code=404, detail=f"no such file: {file_id}")
+    return meta
+
+
+def _open_content(meta: dict[str, Any]) -> BinaryIO:
+    from airflow_deadline_batch.storage import open_uri
+
+    if meta.get("uri"):
+        storage, key = open_uri(str(meta["uri"]))
+        return storage.open_read(key)
+    return _files().open_read(f"files/{meta['id']}/content")
+
+
+# -- the batch's DAG run and job ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunInfo:
+    state: str | None
+    start_date: dt.datetime | None = None
+    end_date: dt.datetime | None = None
+
+
+def _dag_run(dag_id: str, run_id: str) -> RunInfo:
+    """The run's state from the metadata database (the api-server's own session)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        row = session.execute(
+            select(DagRun.state, DagRun.start_date, DagRun.end_date).where(
+                DagRun.dag_id == dag_id, DagRun.run_id == run_id
+            )
+        ).first()
+    if row is None:
+        return RunInfo(None)
+    state = row[0]
+    return RunInfo(str(getattr(state, "value", state)) if state is not None else None, row[1], row[2])
+
+
+def _store() -> ManifestStore:
+    from airflow_deadline_batch.plugins.progress import _store as plugin_store
+
+    return plugin_store()
+
+
+def _job(batch: dict[str, Any]) -> JobRow | None:
+    from airflow_deadline_batch.exceptions import JobNotFound
+
+    store = _store()
+    if batch.get("job_id"):
+        try:
+            return store.get_job(str(batch["job_id"]))
+        except JobNotFound:
+            return None
+    return store.get_job_by_idempotency_key(f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}")
+
+
+_export_lock = threading.Lock()
+
+
+def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
+    """Export a published job into the files store once; the batch sidecar as it is then."""
+    from airflow_deadline_batch.exceptions import DeadlineBatchError
+    from airflow_deadline_batch.service.export import export_job
+
+    storage = _files()
+    with _export_lock:
+        current = _read_json(storage, f"batches/{batch['id']}.json") or batch
+        if current.get("exported"):
+            return current
+        try:
+            result = export_job(_store(), job.job_id, storage.uri(f"runs/{batch['id']}/export"))
+        except DeadlineBatchError as exc:  # a manifest that does not verify, storage unreachable
+            detail = f"cannot export job {job.job_id} of batch {batch['id']}: {exc}"
+            raise HTTPException(status_code=500, detail=detail) from exc
+        created = _ts(_now())
+        file_ids: dict[str, str | None] = {}
+        for exported in result.files:
+            if exported.name not in ("output.jsonl", "errors.jsonl"):
+                continue
+            kind = "output" if exported.name == "output.jsonl" else "errors"
+            file_id = f"file-{batch['id'].removeprefix('batch_')}-{kind}"
+            _write_json(
+                storage,
+                _file_meta_key(file_id),
+                {
+                    "id": file_id,
+                    "bytes": exported.bytes,
+                    "created_at": created,
+                    "filename": exported.name,
+                    "purpose": "batch_output",
+                    "uri": exported.uri,
+                    "batch_id": batch["id"],
+                },
+            )
+            file_ids[kind] = file_id if exported.lines else None
+        current = {
+            **current,
+            "job_id": job.job_id,
+            "exported": {"outcomes": dict(result.outcomes), "at": created},
+            "output_file_id": file_ids.get("output"),
+            "error_file_id": file_ids.get("errors"),
+        }
+        _write_json(storage, f"batches/{batch['id']}.json", current)
+        return current
+
+
+def _cancel_job(job_id: str) -> None:
+    """What ``deadline-batch cancel`` does: fence the job, then publish its ``cancelled`` manifest."""
+    from airflow_deadline_batch.exceptions import InvalidTransition
+    from airflow_deadline_batch.service.finalize import finalize_job
+
+    store = _store()
+    try:
+        store.cancel_job(job_id)
+    except InvalidTransition:  # published or failed first: nothing left to cancel
+        return
+    finalize_job(store, job_id)
+
+
+def _request_counts(job: JobRow | None, batch: dict[str, Any]) -> dict[str, int]:
+    exported = batch.get("exported")
+    if exported:
+        outcomes = {str(k): int(v) for k, v in exported["outcomes"].items()}
+        total = sum(outcomes.values())
+        return {
+            "total": total,
+            "completed": outcomes.get("succeeded", 0),
+            "failed": total - outcomes.get("succeeded", 0),
+        }
+    if job is None:
+        return {"total": 0, "completed": 0, "failed": 0}
+    progress = _store().progress(job.job_id)
+    return {"total": progress.total_records, "completed": progress.succeeded, "failed": progress.errored}
+
+
+def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
+    """Refresh the batch from its run and job (export, deferred cancel) and shape it as OpenAI does."""
+    run = _dag_run(batch["dag_id"], batch["run_id"])
+    job = _job(batch)
+    if job is not None and batch.get("cancel_requested_at") and job.state.value in UNFINISHED_JOB_STATES:
+        _cancel_job(job.job_id)  # asked before the job existed, or a cancel cut short
+        job = _store().get_job(job.job_id)
+    if (
+        job is not None
+        and job.manifest_uri
+        and job.state.value in PUBLISHED_JOB_STATES
+        and not batch.get("exported")
+    ):
+        batch = _export_once(batch, job)
+    outcomes = (batch.get("exported") or {}).get("outcomes") or {}
+    status = batch_status(
+        run.state,
+        job.state.value if job is not None else None,
+        exported=bool(batch.get("exported")),
+        cancel_requested=bool(batch.get("cancel_requested_at")),
+        expired_records=int(outcomes.get("expired", 0)),
+    )
+    done_at = (batch.get("exported") or {}).get("at")
+    errors = None
+    if status == "failed":
+        message = (job.error if job is not None else None) or f"DAG run {batch['run_id']} ended {run.state}"
+        errors = {
+            "object": "list",
+            "data": [{"code": "batch_failed", "message": message, "line": None, "param": None}],
+        }
+    return {
+        "id": batch["id"],
+        "object": "batch",
+        "endpoint": batch["endpoint"],
+        "errors": errors,
+        "input_file_id": batch["input_file_id"],
+        "completion_window": batch["completion_window"],
+        "status": status,
+        "output_file_id": batch.get("output_file_id"),
+        "error_file_id": batch.get("error_file_id"),
+        "created_at": batch["created_at"],
+        "in_progress_at": _ts(job.created_at) if job is not None else None,
+        "expires_at": batch["expires_at"],
+        "finalizing_at": _ts(job.completed_at) if job is not None and job.completed_at else None,
+        "completed_at": done_at if status in ("completed", "expired") else None,
+        "failed_at": _ts(run.end_date or _now()) if status == "failed" else None,
+        "expired_at": done_at if status == "expired" else None,
+        "cancelling_at": batch.get("cancel_requested_at"),
+        "cancelled_at": done_at if status == "cancelled" else None,
+        "request_counts": _request_counts(job, batch),
+        "metadata": batch.get("metadata") or None,
+        # not OpenAI's: where the batch runs
+        "dag_id": batch["dag_id"],
+        "dag_run_id": batch["run_id"],
+        "job_id": job.job_id if job is not None else None,
+        "terminal": status in TERMINAL_STATUSES,
+    }
+
+
+def _may_edit_runs(user: BaseUser, dag_id: str) -> bool:
+    """``PUT`` on the DAG's runs: what Airflow asks of whoever changes a run's state."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
+
+    from airflow_deadline_batch.ui.access import _team_name
+
+    details = DagDetails(id=dag_id, team_name=_team_name(dag_id))
+    return bool(
+        get_auth_manager().is_authorized_dag(
+            method="PUT", access_entity=DagAccessEntity.RUN, details=details, user=user
+        )
+    )
+
+
+# -- deadline and triggering --------------------------------------------------------------------------
+def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, int]:
+    """The DAG's ``deadline`` param and ``expires_at``: ``metadata.deadline`` if given, else the window."""
+    from airflow_deadline_batch.core.deadlines import parse_deadline
+
+    match = _WINDOW.match(completion_window or "")
+    if not match:
+        raise HTTPException(
+            status_code=400,
+            detail=f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+        )
+    amount, unit = int(match[1]), match[2]
+    try:
+        at = parse_deadline(str(metadata.get("deadline") or f"+{amount}{unit}"), now=_now())
+    except ValueError as exc:
+        raise HTTPException(status_code=400, detail=f"metadata.deadline: {exc}") from exc
+    # an instant, not ``+24h``: the window runs from the request, not from when the plan task starts
+    return at.astimezone(UTC).isoformat(), _ts(at) or 0
+
+
+def _caller_token(request: Request) -> str:
+    from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return request.cookies.get(COOKIE_NAME_JWT_TOKEN, "")
+
+
+def _airflow_api_base(request: Request) -> str:
+    base = _setting("ADB_AIRFLOW_API_URL", "airflow_api_url", None)
+    if not base:
+        try:
+            from airflow.configuration import conf
+
+            base = conf.get("api", "base_url", fallback=None)
+        except Exception:
+            base = None
+    if not base:
+        base = f"{request.url.scheme}://{request.url.netloc}"
+    return base.rstrip("/")
+
+
+def _trigger(request: Request, dag_id: str, run_id: str, conf: dict[str, Any]) -> None:
+    """``POST /api/v2/dags/{dag_id}/dagRuns`` with the caller's token: Airflow's authorization applies."""
+    import httpx
+
+    url = f"{_airflow_api_base(request)}/api/v2/dags/{dag_id}/dagRuns"
+    try:
+        response = httpx.post(
+            url,
+            json={"dag_run_id": run_id, "logical_date": None, "conf": conf},
+            headers={"Authorization": f"Bearer {_caller_token(request)}"},
+            timeout=60.0,
+        )
+    except httpx.HTTPError as exc:
+        raise HTTPException(
+            status_code=502, detail=f"cannot reach Airflow's REST API at {url}: {exc}"
+        ) from exc
+    if response.status_code >= 300:
+        try:
+            detail: Any = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise HTTPException(status_code=response.status_code, detail=f"triggering {dag_id}: {detail}")
+
+
+# -- the routes ---------------------------------------------------------------------------------------
+def create_router() -> APIRouter:
+    """The ``/openai/v1`` routes; every one needs an Airflow login (``get_user``)."""
+    from airflow_deadline_batch.ui.access import may_read
+    from airflow_deadline_batch.ui.model import DagRunRef
+
+    router = APIRouter()
+    user_dep = Depends(get_user)
+
+    def readable_batch(batch_id: str, user: BaseUser) -> dict[str, Any]:
+        batch = _read_json(_files(), f"batches/{_checked_id(batch_id, 'batch')}.json")
+        if batch is None:
+            raise HTTPException(status_code=404, detail=f"no such batch: {batch_id}")
+        if not may_read(user, DagRunRef(dag_id=batch["dag_id"], run_id=batch["run_id"], task_id="")):
+            raise HTTPException(status_code=403, detail="Forbidden")
+        return batch
+
+    @router.post("/files")
+    def upload_file(
+        file: UploadFile = File(...),  # noqa: B008 - FastAPI's declaration
+        purpose: str = Form(...),
+        user: BaseUser = user_dep,
+    ) -> dict[str, Any]:
+        if purpose != "batch":
+            raise HTTPException(status_code=400, detail=f"purpose must be 'batch', got {purpose!r}")
+        file_id = f"file-{uuid.uuid4().hex}"
+        storage = _files()
+        file.file.seek(0, os.SEEK_END)
+        size = file.file.tell()
+        file.file.seek(0)
+        _put_stream(storage, f"files/{file_id}/content", file.file)
+        meta = {
+            "id": file_id,
+            "bytes": size,
+            "created_at": _ts(_now()),
+            "filename": os.path.basename(file.filename or "input.jsonl"),
+            "purpose": purpose,
+            "owner": user.get_name(),
+        }
+        _write_json(storage, _file_meta_key(file_id), meta)
+        return _file_object(meta)
+
+    @router.get("/files/{file_id}")
+    def get_file(file_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
+        return _file_object(_file_meta(file_id))
+
+    @router.get("/files/{file_id}/content")
+    def file_content(file_id: str, user: BaseUser = user_dep) -> StreamingResponse:
+        meta = _file_meta(file_id)
+        if meta.get("batch_id"):
+            readable_batch(str(meta["batch_id"]), user)
+        stream = _open_content(meta)
+
+        def chunks() -> Iterator[bytes]:
+            with stream:
+                while chunk := stream.read(COPY_CHUNK):
+                    yield chunk
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+    @router.post("/batches")
+    def create_batch(
+        request: Request,
+        body: dict[str, Any] = Body(...),  # noqa: B008 - FastAPI's declaration
+        user: BaseUser = user_dep,
+    ) -> dict[str, Any]:
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise HTTPException(status_code=400, detail=f"endpoint must be one of {', '.join(ENDPOINTS)}")
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise HTTPException(status_code=400, detail="metadata must be an object")
+        window = str(body.get("completion_window") or "")
+        deadline, expires_at = _deadline(window, metadata)
+        input_meta = _file_meta(str(body.get("input_file_id") or ""))
+        if input_meta.get("purpose") != "batch":
+            raise HTTPException(status_code=400, detail=f"file {input_meta['id']} was not uploaded for batch")
+        storage = _files()
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        dag_id = batch_dag_id()
+        conf = {
+            "input_uri": storage.uri(f"files/{input_meta['id']}/content"),
+            "output_uri": storage.uri(f"runs/{batch_id}/output"),
+            "deadline": deadline,
+        }
+        batch = {
+            "id": batch_id,
+            "dag_id": dag_id,
+            "run_id": batch_id,
+            "plan_task_id": plan_task_id(),
+            "endpoint": endpoint,
+            "input_file_id": input_meta["id"],
+            "completion_window": window,
+            "metadata": {str(k): str(v) for k, v in metadata.items()},
+            "created_at": _ts(_now()),
+            "expires_at": expires_at,
+            "conf": conf,
+        }
+        # the sidecar first: a run without one could never be found again, a sidecar without a run
+        # is reported ``failed`` (no such run) and is harmless
+        _write_json(storage, f"batches/{batch_id}.json", batch)
+        _trigger(request, dag_id, batch_id, conf)
+        return _batch_object(batch)
+
+    @router.get("/batches/{batch_id}")
+    def get_batch(batch_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
+        return _batch_object(readable_batch(batch_id, user))
+
+    @router.get("/batches")
+    def list_batches(after: str | None = None, limit: int = 20, user: BaseUser = user_dep) -> dict[str, Any]:
+        limit = max(1, min(limit, LIST_MAX))
+        storage = _files()
+        sidecars = [
+            b
+            for key in storage.list_keys("batches/")
+            if key.endswith(".json")
+            if (b := _read_json(storage, key)) is not None
+        ]
+        sidecars.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        if after:
+            ids = [b["id"] for b in sidecars]
+            sidecars = sidecars[ids.index(after) + 1 :] if after in ids else []
+        allowed: dict[str, bool] = {}
+        shown: list[dict[str, Any]] = []
+        has_more = False
+        for batch in sidecars:
+            if batch["dag_id"] not in allowed:
+                ref = DagRunRef(dag_id=batch["dag_id"], run_id=batch["run_id"], task_id="")
+                allowed[batch["dag_id"]] = may_read(user, ref)
+            if not allowed[batch["dag_id"]]:
+                continue
+            if len(shown) == limit:
+                has_more = True
+                break
+            shown.append(_batch_object(batch))
+        return {
+            "object": "list",
+            "data": shown,
+            "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None,
+            "has_more": has_more,
+        }
+
+    @router.post("/batches/{batch_id}/cancel")
+    def cancel_batch(batch_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
+        batch = readable_batch(batch_id, user)
+        if not _may_edit_runs(user, batch["dag_id"]):
+            raise HTTPException(status_code=403, detail="Forbidden")
+        if not batch.get("cancel_requested_at"):
+            batch = {**batch, "cancel_requested_at": _ts(_now())}
+            _write_json(_files(), f"batches/{batch_id}.json", batch)
+        return _batch_object(batch)  # cancels the job when it exists (else on a later read)
+
+    return router
