@@ -163,6 +163,9 @@ class JobPage:
     preemptions: int
     errors: ErrorSample
     manifest_uri: str | None
+    #: the published manifest's outcome counts (cancelled and expired records included); None
+    #: before publication or when the manifest cannot be read from here
+    outcomes: Mapping[str, int] | None = None
     error: str | None
 
 
@@ -416,8 +419,32 @@ def read_job_page(store: ManifestStore, job_id: str, *, now: dt.datetime) -> Job
         preemptions=view.spot_tries.preemptions,
         errors=read_error_sample(commits, attempts),
         manifest_uri=job.manifest_uri,
+        outcomes=published_outcomes(job.manifest_uri),
         error=job.error,
     )
+
+
+#: the largest manifest the page reads for its outcome counts
+MANIFEST_MAX_BYTES = 64 * 1024 * 1024
+
+
+def published_outcomes(manifest_uri: str | None) -> Mapping[str, int] | None:
+    """The published manifest's ``outcomes`` (every line's terminal status, counted); None if unread.
+
+    The store counts committed outcomes only; the ``expired`` and ``cancelled`` outcomes that
+    finalization writes for unfinished records are in the manifest.
+    """
+    if not manifest_uri:
+        return None
+    from airflow_deadline_batch.storage import open_uri
+
+    try:
+        storage, key = open_uri(manifest_uri)
+        manifest = json.loads(storage.read_range(key, 0, MANIFEST_MAX_BYTES))
+        return {str(k): int(v) for k, v in manifest["outcomes"].items()}
+    except Exception:  # object storage unreachable from the api-server: the page shows the rest
+        log.warning("cannot read the outcomes of %s", manifest_uri, exc_info=True)
+        return None
 
 
 def plain_summary(summary: JobSummary) -> dict[str, Any]:

@@ -289,6 +289,9 @@ def _facts(page: JobPage, prefix: str) -> str:
         ("redone-work", "redone work", esc(fmt_duration(s.cost.redone_work_s))),
         ("manifest-uri", "manifest", manifest),
     ]
+    if page.outcomes is not None:  # published: every line's outcome, cancelled and expired included
+        counts = ", ".join(f"{esc(k)} {int(v):d}" for k, v in sorted(page.outcomes.items()))
+        rows.append(("outcomes", "published outcomes", counts))
     if page.error:
         rows.append(("job-error", "stopped because", f'<span class="late">{esc(page.error)}</span>'))
     return (

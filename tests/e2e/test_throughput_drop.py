@@ -1,5 +1,6 @@
 """On-call before the miss: the engine slows down mid-job (on cue), the at-risk alert fires once,
-before the deadline, naming the throughput drop, and the next tries escalate to on-demand.
+before the deadline, naming the throughput drop, and the next tries escalate to on-demand; the
+deadline is missed anyway, so the unfinished records expire in a verified partial manifest.
 
 A real ``deadline-batch run`` (local workers, echo engine, SQLite store) does the work; the test
 process watches it with the real :class:`CompletenessTrigger` and its risk watch, resuming it
@@ -22,6 +23,7 @@ from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.triggers.completeness import CompletenessStatus, CompletenessTrigger
 from tests.e2e.conftest import cli_argv, cli_env, wait_for
+from tests.helpers.outcomes import read_manifest, read_outcomes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -132,4 +134,10 @@ def test_a_throughput_drop_alerts_once_before_the_deadline_and_escalates(tmp_pat
     after = [a for a in attempts if a.started_at > alert["seen_at"]]
     assert after and {kinds[a.pool] for a in after} == {PoolKind.ON_DEMAND}, tries
     assert summary["job_id"] == job_id, (summary, stderr[-2000:])
+    # the drop cost the deadline: what did not finish expired, and the partial manifest verifies
+    assert summary["state"] == "partial" and summary["deadline_met"] is False, summary
+    assert summary["records"]["expired"] > 0 and summary["verified"] is True, summary
+    outcomes = read_outcomes(read_manifest(summary["manifest"]))
+    assert sorted(outcomes) == list(range(1, 161))  # one outcome per line
+    assert sum(r["status"] == "expired" for r in outcomes.values()) == summary["records"]["expired"]
     store.close()

@@ -319,5 +319,8 @@ def test_jobs_view_in_a_real_browser_mid_run_and_after_publication(
     browser.save_screenshot(str(artefacts / "job-published.png"))
     manifest = get_json(f"{ui.base}/deadline-batch/api/jobs/{job_id}/manifest", ui.token("viewer"))
     assert manifest["job_id"] == job_id
+    # every line's published outcome, as the manifest counts it
+    shown = dict(item.rsplit(" ", 1) for item in text(browser, "#outcomes").split(", "))
+    assert {k: int(v) for k, v in shown.items()} == manifest["outcomes"]
     assert status_of(f"{ui.base}/deadline-batch/api/jobs/{job_id}/manifest", outsider) == 403
     store.close()

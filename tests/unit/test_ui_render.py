@@ -81,6 +81,7 @@ def page(*, state: JobState = JobState.RUNNING, job_id: str = "j-1", evil: str =
             try_messages={"transient": evil},
         ),
         manifest_uri=None if state is JobState.RUNNING else f"/out/{job_id}/manifest.json{evil}",
+        outcomes=None if state is JobState.RUNNING else {"succeeded": 60, "cancelled": 40, "x" + evil: 0},
         error=evil or None,
     )
 
@@ -175,3 +176,10 @@ def test_the_page_shows_the_numbers_it_is_given():
     assert '<dd id="capacity-share">75% / 25%</dd>' in html
     assert '<dd id="deadline">2026-03-01 01:00:00 UTC</dd>' in html
     assert render.fmt_duration(-3723) == "-1h 02m 03s" and render.fmt_duration(59.6) == "1m 00s"
+
+
+def test_a_published_job_shows_every_outcome_count() -> None:
+    html = render.render_job_page(page(state=JobState.CANCELLED), prefix="/deadline-batch")
+    assert '<dd id="outcomes">cancelled 40, succeeded 60, x 0</dd>' in html
+    running = render.render_job_page(page(), prefix="/deadline-batch")
+    assert 'id="outcomes"' not in running
