@@ -35,3 +35,24 @@ def test_transformers_generates_real_text_for_chat_and_completion(engine) -> Non
     assert "The three primary colours are" not in out[1].output  # type: ignore[operator]
     assert engine.model_name == "SmolLM2-135M-Instruct"
     assert len(engine.model_digest) == 64
+
+
+@pytest.mark.parametrize(
+    ("device", "bf16", "dtype"),
+    [
+        ("cpu", False, "float32"),
+        ("cuda", True, "bfloat16"),
+        ("cuda:1", False, "float16"),
+        ("cpu", True, "float32"),
+    ],
+)
+def test_the_model_runs_in_half_precision_on_a_gpu_only(device: str, bf16: bool, dtype: str) -> None:
+    from airflow_deadline_batch.worker.engines.transformers_engine import working_dtype
+
+    assert working_dtype(device, bf16) == dtype
+
+
+def test_on_the_cpu_the_loaded_model_stays_in_float32(engine) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    assert next(engine._model.parameters()).dtype == torch.float32

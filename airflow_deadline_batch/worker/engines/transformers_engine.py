@@ -124,7 +124,10 @@ class TransformersEngine:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self._device = self._device_option or ("cuda" if torch.cuda.is_available() else "cpu")
-        model.to(self._device)  # type: ignore[arg-type]
+        on_cuda = self._device.startswith("cuda")
+        dtype = working_dtype(self._device, on_cuda and bool(torch.cuda.is_bf16_supported()))
+        # a GGUF file de-quantises to fp32: on a GPU run in half precision, as vLLM would
+        model.to(self._device, dtype=getattr(torch, dtype))  # type: ignore[arg-type]
         model.eval()
         self._tokenizer, self._model = tokenizer, model
 
@@ -284,3 +287,11 @@ def check(model: str | None, options: dict[str, Any]) -> None:
     location = resolve_model(model)
     if not location.weights.exists():
         raise EngineError(f"model weights {location.weights} are missing: pass --model /path/to/a/model")
+
+
+def working_dtype(device: str, bf16_supported: bool) -> str:
+    """The torch dtype (by name) the model runs in: bfloat16 on a GPU that has it, else float16
+    on a GPU, float32 on the CPU (half precision there is slow or unsupported)."""
+    if not device.startswith("cuda"):
+        return "float32"
+    return "bfloat16" if bf16_supported else "float16"
