@@ -329,8 +329,11 @@ def _parse_since(text: str | None, now: dt.datetime) -> dt.datetime | None:
             raise ConfigurationError(f"--since {text}: {exc}") from None
     try:
         return parse_deadline(value, now)
-    except ValueError as exc:
-        raise ConfigurationError(f"--since {text}: {str(exc).replace('deadline', 'instant')}") from None
+    except ValueError:
+        raise ConfigurationError(
+            f"--since {text}: use an ISO 8601 instant with a time zone (2026-12-01T06:00:00Z) "
+            "or a duration back from now (24h, 7d)"
+        ) from None
 
 
 def cmd_usage(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -400,8 +401,9 @@ class TenantQuotaRow:
         object.__setattr__(self, "tenant", check_tenant(self.tenant))
         for name in ("spot_gpus", "on_demand_gpus", "budget"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"tenant {self.tenant}: {name} must be >= 0, got {value}")
+            # `not value >= 0` also refuses NaN, which every comparison would otherwise let through
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"tenant {self.tenant}: {name} must be a finite number >= 0, got {value}")
         if self.budget is not None and not (self.budget_period_s or 0) > 0:
             raise ValueError(f"tenant {self.tenant}: a budget needs a period (budget_period_s > 0)")
 

@@ -82,3 +82,13 @@ def test_quota_set_list_delete(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "quota removed" in capsys.readouterr().out
     assert main(["quota", "set", "Bad_Name", "--store", url]) == 2
     assert "not a valid name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-5"])
+def test_quota_refuses_a_budget_that_is_not_a_finite_amount(
+    tmp_path: Path, budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NaN compares false with everything: accepted, it would have read as "no budget"."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    assert main(["quota", "set", "ads", "--budget", budget, "--store", url]) == 2
+    assert "budget must be a finite number >= 0" in capsys.readouterr().err

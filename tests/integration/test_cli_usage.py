@@ -89,4 +89,5 @@ def test_usage_refuses_a_bad_since(tmp_path: Path, since: str, capsys: pytest.Ca
     url = f"sqlite:///{tmp_path / 'store.db'}"
     _seed(url)
     assert main(["usage", "--store", url, "--since", since]) == 2
-    assert "--since" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--since" in err and "a duration back from now (24h, 7d)" in err
