@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import json
 import logging
 from collections import Counter
@@ -436,15 +437,25 @@ def published_outcomes(manifest_uri: str | None) -> Mapping[str, int] | None:
     """
     if not manifest_uri:
         return None
-    from airflow_deadline_batch.storage import open_uri
-
     try:
-        storage, key = open_uri(manifest_uri)
-        manifest = json.loads(storage.read_range(key, 0, MANIFEST_MAX_BYTES))
-        return {str(k): int(v) for k, v in manifest["outcomes"].items()}
+        return dict(_manifest_outcomes(manifest_uri))
     except Exception:  # object storage unreachable from the api-server: the page shows the rest
         log.warning("cannot read the outcomes of %s", manifest_uri, exc_info=True)
         return None
+
+
+@functools.lru_cache(maxsize=512)
+def _manifest_outcomes(manifest_uri: str) -> Mapping[str, int]:
+    """A published manifest's outcome counts, read once per api-server process.
+
+    A published manifest is immutable (docs/design.md), so the page refreshing every few
+    seconds need not read it again; a read that fails raises and is not cached.
+    """
+    from airflow_deadline_batch.storage import open_uri
+
+    storage, key = open_uri(manifest_uri)
+    manifest = json.loads(storage.read_range(key, 0, MANIFEST_MAX_BYTES))
+    return {str(k): int(v) for k, v in manifest["outcomes"].items()}
 
 
 def plain_summary(summary: JobSummary) -> dict[str, Any]:

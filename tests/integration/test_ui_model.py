@@ -119,3 +119,18 @@ def test_a_stopped_job_projects_no_more_cost(store: ManifestStore, job: str) -> 
     page = model.read_job_page(store, job, now=dt.datetime.now(UTC))
     assert page.summary.stopped
     assert page.summary.cost.projected == pytest.approx(page.summary.cost.so_far)
+
+
+def test_published_outcomes_are_read_once_per_manifest_and_failures_are_not_cached(tmp_path: Path) -> None:
+    """A published manifest is immutable: the refreshing page reads it once; an unreadable one is retried."""
+    manifest = tmp_path / "manifest.json"
+    uri = manifest.as_uri()
+    assert model.published_outcomes(uri) is None  # not there yet: None, and nothing cached
+    manifest.write_text('{"outcomes": {"succeeded": 3, "expired": 1}}')
+    assert model.published_outcomes(uri) == {"succeeded": 3, "expired": 1}
+    manifest.write_text('{"outcomes": {"succeeded": 0}}')  # never happens to a published one
+    assert model.published_outcomes(uri) == {"succeeded": 3, "expired": 1}
+    counts = model.published_outcomes(uri)
+    assert counts is not None
+    counts["succeeded"] = 99  # type: ignore[index]  # a caller's copy, not the cached counts
+    assert model.published_outcomes(uri) == {"succeeded": 3, "expired": 1}
