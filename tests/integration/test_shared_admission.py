@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import multiprocessing as mp
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -295,3 +296,24 @@ def test_the_plan_task_retried_after_a_shared_refusal_runs_admission_again(tmp_p
     assert job.state is JobState.ADMITTED and job.idempotency_key == "connections/manual__2026-01-01/plan"
     assert run.xcoms[("plan", "admission_report")]["verdict"] != "rejected_shared"
     store.close()
+
+
+def test_a_job_on_two_managed_pools_takes_the_room_left_on_either(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Pool a is full with two jobs; a job that may also use pool b is admitted, one on a alone is not."""
+    other = PoolSpec.from_dict({**SHARED.to_dict(), "name": "other"})
+    store.set_capacity("shared", 2)
+    store.set_capacity("other", 2)
+    plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "search"))
+    both = plan_job(store, replace(_request(tmp_path, "ads"), pools=(SHARED, other)))
+    edf = store.get_job(both.job_id).admission or {}
+    assert both.created and store.get_job(both.job_id).state is JobState.ADMITTED, edf
+    refused = _rejected(store, _request(tmp_path, "search"))
+    shared = (store.get_job(str(refused.fields["job_id"])).admission or {})["shared"]["edf"]
+    assert shared["linked_pools"] == ["other", "shared"] and shared["linked_jobs"] == 3
+    assert (
+        shared["violated"]["pools"]
+        and shared["violated"]["demand_gpu_s"] > shared["violated"]["supply_gpu_s"]
+    )
