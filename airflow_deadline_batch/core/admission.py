@@ -287,6 +287,18 @@ def _linked(
     return frozenset(group), [d for d in live if _reach(d, everything) <= group]
 
 
+@dataclass
+class _Built:
+    """A flow network of one problem and where its parts are."""
+
+    net: _FlowNetwork
+    source: int
+    sink: int
+    cells: dict[tuple[str, dt.datetime], int] = field(default_factory=dict)
+    jobs: list[tuple[int, Demand]] = field(default_factory=list)
+    edge_of_new: int = -1
+
+
 @dataclass(frozen=True)
 class _Problem:
     """Held work on linked pools, as a transportation problem the new job is added to."""
@@ -306,52 +318,62 @@ class _Problem:
     ) -> tuple[bool, DeadlineCheck | None]:
         """Whether the flow takes all of ``new``'s work beside the held work; the minimum cut if not."""
         pools = pools or self.pools
+        built = self._network(new, pools)
+        net = built.net
+        net.max_flow(built.source, built.sink)  # the held work alone
+        net.capacity[built.edge_of_new] = new.gpu_seconds
+        if net.max_flow(built.source, built.sink) >= new.gpu_seconds - _FIT_TOLERANCE:
+            return True, None
+        return False, self._cut(new, pools, built)
+
+    def _network(self, new: Demand, pools: tuple[SharedPool, ...]) -> _Built:
+        """source → job (its work) → its pools' cells at its deadline → earlier cells → sink.
+
+        Cell (pool, d) holds the pool's capacity between its previous deadline and ``d``; only the
+        deadlines of jobs on the pool cut it, as no work enters it in between. The new job's
+        source edge starts closed, so the held work is routed first.
+        """
         demands = [*self.held, new]
         net = _FlowNetwork()
-        source, sink = net.node(), net.node()
-        cells: dict[tuple[str, dt.datetime], int] = {}
+        built = _Built(net=net, source=net.node(), sink=net.node())
         for pool in pools:
-            # cell (pool, d): the capacity between the pool's previous deadline and d; only the
-            # deadlines of jobs on the pool cut it, as no work enters it between them
-            before = 0.0
-            previous = None
+            before, previous = 0.0, None
             for deadline in sorted({d.deadline for d in demands if pool.name in d.pools}):
-                cell = cells[pool.name, deadline] = net.node()
+                cell = built.cells[pool.name, deadline] = net.node()
                 until = self.supply(pool, deadline)
-                net.edge(cell, sink, until - before)
+                net.edge(cell, built.sink, until - before)
                 before = until
                 if previous is not None:  # work due by d may be done in earlier cells
                     net.edge(cell, previous, math.inf)
                 previous = cell
-        jobs: list[tuple[int, Demand]] = []
         groups: dict[tuple[frozenset[str], dt.datetime], int] = {}  # held jobs alike share a node
         for demand in demands:
             key = (demand.pools, demand.deadline)
-            if demand is new or key not in groups:
+            node = groups.get(key) if demand is not new else None
+            if node is None:
                 node = net.node()
                 for name in sorted(demand.pools):
-                    net.edge(node, cells[name, demand.deadline], math.inf)
+                    net.edge(node, built.cells[name, demand.deadline], math.inf)
                 if demand is not new:
                     groups[key] = node
-            jobs.append((groups[key] if demand is not new else node, demand))
-        edge_of_new = net.edge(source, jobs[-1][0], 0.0)
-        for node, demand in jobs[:-1]:
-            net.edge(source, node, demand.gpu_seconds)
-        net.max_flow(source, sink)  # the held work alone
-        net.capacity[edge_of_new] = new.gpu_seconds
-        added = net.max_flow(source, sink)
-        if added >= new.gpu_seconds - _FIT_TOLERANCE:
-            return True, None
-        reached = net.reachable(source)
-        counted = [d for node, d in jobs if node in reached]
+            built.jobs.append((node, demand))
+            edge = net.edge(built.source, node, 0.0 if demand is new else demand.gpu_seconds)
+            if demand is new:
+                built.edge_of_new = edge
+        return built
+
+    def _cut(self, new: Demand, pools: tuple[SharedPool, ...], built: _Built) -> DeadlineCheck:
+        """The minimum cut's source side: the jobs, and per pool the last cell, it holds."""
+        reached = built.net.reachable(built.source)
+        counted = [d for node, d in built.jobs if node in reached]
         cut_offs: dict[str, dt.datetime] = {}
-        for (name, deadline), cell in cells.items():
-            if cell in reached and deadline > cut_offs.get(name, self.now):
+        for (name, deadline), cell in built.cells.items():  # a pool's reached cells are a prefix
+            if cell in reached and (name not in cut_offs or deadline > cut_offs[name]):
                 cut_offs[name] = deadline
         by_name = {p.name: p for p in pools}
         cut_pools = tuple(sorted(cut_offs))
         last = max(counted, key=lambda d: (d.deadline, d is new))
-        return False, DeadlineCheck(
+        return DeadlineCheck(
             deadline=max(cut_offs.values(), default=new.deadline),
             job_id=last.job_id,
             demand_s=math.fsum(d.gpu_seconds for d in counted),
