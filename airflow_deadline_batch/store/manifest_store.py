@@ -369,9 +369,10 @@ class ManifestStore:
         return self._tx(lambda conn: self._job(conn, job_id), write=False)
 
     def get_job_by_idempotency_key(self, key: str) -> JobRow | None:
-        """The live job submitted with ``key``, or None (lets a planner skip work for a repeated submission).
+        """The job submitted with ``key``, or None (lets a planner skip work for a repeated submission).
 
-        A job rejected since keys are released is not found by its key; one rejected before may be.
+        A rejected job gives its key up (``create_job``), so this finds no job rejected since keys
+        are released; one rejected before may still be found.
         """
         return self._tx(lambda conn: self._job_by_key(conn, key), write=False)
 
