@@ -18,7 +18,7 @@ from airflow.sdk import DAG, AsyncCallback, DeadlineAlert, DeadlineReference, ta
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier
 from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
-from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator
+from airflow_deadline_batch.operators.shard import DEADLINE_WEIGHT_RULE, DeadlineShardPodOperator
 from airflow_deadline_batch.sensors.completeness import CompletenessSensor
 
 GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -98,6 +98,8 @@ with DAG(
         # at most the plan's 8 workers run at once, without an XCom sidecar (the defaults)
         deferrable=True,
         poll_interval=30,
+        # the shards of the job due soonest are queued first (docs/airflow.md, *Priority weights*)
+        weight_rule=DEADLINE_WEIGHT_RULE,
     ).expand_kwargs(plan.output)
     done = CompletenessSensor(
         task_id="verify",

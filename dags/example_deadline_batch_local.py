@@ -18,7 +18,7 @@ from airflow.sdk import DAG, AsyncCallback, DeadlineAlert, DeadlineReference, ta
 
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier
 from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
-from airflow_deadline_batch.operators.shard import LocalShardOperator
+from airflow_deadline_batch.operators.shard import DEADLINE_WEIGHT_RULE, LocalShardOperator
 from airflow_deadline_batch.sensors.completeness import CompletenessSensor
 
 HERE = Path(__file__).resolve().parent
@@ -76,6 +76,7 @@ with DAG(
         preempt_after_s=0.2,
         grace_s=2.0,
         env=WORKER_ENV,
+        weight_rule=DEADLINE_WEIGHT_RULE,  # the job due soonest first (docs/airflow.md)
     ).expand_kwargs(plan.output)
     done = CompletenessSensor(
         task_id="verify",

@@ -22,3 +22,24 @@ def new_attempt_id() -> str:
 def shard_id(shard_index: int) -> str:
     """Display form of a shard index, as written in result records and the manifest."""
     return VALIDATION_SHARD_ID if shard_index < 0 else f"{shard_index:05d}"
+
+
+#: what a rejected job's idempotency key becomes, so that a resubmission with the key is admitted afresh
+REJECTED_KEY_MARK = "#rejected-"
+#: the length of the ``jobs.idempotency_key`` column
+IDEMPOTENCY_KEY_MAX = 255
+
+
+def released_key(key: str, job_id: str) -> str:
+    """The key a rejected job keeps: ``<key>#rejected-<job_id>``, unique, never equal to a submitted key.
+
+    A long key is cut so that the mark and job ID fit the column; :func:`submitted_key` undoes it.
+    """
+    suffix = f"{REJECTED_KEY_MARK}{job_id}"
+    return key[: IDEMPOTENCY_KEY_MAX - len(suffix)] + suffix
+
+
+def submitted_key(stored: str) -> str:
+    """The key a job was submitted with (a rejected job's key without its ``#rejected-`` mark)."""
+    head, mark, tail = stored.rpartition(REJECTED_KEY_MARK)
+    return head if mark and tail.startswith("j-") else stored

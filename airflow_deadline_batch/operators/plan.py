@@ -2,7 +2,11 @@
 
 It calls the shared planner (``service.planning.plan_job``) that the CLI uses too, so the DAG and
 ``deadline-batch plan`` give the same verdict. The default idempotency key is
-``{dag_id}/{run_id}/{task_id}``: re-running the task returns the job it created the first time.
+``{dag_id}/{run_id}/{task_id}``: re-running the task returns the job it created the first time,
+unless admission rejected that job: a rejected job does not keep its key, so a retry (or a clear)
+of the task runs admission afresh. A refusal by shared capacity, a quota or a budget
+(``rejected_shared``) may pass later, so it fails the try with the task's retries left to run; a
+job infeasible alone or with too many invalid lines fails the task for good.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
@@ -27,6 +31,7 @@ from airflow_deadline_batch.lineage import report as report_lineage
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.notifiers.deadline_risk import DeadlineRiskNotifier, assess_risk
 from airflow_deadline_batch.operators.placement import read_job_view
+from airflow_deadline_batch.service.admission import REJECTED_SHARED
 from airflow_deadline_batch.triggers.completeness import plain
 
 if TYPE_CHECKING:
@@ -209,7 +214,11 @@ class DeadlineBatchOperator(BaseOperator):
             self.log.error("admission rejected the job:\n%s", summary)
             if exc.fields.get("job_id"):
                 DeadlineBatchProgressLink.persist(context, str(exc.fields["job_id"]))
-            raise AirflowFailException(f"job rejected at admission: {exc.message}\n{summary}") from exc
+            message = f"job rejected at admission: {exc.message}\n{summary}"
+            if report_dict(report).get("verdict") == REJECTED_SHARED:
+                # capacity frees as admitted jobs finish: the task's retries re-run admission
+                raise AirflowException(message) from exc
+            raise AirflowFailException(message) from exc
         except (InputError, ConfigurationError) as exc:
             raise AirflowFailException(str(exc)) from exc
         ti.xcom_push(key="admission_report", value=report_dict(result.report))

@@ -55,7 +55,7 @@ from airflow_deadline_batch.core.failures import (
     classify_exit,
 )
 from airflow_deadline_batch.core.pools import PoolSpec
-from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, kueue_labels
+from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
@@ -90,6 +90,19 @@ PREEMPTION_REASONS = frozenset(
 
 #: a shard task's default retries (its preempted and transient tries reschedule without spending one)
 SHARD_RETRIES = 5
+#: ``weight_rule`` for shard tasks: earliest deadline first (``plugins.priority``, registered by the
+#: provider's plugin); the class path, so a DAG file need not import Airflow's scheduler side
+DEADLINE_WEIGHT_RULE = "airflow_deadline_batch.plugins.priority.DeadlineWeightStrategy"
+
+
+def tenant_pool(tenant: str) -> str:
+    """The Airflow pool for a tenant's shard tasks, ``deadline-batch-<tenant>`` (docs/airflow.md).
+
+    Optional: pass it as ``pool=`` to a shard task's ``partial()`` after creating the pool with
+    ``airflow pools set deadline-batch-<tenant> <slots> "<description>"``; Airflow then runs at
+    most that many of the tenant's shard tasks at once, across all its DAGs.
+    """
+    return f"deadline-batch-{check_tenant(tenant)}"
 
 
 class PodOutcome(str, enum.Enum):

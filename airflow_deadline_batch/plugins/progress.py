@@ -1,4 +1,5 @@
-"""The provider's plugin: the jobs view in Airflow's UI, its FastAPI app, and the progress link.
+"""The provider's plugin: the jobs view in Airflow's UI, its FastAPI app, the progress link, and
+the shard tasks' priority weight strategy (:mod:`airflow_deadline_batch.plugins.priority`).
 
 Airflow 3's api-server mounts :func:`create_app` under ``/deadline-batch`` (``fastapi_apps``) and
 shows its pages inside the UI through ``external_views`` (docs/airflow.md, *Jobs view*):
@@ -28,6 +29,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
+from airflow_deadline_batch.plugins.priority import DeadlineWeightStrategy
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import JobRow, ManifestStore
@@ -194,9 +196,10 @@ EXTERNAL_VIEWS = [
 
 
 class DeadlineBatchPlugin(AirflowPlugin):
-    """Registers the progress link, the FastAPI app and its views in Airflow's UI."""
+    """Registers the progress link, the FastAPI app and its views in Airflow's UI, and the weight rule."""
 
     name = "deadline_batch"
     operator_extra_links = [DeadlineBatchProgressLink()]
+    priority_weight_strategies = [DeadlineWeightStrategy]
     fastapi_apps = [{"app": create_app(), "url_prefix": PLUGIN_URL_PREFIX, "name": "Deadline Batch"}]
     external_views = EXTERNAL_VIEWS

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_deadline_batch.core.admission import (
     Demand,
+    SharedPool,
     budget_refusal,
     edf_test,
     gpu_quota_refusals,
@@ -92,37 +93,54 @@ def _refusals(
         details["projected_cost"] = cost
     shared = [p for p in pools if p.name in snapshot.capacity]
     if shared and chosen is not None:
-        names = {p.name for p in shared}
-        held = [
-            Demand(
-                job_id=h.job_id,
-                tenant=h.tenant,
-                deadline=h.deadline,
-                gpu_seconds=reserved_gpu_seconds(
-                    h.admission, h.est_work_s, h.remaining_work_s, policy, h.work_scale
-                ),
-            )
-            for h in snapshot.held
-            if names.intersection(h.pools)
-        ]
         new = Demand(
             job_id=job_id,
             tenant=snapshot.tenant,
             deadline=report.deadline,
             gpu_seconds=chosen.run_seconds * chosen.gpus,
+            pools=frozenset(p.name for p in shared),
         )
         result = edf_test(
             new,
-            held,
-            gpus=sum(snapshot.capacity[p.name] for p in shared),
+            held_demands(snapshot, policy),
+            pools=shared_pools(snapshot, pools),
             now=snapshot.now,
-            lead_s=max(p.queue_wait_seconds + p.startup_seconds for p in shared),
             policy=policy,
         )
         details["edf"] = result.to_dict()
         if not result.feasible:
             reasons += result.reasons()
     return reasons, details
+
+
+def held_demands(snapshot: TenancySnapshot, policy: AdmissionPolicy) -> list[Demand]:
+    """The work each admitted, unfinished job holds on the managed pools it may use."""
+    out = []
+    for h in snapshot.held:
+        managed = frozenset(h.pools).intersection(snapshot.capacity)
+        if managed:
+            out.append(
+                Demand(
+                    job_id=h.job_id,
+                    tenant=h.tenant,
+                    deadline=h.deadline,
+                    gpu_seconds=reserved_gpu_seconds(
+                        h.admission, h.est_work_s, h.remaining_work_s, policy, h.work_scale
+                    ),
+                    pools=managed,
+                )
+            )
+    return out
+
+
+def shared_pools(snapshot: TenancySnapshot, pools: tuple[PoolSpec, ...]) -> list[SharedPool]:
+    """Every managed pool with its GPUs and lead: the new job's pool spec, else a held job's, else none."""
+    leads = {name: lead for h in snapshot.held for name, lead in h.pool_leads.items()}
+    leads.update({p.name: p.queue_wait_seconds + p.startup_seconds for p in pools})
+    return [
+        SharedPool(name=name, gpus=gpus, lead_s=leads.get(name, 0.0))
+        for name, gpus in sorted(snapshot.capacity.items())
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)

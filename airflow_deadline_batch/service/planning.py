@@ -839,14 +839,16 @@ def job_config(request: PlanRequest, target_shard_s: float) -> dict[str, Any]:
 def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None = None) -> PlanResult:
     """Plan and record a job; return literal shard specs for the launcher or ``expand_kwargs``.
 
-    A repeated submission with the same idempotency key returns the first job unchanged. An
-    infeasible job (or one with too many invalid lines) is recorded as ``rejected`` with its
-    report, and :class:`AdmissionRejected` is raised: nothing runs.
+    A repeated submission with the same idempotency key returns the first job unchanged, unless
+    that job was rejected: then admission runs afresh (an Airflow retry of the plan task, or the
+    same command once capacity freed) and may admit a new job. An infeasible job (or one with too
+    many invalid lines) is recorded as ``rejected`` with its report, and :class:`AdmissionRejected`
+    is raised: nothing runs.
     """
     clock = clock or SystemClock()
     if request.idempotency_key:
         existing = store.get_job_by_idempotency_key(request.idempotency_key)
-        if existing is not None:
+        if existing is not None and existing.state is not JobState.REJECTED:
             return _existing_result(store, existing)
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
         # A local input is hashed whole on a second core while the validating pass runs (file
@@ -914,6 +916,8 @@ def _record(
     )
     if not admitted:
         job, _ = store.create_job(new_job, [], None)
+        if job.state is not JobState.REJECTED:  # a concurrent submission of the key was admitted
+            return _existing_result(store, job)
         raise AdmissionRejected(
             f"job {job.job_id} rejected at admission ({report.verdict.value}): " + "; ".join(report.reasons),
             report=report,

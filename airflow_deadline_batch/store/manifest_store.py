@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
-from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, shard_id
+from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, released_key, shard_id
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import (
@@ -262,7 +262,10 @@ class ManifestStore:
         """Record a job with its shards (and the planner's validation-errors object) in one transaction.
 
         With an ``idempotency_key`` already known, return ``(existing job, False)`` and write
-        nothing, also when two submissions race (docs/design.md §4.5 invariant 6).
+        nothing, also when two submissions race (docs/design.md §4.5 invariant 6). A rejected job
+        does not hold its key: it is recorded under :func:`~airflow_deadline_batch.core.ids.released_key`
+        (``<key>#rejected-<job_id>``), so resubmitting the key runs admission afresh, while the unique
+        index still lets only one live job have the key.
 
         ``admit`` decides admission against shared capacity and the tenant's quota (docs/tenants.md)
         inside this transaction, with admissions serialized: it reads the snapshot and returns None
@@ -277,8 +280,10 @@ class ManifestStore:
                 tenancy.lock_admissions(conn)
             if job.idempotency_key is not None:
                 existing = self._job_by_key(conn, job.idempotency_key)
-                if existing is not None:
+                if existing is not None and existing.state is not JobState.REJECTED:
                     return existing, False
+                if existing is not None:  # rejected before keys were released: release it now
+                    self._release_key(conn, existing)
             now = _ts(self._now(conn))
             refusal = admit(tenancy.read_snapshot(conn, job.tenant, now)) if admit is not None else None
             if refusal is not None:
@@ -315,6 +320,15 @@ class ManifestStore:
                 job_id=job_id,
             ) from exc
 
+    @staticmethod
+    def _release_key(conn: Connection, job: JobRow) -> None:
+        assert job.idempotency_key is not None
+        conn.execute(
+            sa.update(jobs)
+            .where(jobs.c.job_id == job.job_id)
+            .values(idempotency_key=released_key(job.idempotency_key, job.job_id))
+        )
+
     def _insert_job(
         self,
         conn: Connection,
@@ -327,7 +341,11 @@ class ManifestStore:
         conn.execute(
             sa.insert(jobs).values(
                 job_id=job_id,
-                idempotency_key=job.idempotency_key,
+                idempotency_key=(
+                    released_key(job.idempotency_key, job_id)
+                    if state is JobState.REJECTED and job.idempotency_key is not None
+                    else job.idempotency_key
+                ),
                 state=state.value,
                 created_at=now,
                 updated_at=now,
@@ -351,7 +369,11 @@ class ManifestStore:
         return self._tx(lambda conn: self._job(conn, job_id), write=False)
 
     def get_job_by_idempotency_key(self, key: str) -> JobRow | None:
-        """The job submitted with ``key``, or None (lets a planner skip work for a repeated submission)."""
+        """The job submitted with ``key``, or None (lets a planner skip work for a repeated submission).
+
+        A rejected job gives its key up (``create_job``), so this finds no job rejected since keys
+        are released; one rejected before may still be found.
+        """
         return self._tx(lambda conn: self._job_by_key(conn, key), write=False)
 
     def list_jobs(self, limit: int = 50) -> list[JobRow]:

@@ -7,8 +7,9 @@ the rows mean (earliest-deadline-first admission, budgets) is decided in ``core.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -54,6 +55,8 @@ class HeldWork:
     remaining_work_s: float
     #: measured seconds per estimated second of work (1.0 before the job committed anything)
     work_scale: float = 1.0
+    #: each of its pools' queue wait + startup, as its plan recorded them
+    pool_leads: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +138,16 @@ def _held_work(conn: Connection, now: dt.datetime) -> Iterable[HeldWork]:
             est_work_s=sum(s.est_work_s for s in own),
             remaining_work_s=sum(s.est_work_s * (1.0 - shard_done_fraction(s)) for s in own),
             work_scale=scale,
+            pool_leads=_pool_leads(job.config.get("pools") or ()),
         )
+
+
+def _pool_leads(pools: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    leads = {}
+    for pool in pools:
+        lead = float(pool.get("queue_wait_seconds") or 0.0) + float(pool.get("startup_seconds") or 0.0)
+        leads[str(pool.get("name"))] = lead if math.isfinite(lead) and lead >= 0 else 0.0
+    return leads
 
 
 def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[JobCost]:

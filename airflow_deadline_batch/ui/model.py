@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.ids import submitted_key
 from airflow_deadline_batch.core.job_view import (
     PREEMPTED_OUTCOMES,
     JobView,
@@ -75,7 +76,10 @@ def planned_by(idempotency_key: str | None) -> DagRunRef | None:
     DAG and task IDs cannot contain ``/`` (Airflow's ``KEY_REGEX``); a run ID can, so the key splits
     at its first and last slash.
     """
-    if not idempotency_key or idempotency_key.count("/") < 2:
+    if not idempotency_key:
+        return None
+    idempotency_key = submitted_key(idempotency_key)  # a rejected job's key carries a mark
+    if idempotency_key.count("/") < 2:
         return None
     dag_id, _, rest = idempotency_key.partition("/")
     run_id, _, task_id = rest.rpartition("/")

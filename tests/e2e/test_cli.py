@@ -496,9 +496,16 @@ def test_default_key_resumes_the_same_job_and_new_job_forces_another(sample: Pat
     assert fresh.code == 0 and fresh.json()["job_id"] not in (job_id, rejected.json()["job_id"]), (
         fresh.describe()
     )
+    # a rejected job does not keep an explicit key either: the same command, later or looser, runs
+    keyed = [*base, "--idempotency-key", "nightly"]
+    refused = run_cli(*keyed, "--deadline", "+1s", "--json", cwd=tmp_path)
+    assert refused.code == 3, refused.describe()
+    admitted = run_cli(*keyed, "--deadline", "+1h", "--json", cwd=tmp_path)
+    assert admitted.code == 0 and admitted.json()["job_id"] != refused.json()["job_id"], admitted.describe()
     store = ManifestStore(store_url)
     try:
-        assert len(store.list_jobs()) == 3
+        assert len(store.list_jobs()) == 5
+        assert store.get_job_by_idempotency_key("nightly").job_id == admitted.json()["job_id"]  # type: ignore[union-attr]
     finally:
         store.close()
 

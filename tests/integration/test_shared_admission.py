@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import datetime as dt
 import multiprocessing as mp
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import AdmissionRejected
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
+from airflow_deadline_batch.store.schema import jobs
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -32,7 +35,9 @@ SHARED = PoolSpec(
 )
 
 
-def _request(tmp_path: Path, tenant: str, minutes: float = 45, workers: int = 2) -> PlanRequest:
+def _request(
+    tmp_path: Path, tenant: str, minutes: float = 45, workers: int = 2, key: str | None = None
+) -> PlanRequest:
     return PlanRequest(
         input_uri=str(SAMPLE),
         deadline=dt.datetime.now(UTC) + dt.timedelta(minutes=minutes),
@@ -40,6 +45,7 @@ def _request(tmp_path: Path, tenant: str, minutes: float = 45, workers: int = 2)
         pools=(SHARED,),
         workers=workers,
         tenant=tenant,
+        idempotency_key=key,
     )
 
 
@@ -60,7 +66,7 @@ def test_the_third_job_on_a_shared_pool_waits_for_the_first_to_finish(
     store.set_capacity("shared", 2)
     first = plan_job(store, _request(tmp_path, "ads"))
     plan_job(store, _request(tmp_path, "search"))
-    third = _request(tmp_path, "ads")
+    third = _request(tmp_path, "ads", key="ads/nightly")
     refused = _rejected(store, third)
     assert "rejected by shared capacity" in refused.message
     assert "the earliest feasible deadline is" in refused.message
@@ -80,10 +86,41 @@ def test_the_third_job_on_a_shared_pool_waits_for_the_first_to_finish(
     assert later.created
     store.cancel_job(later.job_id)
 
-    # the first job completes: it holds nothing any more, and the third one fits
+    # resubmitted with the same key while the pool is still full: admission runs again, and refuses
+    again = _rejected(store, _request(tmp_path, "ads", key="ads/nightly"))
+    assert again.fields["job_id"] != job.job_id and "rejected by shared capacity" in again.message
+
+    # the first job completes: it holds nothing any more, and the same request (same key) is admitted
     store.set_job_state(first.job_id, JobState.FINALIZING)
     store.set_job_state(first.job_id, JobState.COMPLETED)
-    assert plan_job(store, _request(tmp_path, "ads")).created
+    admitted = plan_job(store, _request(tmp_path, "ads", key="ads/nightly"))
+    assert admitted.created and admitted.job_id not in (job.job_id, again.fields["job_id"])
+    assert store.get_job(admitted.job_id).idempotency_key == "ads/nightly"
+    # the refusals stay as records, their keys marked; the admitted job now holds the key
+    assert store.get_job(job.job_id).idempotency_key == f"ads/nightly#rejected-{job.job_id}"
+    assert store.get_job(job.job_id).state is JobState.REJECTED
+    repeat = plan_job(store, _request(tmp_path, "ads", key="ads/nightly"))
+    assert not repeat.created and repeat.job_id == admitted.job_id
+
+
+def test_a_job_rejected_before_keys_were_released_gives_its_key_up(
+    store: ManifestStore, store_url: str, tmp_path: Path
+) -> None:
+    """A rejected row that still holds its key (recorded by an older version) does not block it."""
+    store.set_capacity("shared", 2)
+    plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "search"))
+    refused = _rejected(store, _request(tmp_path, "ads", key="k"))
+    old_id = str(refused.fields["job_id"])
+    engine = sa.create_engine(store_url)
+    with engine.begin() as conn:  # as an older version recorded it: the key kept as submitted
+        conn.execute(sa.update(jobs).where(jobs.c.job_id == old_id).values(idempotency_key="k"))
+    engine.dispose()
+    store.set_capacity("shared", 4)
+    admitted = plan_job(store, _request(tmp_path, "ads", key="k"))
+    assert admitted.created and admitted.job_id != old_id
+    assert store.get_job(old_id).idempotency_key == f"k#rejected-{old_id}"
+    assert store.get_job_by_idempotency_key("k").job_id == admitted.job_id  # type: ignore[union-attr]
 
 
 def test_a_tenant_over_its_budget_is_rejected_with_the_numbers(store: ManifestStore, tmp_path: Path) -> None:
@@ -104,7 +141,9 @@ def test_a_plan_above_the_tenant_gpu_quota_is_rejected(store: ManifestStore, tmp
     assert plan_job(store, _request(tmp_path, "ads", workers=1, minutes=90)).created
 
 
-def _submit(url: str, out: str, tenant: str, barrier: object, results: object) -> None:
+def _submit(
+    url: str, out: str, tenant: str, barrier: object, results: object, key: str | None = None
+) -> None:
     store = ManifestStore(url)
     try:
         request = PlanRequest(
@@ -114,6 +153,7 @@ def _submit(url: str, out: str, tenant: str, barrier: object, results: object) -
             pools=(SHARED,),
             workers=2,
             tenant=tenant,
+            idempotency_key=key,
         )
         barrier.wait()  # type: ignore[attr-defined]
         try:
@@ -152,6 +192,37 @@ def test_concurrent_admissions_never_overcommit_a_pool(store_url: str, tmp_path:
     store.close()
 
 
+def test_concurrent_resubmissions_of_a_rejected_key_make_one_live_job(store_url: str, tmp_path: Path) -> None:
+    """After a refusal, real processes resubmit the same key at once: one job is admitted, the rest get it."""
+    store = ManifestStore.open(store_url)
+    store.set_capacity("shared", 2)
+    first = plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "ads"))
+    refused = _rejected(store, _request(tmp_path, "ads", key="retry-me"))
+    store.set_job_state(first.job_id, JobState.CANCELLED)  # capacity frees for one more job
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_submit, args=(store_url, str(tmp_path / "out"), "ads", barrier, results, "retry-me")
+        )
+        for _ in range(RACERS)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=240) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * RACERS
+    assert {verdict for verdict, _ in outcomes} == {"admitted"}, outcomes
+    (live,) = {job for _, job in outcomes}  # every racer got the one job that holds the key
+    assert live != refused.fields["job_id"]
+    keyed = [j for j in store.list_jobs() if (j.idempotency_key or "").startswith("retry-me")]
+    assert sorted(j.state.value for j in keyed) == ["admitted", "rejected"]
+    store.close()
+
+
 def test_held_work_is_rerated_by_the_throughput_its_commits_measured(
     store: ManifestStore, tmp_path: Path
 ) -> None:
@@ -186,4 +257,63 @@ def test_held_work_is_rerated_by_the_throughput_its_commits_measured(
     left = total - shards[0].est_work_s / shards[0].num_microbatches
     assert after.reserved_gpu_s == pytest.approx(
         before.reserved_gpu_s * left / total * view.work_scale, rel=1e-6
+    )
+
+
+def test_the_plan_task_retried_after_a_shared_refusal_runs_admission_again(tmp_path: Path) -> None:
+    """The same task instance's second try (same default key) is admitted once capacity freed."""
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
+    from tests.integration.test_airflow_connections import Run
+
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(store_url)
+    store.set_capacity("shared", 2)
+    first = plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "search"))
+    plan = DeadlineBatchOperator(
+        task_id="plan",
+        input_uri=str(SAMPLE),
+        deadline="+45m",
+        output_uri=str(tmp_path / "out"),
+        store_url=store_url,
+        pools=[SHARED],
+        workers=2,
+        tenant="ads",
+    )
+    run = Run()
+    with pytest.raises(AirflowException) as info:
+        plan.execute(run.context("plan"))
+    assert not isinstance(info.value, AirflowFailException)  # retryable: capacity may free
+    assert "rejected by shared capacity" in str(info.value)
+    refused = run.xcoms[("plan", "admission_report")]
+    assert refused["verdict"] == "rejected_shared"
+
+    store.set_job_state(first.job_id, JobState.CANCELLED)
+    specs = plan.execute(run.context("plan"))  # the retry: same dag, run and task, same key
+    job = store.get_job(specs[0]["job_id"])
+    assert job.state is JobState.ADMITTED and job.idempotency_key == "connections/manual__2026-01-01/plan"
+    assert run.xcoms[("plan", "admission_report")]["verdict"] != "rejected_shared"
+    store.close()
+
+
+def test_a_job_on_two_managed_pools_takes_the_room_left_on_either(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Pool a is full with two jobs; a job that may also use pool b is admitted, one on a alone is not."""
+    other = PoolSpec.from_dict({**SHARED.to_dict(), "name": "other"})
+    store.set_capacity("shared", 2)
+    store.set_capacity("other", 2)
+    plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "search"))
+    both = plan_job(store, replace(_request(tmp_path, "ads"), pools=(SHARED, other)))
+    edf = store.get_job(both.job_id).admission or {}
+    assert both.created and store.get_job(both.job_id).state is JobState.ADMITTED, edf
+    refused = _rejected(store, _request(tmp_path, "search"))
+    shared = (store.get_job(str(refused.fields["job_id"])).admission or {})["shared"]["edf"]
+    assert shared["linked_pools"] == ["other", "shared"] and shared["linked_jobs"] == 3
+    assert (
+        shared["violated"]["pools"]
+        and shared["violated"]["demand_gpu_s"] > shared["violated"]["supply_gpu_s"]
     )

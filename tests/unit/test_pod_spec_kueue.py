@@ -120,3 +120,47 @@ def test_docs_define_the_priority_classes_the_pods_name() -> None:
         for f in o["spec"]["resourceGroups"][0]["flavors"]
     ]
     assert flavors == ["gpu-spot", "gpu-on-demand"]
+
+
+def _kueue_objects() -> list[dict]:
+    """The Kueue objects of docs/kubernetes.md's YAML block (the one with a ClusterQueue)."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kind: ClusterQueue" in b]
+    return [doc for doc in yaml.safe_load_all(block) if doc]
+
+
+def test_the_documented_kueue_objects_admit_the_pods_the_operator_builds(job) -> None:
+    """Priority classes are the bands; each try's pod fits exactly one flavor; its GPUs are covered."""
+    from airflow_deadline_batch.core.tenants import PRIORITY_BANDS
+
+    objects = _kueue_objects()
+    classes = {o["metadata"]["name"]: o["value"] for o in objects if o["kind"] == "WorkloadPriorityClass"}
+    assert classes == {name: value for _, name, value in PRIORITY_BANDS}
+    flavors = {
+        o["metadata"]["name"]: o["spec"]["nodeLabels"] for o in objects if o["kind"] == "ResourceFlavor"
+    }
+    (queue,) = [o for o in objects if o["kind"] == "ClusterQueue"]
+    (group,) = queue["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == list(flavors)  # every flavor is in the queue
+    local_queues = {o["metadata"]["name"] for o in objects if o["kind"] == "LocalQueue"}
+    url, job_id = job
+    used = set()
+    for minutes_in in (0, 118):  # a Spot try, then an on-demand one near the deadline
+        manifest, _ = _pod(url, job_id, T0 + dt.timedelta(minutes=minutes_in), kueue=True)
+        spec, labels = manifest["spec"], manifest["metadata"]["labels"]
+        selector = spec.get("nodeSelector") or {}
+        fitting = [
+            name for name, node_labels in flavors.items()
+            if all(selector.get(k, v) == v for k, v in node_labels.items())
+        ]  # fmt: skip
+        assert len(fitting) == 1, (selector, flavors)
+        used.add(fitting[0])
+        assert labels[KUEUE_QUEUE_LABEL] in local_queues and labels[KUEUE_PRIORITY_LABEL] in classes
+        requested = set(spec["containers"][0]["resources"]["limits"])
+        assert requested <= set(group["coveredResources"])
+    assert used == set(flavors)

@@ -83,3 +83,17 @@ def test_mapped_shards_keep_their_default_retries_unless_the_dag_sets_them() -> 
     assert plain.partial_kwargs["retries"] == local.partial_kwargs["retries"] == 5
     assert given.partial_kwargs["retries"] == 1
     assert from_dag.partial_kwargs["retries"] == 2
+
+
+def test_the_weight_rule_names_the_registered_strategy_and_pools_follow_tenants() -> None:
+    from airflow._shared.module_loading import qualname
+
+    from airflow_deadline_batch.operators.shard import DEADLINE_WEIGHT_RULE, tenant_pool
+    from airflow_deadline_batch.plugins.priority import DeadlineWeightStrategy
+    from airflow_deadline_batch.plugins.progress import DeadlineBatchPlugin
+
+    assert qualname(DeadlineWeightStrategy) == DEADLINE_WEIGHT_RULE
+    assert DeadlineWeightStrategy in DeadlineBatchPlugin.priority_weight_strategies
+    assert tenant_pool("ads") == "deadline-batch-ads"
+    with pytest.raises(ValueError, match="not a valid name"):
+        tenant_pool("Ads Team")

@@ -100,7 +100,12 @@ def path_d(html: str, element_id: str) -> str:
             DagRunRef(dag_id="dag", run_id="manual__2026-01-01T00:00:00+00:00", task_id="plan"),
         ),
         ("dag/run/with/slashes/plan", DagRunRef(dag_id="dag", run_id="run/with/slashes", task_id="plan")),
+        (  # a rejected job's key carries a mark; the DAG run that planned it stays readable
+            "dag/run/plan#rejected-j-abcdefghij0123456789",
+            DagRunRef(dag_id="dag", run_id="run", task_id="plan"),
+        ),
         ("my-own-key", None),
+        ("my-own-key#rejected-j-abcdefghij0123456789", None),
         ("a/b", None),
         ("/run/task", None),
         (None, None),
@@ -183,3 +188,13 @@ def test_a_published_job_shows_every_outcome_count() -> None:
     assert '<dd id="outcomes">cancelled 40, succeeded 60, x 0</dd>' in html
     running = render.render_job_page(page(), prefix="/deadline-batch")
     assert 'id="outcomes"' not in running
+
+
+def test_a_released_key_fits_the_column_and_gives_the_submitted_key_back() -> None:
+    from airflow_deadline_batch.core.ids import IDEMPOTENCY_KEY_MAX, new_job_id, released_key, submitted_key
+
+    job_id = new_job_id()
+    assert submitted_key(released_key("dag/run/plan", job_id)) == "dag/run/plan"
+    long = released_key("k" * IDEMPOTENCY_KEY_MAX, job_id)
+    assert len(long) == IDEMPOTENCY_KEY_MAX and long.endswith(job_id)
+    assert submitted_key("a#rejected-not-a-job") == "a#rejected-not-a-job"
