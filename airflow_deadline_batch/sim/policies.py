@@ -7,6 +7,7 @@ policy but a bound computed from the future trace (:mod:`.omniscient`).
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import replace
 
 from airflow_deadline_batch.core.calibration import AvailabilityEstimate, SpotTries
@@ -28,6 +29,7 @@ from airflow_deadline_batch.sim.engine import (
     SpotIn,
     View,
 )
+from airflow_deadline_batch.sim.traces import Trace
 
 EPOCH = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -131,14 +133,19 @@ class SlackAware:
 
     name = "slack_aware"
 
-    def __init__(self, params: PolicyParams | None = None) -> None:
+    def __init__(
+        self, params: PolicyParams | None = None, priors: Sequence[AvailabilityEstimate] = ()
+    ) -> None:
         self.params = params or PolicyParams()
+        #: each pool's estimate as earlier jobs left it (:func:`pool_priors`); empty: the default prior
+        self.priors = tuple(priors)
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
         self.deadline = EPOCH + dt.timedelta(hours=config.deadline_h)
         self.run_params = PolicyParams(**{**self.params.__dict__, "decision_interval_s": gap_h * 3600})
-        self.availability = AvailabilityEstimate(prior=self.params.availability_prior)
-        self.pool_availability: list[AvailabilityEstimate] = []
+        fresh = AvailabilityEstimate(prior=self.params.availability_prior)
+        self.availability = self.priors[0] if self.priors else fresh
+        self.pool_availability: list[AvailabilityEstimate] = list(self.priors) if len(self.priors) > 1 else []
         self.spot_tries = SpotTries()
 
     def _observe_pools(self, view: View) -> tuple[SpotOption, ...]:
@@ -313,6 +320,49 @@ POLICIES: dict[str, type] = {
 }
 #: every name ``--policy`` accepts (``omniscient`` is the offline bound)
 POLICY_NAMES = ("on_demand", "greedy", "uniform_progress", "omniscient", "slack_aware")
+
+
+#: hours of a pool's capacity before a job's start that earlier jobs saw and persisted (the
+#: simulator's counterpart of ``store.pool_stats``' history; 0: every job starts from the prior)
+HISTORY_HOURS = 48.0
+
+
+def pool_priors(
+    traces: Sequence[Trace],
+    start_tick: int,
+    workers: int,
+    *,
+    hours: float = HISTORY_HOURS,
+    params: PolicyParams | None = None,
+) -> tuple[AvailabilityEstimate, ...]:
+    """Each pool's availability and spell estimate after the ``hours`` of its trace before the start.
+
+    What a job inherits from earlier jobs on the same pools (docs/simulator.md, *Persisted prior*):
+    the capacity they saw, folded into the estimate the job then keeps learning from. Only ticks
+    before the start are read (none before the trace's first), so no future is seen.
+    """
+    prior = (params or PolicyParams()).availability_prior
+    out = []
+    for trace in traces:
+        gap_h = trace.gap_s / 3600.0
+        first = max(0, start_tick - round(hours / gap_h))
+        estimate = AvailabilityEstimate(prior=prior)
+        for tick in range(first, start_tick):
+            estimate = estimate.observe(trace.at(tick), workers, gap_h)
+        out.append(estimate)
+    return tuple(out)
+
+
+def slack_aware_at(
+    traces: Sequence[Trace],
+    start_tick: int,
+    workers: int,
+    params: PolicyParams | None = None,
+    *,
+    hours: float = HISTORY_HOURS,
+) -> SlackAware:
+    """``slack_aware`` for a job starting at ``start_tick``, with the pools' persisted priors."""
+    return SlackAware(params, pool_priors(traces, start_tick, workers, hours=hours, params=params))
 
 
 def make_policy(name: str) -> Policy:

@@ -10,7 +10,7 @@ import pytest
 from airflow_deadline_batch.core.placement import PolicyParams, race_gain, should_speculate
 from airflow_deadline_batch.sim import traces
 from airflow_deadline_batch.sim.engine import Choice, Mode, SimConfig, Speculate, View, simulate
-from airflow_deadline_batch.sim.policies import SlackAware
+from airflow_deadline_batch.sim.policies import SlackAware, pool_priors, slack_aware_at
 
 
 def test_race_gain_matches_a_monte_carlo_of_the_race() -> None:
@@ -86,3 +86,16 @@ def test_slack_aware_races_in_the_tail_for_less_and_in_time() -> None:
     plain = simulate(gang, 197, cfg, SlackAware(PolicyParams(race_tail=False)))
     assert raced.races > 0 and not raced.missed
     assert raced.cost < plain.cost and raced.finish_h <= plain.finish_h
+
+
+def test_persisted_priors_read_only_the_capacity_before_the_start() -> None:
+    past_dry = traces.from_segments([(48.0, 0), (48.0, 4)], gap_s=600.0)
+    future_dry = traces.from_segments([(48.0, 0), (48.0, 0)], gap_s=600.0)
+    start = 48 * 6
+    (dry,) = pool_priors([past_dry], start, workers=4)
+    assert pool_priors([future_dry], start, workers=4) == (dry,)  # the future is not read
+    assert dry.value < 0.1 < PolicyParams().availability_prior
+    (fresh,) = pool_priors([past_dry], 0, workers=4)  # nothing before the trace's first tick
+    assert fresh.value == PolicyParams().availability_prior
+    policy = slack_aware_at([past_dry], start, 4)
+    assert policy.priors == (dry,)
