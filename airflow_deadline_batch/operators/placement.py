@@ -191,12 +191,17 @@ def pool_spot_tries(
     history: Mapping[str, PoolHistory],
 ) -> dict[str, SpotTries]:
     """Each Spot pool's finished tries of the job, folded over its declaration and earlier jobs' history."""
+    by_pool: dict[str, list[AttemptRow]] = {p.name: [] for p in pools if p.kind is PoolKind.SPOT}
+    for attempt in attempts:
+        pool_of = pool_named(attempt.pool, pools)
+        if pool_of is not None and attempt.ended_at is not None and pool_of.name in by_pool:
+            by_pool[pool_of.name].append(attempt)
     out: dict[str, SpotTries] = {}
     for pool in pools:
         if pool.kind is not PoolKind.SPOT:
             continue
-        mine = [a for a in attempts if pool_named(a.pool, pools) is pool]
-        seen, _ = spot_tries(mine, commits, [pool])
+        mine = by_pool[pool.name]
+        seen = spot_tries(mine, commits, [pool])[0] if mine else SpotTries()
         prior = spot_prior(pool.preemptions_per_hour, history.get(pool.name))
         out[pool.name] = dataclasses.replace(
             seen, prior_per_hour=prior.prior_per_hour, prior_hours=prior.prior_hours
