@@ -285,7 +285,9 @@ def placement_snapshot(view: JobView, shard_index: int, on_demand: PoolSpec | No
     ref_price = reference.price_per_gpu_hour
     price_ratio = None
     if on_demand is not None and ref_price > 0:
-        price_ratio = on_demand.price_per_gpu_hour / _speed(view, on_demand, reference) / ref_price
+        # free on-demand capacity (price 0): no Spot try is ever cheaper, the ratio only has to be > 0
+        od_price = max(on_demand.price_per_gpu_hour, 1e-9)
+        price_ratio = od_price / _speed(view, on_demand, reference) / ref_price
     if len(spot) == 1:
         only = tries[reference.name]
         return dataclasses.replace(

@@ -90,6 +90,8 @@ def test_the_price_ratio_reaches_the_rule_and_a_dear_spot_pool_goes_on_demand() 
     shaky = dataclasses.replace(SPOT_A, preemptions_per_hour=6.0)  # a 10-minute spell, a 30-minute shard
     decision = decide((shaky, OD))
     assert decision.pool == OD and "expected to cost" in decision.reason
+    free = dataclasses.replace(OD, price_per_gpu_hour=0.0)  # reserved capacity already paid for
+    assert decide((SPOT_A, free)).pool == free
 
 
 def test_the_cheaper_spot_pool_wins_until_the_job_sees_it_preempted() -> None:
