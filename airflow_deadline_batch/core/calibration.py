@@ -262,3 +262,47 @@ class SpotTries:
         """Expected Spot run before a preemption (None: no preemption expected, declared or seen)."""
         rate = self.preemptions_per_hour
         return 3600.0 / rate if rate > 0 else None
+
+
+#: Spot-hours of earlier jobs' tries the prior may weigh at most: beyond it the history is scaled
+#: down, so a long history still leaves the job's own tries room to move the estimate
+MAX_HISTORY_HOURS = 24.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolHistory:
+    """What earlier jobs' finished tries on one pool showed (``store.pool_stats``)."""
+
+    pool: str
+    tries: int = 0
+    preemptions: int = 0
+    spot_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tries < 0 or self.preemptions < 0 or not self.spot_s >= 0:
+            raise ValueError(f"pool history of {self.pool!r}: tries, preemptions and spot_s must be >= 0")
+
+
+def spot_prior(
+    declared_per_hour: float,
+    history: PoolHistory | None = None,
+    *,
+    prior_hours: float = 1.0,
+    max_history_hours: float = MAX_HISTORY_HOURS,
+) -> SpotTries:
+    """The prior a job's Spot tries on one pool start from: the declaration, updated by earlier jobs.
+
+    Gamma–Poisson: the declared rate is worth ``prior_hours`` of Spot time; earlier jobs' tries add
+    their preemptions and Spot-hours (scaled down to ``max_history_hours`` when longer). The result
+    is a :class:`SpotTries` with no tries of its own, whose ``prior_per_hour`` is that posterior
+    rate and whose ``prior_hours`` its weight; the job then folds its own tries into it.
+    """
+    if declared_per_hour < 0 or prior_hours <= 0 or max_history_hours <= 0:
+        raise ValueError("declared_per_hour must be >= 0, prior_hours and max_history_hours > 0")
+    preemptions, hours = declared_per_hour * prior_hours, prior_hours
+    if history is not None and history.tries > 0:
+        seen_h = history.spot_s / 3600.0
+        weight = 1.0 if seen_h <= max_history_hours else max_history_hours / seen_h
+        preemptions += weight * history.preemptions
+        hours += weight * seen_h
+    return SpotTries(prior_per_hour=preemptions / hours, prior_hours=hours)

@@ -29,6 +29,10 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
 * **Several Spot pools** (``JobSnapshot.spot_pools``): the Spot side is the pool with the lowest
   expected price per unit of work (:func:`pick_spot_pool`), named in the decision; the safety
   rule is the same, with that pool's risk.
+* **The tail race** (:func:`should_speculate`): when the safety rule would move a running Spot try
+  to on-demand and a worker has nothing left to pull, the on-demand try may start as a duplicate
+  while the Spot try keeps running; whichever commits first wins, only when the expected saving
+  beats what keeping the Spot try costs.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ class PolicyParams:
     #: length) stays under this fraction of on-demand's; ``None``, or a snapshot without
     #: ``price_ratio``/``spot_mean_run_s``: off
     spot_cost_limit: float | None = 1.0
+    #: in the job's tail (no shard left to pull, a worker idle), escalate a running Spot try by a
+    #: duplicate on on-demand that races it instead of stopping it, when :func:`should_speculate`
+    #: says the race is expected to cost less (the simulator; the runner does not race yet)
+    race_tail: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -661,3 +669,60 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
     if snapshot.spot_available:
         return decide(PoolKind.SPOT, "Spot runs are short-lived, but slack still affords a try")
     return decide(PoolKind.SPOT, "wait for Spot: slack is above its reserve")
+
+
+def race_gain(
+    *,
+    remaining_s: float,
+    price: float,
+    mean_run_s: float | None,
+    duplicate_s: float,
+    duplicate_price: float,
+) -> float:
+    """Expected saving of racing a running try against its escalation, in price × seconds.
+
+    The alternative is the escalation itself: stop the running try and run the shard on the other
+    pool, ``duplicate_price × duplicate_s`` (its changeover and the whole shard). Racing starts the
+    same duplicate but keeps the running try, which still needs ``remaining_s`` and is preempted
+    after an exponential time of mean ``mean_run_s`` (``None``: never). It wins with probability
+    ``q = e^(−remaining/mean)`` when it needs less than the duplicate; the duplicate is then
+    cancelled early, saving ``duplicate_price × (duplicate_s − remaining_s)``; keeping it costs
+    ``price × E[min(preemption, remaining_s)]`` whoever wins. Gain = ``q × saving − that cost``;
+    never positive when the running try needs as long as the duplicate.
+    """
+    if min(remaining_s, price, duplicate_s, duplicate_price) < 0:
+        raise ValueError("remaining_s, price, duplicate_s and duplicate_price must be >= 0")
+    if remaining_s >= duplicate_s:
+        return -price * (remaining_s if mean_run_s is None else min(remaining_s, mean_run_s))
+    if mean_run_s is None:
+        q, kept = 1.0, remaining_s
+    elif mean_run_s <= 0:
+        return 0.0 if remaining_s == 0 else -math.inf
+    else:
+        q = math.exp(-remaining_s / mean_run_s)
+        kept = mean_run_s * -math.expm1(-remaining_s / mean_run_s)
+    return q * duplicate_price * (duplicate_s - remaining_s) - price * kept
+
+
+def should_speculate(
+    *,
+    remaining_s: float,
+    price: float,
+    mean_run_s: float | None,
+    duplicate_s: float,
+    duplicate_price: float,
+) -> bool:
+    """Whether a try the safety rule escalates should race a duplicate instead of stopping.
+
+    Only for the job's tail: the duplicate needs a worker with nothing else to pull (the caller
+    checks), and it runs on on-demand, so the deadline is as safe as with the escalation: the
+    duplicate alone finishes when the escalated try would have. True when :func:`race_gain` > 0.
+    """
+    gain = race_gain(
+        remaining_s=remaining_s,
+        price=price,
+        mean_run_s=mean_run_s,
+        duplicate_s=duplicate_s,
+        duplicate_price=duplicate_price,
+    )
+    return gain > 0

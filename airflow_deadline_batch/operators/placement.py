@@ -5,6 +5,15 @@ Both shard operators (Kubernetes pod and local subprocess) and the local runner 
 :class:`~airflow_deadline_batch.core.job_view.JobView` and the shard into a :class:`TryDecision`
 (run / skip, which pool, timeouts), so a retry after a preemption escalates to on-demand by itself
 once slack has shrunk. :func:`read_job_view` reads that view from the store for all of them.
+
+With the job's pools (docs/design.md §5, *Several pools*) the decision is the simulator's rule
+(:func:`core.placement.choose_pool`) with everything it takes: the on-demand over Spot price ratio
+(so the expected-cost rule is on), every Spot pool as a :class:`~core.placement.SpotOption` (price,
+learned throughput, learned spell length) for :func:`~core.placement.pick_spot_pool`, and the
+cheapest on-demand pool that is not slower than the reference pool. Each Spot pool's preemption
+rate is learned from this job's finished tries on it, starting from a prior made of the pool's
+declared rate and of what earlier jobs saw on a pool of that name
+(:meth:`ManifestStore.pool_history`, read once per :func:`read_job_view`).
 """
 
 from __future__ import annotations
@@ -15,8 +24,21 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow_deadline_batch.core.job_view import JobView, build_job_view
-from airflow_deadline_batch.core.placement import PlacementDecision, PolicyParams, choose_pool
+from airflow_deadline_batch.core.calibration import PoolHistory, SpotTries, spot_prior
+from airflow_deadline_batch.core.job_view import (
+    JobView,
+    build_job_view,
+    pool_named,
+    reference_pool,
+    spot_tries,
+)
+from airflow_deadline_batch.core.placement import (
+    JobSnapshot,
+    PlacementDecision,
+    PolicyParams,
+    SpotOption,
+    choose_pool,
+)
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -104,17 +126,22 @@ def read_job_view(
     preemptions*): the observed preemption rate and the Spot tries preempted before any commit.
 
     ``pools`` (the operator's, else the job's) and ``parallelism`` (else the job's ``workers``)
-    are what :func:`decide_for_try` places with.
+    are what :func:`decide_for_try` places with; earlier jobs' tries on the job's Spot pools (the
+    store's bounded :meth:`~ManifestStore.pool_history`) are the prior of each pool's learned rate.
     """
     job = store.get_job(job_id)
+    parsed = parse_pools(pools, job.config)
+    spot_names = [p.name for p in parsed if p.kind is PoolKind.SPOT]
+    history = store.pool_history(spot_names, exclude_job=job_id) if spot_names else {}
     return job_view_of(
         job,
         store.list_shards(job_id),
         store.list_commits(job_id),
         store.list_attempts(job_id),
         now=now,
-        pools=pools,
+        pools=parsed,
         parallelism=parallelism,
+        history=history,
     )
 
 
@@ -127,9 +154,15 @@ def job_view_of(
     now: dt.datetime,
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
     parallelism: int | None = None,
-) -> JobView:
-    """:func:`read_job_view` over rows the caller has read already (the jobs view reuses them)."""
-    return build_job_view(
+    history: Mapping[str, PoolHistory] | None = None,
+) -> PlacementView:
+    """:func:`read_job_view` over rows the caller has read already (the jobs view reuses them).
+
+    ``history``: earlier jobs' tries by pool name (none: each pool's declaration is the prior).
+    """
+    attempts = list(attempts)
+    commits = list(commits)
+    view = build_job_view(
         job,
         shards,
         commits,
@@ -139,6 +172,41 @@ def job_view_of(
         attempts=attempts,
         tenant=job.tenant,
     )
+    fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(JobView)}
+    return PlacementView(**fields, pool_tries=pool_spot_tries(view.pools, attempts, commits, history or {}))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlacementView(JobView):
+    """A :class:`JobView` with what the job learned of each of its Spot pools (by pool name)."""
+
+    #: each Spot pool's finished tries of this job, over the prior of :func:`core.calibration.spot_prior`
+    pool_tries: Mapping[str, SpotTries] = dataclasses.field(default_factory=dict)
+
+
+def pool_spot_tries(
+    pools: Sequence[PoolSpec],
+    attempts: Sequence[AttemptRow],
+    commits: Sequence[CommitRow],
+    history: Mapping[str, PoolHistory],
+) -> dict[str, SpotTries]:
+    """Each Spot pool's finished tries of the job, folded over its declaration and earlier jobs' history."""
+    by_pool: dict[str, list[AttemptRow]] = {p.name: [] for p in pools if p.kind is PoolKind.SPOT}
+    for attempt in attempts:
+        pool_of = pool_named(attempt.pool, pools)
+        if pool_of is not None and attempt.ended_at is not None and pool_of.name in by_pool:
+            by_pool[pool_of.name].append(attempt)
+    out: dict[str, SpotTries] = {}
+    for pool in pools:
+        if pool.kind is not PoolKind.SPOT:
+            continue
+        mine = by_pool[pool.name]
+        seen = spot_tries(mine, commits, [pool])[0] if mine else SpotTries()
+        prior = spot_prior(pool.preemptions_per_hour, history.get(pool.name))
+        out[pool.name] = dataclasses.replace(
+            seen, prior_per_hour=prior.prior_per_hour, prior_hours=prior.prior_hours
+        )
+    return out
 
 
 def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | None = None) -> TryDecision:
@@ -165,12 +233,80 @@ def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | Non
             TryAction.JOB_STOPPED,
             f"job {job_id} is {view.state.value}; shard {index} will not run",
         )
-    placement = choose_pool(view.snapshot(index), policy)
-    pool = pool_for(placement.pool, view.pools)
+    on_demand = on_demand_pool(view)
+    placement = choose_pool(placement_snapshot(view, index, on_demand), policy)
+    if placement.pool is PoolKind.ON_DEMAND and on_demand is not None:
+        pool = on_demand
+    else:
+        pool = pool_named(placement.spot_pool, view.pools) or pool_for(placement.pool, view.pools)
     reason = placement.reason
     if pool.kind is not placement.pool:
         reason += f"; the job has no {placement.pool.value} pool, so it runs on {pool.name}"
+    elif len(view.pools) > 2:
+        reason += f"; on {pool.name}"
     return TryDecision(job_id, index, TryAction.RUN, reason, pool=pool, placement=placement)
+
+
+def _speed(view: JobView, pool: PoolSpec, reference: PoolSpec) -> float:
+    """The pool's learned throughput over the reference pool's (the unit the work is counted in)."""
+    ref = view.calibration.estimate(reference.name).tokens_per_s
+    return view.calibration.estimate(pool.name).tokens_per_s / ref if ref > 0 else 1.0
+
+
+def on_demand_pool(view: JobView) -> PoolSpec | None:
+    """The on-demand pool a try escalates to: the cheapest per unit of work among those not slower
+    than the reference pool (the deadline's safety is counted at its rate), else the fastest."""
+    reference = reference_pool(view.pools)
+    pools = [p for p in view.pools if p.kind is PoolKind.ON_DEMAND]
+    if not pools:
+        return None
+    speeds = {p.name: _speed(view, p, reference) for p in pools}
+    safe = [p for p in pools if speeds[p.name] >= 1.0 - 1e-9]
+    if not safe:
+        return max(pools, key=lambda p: speeds[p.name])
+    return min(safe, key=lambda p: p.price_per_gpu_hour / speeds[p.name])
+
+
+def placement_snapshot(view: JobView, shard_index: int, on_demand: PoolSpec | None) -> JobSnapshot:
+    """The view's snapshot of the shard with the job's prices and its Spot pools' learned rates.
+
+    Prices are per GPU relative to the reference Spot pool (:func:`core.job_view.reference_pool`),
+    throughputs the calibrated ones; a Spot pool's spell length comes from :class:`PlacementView`'s
+    learned tries (a plain :class:`JobView`: its declared rate). With one Spot pool the snapshot's
+    own ``spot_*`` fields carry it; with several, each is a :class:`SpotOption`.
+    """
+    snapshot = view.snapshot(shard_index)
+    spot = [p for p in view.pools if p.kind is PoolKind.SPOT]
+    if not spot:
+        return snapshot
+    reference = reference_pool(view.pools)
+    learned = view.pool_tries if isinstance(view, PlacementView) else {}
+    tries = {p.name: learned.get(p.name) or SpotTries(prior_per_hour=p.preemptions_per_hour) for p in spot}
+    ref_price = reference.price_per_gpu_hour
+    price_ratio = None
+    if on_demand is not None and ref_price > 0:
+        # free on-demand capacity (price 0): no Spot try is ever cheaper, the ratio only has to be > 0
+        od_price = max(on_demand.price_per_gpu_hour, 1e-9)
+        price_ratio = od_price / _speed(view, on_demand, reference) / ref_price
+    if len(spot) == 1:
+        only = tries[reference.name]
+        return dataclasses.replace(
+            snapshot,
+            price_ratio=price_ratio,
+            spot_preemptions_per_hour=only.preemptions_per_hour,
+            spot_mean_run_s=only.mean_run_s,
+        )
+    options = tuple(
+        SpotOption(
+            name=p.name,
+            price=max(p.price_per_gpu_hour, 1e-9) / ref_price if ref_price > 0 else 1.0,
+            speed=_speed(view, p, reference),
+            mean_run_s=tries[p.name].mean_run_s,
+        )
+        for p in spot
+    )
+    # each option carries its own spell length (None: no preemption expected on that pool)
+    return dataclasses.replace(snapshot, price_ratio=price_ratio, spot_pools=options, spot_mean_run_s=None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,10 @@ A job not done at its deadline is finished on on-demand (counted as a miss).
 Several Spot pools (:func:`simulate_pools`): one trace per pool, each with its price (relative to
 the reference Spot price) and speed (throughput relative to the reference rate the work is counted
 in); a policy then names a pool per Spot slot (:class:`SpotIn`), each pool preempts its own slots.
+
+The tail race (:class:`Speculate`): with no shard left to pull, an idle slot may run a duplicate
+of another slot's shard; whichever commits first wins, the other try is cancelled (its progress
+counted as redone), and both are billed for the time they ran.
 """
 
 from __future__ import annotations
@@ -41,8 +45,16 @@ class SpotIn:
     pool: int
 
 
+@dataclass(frozen=True)
+class Speculate:
+    """A duplicate of slot ``of``'s shard on ``choice``'s pool, for an idle slot when no shard is left."""
+
+    of: int
+    choice: Mode | SpotIn
+
+
 #: what a policy chooses for one slot
-Choice = Mode | SpotIn
+Choice = Mode | SpotIn | Speculate
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class SlotView:
     progress_h: float  # uncommitted work done on the current shard (reference hours)
     busy: bool  # holds a shard
     pool: int = 0  # the Spot pool of a slot on Spot
+    twin: int | None = None  # the slot racing this one on the same shard (Speculate)
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,11 @@ class RunResult:
     #: (time h, committed work h) after each tick, and (time h, slot, mode) at each switch
     progress: list[tuple[float, float]] = field(default_factory=list)
     switches: list[tuple[float, int, str]] = field(default_factory=list)
+    #: duplicates started (:class:`Speculate`), races the original try won, and what the cancelled
+    #: tries of finished races had cost (included in ``cost``)
+    races: int = 0
+    races_won_by_original: int = 0
+    race_loser_cost: float = 0.0
 
 
 @dataclass
@@ -195,6 +213,9 @@ class _Slot:
     started_h: float = 0.0
     commits: int = 0
     pool: int = 0
+    twin: int | None = None
+    duplicate: bool = False
+    try_cost: float = 0.0
 
 
 def simulate(
@@ -253,8 +274,12 @@ def simulate_pools(
         end_spot_try(i, slot, when, preempted)
         if slot.busy:
             result.redone_hours += slot.progress
-            pending += 1
+            if slot.twin is None:
+                pending += 1
+            else:  # the twin holds the shard alone now
+                slots[slot.twin].twin = None
         slot.busy, slot.progress, slot.co_left, slot.mode = False, 0.0, 0.0, Mode.NONE
+        slot.twin, slot.duplicate = None, False
         if record:
             result.switches.append((when, i, Mode.NONE.value))
 
@@ -284,7 +309,7 @@ def simulate_pools(
             remaining_h=(config.shards - committed) * size,
             committed_shards=committed,
             pending_shards=pending,
-            slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy, s.pool) for s in slots),
+            slots=tuple(SlotView(s.mode, s.co_left, s.progress, s.busy, s.pool, s.twin) for s in slots),
             history=history,
             ended_spot_tries=tuple(ended),
             cost=result.cost,
@@ -296,7 +321,7 @@ def simulate_pools(
         ended.clear()
         choices = [Mode.ON_DEMAND] * len(slots) if forced else list(policy.decide(view))
         wanted = [_mode(c) for c in choices]
-        want_pool = [c.pool if isinstance(c, SpotIn) else 0 for c in choices]
+        want_pool = [_pool(c) for c in choices]
         # 3. apply: keep what continues, stop what changes, then start (Spot up to capacity)
         for i, slot in enumerate(slots):
             moves = slot.mode is Mode.SPOT and wanted[i] is Mode.SPOT and slot.pool != want_pool[i]
@@ -304,7 +329,11 @@ def simulate_pools(
                 stop(i, slot, t)
         spot_used = [sum(1 for s in slots if s.mode is Mode.SPOT and s.pool == j) for j in range(len(pools))]
         for i, (slot, want) in enumerate(zip(slots, wanted, strict=True)):
-            if slot.mode is not Mode.NONE or want is Mode.NONE or pending == 0:
+            choice = choices[i]
+            race = choice if isinstance(choice, Speculate) else None
+            if race is not None and not _can_race(slots, i, race.of, pending):
+                continue
+            if slot.mode is not Mode.NONE or want is Mode.NONE or (pending == 0 and race is None):
                 continue
             if want is Mode.SPOT:
                 j = want_pool[i]
@@ -314,8 +343,12 @@ def simulate_pools(
                 slot.pool = j
             slot.mode, slot.co_left, slot.busy, slot.progress = want, config.changeover_h, True, 0.0
             slot.started_at_tick = tick
-            slot.started_h, slot.commits = t, 0
-            pending -= 1
+            slot.started_h, slot.commits, slot.try_cost = t, 0, 0.0
+            if race is None:
+                pending -= 1
+            else:
+                slot.twin, slot.duplicate, slots[race.of].twin = race.of, True, i
+                result.races += 1
             result.starts += 1
             if record:
                 result.switches.append((t, i, want.value))
@@ -331,10 +364,13 @@ def simulate_pools(
                 + [s.co_left if s.co_left > 0 else (size - s.progress) / speed(s) for s in running]
             )
             step = max(step, 0.0)
+            for slot in running:  # every running try pays the step, a race's loser included
+                price = k if slot.mode is Mode.ON_DEMAND else pools[slot.pool].price
+                _bill(result, slot.mode, step, price)
+                slot.try_cost += price * step
             for i, slot in enumerate(slots):
                 if slot.mode is Mode.NONE:
                     continue
-                _bill(result, slot.mode, step, k if slot.mode is Mode.ON_DEMAND else pools[slot.pool].price)
                 if slot.co_left > 0:
                     slot.co_left -= step
                     result.changeover_hours += step
@@ -344,6 +380,13 @@ def simulate_pools(
                 slot.progress += step * speed(slot)
                 if slot.progress < size - EPS:
                     continue
+                if slot.twin is not None:  # a race: the twin loses and is cancelled
+                    j, loser = slot.twin, slots[slot.twin]
+                    result.races_won_by_original += not slot.duplicate
+                    result.race_loser_cost += loser.try_cost
+                    result.redone_hours += loser.progress
+                    loser.twin, loser.busy, slot.twin, slot.duplicate = None, False, None, False
+                    stop(j, loser, t + used + step)
                 committed += 1
                 slot.commits += 1
                 result.work_done_h += size
@@ -370,7 +413,23 @@ def simulate_pools(
 
 
 def _mode(choice: Choice) -> Mode:
+    if isinstance(choice, Speculate):
+        return _mode(choice.choice)
     return Mode.SPOT if isinstance(choice, SpotIn) else choice
+
+
+def _pool(choice: Choice) -> int:
+    if isinstance(choice, Speculate):
+        return _pool(choice.choice)
+    return choice.pool if isinstance(choice, SpotIn) else 0
+
+
+def _can_race(slots: Sequence[_Slot], i: int, of: int, pending: int) -> bool:
+    """A duplicate needs an idle slot, no shard left to pull, and a lone running try to race."""
+    if pending > 0 or i == of or not 0 <= of < len(slots) or slots[i].mode is not Mode.NONE:
+        return False
+    target = slots[of]
+    return target.busy and target.mode is not Mode.NONE and target.twin is None
 
 
 def _bill(result: RunResult, mode: Mode, hours: float, price: float) -> None:

@@ -7,12 +7,29 @@ policy but a bound computed from the future trace (:mod:`.omniscient`).
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import replace
 
 from airflow_deadline_batch.core.calibration import AvailabilityEstimate, SpotTries
-from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, SpotOption, choose_pool
+from airflow_deadline_batch.core.placement import (
+    JobSnapshot,
+    PolicyParams,
+    SpotOption,
+    choose_pool,
+    should_speculate,
+)
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.sim.engine import Choice, Mode, Policy, SimConfig, SpotIn, View
+from airflow_deadline_batch.sim.engine import (
+    Choice,
+    Mode,
+    Policy,
+    SimConfig,
+    SlotView,
+    Speculate,
+    SpotIn,
+    View,
+)
+from airflow_deadline_batch.sim.traces import Trace
 
 EPOCH = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -108,19 +125,27 @@ class SlackAware:
     """The project's policy: :func:`core.placement.choose_pool` for every worker at every tick.
 
     With several Spot pools each pool's availability and spell length are learned from its own
-    capacity, and ``choose_pool`` names the pool of every Spot decision (``SpotIn``).
+    capacity, and ``choose_pool`` names the pool of every Spot decision (``SpotIn``). In the tail
+    (``PolicyParams.race_tail``) a running Spot try the rule escalates may race an on-demand
+    duplicate on an idle slot instead (``core.placement.should_speculate``); a racing pair is
+    left as it is until one of them commits or is preempted.
     """
 
     name = "slack_aware"
 
-    def __init__(self, params: PolicyParams | None = None) -> None:
+    def __init__(
+        self, params: PolicyParams | None = None, priors: Sequence[AvailabilityEstimate] = ()
+    ) -> None:
         self.params = params or PolicyParams()
+        #: each pool's estimate as earlier jobs left it (:func:`pool_priors`); empty: the default prior
+        self.priors = tuple(priors)
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
         self.deadline = EPOCH + dt.timedelta(hours=config.deadline_h)
         self.run_params = PolicyParams(**{**self.params.__dict__, "decision_interval_s": gap_h * 3600})
-        self.availability = AvailabilityEstimate(prior=self.params.availability_prior)
-        self.pool_availability: list[AvailabilityEstimate] = []
+        fresh = AvailabilityEstimate(prior=self.params.availability_prior)
+        self.availability = self.priors[0] if self.priors else fresh
+        self.pool_availability: list[AvailabilityEstimate] = list(self.priors) if len(self.priors) > 1 else []
         self.spot_tries = SpotTries()
 
     def _observe_pools(self, view: View) -> tuple[SpotOption, ...]:
@@ -189,8 +214,15 @@ class SlackAware:
         modes: list[Choice] = []
         if view.pending_shards == 0 and not any(s.busy for s in view.slots):
             return [Mode.NONE] * len(view.slots)
-        for slot in view.slots:
+        idle = []
+        if self.params.race_tail and view.pending_shards == 0:
+            idle = [i for i, s in enumerate(view.slots) if s.mode is Mode.NONE and not s.busy]
+        races: dict[int, int] = {}
+        for index, slot in enumerate(view.slots):
             running = slot.mode is not Mode.NONE
+            if slot.twin is not None and running:  # a race runs until one of its tries commits
+                modes.append(Mode.ON_DEMAND if slot.mode is Mode.ON_DEMAND else _spot(slot.pool, options))
+                continue
             previous = None if slot.mode is Mode.NONE else PoolKind(slot.mode.value)
             others_on_demand = on_demand - (1 if slot.mode is Mode.ON_DEMAND else 0)
             others_on_spot = on_spot - (1 if slot.mode is Mode.SPOT else 0)
@@ -231,6 +263,16 @@ class SlackAware:
             if pool is PoolKind.SPOT and slot.mode is Mode.ON_DEMAND:
                 # leaving on-demand throws its try away: the workers after this one see it
                 excess_s += cfg.price_ratio * snapshot.running_progress_s
+            if (
+                pool is PoolKind.ON_DEMAND
+                and slot.mode is Mode.SPOT
+                and idle
+                and self._race(view, slot, options)
+            ):
+                races[idle.pop(0)] = index
+                on_demand += 1
+                modes.append(_spot(slot.pool, options))
+                continue
             if pool is PoolKind.SPOT:
                 if on_pool != j and free[j] > 0:
                     free[j] -= 1
@@ -245,7 +287,29 @@ class SlackAware:
                 if slot.mode is Mode.SPOT:
                     on_spot -= 1
                 modes.append(Mode.ON_DEMAND)
+        for duplicate, original in races.items():
+            modes[duplicate] = Speculate(original, Mode.ON_DEMAND)
         return modes
+
+    def _race(self, view: View, slot: SlotView, options: tuple[SpotOption, ...]) -> bool:
+        """Whether this running Spot try should race an on-demand duplicate rather than stop."""
+        cfg = view.config
+        option = options[slot.pool] if options else None
+        speed = option.speed if option is not None else 1.0
+        price = option.price if option is not None else 1.0
+        run_s = option.mean_run_s if option is not None else self.availability.run_hours * 3600
+        remaining_h = slot.changeover_left_h + (cfg.shard_size_h - slot.progress_h) / speed
+        return should_speculate(
+            remaining_s=remaining_h * 3600,
+            price=price,
+            mean_run_s=run_s,
+            duplicate_s=(cfg.changeover_h + cfg.shard_size_h) * 3600,
+            duplicate_price=cfg.price_ratio,
+        )
+
+
+def _spot(pool: int, options: tuple[SpotOption, ...]) -> Choice:
+    return SpotIn(pool) if options else Mode.SPOT
 
 
 POLICIES: dict[str, type] = {
@@ -256,6 +320,49 @@ POLICIES: dict[str, type] = {
 }
 #: every name ``--policy`` accepts (``omniscient`` is the offline bound)
 POLICY_NAMES = ("on_demand", "greedy", "uniform_progress", "omniscient", "slack_aware")
+
+
+#: hours of a pool's capacity before a job's start that earlier jobs saw and persisted (the
+#: simulator's counterpart of ``store.pool_stats``' history; 0: every job starts from the prior)
+HISTORY_HOURS = 48.0
+
+
+def pool_priors(
+    traces: Sequence[Trace],
+    start_tick: int,
+    workers: int,
+    *,
+    hours: float = HISTORY_HOURS,
+    params: PolicyParams | None = None,
+) -> tuple[AvailabilityEstimate, ...]:
+    """Each pool's availability and spell estimate after the ``hours`` of its trace before the start.
+
+    What a job inherits from earlier jobs on the same pools (docs/simulator.md, *Persisted prior*):
+    the capacity they saw, folded into the estimate the job then keeps learning from. Only ticks
+    before the start are read (none before the trace's first), so no future is seen.
+    """
+    prior = (params or PolicyParams()).availability_prior
+    out = []
+    for trace in traces:
+        gap_h = trace.gap_s / 3600.0
+        first = max(0, start_tick - round(hours / gap_h))
+        estimate = AvailabilityEstimate(prior=prior)
+        for tick in range(first, start_tick):
+            estimate = estimate.observe(trace.at(tick), workers, gap_h)
+        out.append(estimate)
+    return tuple(out)
+
+
+def slack_aware_at(
+    traces: Sequence[Trace],
+    start_tick: int,
+    workers: int,
+    params: PolicyParams | None = None,
+    *,
+    hours: float = HISTORY_HOURS,
+) -> SlackAware:
+    """``slack_aware`` for a job starting at ``start_tick``, with the pools' persisted priors."""
+    return SlackAware(params, pool_priors(traces, start_tick, workers, hours=hours, params=params))
 
 
 def make_policy(name: str) -> Policy:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from airflow_deadline_batch.sim.engine import SimConfig, SimPool, simulate, simulate_pools
-from airflow_deadline_batch.sim.policies import OnDemand, SlackAware
+from airflow_deadline_batch.sim.policies import OnDemand, slack_aware_at
 from airflow_deadline_batch.sim.runner import start_ticks
 from airflow_deadline_batch.sim.traces import gang, load_trace
 
@@ -66,7 +66,8 @@ def run_set(name: str, pools: Sequence[SimPool], cfg: SimConfig, starts: int = 2
     ticks = start_ticks(shortest, cfg, starts=starts, seed=seed)
 
     def mean(subset: Sequence[SimPool]) -> tuple[float, int]:
-        runs = [simulate_pools(subset, t, cfg, SlackAware()) for t in ticks]
+        traces = [p.trace for p in subset]
+        runs = [simulate_pools(subset, t, cfg, slack_aware_at(traces, t, cfg.workers)) for t in ticks]
         return sum(r.cost for r in runs) / len(runs), sum(r.missed for r in runs)
 
     single = tuple(mean([p])[0] for p in pools)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from airflow_deadline_batch.sim.engine import RunResult, SimConfig, simulate
 from airflow_deadline_batch.sim.omniscient import omniscient
-from airflow_deadline_batch.sim.policies import POLICY_NAMES, make_policy
+from airflow_deadline_batch.sim.policies import POLICY_NAMES, make_policy, slack_aware_at
 from airflow_deadline_batch.sim.traces import Trace
 
 
@@ -75,6 +75,8 @@ def run_policy(name: str, trace: Trace, config: SimConfig, ticks: Sequence[int])
                 )
             )
         return out
+    if name == "slack_aware":  # with what earlier jobs on the pool persisted
+        return [simulate(trace, t, config, slack_aware_at([trace], t, config.workers)) for t in ticks]
     return [simulate(trace, tick, config, make_policy(name)) for tick in ticks]
 
 

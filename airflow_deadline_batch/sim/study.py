@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
-from airflow_deadline_batch.sim.policies import OnDemand, SlackAware
+from airflow_deadline_batch.sim.policies import OnDemand, slack_aware_at
 from airflow_deadline_batch.sim.runner import Summary, compare, start_ticks
 from airflow_deadline_batch.sim.traces import Trace, load_trace, multi_gpu_suite, synthetic_suite
 
@@ -75,7 +75,9 @@ def worst_run(args: tuple[Trace, Setting]) -> float:
     cfg = setting.config()
     ticks = start_ticks(trace, cfg, starts=setting.starts, seed=1)
     on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
-    return max(simulate(trace, t, cfg, SlackAware()).cost for t in ticks) / on_demand
+    return (
+        max(simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers)).cost for t in ticks) / on_demand
+    )
 
 
 def _job(args: tuple[Trace, Setting]) -> tuple[str, Setting, dict[str, Summary]]:

@@ -15,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim import traces
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
-from airflow_deadline_batch.sim.policies import OnDemand, SlackAware, UniformProgress
+from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress, slack_aware_at
 from airflow_deadline_batch.sim.runner import start_ticks
 
 Case = tuple[traces.Trace, SimConfig, int]
@@ -44,7 +44,7 @@ def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> Score:
     trace, cfg, starts, params = args
     ticks = start_ticks(trace, cfg, starts=starts, seed=7)
     up = sum(simulate(trace, t, cfg, UniformProgress()).cost for t in ticks)
-    runs = [simulate(trace, t, cfg, SlackAware(params)) for t in ticks]
+    runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params)) for t in ticks]
     misses = sum(r.missed for r in runs) - (0 if cfg.on_demand_feasible() else len(ticks))
     on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
     cost = sum(r.cost for r in runs)

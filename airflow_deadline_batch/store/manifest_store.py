@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from airflow_deadline_batch.core.calibration import PoolHistory
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
 from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, released_key, shard_id
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
@@ -43,7 +44,7 @@ from airflow_deadline_batch.exceptions import (
     JobNotFound,
     StoreError,
 )
-from airflow_deadline_batch.store import leases, tenancy
+from airflow_deadline_batch.store import leases, pool_stats, tenancy
 from airflow_deadline_batch.store.engine import (
     BEGIN_MODE,
     PING_AFTER_IDLE_S,
@@ -1017,6 +1018,22 @@ class ManifestStore:
             return tenancy.delete_capacity(conn, pool)
 
         return self._tx(write)
+
+    def pool_history(
+        self,
+        pools: Sequence[str],
+        *,
+        exclude_job: str | None = None,
+        days: float = pool_stats.HISTORY_DAYS,
+        limit: int = pool_stats.HISTORY_LIMIT,
+    ) -> dict[str, PoolHistory]:
+        """Other jobs' finished tries on each named pool in the last ``days`` (placement's prior)."""
+
+        def read(conn: Connection) -> dict[str, PoolHistory]:
+            since = _ts(self._now(conn) - days * 86400.0)
+            return pool_stats.spot_history(conn, pools, since=since, exclude_job=exclude_job, limit=limit)
+
+        return self._tx(read, write=False)
 
     def get_quota(self, tenant: str) -> TenantQuotaRow | None:
         """The tenant's quota, or None (no limits)."""

@@ -142,8 +142,10 @@ def test_runner_and_operators_escalate_alike_in_a_preemption_storm(store_url: st
     for index in (0, 1, 2, 3, 4, 5):
         lease = store.claim_shard(job_id, index, ttl_s=60, worker=f"w{index}", pool=SPOT.name)
         store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
+    # (six instant preemptions also make Spot dear per hour of work: the expected-cost rule may
+    # send the try on-demand, but not the storm)
     calm = decisions(store_url, job_id, 0, clock)
-    assert calm[0].pool == SPOT and calm[1:] == [calm[0], calm[0]]
+    assert "preemption storm" not in calm[0].reason and calm[1:] == [calm[0], calm[0]]
 
     for index in (0, 1):
         lease = store.claim_shard(job_id, index, ttl_s=60, worker=f"w{index}", pool=SPOT.name)
@@ -159,4 +161,4 @@ def test_runner_and_operators_escalate_alike_in_a_preemption_storm(store_url: st
     lease = commit(store, lease, 0, SPOT.name, elapsed_s=1.0)
     store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
     over = decisions(store_url, job_id, 2, clock)
-    assert over[0].pool == SPOT and over[1:] == [over[0], over[0]]
+    assert "preemption storm" not in over[0].reason and over[1:] == [over[0], over[0]]
