@@ -225,7 +225,7 @@ class LocalRun:
         """Launch, preempt and reap until every shard is terminal, the job stops or the deadline passes."""
         stderr = _open_log(self.options.worker_log)
         try:
-            while (self.pending or self.running) and not self.stopped:
+            while (self.pending or self.running or self.waiting) and not self.stopped:
                 now = time.monotonic()
                 if self.clock.now() >= self.deadline:
                     self.deadline_passed = True
@@ -254,6 +254,7 @@ class LocalRun:
 
     def launch_ready(self, now: float, stderr: IO[bytes]) -> None:
         """Fill the free worker slots with shards whose old lease (if any) has expired."""
+        self.launch_granted(now, stderr)
         while self.pending and self.busy_slots() < self.options.workers and not self.stopped:
             index = self._next_ready(now)
             if index is None:
@@ -319,6 +320,15 @@ class LocalRun:
         )
 
     # -- managed pools: the store's dispatcher (core.dispatch, store/dispatch.py) -------------------
+
+    def launch_granted(self, now: float, stderr: IO[bytes]) -> None:
+        """Start the shards granted a slot first: the local cap counted them when they asked."""
+        for index in [i for i in self.granted if i not in self.running]:
+            if self.stopped:
+                return
+            if index in self.pending and self.not_before.get(index, 0.0) <= now:
+                self.pending.remove(index)
+                self.launch(index, now, stderr)
 
     def busy_slots(self) -> int:
         """The run's local cap counts running workers, shards waiting for a slot and granted ones."""

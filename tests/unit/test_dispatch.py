@@ -41,8 +41,9 @@ def test_below_share_tenants_go_by_least_slack_and_a_full_share_still_gets_idle_
     assert [g.reason for g in grants] == [GrantReason.BELOW_SHARE] * 2
     # 4 slots: both stay below their share of 2 throughout, so it is least slack first
     assert [g.request.job_id for g in plan_grants(4, {}, {}, waiting)] == ["s2", "s", "a"]
-    # search holds its share (2 of 4, equal weights); nobody else waits: work-conserving
-    grant = next_grant(4, {"search": 2}, {}, [_req("search", 1.0)])
+    # search holds its share (2 of 4, equal weights), ads holds 1 and waits for nothing: the idle
+    # slot still goes to search (work-conserving)
+    grant = next_grant(4, {"search": 2, "ads": 1}, {}, [_req("search", 1.0)])
     assert grant is not None and grant.reason is GrantReason.WORK_CONSERVING
 
 
