@@ -82,7 +82,7 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
         procs[key] = subprocess.Popen(
             cli_argv(*args),
             cwd=tmp_path,
-            env=cli_env({"ADB_ECHO_DELAY_S": "0.05"}),
+            env=cli_env({"ADB_ECHO_DELAY_S": "0.02"}),
             stdout=subprocess.PIPE,
             stderr=(tmp_path / f"{key}.err").open("wb"),
             text=True,
@@ -117,14 +117,18 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
         request, reason = _decided_again(grant)
         assert (request.job_id, request.shard_index) == (grant.job_id, grant.shard_index), grant
         assert reason.value == grant.reason, grant
-    # least slack first within ads: the urgent job's shards got every ads slot it waited for
-    contested = [g for g in grants if g.tenant == "ads" and g.state["tenants"]["ads"]["waiting"] > 1]
-    assert any(g.job_id == urgent for g in contested)
-    for g in contested:
-        best = g.state["tenants"]["ads"]["best"]
-        assert g.job_id == best[2]
-    assert max(g.seq for g in grants if g.job_id == urgent) < max(
-        g.seq for g in grants if g.job_id == relaxed
+    # least slack first within ads: no slot went to the relaxed job while an urgent shard waited
+    for g in grants:
+        if g.job_id == urgent:
+            overtaken = [
+                r.seq for r in grants if r.job_id == relaxed and g.requested_at < r.granted_at < g.granted_at
+            ]
+            assert not overtaken, (
+                f"grants {overtaken} went to the relaxed job while urgent shard {g.shard_index} waited"
+            )
+    # and search was not starved: it had a slot before the ads jobs' last grant
+    assert min(g.seq for g in grants if g.tenant == "search") < max(
+        g.seq for g in grants if g.tenant == "ads"
     )
 
     # (3) never more slots held, or workers running on the pool, than the pool has
@@ -150,6 +154,5 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
     for g in grants:
         held_s[g.tenant] += max(0.0, min(float(g.released_at or end), end) - max(g.granted_at, start))
     share = held_s["ads"] / sum(held_s.values())
-    print("MEASURE", share, held_s, len(both), len(grants), [(g.seq, g.tenant, g.job_id[-4:], g.shard_index, g.reason, round(g.granted_at - grants[0].granted_at, 2), round(float(g.released_at or 0) - grants[0].granted_at, 2)) for g in grants])
     assert abs(share - 2 / 3) <= SHARE_TOLERANCE, (share, held_s, len(both))
     store.close()
