@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
 
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
+from airflow_deadline_batch.store.engine import normalize_url
+from airflow_deadline_batch.store.manifest_store import MIGRATIONS_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +73,30 @@ def test_a_request_on_another_pool_gives_the_old_slot_back_and_a_dead_runner_exp
 def test_pools_without_capacity_are_never_granted(store: ManifestStore) -> None:
     assert not _ask(store, "a", 0, "ads", 1.0, pool="unmanaged")
     assert store.dispatch_grants() == []
+
+
+def test_upgrade_from_0003_gives_existing_quotas_weight_1(store_url: str) -> None:
+    engine = sa.create_engine(normalize_url(store_url))
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    try:
+        with engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0003")
+            now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+            conn.execute(
+                sa.text(
+                    "INSERT INTO adb_tenant_quotas (tenant, spot_gpus, updated_at) VALUES ('ads', 4, :t)"
+                ),
+                {"t": now.replace(tzinfo=None) if conn.dialect.name == "sqlite" else now},
+            )
+    finally:
+        engine.dispose()
+    store = ManifestStore.open(store_url)
+    try:
+        assert store.schema_revision() == "0004"
+        quota = store.get_quota("ads")
+        assert quota is not None and quota.weight == 1.0 and quota.spot_gpus == 4
+        assert store.dispatch_requests() == [] and store.dispatch_grants() == []
+    finally:
+        store.close()
