@@ -11,6 +11,8 @@ completes with one outcome per record.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 
 from airflow_deadline_batch.core.dispatch import DispatchRequest, GrantReason, next_grant
 from airflow_deadline_batch.store import DispatchGrantRow, ManifestStore, TenantQuotaRow
-from tests.e2e.conftest import cli_argv, cli_env
+from tests.e2e.conftest import cli_argv, cli_env, run_cli, wait_for
 from tests.helpers.inputs import mixed_input
 from tests.helpers.outcomes import assert_outcomes_match, read_manifest, read_outcomes
 
@@ -155,4 +157,46 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
         held_s[g.tenant] += max(0.0, min(float(g.released_at or end), end) - max(g.granted_at, start))
     share = held_s["ads"] / sum(held_s.values())
     assert abs(share - 2 / 3) <= SHARE_TOLERANCE, (share, held_s, len(both))
+    store.close()
+
+
+def test_a_killed_runs_slot_expires_and_goes_to_the_next_run(tmp_path: Path) -> None:
+    """SIGKILL a run (and its workers) holding the pool's one slot: after its TTL another run gets it."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(url)
+    store.set_capacity(POOL, 1)
+    common = [
+        "--engine", "echo", "--workers", "1", "--store", url, "--output", str(tmp_path / "out"),
+        "--lease-ttl", "3", "--microbatch-size", "4", "--max-invalid-fraction", "0.5",
+    ]  # fmt: skip
+    killed_input = mixed_input(72, seed=31).write(tmp_path / "killed.jsonl")
+    proc = subprocess.Popen(
+        cli_argv("run", str(killed_input), "--deadline", "+1h", "--tenant", "ads", *common),
+        cwd=tmp_path,
+        env=cli_env({"ADB_ECHO_DELAY_S": "0.2"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        held = wait_for(
+            lambda: [r for r in store.dispatch_requests() if r.granted], timeout_s=60, what="a grant"
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    mixed = mixed_input(24, seed=32)
+    result = run_cli(
+        "run", str(mixed.write(tmp_path / "next.jsonl")), "--deadline", "+1h", "--tenant", "search", *common,
+        "--json", cwd=tmp_path, env={"ADB_ECHO_DELAY_S": "0.001"},
+    )  # fmt: skip
+    assert result.code == 0, result.describe()
+    summary = result.json()
+    assert summary["state"] == "completed"
+    assert_outcomes_match(read_outcomes(read_manifest(summary["manifest"])), mixed)
+    grants = {g.seq: g for g in store.dispatch_grants(pool=POOL)}
+    assert grants[held[0].grant_seq or 0].release == "expired"
+    mine = [g for g in grants.values() if g.job_id == summary["job_id"]]
+    assert mine and all(g.release == "released" for g in mine)
+    assert min(g.granted_at for g in mine) >= float(grants[held[0].grant_seq or 0].released_at or 0.0)
     store.close()
