@@ -71,6 +71,8 @@ ENV_TERMINATION_LOG = "ADB_TERMINATION_LOG"
 QUOTA_RECHECK_S = 0.5
 #: how long the run trusts its last read of which pools are managed (have a ``capacity`` row)
 MANAGED_POOLS_TTL_S = 1.0
+#: how often a shard waiting for a slot is placed again (its slack falls while it waits)
+REDECIDE_WAITING_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +221,7 @@ class LocalRun:
         self.managed: frozenset[str] = frozenset()
         self.managed_read_at = -math.inf
         self.next_renew = 0.0
+        self.next_redecide = 0.0
         self.dispatch_used = False
 
     def work_until_done(self, on_progress: Callable[[Progress], None] | None) -> None:
@@ -231,6 +234,7 @@ class LocalRun:
                     self.deadline_passed = True
                     break
                 self.poll_dispatch(now)
+                self.redecide_waiting(now)
                 self.launch_ready(now, stderr)
                 self.inject_preemptions(now)
                 self.reap_exited(now)
@@ -381,6 +385,18 @@ class LocalRun:
             # granted; or expired (the run stalled past the TTL), or the pool no longer managed:
             # launch() places it again and asks again where needed
             self.pending.appendleft(index)
+
+    def redecide_waiting(self, now: float) -> None:
+        """Place waiting shards again: one whose placement moved (say, slack fell and it escalates
+        to on-demand) gives up its request and is placed, and asks, anew by ``launch``."""
+        if not self.waiting or now < self.next_redecide:
+            return
+        self.next_redecide = now + REDECIDE_WAITING_S
+        for index, pool in list(self.waiting.items()):
+            decision = self.decide(index)
+            if decision.pool is None or decision.pool.name != pool:
+                self.release_slot(index, how="withdrawn")
+                self.pending.appendleft(index)
 
     def release_slot(self, index: int, *, how: str = "released") -> None:
         """Give a shard's slot (or request) back to the dispatcher."""
