@@ -198,6 +198,12 @@ def _add_tenant_parsers(sub: Any) -> None:
     q_set.add_argument("--on-demand-gpus", type=int, default=None, help="max on-demand GPUs at once")
     q_set.add_argument("--budget", type=float, default=None, help="cost budget per period (pool price units)")
     q_set.add_argument("--period", default="+1d", help="budget period as +DURATION (default +1d)")
+    q_set.add_argument(
+        "--weight",
+        type=float,
+        default=1.0,
+        help="weight in the fair shares of managed pools' GPUs (default 1; docs/tenants.md, Dispatch)",
+    )
     qa.add_parser("list", help="every tenant's quota")
     q_del = qa.add_parser("delete", help="remove a tenant's quota (no limits)")
     q_del.add_argument("tenant", metavar="TENANT")
@@ -273,6 +279,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
                     on_demand_gpus=args.on_demand_gpus,
                     budget=args.budget,
                     budget_period_s=period,
+                    weight=args.weight,
                 )
             )
         except ValueError as exc:
@@ -295,6 +302,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
             "on_demand_gpus": r.on_demand_gpus,
             "budget": r.budget,
             "budget_period_s": r.budget_period_s,
+            "weight": r.weight,
         }
         for r in rows
     ]
@@ -309,6 +317,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
             if r.budget is None
             else f"{r.budget:.2f} per {format_duration(r.budget_period_s or 0.0)}"
         )
+        + f", weight {r.weight:g}"
         for r in rows
     ] or ["no quotas: every tenant is unlimited"]
     _emit(args, {"quotas": data}, "\n".join(lines))

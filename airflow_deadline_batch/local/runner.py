@@ -15,6 +15,11 @@ A configuration failure stops the run with its cause (``ConfigurationError``), a
 transient outage. The runner's own store calls ride out a store outage for up to
 ``outage_window_s`` (never past the deadline); a shard whose claim was refused because another
 attempt holds it is watched, and dropped as soon as that attempt finishes it.
+
+On a pool with a ``capacity`` row the GPUs are shared with every other run on the store: a shard
+asks the store's dispatcher for a slot and starts when granted, least slack first within the
+tenants' weighted fair shares (``core.dispatch``, docs/tenants.md "Dispatch"); its slot goes
+back when its worker ends, and all of the run's requests are withdrawn when the run stops.
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ log = logging.getLogger("airflow_deadline_batch.local")
 ENV_TERMINATION_LOG = "ADB_TERMINATION_LOG"
 #: how soon a launch held back by the tenant's GPU quota is tried again
 QUOTA_RECHECK_S = 0.5
+#: how long the run trusts its last read of which pools are managed (have a ``capacity`` row)
+MANAGED_POOLS_TTL_S = 1.0
+#: how often a shard waiting for a slot is placed again (its slack falls while it waits)
+REDECIDE_WAITING_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +107,8 @@ class _Running:
     term_sent_at: float | None = None
     #: the runner signalled this worker itself (an injected preemption or a drain)
     signalled: bool = False
+    #: the worker holds a dispatcher slot of a managed pool, given back when it ends
+    dispatched: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,16 +214,27 @@ class LocalRun:
         self.next_watch = 0.0
         #: why the run stopped early: a configuration error (exit 2), an outage past the window
         self.stop_error: Exception | None = None
+        #: managed pools (docs/tenants.md "Dispatch"): shards waiting for a slot of a pool, shards
+        #: granted one, and when this run last read which pools are managed
+        self.waiting: dict[int, str] = {}
+        self.granted: dict[int, str] = {}
+        self.managed: frozenset[str] = frozenset()
+        self.managed_read_at = -math.inf
+        self.next_renew = 0.0
+        self.next_redecide = 0.0
+        self.dispatch_used = False
 
     def work_until_done(self, on_progress: Callable[[Progress], None] | None) -> None:
         """Launch, preempt and reap until every shard is terminal, the job stops or the deadline passes."""
         stderr = _open_log(self.options.worker_log)
         try:
-            while (self.pending or self.running) and not self.stopped:
+            while (self.pending or self.running or self.waiting) and not self.stopped:
                 now = time.monotonic()
                 if self.clock.now() >= self.deadline:
                     self.deadline_passed = True
                     break
+                self.poll_dispatch(now)
+                self.redecide_waiting(now)
                 self.launch_ready(now, stderr)
                 self.inject_preemptions(now)
                 self.reap_exited(now)
@@ -222,6 +244,7 @@ class LocalRun:
                     time.sleep(self.options.poll_interval_s)
         finally:
             _stop_all(self.raw_store, self.running, self.grace_s)
+            self.withdraw_dispatch()
             stderr.close()
             shutil.rmtree(self.messages_dir, ignore_errors=True)
 
@@ -235,7 +258,8 @@ class LocalRun:
 
     def launch_ready(self, now: float, stderr: IO[bytes]) -> None:
         """Fill the free worker slots with shards whose old lease (if any) has expired."""
-        while self.pending and len(self.running) < self.options.workers and not self.stopped:
+        self.launch_granted(now, stderr)
+        while self.pending and self.busy_slots() < self.options.workers and not self.stopped:
             index = self._next_ready(now)
             if index is None:
                 return
@@ -261,13 +285,22 @@ class LocalRun:
             self.stopped = True
             return
         if decision.pool is None:
+            self.release_slot(index, how="withdrawn")
             return  # already committed, or failed for good: nothing to launch
         pool = decision.pool
+        if self.granted.get(index, pool.name) != pool.name:
+            # the decision moved (say, slack fell and it escalates to on-demand): ask on the new pool
+            self.release_slot(index, how="withdrawn")
         own = sum(1 for r in self.running.values() if r.pool is pool.kind)
         if not quota_allows_launch(self.store, self.job_id, self.tenant, pool.kind, own):
             # the tenant holds its GPU quota of this kind (docs/tenants.md): wait for one to end
+            self.release_slot(index, how="withdrawn")
             self.not_before[index] = now + QUOTA_RECHECK_S
             self.pending.append(index)
+            return
+        dispatched = index in self.granted
+        if not dispatched and pool.name in self.managed_pools(now):
+            self.request_slot(index, pool.name)
             return
         self.placements[pool.kind.value] += 1
         self.launches += 1
@@ -283,8 +316,100 @@ class LocalRun:
             stderr=stderr,
         )
         self.running[index] = _Running(
-            proc, pool.kind, self.injector.next_preemption(now, pool.kind), message_path
+            proc,
+            pool.kind,
+            self.injector.next_preemption(now, pool.kind),
+            message_path,
+            dispatched=dispatched,
         )
+
+    # -- managed pools: the store's dispatcher (core.dispatch, store/dispatch.py) -------------------
+
+    def launch_granted(self, now: float, stderr: IO[bytes]) -> None:
+        """Start the shards granted a slot first: the local cap counted them when they asked."""
+        for index in [i for i in self.granted if i not in self.running]:
+            if self.stopped:
+                return
+            if index in self.pending and self.not_before.get(index, 0.0) <= now:
+                self.pending.remove(index)
+                self.launch(index, now, stderr)
+
+    def busy_slots(self) -> int:
+        """The run's local cap counts running workers, shards waiting for a slot and granted ones."""
+        granted_idle = sum(1 for i in self.granted if i not in self.running)
+        return len(self.running) + len(self.waiting) + granted_idle
+
+    def managed_pools(self, now: float) -> frozenset[str]:
+        """Pools with a ``capacity`` row (re-read at most every ``MANAGED_POOLS_TTL_S``)."""
+        if now - self.managed_read_at >= MANAGED_POOLS_TTL_S:
+            self.managed = frozenset(row.pool for row in self.store.list_capacity())
+            self.managed_read_at = now
+        return self.managed
+
+    def request_slot(self, index: int, pool: str) -> None:
+        """Ask the dispatcher for a slot of ``pool``: least slack first, by the job's latest start."""
+        slack = self.slack_s()
+        latest_start = self.deadline.timestamp() if slack is None else self.clock.now().timestamp() + slack
+        self.dispatch_used = True
+        row = self.store.request_dispatch(
+            self.job_id,
+            index,
+            tenant=self.tenant,
+            pool=pool,
+            latest_start=latest_start,
+            ttl_s=self.options.lease_ttl_s,
+        )
+        if row is not None and row.granted:
+            self.granted[index] = pool
+            self.pending.appendleft(index)
+        else:
+            self.waiting[index] = pool
+
+    def poll_dispatch(self, now: float) -> None:
+        """Renew the run's rows; a shard granted a slot goes to the front of the queue.
+
+        Polls every loop while shards wait, else every third of the TTL to keep held slots alive.
+        """
+        if not self.waiting and (not self.granted or now < self.next_renew):
+            return
+        self.next_renew = now + self.options.lease_ttl_s / 3
+        rows = self.store.poll_dispatch(self.job_id, self.options.lease_ttl_s)
+        managed = self.managed_pools(now)
+        for index, pool in list(self.waiting.items()):
+            row = rows.get(index)
+            if row is not None and row.pool == pool and not row.granted and pool in managed:
+                continue
+            del self.waiting[index]
+            if row is not None and row.pool == pool and row.granted:
+                self.granted[index] = pool
+            # granted; or expired (the run stalled past the TTL), or the pool no longer managed:
+            # launch() places it again and asks again where needed
+            self.pending.appendleft(index)
+
+    def redecide_waiting(self, now: float) -> None:
+        """Place waiting shards again: one whose placement moved (say, slack fell and it escalates
+        to on-demand) gives up its request and is placed, and asks, anew by ``launch``."""
+        if not self.waiting or now < self.next_redecide:
+            return
+        self.next_redecide = now + REDECIDE_WAITING_S
+        for index, pool in list(self.waiting.items()):
+            decision = self.decide(index)
+            if decision.pool is None or decision.pool.name != pool:
+                self.release_slot(index, how="withdrawn")
+                self.pending.appendleft(index)
+
+    def release_slot(self, index: int, *, how: str = "released") -> None:
+        """Give a shard's slot (or request) back to the dispatcher."""
+        if self.granted.pop(index, None) is not None or self.waiting.pop(index, None) is not None:
+            self.store.release_dispatch(self.job_id, index, how=how)
+
+    def withdraw_dispatch(self) -> None:
+        """The run ends: every request and slot it still has goes back (else they expire)."""
+        self.waiting.clear()
+        self.granted.clear()
+        if self.dispatch_used:
+            with contextlib.suppress(Exception):  # they expire after the TTL otherwise
+                self.raw_store.release_dispatch(self.job_id, how="withdrawn")
 
     def inject_preemptions(self, now: float) -> None:
         """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out."""
@@ -305,6 +430,8 @@ class LocalRun:
             if code is None:
                 continue
             del self.running[index]
+            if item.dispatched:
+                self.release_slot(index)
             failure = self.try_failure(item, code)
             if failure is None:
                 self.failures_in_a_row.pop(index, None)

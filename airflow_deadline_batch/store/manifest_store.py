@@ -44,7 +44,7 @@ from airflow_deadline_batch.exceptions import (
     JobNotFound,
     StoreError,
 )
-from airflow_deadline_batch.store import leases, pool_stats, tenancy
+from airflow_deadline_batch.store import dispatch, leases, pool_stats, tenancy
 from airflow_deadline_batch.store.engine import (
     BEGIN_MODE,
     PING_AFTER_IDLE_S,
@@ -60,6 +60,8 @@ from airflow_deadline_batch.store.rows import (
     VALIDATION_SHARD_INDEX,
     AttemptRow,
     CommitRow,
+    DispatchGrantRow,
+    DispatchRow,
     JobRow,
     Lease,
     NewCommit,
@@ -1060,6 +1062,70 @@ class ManifestStore:
             return tenancy.delete_quota(conn, tenant)
 
         return self._tx(write)
+
+    # -- dispatch: slots of managed pools, least slack first within fair shares (store/dispatch.py) --
+    # Every write below is one serialized dispatch pass: lock, expire dead runners' rows, change
+    # the caller's rows, grant every free slot by the rule (core.dispatch), so a slot freed or a
+    # request posted by any runner is granted at once, to whichever runner's request it is due.
+
+    def _dispatch_pass(self, change: Callable[[Connection, float], T]) -> T:
+        def write(conn: Connection) -> T:
+            dispatch.lock_dispatch(conn)
+            now = self._now(conn)
+            dispatch.expire(conn, now)
+            result = change(conn, now)
+            dispatch.grant_free_slots(conn, now)
+            return result
+
+        return self._tx(write)
+
+    def request_dispatch(
+        self, job_id: str, shard_index: int, *, tenant: str, pool: str, latest_start: float, ttl_s: float
+    ) -> DispatchRow | None:
+        """Ask for a slot of managed ``pool`` (one on another pool is given up); the row after the pass."""
+
+        def change(conn: Connection, now: float) -> None:
+            dispatch.post_request(
+                conn,
+                job_id=job_id,
+                shard_index=shard_index,
+                tenant=tenant,
+                pool=pool,
+                latest_start=latest_start,
+                now=now,
+                ttl_s=ttl_s,
+            )
+
+        self._dispatch_pass(change)
+        return self._tx(lambda conn: dispatch.get_request(conn, job_id, shard_index), write=False)
+
+    def poll_dispatch(self, job_id: str, ttl_s: float) -> dict[int, DispatchRow]:
+        """Renew the job's requests and grants for ``ttl_s``, grant free slots; the job's rows by shard."""
+
+        def change(conn: Connection, now: float) -> None:
+            dispatch.renew(conn, job_id, now, ttl_s)
+
+        self._dispatch_pass(change)
+        rows = self._tx(lambda conn: dispatch.job_rows(conn, job_id), write=False)
+        return {row.shard_index: row for row in rows}
+
+    def release_dispatch(self, job_id: str, shard_index: int | None = None, *, how: str = "released") -> None:
+        """Give back a shard's request or slot (all of the job's when ``shard_index`` is None)."""
+
+        def change(conn: Connection, now: float) -> None:
+            dispatch.end_rows(conn, dispatch.job_rows(conn, job_id, shard_index), now, how)
+
+        self._dispatch_pass(change)
+
+    def dispatch_requests(self, pool: str | None = None) -> list[DispatchRow]:
+        """Requests waiting for and holding slots of managed pools, least slack first per pool."""
+        return self._tx(lambda conn: dispatch.list_requests(conn, pool), write=False)
+
+    def dispatch_grants(
+        self, *, pool: str | None = None, job_id: str | None = None
+    ) -> list[DispatchGrantRow]:
+        """The audit record of grants, in grant order."""
+        return self._tx(lambda conn: dispatch.list_grants(conn, pool, job_id), write=False)
 
 
 def _shard_values(job_id: str, shard: NewShard, now: dt.datetime) -> dict[str, Any]:

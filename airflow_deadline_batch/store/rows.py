@@ -396,9 +396,13 @@ class TenantQuotaRow:
     budget: float | None = None
     budget_period_s: float | None = None
     updated_at: dt.datetime | None = None
+    #: the tenant's weight in fair shares of managed pools (core.dispatch)
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tenant", check_tenant(self.tenant))
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"tenant {self.tenant}: weight must be a finite number > 0, got {self.weight}")
         for name in ("spot_gpus", "on_demand_gpus", "budget"):
             value = getattr(self, name)
             # `not value >= 0` also refuses NaN, which every comparison would otherwise let through
@@ -415,3 +419,58 @@ class TenantQuotaRow:
     def gpus_of_kind(self, kind: str) -> int | None:
         """The GPU limit for pools of ``kind`` (``spot`` / ``on_demand``), None when unlimited."""
         return self.spot_gpus if kind == "spot" else self.on_demand_gpus
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchRow:
+    """A shard waiting for (``granted_at`` None) or holding a slot of a managed pool (store/dispatch.py)."""
+
+    job_id: str
+    shard_index: int
+    tenant: str
+    pool: str
+    #: database-clock epoch seconds
+    latest_start: float
+    requested_at: float
+    expires_at: float
+    granted_at: float | None = None
+    grant_seq: int | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> DispatchRow:
+        m = _mapping(row)
+        return cls(**{name: m[name] for name in cls.__dataclass_fields__})
+
+    @property
+    def granted(self) -> bool:
+        return self.granted_at is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchGrantRow:
+    """One grant in the audit record: who got a slot, why, and the state the rule decided on.
+
+    ``state["tenants"]`` maps each tenant that held or waited for a slot to its ``held`` slots,
+    ``share``, ``weight``, ``waiting`` requests and ``best`` waiting request
+    (``[latest_start, requested_at, job_id, shard_index]``) just before the grant.
+    """
+
+    seq: int
+    pool: str
+    tenant: str
+    job_id: str
+    shard_index: int
+    latest_start: float
+    requested_at: float
+    granted_at: float
+    reason: str
+    slots: int
+    state: Mapping[str, Any]
+    released_at: float | None = None
+    #: how the slot came back: ``released`` (the worker ended), ``withdrawn``, ``expired``
+    release: str | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> DispatchGrantRow:
+        m = _mapping(row)
+        return cls(**{name: m[name] for name in cls.__dataclass_fields__})

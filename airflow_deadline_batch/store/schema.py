@@ -241,4 +241,45 @@ tenant_quotas = sa.Table(
     sa.Column("budget", sa.Double(), nullable=True),
     sa.Column("budget_period_s", sa.Double(), nullable=True),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
+    # core.dispatch: the tenant's weight in fair shares of managed pools (revision 0004)
+    sa.Column("weight", sa.Double(), nullable=False, server_default="1"),
+)
+
+dispatch_requests = sa.Table(
+    "adb_dispatch",
+    metadata,
+    # store/dispatch.py: one row per shard that waits for, or holds, a slot of a managed pool; the
+    # runner renews its rows (expires_at), and a dead runner's rows expire so its slots come back.
+    # Times are database-clock epoch seconds, like lease expiry.
+    sa.Column("job_id", sa.String(64), primary_key=True),
+    sa.Column("shard_index", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("pool", sa.String(128), nullable=False),
+    sa.Column("latest_start", sa.Double(), nullable=False),
+    sa.Column("requested_at", sa.Double(), nullable=False),
+    sa.Column("expires_at", sa.Double(), nullable=False),
+    sa.Column("granted_at", sa.Double(), nullable=True),
+    sa.Column("grant_seq", sa.Integer(), nullable=True),
+    sa.Index("ix_adb_dispatch_pool", "pool"),
+)
+
+dispatch_grants = sa.Table(
+    "adb_dispatch_grants",
+    metadata,
+    # the append-only audit record of grants: what the rule saw (state) and chose, in grant order;
+    # released_at/release are filled once, when the slot comes back
+    sa.Column("seq", sa.Integer(), primary_key=True, autoincrement=False),
+    sa.Column("pool", sa.String(128), nullable=False),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    sa.Column("job_id", sa.String(64), nullable=False),
+    sa.Column("shard_index", sa.Integer(), nullable=False),
+    sa.Column("latest_start", sa.Double(), nullable=False),
+    sa.Column("requested_at", sa.Double(), nullable=False),
+    sa.Column("granted_at", sa.Double(), nullable=False),
+    sa.Column("reason", sa.String(32), nullable=False),
+    sa.Column("slots", sa.Integer(), nullable=False),
+    sa.Column("state", JSONType, nullable=False),
+    sa.Column("released_at", sa.Double(), nullable=True),
+    sa.Column("release", sa.String(32), nullable=True),
+    sa.Index("ix_adb_dispatch_grants_job_id", "job_id"),
 )

@@ -264,6 +264,7 @@ def set_quota(conn: Connection, row: TenantQuotaRow, now: dt.datetime) -> None:
             on_demand_gpus=row.on_demand_gpus,
             budget=row.budget,
             budget_period_s=row.budget_period_s,
+            weight=row.weight,
             updated_at=now,
         )
     )

@@ -77,6 +77,7 @@ def test_quota_set_list_delete(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "on_demand_gpus": 2,
         "budget": None,
         "budget_period_s": None,
+        "weight": 1.0,
     }
     assert main(["quota", "delete", "search", "--store", url]) == 0
     assert "quota removed" in capsys.readouterr().out
@@ -92,3 +93,16 @@ def test_quota_refuses_a_budget_that_is_not_a_finite_amount(
     url = f"sqlite:///{tmp_path / 'store.db'}"
     assert main(["quota", "set", "ads", "--budget", budget, "--store", url]) == 2
     assert "budget must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_quota_weight_is_set_listed_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    assert main(["quota", "set", "ads", "--weight", "2.5", "--store", url]) == 0
+    assert "ads: spot GPUs unlimited, on-demand GPUs unlimited, budget unlimited, weight 2.5" in (
+        capsys.readouterr().out
+    )
+    assert main(["quota", "list", "--store", url, "--json"]) == 0
+    assert _last_json(capsys)["quotas"][0]["weight"] == 2.5  # type: ignore[index]
+    for bad in ("0", "-1", "nan"):
+        assert main(["quota", "set", "ads", "--weight", bad, "--store", url]) == 2
+        assert "weight must be a finite number > 0" in capsys.readouterr().err
