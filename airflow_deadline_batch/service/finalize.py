@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
+import itertools
 import tempfile
 import threading
 from array import array
@@ -57,8 +58,8 @@ from airflow_deadline_batch.store import ManifestStore
 MANIFEST_KEY = "manifest.json"
 STATUSES = RESULT_STATUSES
 _MAX_PROBLEMS = 20
-#: objects read ahead of the line check by a pool of threads (reading and hashing release the GIL,
-#: and on S3 each read is a round trip): at most this many objects are in memory at once
+#: objects on S3 read ahead of the line check by a pool of threads (each read is a round trip;
+#: reading and hashing release the GIL): at most this many objects are in memory at once
 READ_AHEAD = 8
 #: an object of more records than this (the validation object, a finalizer's object for an
 #: unfinished shard) is streamed in chunks instead of read whole; a microbatch is read whole
@@ -255,7 +256,20 @@ def _fetch(obj: OutcomeObject, reader: _Reader) -> _Fetched:
 def _read_ahead(
     objects: Iterable[OutcomeObject], reader: _Reader
 ) -> Iterator[tuple[OutcomeObject, _Fetched]]:
-    """``(object, fetched)`` in the order of ``objects``, up to :data:`READ_AHEAD` read in parallel."""
+    """``(object, fetched)`` in the order of ``objects``: from the first object on S3 on, up to
+    :data:`READ_AHEAD` read in parallel (each read is a round trip); local files one by one
+    (threads only add GIL hand-offs to reads the page cache serves: slower on two cores)."""
+    rest = iter(objects)
+    for obj in rest:
+        if obj.uri.startswith("s3://"):
+            yield from _read_in_parallel(itertools.chain([obj], rest), reader)
+            return
+        yield obj, _fetch(obj, reader)
+
+
+def _read_in_parallel(
+    objects: Iterator[OutcomeObject], reader: _Reader
+) -> Iterator[tuple[OutcomeObject, _Fetched]]:
     pending: deque[tuple[OutcomeObject, Future[_Fetched]]] = deque()
     with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="adb-verify") as pool:
         try:
@@ -317,34 +331,40 @@ class _ObjectCheck:
         if len(self.problems) < _MAX_PROBLEMS:
             self.problems.append(text)
 
-    def line(self, raw: bytes) -> None:
-        if not raw.strip():
-            return
-        obj = self.obj
-        self.count += 1
-        try:
-            rec = orjson.loads(raw)
-            line = rec["line"]
-            status = rec["status"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            self.unknown += 1
-            self.problem(f"object {obj.uri} holds a line that is not a result record")
-            return
-        if status not in self.outcomes or rec.get("attempt_id") != obj.attempt_id:
-            self.unknown += 1
-            self.problem(f"object {obj.uri} holds a record with a bad status or attempt ID")
-            return
-        verdict = self.ledger.add(line) if self.lo <= line <= self.hi else "unknown"
-        if verdict == "ok":
-            self.added.append(line)
-            self.seen += 1
-            self.outcomes[status] += 1
-        elif verdict == "duplicate":
-            self.duplicates += 1
-            self.problem(f"line {line} has more than one outcome (again in {obj.uri})")
-        else:
-            self.unknown += 1
-            self.problem(f"object {obj.uri} holds line {line!r}, outside its shard")
+    def lines(self, raws: Iterable[bytes], *, track: bool) -> None:
+        """Count ``raws`` (the object's lines); with ``track``, remember the lines counted."""
+        obj, ledger, outcomes = self.obj, self.ledger, self.outcomes
+        lo, hi = self.lo, self.hi
+        remember = self.added.append if track else None
+        loads = orjson.loads
+        for raw in raws:
+            if not raw.strip():
+                continue
+            self.count += 1
+            try:
+                rec = loads(raw)
+                line = rec["line"]
+                status = rec["status"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                self.unknown += 1
+                self.problem(f"object {obj.uri} holds a line that is not a result record")
+                continue
+            if status not in outcomes or rec.get("attempt_id") != obj.attempt_id:
+                self.unknown += 1
+                self.problem(f"object {obj.uri} holds a record with a bad status or attempt ID")
+                continue
+            verdict = ledger.add(line) if lo <= line <= hi else "unknown"
+            if verdict == "ok":
+                if remember is not None:
+                    remember(line)
+                self.seen += 1
+                outcomes[status] += 1
+            elif verdict == "duplicate":
+                self.duplicates += 1
+                self.problem(f"line {line} has more than one outcome (again in {obj.uri})")
+            else:
+                self.unknown += 1
+                self.problem(f"object {obj.uri} holds line {line!r}, outside its shard")
 
     def merge_into(self, report: VerificationReport) -> None:
         report.seen += self.seen
@@ -381,15 +401,13 @@ def _check_objects(
             if fetched.sha256 != obj.sha256:
                 _bad_checksum(obj, report)
                 continue
-            for raw in fetched.data.splitlines():
-                check.line(raw)
+            check.lines(fetched.data.splitlines(), track=False)
             check.merge_into(report)
             continue
         digest = hashlib.sha256()
         try:
             with reader.open_read(obj.uri) as stream:
-                for raw in _stream_lines(stream, digest):
-                    check.line(raw)
+                check.lines(_stream_lines(stream, digest), track=True)
         except StorageError as exc:
             ledger.forget(check.added)
             _unreadable(obj, report, exc)
