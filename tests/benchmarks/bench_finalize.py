@@ -182,6 +182,14 @@ def restore(workdir: Path, info: dict[str, Any]) -> None:
     open_storage(info["output_uri"]).delete("manifest.json")
 
 
+def set_read_ahead() -> None:
+    """``--read-ahead N`` (passed as ``ADB_BENCH_READ_AHEAD``): objects on S3 read in parallel."""
+    from airflow_deadline_batch.service import finalize
+
+    if os.environ.get("ADB_BENCH_READ_AHEAD"):
+        finalize.READ_AHEAD = int(os.environ["ADB_BENCH_READ_AHEAD"])
+
+
 def child_finalize(store_url: str, job_id: str) -> dict[str, Any]:
     from airflow_deadline_batch.service.finalize import finalize_job
     from airflow_deadline_batch.store import ManifestStore
@@ -270,14 +278,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--backend", default="local", help="local, s3 or local,s3")
     parser.add_argument("--rebuild", action="store_true", help="build the local job again even if cached")
+    parser.add_argument("--read-ahead", type=int, help="objects on S3 read in parallel (default: the code's)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         name, store_url, job_id = args.child
+        set_read_ahead()
         result = (child_finalize if name == "finalize" else child_verify)(store_url, job_id)
         sys.stdout.write(json.dumps(result) + "\n")
         return
+    if args.read_ahead:
+        os.environ["ADB_BENCH_READ_AHEAD"] = str(args.read_ahead)
     input_path = ensure_input(args.records, seed=args.seed)
     rows = []
     for backend in args.backend.split(","):
