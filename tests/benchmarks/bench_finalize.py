@@ -14,6 +14,9 @@ subprocess (peak RSS is the child's own ``VmHWM``), ``--repeat`` times:
 
     .venv/bin/python tests/benchmarks/bench_finalize.py --records 1000000 --backend local,s3
 
+``--compare-with DIR`` runs the same children from another checkout too (say the code before a
+change: ``git archive REV | tar -x -C DIR``), interleaved with this one's, on the same built job.
+
 ``--backend s3`` starts ``moto_server`` (tests/fixtures/s3.py) and writes the outputs to a bucket
 there (built again on every run: moto holds objects in its memory); the input stays a local file
 (only a job with unfinished shards reads it). The local build is cached in the temp folder by size
@@ -233,16 +236,28 @@ def bench_backend(backend: str, args: argparse.Namespace, input_path: Path) -> l
             file=sys.stderr,
             flush=True,
         )
-        me = str(Path(__file__).resolve())
-        argv = {
-            name: python_child(me, "--child", name, info["store"], info["job_id"])
+        trees = {"": ROOT, **({"@other": Path(args.compare_with).resolve()} if args.compare_with else {})}
+        runs = [
+            (
+                name + tag,
+                python_child(
+                    str(tree / "tests/benchmarks/bench_finalize.py"),
+                    "--child",
+                    name,
+                    info["store"],
+                    info["job_id"],
+                ),
+                {**env, "PYTHONPATH": str(tree)},
+            )
+            for tag, tree in trees.items()
             for name in ("finalize", "verify")
-        }
+        ]
         rows = []
         for attempt in range(args.repeat):
-            restore(workdir, info)
-            for name, command in argv.items():
-                wall, cpu, rss, out = run_child(command, env)
+            for name, command, child_env in runs:
+                if name.startswith("finalize"):  # each finalize starts from the unfinalized job
+                    restore(workdir, info)
+                wall, cpu, rss, out = run_child(command, child_env)
                 detail = json.loads(out.strip().splitlines()[-1])
                 if not detail.get("complete"):
                     raise SystemExit(f"{name} did not find the job complete: {detail}")
@@ -279,6 +294,11 @@ def main() -> None:
     parser.add_argument("--backend", default="local", help="local, s3 or local,s3")
     parser.add_argument("--rebuild", action="store_true", help="build the local job again even if cached")
     parser.add_argument("--read-ahead", type=int, help="objects on S3 read in parallel (default: the code's)")
+    parser.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        help="also run the measured children from this checkout (e.g. the code before a change), interleaved",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
