@@ -594,6 +594,14 @@ def _unfinished_outcomes(
         )
 
 
+def _mark_lines(raws: Iterable[bytes], lines: bytearray, first: int) -> None:
+    for raw in raws:
+        if raw.strip():
+            line = orjson.loads(raw)["line"]
+            if first <= line < first + len(lines):
+                lines[line - first] = 1
+
+
 def _committed_lines(commits: list[Any], shard: Any, reader: _Reader) -> bytearray:
     """One byte per line of the shard: set for each line a committed object of the shard holds."""
     first, count = shard.first_line, shard.line_count
@@ -603,15 +611,10 @@ def _committed_lines(commits: list[Any], shard: Any, reader: _Reader) -> bytearr
         if fetched.error is not None:
             raise fetched.error
         if fetched.data is not None:
-            raws: Iterable[bytes] = fetched.data.splitlines()
+            _mark_lines(fetched.data.splitlines(), lines, first)
         else:
             with reader.open_read(obj.uri) as stream:
-                raws = list(_stream_lines(stream, hashlib.sha256()))
-        for raw in raws:
-            if raw.strip():
-                line = orjson.loads(raw)["line"]
-                if first <= line < first + count:
-                    lines[line - first] = 1
+                _mark_lines(_stream_lines(stream, hashlib.sha256()), lines, first)
     return lines
 
 
