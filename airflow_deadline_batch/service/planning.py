@@ -944,7 +944,7 @@ def _record(
     validation = None
     storage = open_storage(output_base)
     if analysis.work.invalid:
-        # streamed from the spool (about 250 bytes an invalid line: 25 MB at 10M lines, 1% invalid)
+        # streamed from the spool (about 280 bytes an invalid line: 28 MB at 10M lines, 1% invalid)
         spool = analysis.error_spool
         spool.seek(0)
         sha = sha256_of_stream(spool)
