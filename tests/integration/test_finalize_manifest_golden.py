@@ -72,7 +72,7 @@ def _commit(
     )
 
 
-def _build_messy_job(store: ManifestStore, tmp_path: Path) -> str:
+def _build_messy_job(store: ManifestStore, tmp_path: Path, output_uri: str | None = None) -> str:
     mixed = mixed_input(160, seed=14, bad_fraction=0.08, blank_fraction=0.03)
     input_path = mixed.write(tmp_path / "input.jsonl")
     plan = plan_job(
@@ -80,7 +80,7 @@ def _build_messy_job(store: ManifestStore, tmp_path: Path) -> str:
         PlanRequest(
             input_uri=str(input_path),
             deadline=dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc),
-            output_uri=str(tmp_path / "out"),
+            output_uri=output_uri or str(tmp_path / "out"),
             engine="echo",
             pools=default_local_pools("echo"),
             workers=4,
@@ -208,5 +208,38 @@ def test_an_object_failing_its_checksum_counts_none_of_its_lines(
         assert report.seen == clean.seen - validation.records
         assert report.outcomes["errored"] == clean.outcomes["errored"] - validation.records
         assert any("fails its SHA-256" in p for p in report.problems)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("whole_records", [20_000, 0], ids=["read-whole", "streamed"])
+def test_on_s3_objects_read_in_parallel_give_the_same_report_and_manifest_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int, s3_base_uri: str
+) -> None:
+    """The same messy job with its outputs on S3 (moto's server): read ahead by 3 threads."""
+    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records)
+    monkeypatch.setattr(finalize, "READ_AHEAD", 3)
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        job_id = _build_messy_job(store, tmp_path, s3_base_uri)
+        clock = ManualClock(dt.datetime(2029, 12, 31, 23, 0, tzinfo=dt.timezone.utc))
+        result = finalize_job(store, job_id, clock=clock, expire_unfinished=True)
+        assert result.state is JobState.PARTIAL and result.manifest_uri is not None
+        assert result.manifest_uri.startswith("s3://")
+        text = json.loads(GOLDEN.read_text())["manifest.json"]
+        golden = orjson.loads(text.replace('"gpu_seconds": GPU', '"gpu_seconds": 0'))
+        assert result.manifest is not None
+        assert result.manifest["outcomes"] == golden["outcomes"]
+        assert [(s["shard_id"], s["seq"], s["records"]) for s in result.manifest["shards"]] == [
+            (s["shard_id"], s["seq"], s["records"]) for s in golden["shards"]
+        ]
+        report = verify_job(store, job_id)
+        assert report.complete and report.seen == golden["input"]["records"]
+        # a corrupted object on S3 is caught whichever way it is read
+        output = open_storage(store.get_job(job_id).output_uri)
+        data = output.get_bytes("validation/errors.jsonl")
+        output.put_bytes("validation/errors.jsonl", data.replace(b"line", b"LINE", 1))
+        broken = verify_job(store, job_id)
+        assert broken.checksum_failures == 1 and not broken.complete
     finally:
         store.close()
