@@ -4,7 +4,7 @@ The manifest format is a public contract (docs/design.md §4.3). A job is built 
 store's worker calls (claim, commit, complete or fail; no engine): the planner's validation
 object (bad and blank lines), a shard that succeeded over two microbatches after a preempted
 attempt whose object never committed, a shard that failed for good after one commit, a shard
-with one commit left running and shards with none (expired). ``finalize_job`` with
+with one commit left running and a shard with none (expired). ``finalize_job`` with
 ``expire_unfinished`` publishes it ``partial``. Everything it wrote (manifest, finalizer objects,
 validation object) must equal, byte for byte once the random IDs, the temporary path, the
 creation time and the measured GPU time are replaced by placeholders, what the finalizer at
