@@ -52,8 +52,8 @@ from airflow_deadline_batch.core.results import (
     ResultRecord,
 )
 from airflow_deadline_batch.core.shard_input import limits_from_config
-from airflow_deadline_batch.exceptions import ConfigurationError, StorageError, VerificationError
-from airflow_deadline_batch.storage import ObjectStorage, open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.exceptions import ConfigurationError, VerificationError
+from airflow_deadline_batch.storage import ObjectStorage, open_storage, open_uri, put_file, sha256_hex
 from airflow_deadline_batch.storage.local import LocalStorage
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.worker.engines.base import DEFAULT_MAX_TOKENS
@@ -609,21 +609,6 @@ def _publish(target: ObjectStorage, path: Path, name: str, meta: _HashedFile) ->
 
 
 def _upload(target: ObjectStorage, name: str, path: Path) -> str:
-    """boto3's managed upload of a file to an S3 storage (the storage layer writes bytes only)."""
-    from airflow_deadline_batch.storage.s3 import S3Storage
-
-    if not isinstance(target, S3Storage):
-        with path.open("rb") as fh:  # an unknown backend: bytes are all its contract offers
-            return target.put_bytes(name, fh.read())
-    import boto3.exceptions
-    import botocore.exceptions
-
-    uri = target.uri(name)
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    try:
-        # the storage's own client (timeouts and retries of storage.s3.client_config); boto3's
-        # transfer manager reads the file in 8 MiB parts, so memory stays bounded
-        target._client.upload_file(str(path), bucket, key)
-    except (boto3.exceptions.S3UploadFailedError, botocore.exceptions.BotoCoreError) as exc:
-        raise StorageError(f"cannot upload {uri}: {exc}; check the bucket and credentials", uri=uri) from exc
-    return uri
+    """Write a file to the target storage in bounded chunks (an S3 upload is boto3's managed
+    transfer, in 8 MiB parts), without reading it whole."""
+    return put_file(target, name, path)

@@ -10,14 +10,23 @@ the first one's manifest.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import io
+import itertools
+import tempfile
+import threading
+from array import array
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import IO, Any, BinaryIO, Literal
 
 import orjson
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
+from airflow_deadline_batch.core.records import LineError, iter_raw_lines, parse_line
 from airflow_deadline_batch.core.results import (
     FINALIZE_ATTEMPT_ID,
     RESULT_STATUSES,
@@ -29,12 +38,12 @@ from airflow_deadline_batch.core.results import (
     OutputManifest,
     ResultRecord,
     SettledUsage,
-    encode_results,
 )
-from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
+from airflow_deadline_batch.core.shard_input import limits_from_config
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
+    InputError,
     InvalidTransition,
     ObjectExists,
     ObjectNotFound,
@@ -42,12 +51,19 @@ from airflow_deadline_batch.exceptions import (
     VerificationError,
 )
 from airflow_deadline_batch.service.settlement import settle_job
-from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.storage import open_storage, open_uri, put_stream, sha256_hex
+from airflow_deadline_batch.storage.base import CHUNK_SIZE
 from airflow_deadline_batch.store import ManifestStore
 
 MANIFEST_KEY = "manifest.json"
 STATUSES = RESULT_STATUSES
 _MAX_PROBLEMS = 20
+#: objects on S3 read ahead of the line check by a pool of threads (each read is a round trip;
+#: reading and hashing release the GIL): at most this many objects are in memory at once
+READ_AHEAD = 8
+#: an object of more records than this (the validation object, a finalizer's object for an
+#: unfinished shard) is streamed in chunks instead of read whole; a microbatch is read whole
+WHOLE_OBJECT_RECORDS = 20_000
 
 
 @dataclass(frozen=True)
@@ -183,40 +199,185 @@ class _LineLedger:
         self.seen[line] = 1
         return "ok"
 
+    def forget(self, lines: Iterable[int]) -> None:
+        """Undo :meth:`add` of ``lines`` (an object whose checksum failed after its lines counted)."""
+        for line in lines:
+            self.seen[line] = 0
+
 
 class _Reader:
     """Reads objects by URI with at most one S3 client per pass: building one costs 0.1-0.3 s,
-    and verification reads every committed object."""
+    and verification reads every committed object. Safe to share between threads (boto3 clients
+    are)."""
 
     def __init__(self) -> None:
         self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _open(self, uri: str) -> tuple[Any, str]:
+        if not uri.startswith("s3://"):
+            return open_uri(uri)
+        with self._lock:
+            if self._client is None:
+                from airflow_deadline_batch.storage.s3 import make_client
+
+                self._client = make_client()
+        return open_uri(uri, client=self._client)
 
     def get_bytes(self, uri: str) -> bytes:
-        if not uri.startswith("s3://"):
-            storage, key = open_uri(uri)
-            return storage.get_bytes(key)
-        if self._client is None:
-            from airflow_deadline_batch.storage.s3 import make_client
+        storage, key = self._open(uri)
+        return bytes(storage.get_bytes(key))
 
-            self._client = make_client()
-        storage, key = open_uri(uri, client=self._client)
-        return storage.get_bytes(key)
+    def open_read(self, uri: str) -> BinaryIO:
+        storage, key = self._open(uri)
+        return storage.open_read(key)
 
 
-def _read_object(obj: OutcomeObject, report: VerificationReport, reader: _Reader) -> bytes | None:
+@dataclass(frozen=True)
+class _Fetched:
+    """An object read ahead: its bytes and their SHA-256, or why it could not be read; or neither,
+    when it is too large to hold and the line check streams it."""
+
+    data: bytes | None = None
+    sha256: str | None = None
+    error: StorageError | None = None
+
+
+def _fetch(obj: OutcomeObject, reader: _Reader) -> _Fetched:
+    if obj.records > WHOLE_OBJECT_RECORDS:
+        return _Fetched()
     try:
         data = reader.get_bytes(obj.uri)
     except StorageError as exc:
-        report.checksum_failures += 1
-        if not isinstance(exc, ObjectNotFound):
-            report.unreadable += 1
-        report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} unreadable: {exc}")
-        return None
-    if sha256_hex(data) != obj.sha256:
-        report.checksum_failures += 1
-        report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} fails its SHA-256")
-        return None
-    return data
+        return _Fetched(error=exc)
+    return _Fetched(data, sha256_hex(data))
+
+
+def _read_ahead(
+    objects: Iterable[OutcomeObject], reader: _Reader
+) -> Iterator[tuple[OutcomeObject, _Fetched]]:
+    """``(object, fetched)`` in the order of ``objects``: from the first object on S3 on, up to
+    :data:`READ_AHEAD` read in parallel (each read is a round trip); local files one by one
+    (threads only add GIL hand-offs to reads the page cache serves: slower on two cores)."""
+    rest = iter(objects)
+    for obj in rest:
+        if obj.uri.startswith("s3://"):
+            yield from _read_in_parallel(itertools.chain([obj], rest), reader)
+            return
+        yield obj, _fetch(obj, reader)
+
+
+def _read_in_parallel(
+    objects: Iterator[OutcomeObject], reader: _Reader
+) -> Iterator[tuple[OutcomeObject, _Fetched]]:
+    pending: deque[tuple[OutcomeObject, Future[_Fetched]]] = deque()
+    with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="adb-verify") as pool:
+        try:
+            for obj in objects:
+                pending.append((obj, pool.submit(_fetch, obj, reader)))
+                if len(pending) >= READ_AHEAD:
+                    head, future = pending.popleft()
+                    yield head, future.result()
+            while pending:
+                head, future = pending.popleft()
+                yield head, future.result()
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+def _stream_lines(stream: IO[bytes], digest: Any) -> Iterator[bytes]:
+    """The lines of ``stream`` (without their newline), read in chunks, every byte fed to ``digest``."""
+    rest = b""
+    while chunk := stream.read(CHUNK_SIZE):
+        digest.update(chunk)
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+    if rest:
+        yield rest
+
+
+def _unreadable(obj: OutcomeObject, report: VerificationReport, exc: StorageError) -> None:
+    report.checksum_failures += 1
+    if not isinstance(exc, ObjectNotFound):
+        report.unreadable += 1
+    report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} unreadable: {exc}")
+
+
+def _bad_checksum(obj: OutcomeObject, report: VerificationReport) -> None:
+    report.checksum_failures += 1
+    report.problem(f"shard {display_shard_id(obj.shard_index)} object {obj.uri} fails its SHA-256")
+
+
+class _ObjectCheck:
+    """The findings of one object's lines, kept apart until its checksum is known to hold."""
+
+    def __init__(
+        self, obj: OutcomeObject, ledger: _LineLedger, statuses: Iterable[str], span: tuple[int, int]
+    ):
+        self.obj = obj
+        self.ledger = ledger
+        self.lo, self.hi = span
+        self.count = 0
+        self.seen = 0
+        self.outcomes = dict.fromkeys(statuses, 0)
+        self.duplicates = 0
+        self.unknown = 0
+        self.problems: list[str] = []
+        self.added = array("q")  # the lines this object counted, to forget if its checksum fails
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < _MAX_PROBLEMS:
+            self.problems.append(text)
+
+    def lines(self, raws: Iterable[bytes], *, track: bool) -> None:
+        """Count ``raws`` (the object's lines); with ``track``, remember the lines counted."""
+        obj, ledger, outcomes = self.obj, self.ledger, self.outcomes
+        lo, hi = self.lo, self.hi
+        remember = self.added.append if track else None
+        loads = orjson.loads
+        for raw in raws:
+            if not raw.strip():
+                continue
+            self.count += 1
+            try:
+                rec = loads(raw)
+                line = rec["line"]
+                status = rec["status"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                self.unknown += 1
+                self.problem(f"object {obj.uri} holds a line that is not a result record")
+                continue
+            if status not in outcomes or rec.get("attempt_id") != obj.attempt_id:
+                self.unknown += 1
+                self.problem(f"object {obj.uri} holds a record with a bad status or attempt ID")
+                continue
+            verdict = ledger.add(line) if lo <= line <= hi else "unknown"
+            if verdict == "ok":
+                if remember is not None:
+                    remember(line)
+                self.seen += 1
+                outcomes[status] += 1
+            elif verdict == "duplicate":
+                self.duplicates += 1
+                self.problem(f"line {line} has more than one outcome (again in {obj.uri})")
+            else:
+                self.unknown += 1
+                self.problem(f"object {obj.uri} holds line {line!r}, outside its shard")
+
+    def merge_into(self, report: VerificationReport) -> None:
+        report.seen += self.seen
+        for status, n in self.outcomes.items():
+            report.outcomes[status] += n
+        report.duplicates += self.duplicates
+        report.unknown += self.unknown
+        for text in self.problems:
+            report.problem(text)
+        if self.count != self.obj.records:
+            report.problem(
+                f"object {self.obj.uri} holds {self.count} records, its commit says {self.obj.records}"
+            )
 
 
 def _check_objects(
@@ -225,41 +386,37 @@ def _check_objects(
     report: VerificationReport,
     ranges: dict[int, tuple[int, int]],
 ) -> None:
+    """Check every object's SHA-256 and count its lines into ``ledger`` and ``report``.
+
+    Objects are read ahead in parallel (:func:`_read_ahead`) and checked in order; a large one is
+    streamed, its lines counted as they come and forgotten again should its checksum fail.
+    """
     reader = _Reader()
-    for obj in objects:
-        data = _read_object(obj, report, reader)
-        if data is None:
+    for obj, fetched in _read_ahead(objects, reader):
+        check = _ObjectCheck(obj, ledger, report.outcomes, ranges.get(obj.shard_index, (1, ledger.total)))
+        if fetched.error is not None:
+            _unreadable(obj, report, fetched.error)
             continue
-        count = 0
-        lo, hi = ranges.get(obj.shard_index, (1, ledger.total))
-        for raw in data.splitlines():
-            if not raw.strip():
+        if fetched.data is not None:
+            if fetched.sha256 != obj.sha256:
+                _bad_checksum(obj, report)
                 continue
-            count += 1
-            try:
-                rec = orjson.loads(raw)
-                line = rec["line"]
-                status = rec["status"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                report.unknown += 1
-                report.problem(f"object {obj.uri} holds a line that is not a result record")
-                continue
-            if status not in report.outcomes or rec.get("attempt_id") != obj.attempt_id:
-                report.unknown += 1
-                report.problem(f"object {obj.uri} holds a record with a bad status or attempt ID")
-                continue
-            verdict = ledger.add(line) if lo <= line <= hi else "unknown"
-            if verdict == "ok":
-                report.seen += 1
-                report.outcomes[status] += 1
-            elif verdict == "duplicate":
-                report.duplicates += 1
-                report.problem(f"line {line} has more than one outcome (again in {obj.uri})")
-            else:
-                report.unknown += 1
-                report.problem(f"object {obj.uri} holds line {line!r}, outside its shard")
-        if count != obj.records:
-            report.problem(f"object {obj.uri} holds {count} records, its commit says {obj.records}")
+            check.lines(fetched.data.splitlines(), track=False)
+            check.merge_into(report)
+            continue
+        digest = hashlib.sha256()
+        try:
+            with reader.open_read(obj.uri) as stream:
+                check.lines(_stream_lines(stream, digest), track=True)
+        except StorageError as exc:
+            ledger.forget(check.added)
+            _unreadable(obj, report, exc)
+            continue
+        if digest.hexdigest() != obj.sha256:
+            ledger.forget(check.added)
+            _bad_checksum(obj, report)
+            continue
+        check.merge_into(report)
 
 
 def _shard_ranges(store: ManifestStore, job_id: str) -> dict[int, tuple[int, int]]:
@@ -332,25 +489,88 @@ def _shard_index(shard_id: str) -> int:
     return int(shard_id) if shard_id.isdigit() else -2
 
 
-def _unfinished_outcomes(
-    job: Any,
-    shard: Any,
-    committed_lines: set[int],
-    status: Literal["cancelled", "expired", "errored"],
-) -> Iterator[ResultRecord]:
-    """Outcomes for a shard's records that never committed.
+class _RangeHasher(io.RawIOBase):
+    """Bytes ``[start, end)`` of a stream, hashed as they are read (a shard's input range)."""
 
-    ``expired`` (the deadline passed), ``cancelled`` (the job was), or ``errored`` with code
-    ``shard_failed`` (the shard failed for good: attempts exhausted or a terminal error).
+    def __init__(self, stream: BinaryIO, length: int) -> None:
+        self._stream = stream
+        self._left = length
+        self.digest = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._left)
+        if want <= 0:
+            return 0
+        chunk = self._stream.read(want)
+        n = len(chunk)
+        view[:n] = chunk
+        self._left -= n
+        self.digest.update(chunk)
+        return n
+
+
+def _shard_records(job: Any, shard: Any) -> Iterator[Any]:
+    """The shard's records in line order, streamed from its input range (as ``parse_shard`` reads them).
+
+    The range's SHA-256 and record count are checked once it is read: the caller publishes
+    nothing before this generator is exhausted, so a changed input still publishes nothing.
     """
     storage, key = open_uri(job.input_uri)
-    data = storage.read_range(key, shard.byte_start, shard.byte_end)
-    if sha256_hex(data) != shard.input_sha256:
+    limits = limits_from_config(job.config)
+    excluded = set(shard.excluded_lines)
+    count = 0
+    with storage.open_read(key) as source:
+        source.seek(shard.byte_start)
+        ranged = _RangeHasher(source, shard.byte_end - shard.byte_start)
+        with io.BufferedReader(ranged, buffer_size=CHUNK_SIZE) as stream:
+            for raw in iter_raw_lines(
+                stream,
+                start_line=shard.first_line,
+                start_offset=shard.byte_start,
+                max_line_bytes=limits.max_line_bytes,
+            ):
+                if raw.line in excluded:
+                    continue
+                outcome = parse_line(raw, limits)
+                if outcome is None:
+                    continue
+                if isinstance(outcome, LineError):  # never echo the line: it is user data
+                    raise InputError(
+                        f"line {outcome.line} of shard {shard.shard_id} no longer parses "
+                        f"({outcome.code.value}); the input changed after planning: re-plan the job",
+                        line=outcome.line,
+                    )
+                count += 1
+                yield outcome
+    if ranged.digest.hexdigest() != shard.input_sha256:
         raise ChecksumMismatch(
             f"input range of shard {shard.shard_index} changed since planning: restore {job.input_uri}",
             job_id=job.job_id,
             shard_index=shard.shard_index,
         )
+    if count != shard.records:
+        raise InputError(
+            f"shard {shard.shard_id} has {count} records, the plan says {shard.records}; "
+            "the input changed after planning: re-plan the job"
+        )
+
+
+def _unfinished_outcomes(
+    job: Any,
+    shard: Any,
+    committed_lines: bytearray,
+    status: Literal["cancelled", "expired", "errored"],
+) -> Iterator[ResultRecord]:
+    """Outcomes for a shard's records that never committed (``committed_lines[line - first_line]``
+    is set for those that did).
+
+    ``expired`` (the deadline passed), ``cancelled`` (the job was), or ``errored`` with code
+    ``shard_failed`` (the shard failed for good: attempts exhausted or a terminal error).
+    """
     if status == "expired":
         code, message = "expired", "the job's deadline passed before this record was processed"
     elif status == "cancelled":
@@ -359,8 +579,9 @@ def _unfinished_outcomes(
         code = "shard_failed"
         reason = shard.last_error or "see the worker's log"
         message = f"shard {display_shard_id(shard.shard_index)} failed for good: {reason}"[:500]
-    for record in parse_shard(data, shard, limits_from_config(job.config)):
-        if record.line in committed_lines:
+    first = shard.first_line
+    for record in _shard_records(job, shard):
+        if committed_lines[record.line - first]:
             continue
         yield ResultRecord.failed(
             line=record.line,
@@ -373,14 +594,27 @@ def _unfinished_outcomes(
         )
 
 
-def _committed_lines(commits: list[Any], shard_index: int, reader: _Reader) -> set[int]:
-    lines: set[int] = set()
-    for c in commits:
-        if c.shard_index != shard_index:
-            continue
-        for raw in reader.get_bytes(c.uri).splitlines():
-            if raw.strip():
-                lines.add(orjson.loads(raw)["line"])
+def _mark_lines(raws: Iterable[bytes], lines: bytearray, first: int) -> None:
+    for raw in raws:
+        if raw.strip():
+            line = orjson.loads(raw)["line"]
+            if first <= line < first + len(lines):
+                lines[line - first] = 1
+
+
+def _committed_lines(commits: list[Any], shard: Any, reader: _Reader) -> bytearray:
+    """One byte per line of the shard: set for each line a committed object of the shard holds."""
+    first, count = shard.first_line, shard.line_count
+    lines = bytearray(count)
+    mine = (_outcome_object(c) for c in commits if c.shard_index == shard.shard_index)
+    for obj, fetched in _read_ahead(mine, reader):
+        if fetched.error is not None:
+            raise fetched.error
+        if fetched.data is not None:
+            _mark_lines(fetched.data.splitlines(), lines, first)
+        else:
+            with reader.open_read(obj.uri) as stream:
+                _mark_lines(_stream_lines(stream, hashlib.sha256()), lines, first)
     return lines
 
 
@@ -470,7 +704,8 @@ def _write_unfinished_outcomes(
 
     ``cancelled`` for a cancelled job, ``errored`` (``shard_failed``) for a shard that failed for
     good, ``expired`` otherwise. Each object's ``seq`` is one past the shard's microbatches:
-    unique in the manifest, which requires ``seq >= 0``.
+    unique in the manifest, which requires ``seq >= 0``. The outcomes are written to a temporary
+    file as the shard's input range streams by, then uploaded: memory does not grow with the shard.
     """
     extra: list[OutcomeObject] = []
     reader = _Reader()
@@ -484,18 +719,26 @@ def _write_unfinished_outcomes(
             if shard.state == ShardState.TERMINAL_FAILURE
             else "expired"
         )
-        committed = _committed_lines(commits, shard.shard_index, reader)
-        data = encode_results(_unfinished_outcomes(job, shard, committed, status))
-        if not data:
-            continue
-        uri = output.put_bytes(f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl", data)
+        committed = _committed_lines(commits, shard, reader)
+        digest = hashlib.sha256()
+        records = 0
+        with tempfile.TemporaryFile(prefix="adb-finalize-") as spool:
+            for record in _unfinished_outcomes(job, shard, committed, status):
+                line = record.to_json_bytes() + b"\n"
+                digest.update(line)
+                spool.write(line)
+                records += 1
+            if not records:
+                continue
+            spool.seek(0)
+            uri = put_stream(output, f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl", spool)
         extra.append(
             OutcomeObject(
                 shard.shard_index,
                 shard.num_microbatches,
                 uri,
-                sha256_hex(data),
-                data.count(b"\n"),
+                digest.hexdigest(),
+                records,
                 FINALIZE_ATTEMPT_ID,
             )
         )

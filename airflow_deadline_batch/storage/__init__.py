@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from airflow_deadline_batch.storage.base import (
     ObjectStorage,
     check_sha256,
+    put_file,
+    put_stream,
     sha256_hex,
     sha256_of_stream,
     validate_key,
@@ -27,6 +29,8 @@ __all__ = [
     "join_uri",
     "open_storage",
     "open_uri",
+    "put_file",
+    "put_stream",
     "sha256_hex",
     "sha256_of_stream",
     "validate_key",

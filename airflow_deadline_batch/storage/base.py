@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
 from airflow_deadline_batch.exceptions import ChecksumMismatch, ConfigurationError
@@ -63,6 +64,31 @@ class ObjectStorage(Protocol):
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         """Keys that start with ``prefix``, in lexicographic order."""
         ...
+
+
+def put_file(storage: ObjectStorage, key: str, source: Path | str) -> str:
+    """Write the file ``source`` to ``key`` atomically; return its URI.
+
+    Backends with a ``put_file`` (local files, S3) copy or upload it in bounded chunks; any other
+    :class:`ObjectStorage` gets its bytes through ``put_bytes``.
+    """
+    put = getattr(storage, "put_file", None)
+    if put is not None:
+        return str(put(key, source))
+    with Path(source).open("rb") as stream:
+        return put_stream(storage, key, stream)
+
+
+def put_stream(storage: ObjectStorage, key: str, stream: BinaryIO) -> str:
+    """Write what is left in ``stream`` to ``key`` atomically; return its URI.
+
+    Backends with a ``put_stream`` (local files, S3) copy or upload it in bounded chunks; any other
+    :class:`ObjectStorage` gets its bytes through ``put_bytes``.
+    """
+    put = getattr(storage, "put_stream", None)
+    if put is not None:
+        return str(put(key, stream))
+    return storage.put_bytes(key, stream.read())
 
 
 def validate_key(key: str, *, base_uri: str = "") -> str:

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import uuid
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, ObjectNotFound, StorageError
-from airflow_deadline_batch.storage.base import validate_key, validate_prefix, validate_range
+from airflow_deadline_batch.storage.base import CHUNK_SIZE, validate_key, validate_prefix, validate_range
 
 #: suffix of the temporary files that writes stage their bytes in; listings skip them
 TEMP_SUFFIX = ".adb-tmp"
@@ -48,6 +49,24 @@ class LocalStorage:
     def put_bytes(self, key: str, data: bytes) -> str:
         path = self._path(key)
         temp = self._write_temp(path, data)
+        try:
+            os.replace(temp, path)
+        except OSError as exc:
+            raise _storage_error(exc, "write", path) from exc
+        finally:
+            _unlink_quietly(temp)
+        _fsync_dir(path.parent)
+        return str(path)
+
+    def put_file(self, key: str, source: Path | str) -> str:
+        """Copy the file ``source`` to ``key`` atomically (in chunks, never whole in memory)."""
+        with Path(source).open("rb") as stream:
+            return self.put_stream(key, stream)
+
+    def put_stream(self, key: str, stream: BinaryIO) -> str:
+        """Copy what is left in ``stream`` to ``key`` atomically, in chunks."""
+        path = self._path(key)
+        temp = self._write_temp(path, source=stream)
         try:
             os.replace(temp, path)
         except OSError as exc:
@@ -155,8 +174,9 @@ class LocalStorage:
             os.close(fd)
             raise
 
-    def _write_temp(self, path: Path, data: bytes) -> Path:
-        """Write ``data`` to a fresh, fsynced temporary file next to ``path``; return its path."""
+    def _write_temp(self, path: Path, data: bytes = b"", *, source: BinaryIO | None = None) -> Path:
+        """Write ``data`` (or what is left in ``source``) to a fresh, fsynced temporary file next to
+        ``path``; return its path."""
         temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +185,10 @@ class LocalStorage:
             raise _storage_error(exc, "write", path) from exc
         try:
             with os.fdopen(fd, "wb") as stream:
-                stream.write(data)
+                if source is None:
+                    stream.write(data)
+                else:
+                    shutil.copyfileobj(source, stream, CHUNK_SIZE)
                 stream.flush()
                 os.fsync(stream.fileno())
         except OSError as exc:

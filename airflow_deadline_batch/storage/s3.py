@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import boto3
+import boto3.exceptions
 import botocore.exceptions
 import urllib3.exceptions
 from botocore.config import Config
@@ -127,6 +129,35 @@ class S3Storage:
         uri = self.uri(key)
         try:
             self._client.put_object(Bucket=self.bucket, Key=object_key, Body=data)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise _translate(exc, "write", uri, self.bucket) from exc
+        return uri
+
+    def put_file(self, key: str, source: str | os.PathLike[str]) -> str:
+        """Upload the file ``source`` to ``key`` with boto3's managed transfer (multipart in 8 MiB
+        parts for a large file, so memory stays bounded); the object appears whole or not at all."""
+        object_key = self._object_key(key)
+        uri = self.uri(key)
+        try:
+            self._client.upload_file(os.fspath(source), self.bucket, object_key)
+        except boto3.exceptions.S3UploadFailedError as exc:
+            raise StorageError(
+                f"cannot upload {uri}: {exc}; check the bucket and credentials", uri=uri
+            ) from exc
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise _translate(exc, "write", uri, self.bucket) from exc
+        return uri
+
+    def put_stream(self, key: str, stream: BinaryIO) -> str:
+        """Upload what is left in ``stream`` to ``key`` (boto3's managed transfer, as ``put_file``)."""
+        object_key = self._object_key(key)
+        uri = self.uri(key)
+        try:
+            self._client.upload_fileobj(stream, self.bucket, object_key)
+        except boto3.exceptions.S3UploadFailedError as exc:
+            raise StorageError(
+                f"cannot upload {uri}: {exc}; check the bucket and credentials", uri=uri
+            ) from exc
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise _translate(exc, "write", uri, self.bucket) from exc
         return uri

@@ -9,7 +9,7 @@ import pytest
 from botocore.config import Config
 
 from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, StorageError
-from airflow_deadline_batch.storage import open_storage, open_uri
+from airflow_deadline_batch.storage import open_storage, open_uri, put_file, put_stream
 from airflow_deadline_batch.storage.s3 import S3Storage, make_client
 from tests.fixtures.s3 import CuttingProxy, free_port
 
@@ -154,3 +154,21 @@ def test_use_client_routes_every_client_the_package_makes_and_restores_on_exit(s
         assert make_client() is outer
     assert make_client() not in (outer, inner)
     assert make_client().meta.endpoint_url == s3_endpoint
+
+
+def test_put_file_and_put_stream_use_the_managed_upload(
+    s3_bucket: str, s3_endpoint: str, tmp_path: Any
+) -> None:
+    client = client_for(s3_endpoint)
+    parts = count_calls(client, "UploadPart")
+    storage = open_storage(f"s3://{s3_bucket}/up", client=client)
+    source = tmp_path / "big.bin"
+    data = bytes(range(256)) * (40 * 4096 + 3)  # about 10 MiB: above the multipart threshold
+    source.write_bytes(data)
+    assert put_file(storage, "big.bin", source) == f"s3://{s3_bucket}/up/big.bin"
+    assert storage.get_bytes("big.bin") == data
+    assert len(parts) > 1  # uploaded in parts, never one request of the whole file
+    with source.open("rb") as stream:
+        stream.seek(7)
+        put_stream(storage, "rest.bin", stream)
+    assert storage.get_bytes("rest.bin") == data[7:]

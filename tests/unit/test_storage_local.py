@@ -18,6 +18,8 @@ from airflow_deadline_batch.storage import (
     join_uri,
     open_storage,
     open_uri,
+    put_file,
+    put_stream,
     sha256_hex,
 )
 from airflow_deadline_batch.storage.local import TEMP_SUFFIX, is_temp_name
@@ -217,3 +219,17 @@ def test_a_fifo_or_device_is_refused_not_read(tmp_path: Path) -> None:
             storage.open_read(key)
         with pytest.raises(ConfigurationError, match="not a regular file"):
             storage.read_range(key, 0, 1)
+
+
+def test_put_file_and_put_stream_copy_in_chunks_atomically(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "root")
+    source = tmp_path / "big.bin"
+    data = os.urandom(3 * (1 << 20) + 17)  # more than one copy chunk, not a multiple of it
+    source.write_bytes(data)
+    assert put_file(storage, "a/big.bin", source) == storage.uri("a/big.bin")
+    assert storage.get_bytes("a/big.bin") == data
+    with source.open("rb") as stream:
+        stream.seek(5)
+        put_stream(storage, "a/rest.bin", stream)
+    assert storage.get_bytes("a/rest.bin") == data[5:]
+    assert all_files(tmp_path / "root") == ["a/big.bin", "a/rest.bin"]  # no temporary file left
