@@ -48,7 +48,7 @@ from airflow_deadline_batch.core.failures import (
     classify_exception,
     classify_exit,
 )
-from airflow_deadline_batch.core.job_view import is_stopped
+from airflow_deadline_batch.core.job_view import JobView, is_stopped
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError, StoreError, VerificationError
@@ -273,10 +273,14 @@ class LocalRun:
             self.pending.rotate(-1)  # its old lease is still live: try another shard first
         return self.pending.popleft()
 
-    def decide(self, index: int) -> TryDecision:
+    def decide(self, index: int, view: JobView | None = None) -> TryDecision:
         """The shard operator's decision for this shard, from the same store state."""
-        view = read_job_view(self.store, self.job_id, now=self.clock.now(), parallelism=self.options.workers)
+        if view is None:
+            view = self.read_view()
         return decide_for_try(view, self.store.get_shard(self.job_id, index))
+
+    def read_view(self) -> JobView:
+        return read_job_view(self.store, self.job_id, now=self.clock.now(), parallelism=self.options.workers)
 
     def launch(self, index: int, now: float, stderr: IO[bytes]) -> None:
         """Place one shard and start its worker (or drop it: committed, failed for good, job stopped)."""
@@ -392,8 +396,9 @@ class LocalRun:
         if not self.waiting or now < self.next_redecide:
             return
         self.next_redecide = now + REDECIDE_WAITING_S
+        view = self.read_view()  # once for all of them: the job's rows are the same
         for index, pool in list(self.waiting.items()):
-            decision = self.decide(index)
+            decision = self.decide(index, view)
             if decision.pool is None or decision.pool.name != pool:
                 self.release_slot(index, how="withdrawn")
                 self.pending.appendleft(index)
