@@ -3,16 +3,20 @@
 An earlier job's committed microbatches (written through the store's commit API) show the pool
 five times slower than declared; the next job of the same model is rated at the measured rate
 (its run time grows, a deadline feasible at the declared rate is refused), a job of another model
-keeps the declared rate, and a thin history is blended with the declaration.
+keeps the declared rate, and a thin history is blended with the declaration. ``deadline-batch
+capacity list`` shows the measured rates and the pool's dispatch state.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from pathlib import Path
 
+import orjson
 import pytest
 
+from airflow_deadline_batch.cli import main
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.exceptions import AdmissionRejected
 from airflow_deadline_batch.service.planning import (
@@ -135,3 +139,34 @@ def test_a_thin_history_is_blended_with_the_declared_rate(store: ManifestStore, 
     # history older than the window, or of a job without that model, does not count
     assert store.measured_rates([CPU.name], engine="echo", model="m-a", days=0.0)[CPU.name].commits == 0
     assert store.measured_rates([CPU.name], engine="echo", model=None)[CPU.name].commits == 0
+
+
+def test_capacity_list_shows_measured_rates_and_dispatch(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ManifestStore.open(store_url, migrate=True)
+    try:
+        store.set_capacity(CPU.name, 1)
+        earlier = earlier_job(store, model="m-a", commits=MIN_RATE_COMMITS, tokens_per_s=RATE / 5)
+        later = plan_job(store, request(tmp_path, model="m-a")).job_id
+        latest_start = time.time() + 3600.0
+        for job_id in (earlier, later):  # one GPU: the first request is granted, the second waits
+            store.request_dispatch(
+                job_id, 0, tenant="default", pool=CPU.name, latest_start=latest_start, ttl_s=60
+            )
+    finally:
+        store.close()
+
+    assert main(["capacity", "list", "--store", store_url, "--until", "+2h", "--json"]) == 0
+    [pool] = orjson.loads(capsys.readouterr().out.splitlines()[-1])["pools"]
+    assert pool["pool"] == CPU.name and pool["gpus"] == 1
+    assert later in {r["job_id"] for r in pool["reservations"]}
+    [rate] = pool["rates"]
+    assert rate["model"] == "echo:m-a" and rate["commits"] == MIN_RATE_COMMITS and rate["jobs"] == 1
+    assert rate["tokens_per_s"] == pytest.approx(RATE / 5)
+    assert pool["dispatch"] == {"granted": 1, "waiting": 1}
+
+    assert main(["capacity", "list", "--store", store_url, "--until", "+2h"]) == 0
+    text = capsys.readouterr().out
+    assert "cpu: 1 GPU(s)" in text and "slots granted 1, requests waiting 1" in text
+    assert "measured echo:m-a: 10 tokens/s per GPU over 8 commit(s) of 1 job(s)" in text
