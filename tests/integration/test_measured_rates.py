@@ -19,6 +19,7 @@ import pytest
 from airflow_deadline_batch.cli import main
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.exceptions import AdmissionRejected
+from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.service.planning import (
     MIN_RATE_COMMITS,
     PlanRequest,
@@ -119,6 +120,9 @@ def test_the_next_job_of_a_model_is_planned_at_the_rate_the_last_one_measured(
     assert run_seconds(store, after.job_id) > 4 * run_seconds(store, before.job_id)
     (pool,) = store.get_job(after.job_id).config["pools"]
     assert pool["prefill_tokens_per_s"] == pytest.approx(RATE / 5)
+    # a shard operator given the declared pools still calibrates from the rates the job was planned at
+    view = read_job_view(store, after.job_id, now=dt.datetime.now(UTC), pools=[CPU])
+    assert view.pools[0].decode_tokens_per_s == pytest.approx(RATE / 5)
 
     # a deadline the declared rate meets is refused at the measured one, with the numbers
     tight = (run_seconds(store, before.job_id) + 180.0) / 60.0
