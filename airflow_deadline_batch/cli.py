@@ -249,19 +249,47 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--until {args.until}: {exc}") from None
     pools = capacity_view(store.admission_snapshot(DEFAULT_TENANT), until)
     lines = [f"shared capacity until {until.isoformat(timespec='seconds')}:"]
+    out = []
     for p in pools:
+        rates, slots = _pool_rates(store, p.pool), _pool_slots(store, p.pool)
+        out.append({**p.to_dict(), "rates": rates, "dispatch": slots})
         lines.append(
             f"  {p.pool}: {p.gpus} GPU(s), {len(p.reservations)} job(s) hold {p.reserved_gpu_s:,.0f} "
-            f"GPU-s, free {p.free_gpu_s:,.0f} GPU-s"
+            f"GPU-s, free {p.free_gpu_s:,.0f} GPU-s; slots granted {slots['granted']}, "
+            f"requests waiting {slots['waiting']}"
         )
         lines.extend(
             f"    {r.job_id} ({r.tenant}): {r.reserved_gpu_s:,.0f} GPU-s due {r.deadline.isoformat()}"
             for r in p.reservations
         )
+        lines.extend(
+            f"    measured {r['model']}: {r['tokens_per_s']:,.0f} tokens/s per GPU over {r['commits']} "
+            f"commit(s) of {r['jobs']} job(s)"
+            for r in rates
+        )
     if not pools:
         lines.append("  no pool is managed: every job is admitted alone (deadline-batch capacity set)")
-    _emit(args, {"until": until.isoformat(), "pools": [p.to_dict() for p in pools]}, "\n".join(lines))
+    _emit(args, {"until": until.isoformat(), "pools": out}, "\n".join(lines))
     return EXIT_OK
+
+
+def _pool_rates(store: ManifestStore, pool: str) -> list[dict[str, Any]]:
+    """What earlier jobs measured on ``pool``, one entry per model (the rates new jobs are planned at)."""
+    from airflow_deadline_batch.store.throughput import model_key
+
+    out = []
+    for engine, model in store.pool_models(pool):
+        rate = store.measured_rates([pool], engine=engine, model=model)[pool]
+        if rate.tokens_per_s is not None:
+            out.append({"model": model_key(engine, model), **rate.to_dict()})
+    return out
+
+
+def _pool_slots(store: ManifestStore, pool: str) -> dict[str, int]:
+    """Dispatch on ``pool`` now: slots granted to shards and requests waiting for one."""
+    requests = store.dispatch_requests(pool)
+    granted = sum(1 for r in requests if r.granted_at is not None)
+    return {"granted": granted, "waiting": len(requests) - granted}
 
 
 def cmd_quota(args: argparse.Namespace) -> int:

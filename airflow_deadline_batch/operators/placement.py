@@ -95,13 +95,30 @@ class TryDecision:
 def parse_pools(
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None, job_config: Mapping[str, Any] | None = None
 ) -> tuple[PoolSpec, ...]:
-    """Operator pools (PoolSpec or their dicts) win; else the pools recorded in the job's config."""
-    raw = list(pools) if pools else list((job_config or {}).get("pools") or [])
+    """Operator pools (PoolSpec or their dicts) win; else the pools recorded in the job's config.
+
+    A pool the job's config names too keeps the config's rates: the job's shards were estimated
+    at them (``service.planning.rate_pools`` may have moved them to what earlier jobs measured),
+    so its calibration must start from the same rates.
+    """
+    recorded = [PoolSpec.from_dict(p) for p in (job_config or {}).get("pools") or []]
+    raw = list(pools) if pools else recorded
     if not raw:
         raise ConfigurationError(
             "no pools: pass pools=[...] to the shard operator or plan the job with pools"
         )
-    return tuple(p if isinstance(p, PoolSpec) else PoolSpec.from_dict(p) for p in raw)
+    planned = {p.name: p for p in recorded}
+    out = []
+    for spec in (p if isinstance(p, PoolSpec) else PoolSpec.from_dict(p) for p in raw):
+        rated = planned.get(spec.name)
+        if rated is not None and spec is not rated:
+            spec = dataclasses.replace(
+                spec,
+                prefill_tokens_per_s=rated.prefill_tokens_per_s,
+                decode_tokens_per_s=rated.decode_tokens_per_s,
+            )
+        out.append(spec)
+    return tuple(out)
 
 
 def pool_for(kind: PoolKind, pools: Sequence[PoolSpec]) -> PoolSpec:

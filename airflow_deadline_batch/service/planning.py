@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
+from airflow_deadline_batch.core.calibration import prior_tokens_per_s
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
     WorkModel,
@@ -84,6 +85,7 @@ from airflow_deadline_batch.storage import (
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy (half a second): `deadline-batch plan` never needs it
     from airflow_deadline_batch.store import ManifestStore
+    from airflow_deadline_batch.store.throughput import MeasuredRate
 
 #: key of the validation-errors object, relative to the job's output base
 VALIDATION_KEY = "validation/errors.jsonl"
@@ -843,6 +845,121 @@ def job_config(request: PlanRequest, target_shard_s: float) -> dict[str, Any]:
     }
 
 
+# -- a new job's pool rates: declared, or measured by earlier jobs of the model ----------------------
+
+#: earlier commits (or busy GPU-seconds) of the model on a pool at which its measured rate replaces
+#: the declared one outright; below, the two are blended in proportion to the evidence
+MIN_RATE_COMMITS = 8
+MIN_RATE_BUSY_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolRating:
+    """The rate a new job's pool was priced at, and where it came from (the admission report's ``rates``).
+
+    Rates are tokens (prompt + completion) per GPU-second at the measured share of completion
+    tokens (:func:`core.calibration.prior_tokens_per_s`), the unit the job's own calibration uses.
+    ``weight`` is the measured rate's share of the blend (0: declared, 1: measured).
+    """
+
+    pool: str
+    model: str
+    declared_tokens_per_s: float
+    measured_tokens_per_s: float | None
+    tokens_per_s: float
+    weight: float
+    commits: int
+    jobs: int
+    busy_s: float
+
+    @property
+    def source(self) -> str:
+        return "declared" if self.weight <= 0 else "measured" if self.weight >= 1 else "blended"
+
+    @property
+    def factor(self) -> float:
+        """The pool's declared prefill and decode rates are multiplied by this."""
+        return self.tokens_per_s / self.declared_tokens_per_s
+
+    def summary(self) -> str:
+        return (
+            f"pool {self.pool} rated {self.tokens_per_s:,.0f} tokens/s per GPU for {self.model} "
+            f"({self.source}: declared {self.declared_tokens_per_s:,.0f}, measured "
+            + ("none" if self.measured_tokens_per_s is None else f"{self.measured_tokens_per_s:,.0f}")
+            + f" over {self.commits} commit(s) of {self.jobs} earlier job(s))"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "model": self.model,
+            "source": self.source,
+            "tokens_per_s": self.tokens_per_s,
+            "declared_tokens_per_s": self.declared_tokens_per_s,
+            "measured_tokens_per_s": self.measured_tokens_per_s,
+            "weight": self.weight,
+            "factor": self.factor,
+            "commits": self.commits,
+            "jobs": self.jobs,
+            "busy_s": self.busy_s,
+        }
+
+
+def rate_pool(spec: PoolSpec, measured: MeasuredRate | None, model: str) -> tuple[PoolSpec, PoolRating]:
+    """``spec`` with its rates moved to what earlier jobs measured, by how much they measured.
+
+    The measured rate's weight is ``min(1, max(commits / MIN_RATE_COMMITS, busy_s /
+    MIN_RATE_BUSY_S))``; the blend averages seconds per token (as calibration does), and both the
+    prefill and the decode rate are scaled by the same factor, so the pool's rate at the measured
+    mix of tokens is the blend.
+    """
+    share = measured.completion_share if measured is not None else None
+    declared = prior_tokens_per_s(spec) if share is None else prior_tokens_per_s(spec, share)
+    rate = measured.tokens_per_s if measured is not None else None
+    weight = 0.0
+    blended = declared
+    if measured is not None and rate is not None:
+        weight = min(1.0, max(measured.commits / MIN_RATE_COMMITS, measured.busy_s / MIN_RATE_BUSY_S))
+        blended = 1.0 / ((1.0 - weight) / declared + weight / rate)
+    rating = PoolRating(
+        pool=spec.name,
+        model=model,
+        declared_tokens_per_s=declared,
+        measured_tokens_per_s=rate,
+        tokens_per_s=blended,
+        weight=weight,
+        commits=measured.commits if measured is not None else 0,
+        jobs=measured.jobs if measured is not None else 0,
+        busy_s=measured.busy_s if measured is not None else 0.0,
+    )
+    if weight <= 0:
+        return spec, rating
+    factor = rating.factor
+    rated = dataclasses.replace(
+        spec,
+        prefill_tokens_per_s=spec.prefill_tokens_per_s * factor,
+        decode_tokens_per_s=spec.decode_tokens_per_s * factor,
+    )
+    return rated, rating
+
+
+def rate_pools(store: ManifestStore, request: PlanRequest) -> tuple[PlanRequest, list[PoolRating]]:
+    """``request`` with each pool rated at what earlier jobs of its model measured there.
+
+    Feasibility, the plan's run time and cost, shared admission's demand and the job's config
+    (the prior of its own calibration, so slack and placement too) all start from these rates.
+    """
+    from airflow_deadline_batch.store.throughput import model_key
+
+    measured = store.measured_rates(
+        [p.name for p in request.pools], engine=request.engine, model=request.model
+    )
+    key = model_key(request.engine, request.model)
+    rated = [rate_pool(spec, measured.get(spec.name), key) for spec in request.pools]
+    pools = tuple(spec for spec, _ in rated)
+    return dataclasses.replace(request, pools=pools), [rating for _, rating in rated]
+
+
 def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None = None) -> PlanResult:
     """Plan and record a job; return literal shard specs for the launcher or ``expand_kwargs``.
 
@@ -863,9 +980,12 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
         storage, key = open_uri(request.input_uri)
         before = _input_version(storage, key)
         whole = hasher.submit(hash_input, request.input_uri) if isinstance(storage, LocalStorage) else None
+        request, rates = rate_pools(store, request)
         analysis = analyze_input(request, clock=clock)
         try:
-            return _record(store, analysis, clock, whole, lambda: _input_version(storage, key) == before)
+            return _record(
+                store, analysis, clock, whole, lambda: _input_version(storage, key) == before, rates=rates
+            )
         finally:
             analysis.close()
 
@@ -891,6 +1011,8 @@ def _record(
     clock: Clock,
     whole: Future[str] | None,
     unchanged: Callable[[], bool],
+    *,
+    rates: Sequence[PoolRating] = (),
 ) -> PlanResult:
     from airflow_deadline_batch.store import NewCommit, NewJob, NewShard
 
@@ -918,7 +1040,7 @@ def _record(
         input_total_lines=analysis.total_lines,
         output_uri=output_base,
         config=job_config(request, analysis.target_shard_s),
-        admission=report.to_dict(),
+        admission={**report.to_dict(), "rates": [r.to_dict() for r in rates]},
         tenant=request.tenant,
     )
     if not admitted:
@@ -926,7 +1048,8 @@ def _record(
         if job.state is not JobState.REJECTED:  # a concurrent submission of the key was admitted
             return _existing_result(store, job)
         raise AdmissionRejected(
-            f"job {job.job_id} rejected at admission ({report.verdict.value}): " + "; ".join(report.reasons),
+            f"job {job.job_id} rejected at admission ({report.verdict.value}): "
+            + "; ".join([*report.reasons, *(r.summary() for r in rates if r.source != "declared")]),
             report=report,
             job_id=job.job_id,
         )

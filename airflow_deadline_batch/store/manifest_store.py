@@ -44,7 +44,7 @@ from airflow_deadline_batch.exceptions import (
     JobNotFound,
     StoreError,
 )
-from airflow_deadline_batch.store import dispatch, leases, pool_stats, tenancy
+from airflow_deadline_batch.store import dispatch, leases, pool_stats, tenancy, throughput
 from airflow_deadline_batch.store.engine import (
     BEGIN_MODE,
     PING_AFTER_IDLE_S,
@@ -80,6 +80,7 @@ from airflow_deadline_batch.store.schema import (
     jobs,
     shards,
 )
+from airflow_deadline_batch.store.throughput import MeasuredRate
 
 T = TypeVar("T")
 UTC = dt.timezone.utc
@@ -1034,6 +1035,37 @@ class ManifestStore:
         def read(conn: Connection) -> dict[str, PoolHistory]:
             since = _ts(self._now(conn) - days * 86400.0)
             return pool_stats.spot_history(conn, pools, since=since, exclude_job=exclude_job, limit=limit)
+
+        return self._tx(read, write=False)
+
+    def measured_rates(
+        self,
+        pools: Sequence[str],
+        *,
+        engine: str,
+        model: str | None,
+        exclude_job: str | None = None,
+        days: float = throughput.HISTORY_DAYS,
+        limit: int = throughput.HISTORY_LIMIT,
+    ) -> dict[str, MeasuredRate]:
+        """Earlier jobs' committed microbatches of one model on each named pool (a new job's rates)."""
+
+        def read(conn: Connection) -> dict[str, MeasuredRate]:
+            since = _ts(self._now(conn) - days * 86400.0)
+            return throughput.measured_rates(
+                conn, pools, engine=engine, model=model, since=since, exclude_job=exclude_job, limit=limit
+            )
+
+        return self._tx(read, write=False)
+
+    def pool_models(
+        self, pool: str, *, days: float = throughput.HISTORY_DAYS, limit: int = throughput.HISTORY_LIMIT
+    ) -> list[tuple[str, str | None]]:
+        """The (engine, model) pairs whose microbatches committed on ``pool`` lately (``capacity list``)."""
+
+        def read(conn: Connection) -> list[tuple[str, str | None]]:
+            since = _ts(self._now(conn) - days * 86400.0)
+            return throughput.models_seen(conn, pool, since=since, limit=limit)
 
         return self._tx(read, write=False)
 
