@@ -2,9 +2,10 @@
 
 Three ``deadline-batch run`` processes (echo engine, shards that take real time) share a pool of
 3 GPUs on one PostgreSQL store; tenant ``ads`` (weight 2) runs an urgent and a relaxed job,
-``search`` (weight 1) one job due in between. Each run would take 3 workers alone. From the
-dispatcher's audit record: every grant is the one the pure rule (``core.dispatch``) picks from
-the state recorded with it; while both tenants wait, GPU-seconds split 2:1 within a tolerance;
+``search`` (weight 1) one job due in between. Each run has 6 shards and 6 workers: alone it would
+take the whole pool. Workers start slow and speed up once all three runs wait on the pool, so the
+runs compete however the machine schedules their start. From the dispatcher's audit record:
+every grant is the one the pure rule (``core.dispatch``) picks from the state recorded with it; while both tenants wait, GPU-seconds split 2:1 within a tolerance;
 no more than 3 slots (and no more than 3 workers on the pool) are ever held at once; every job
 completes with one outcome per record.
 """
@@ -46,6 +47,16 @@ def _overlap(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
+def _all_compete(store: ManifestStore, procs: dict[str, subprocess.Popen[str]]) -> bool:
+    """Every run has asked for a slot and both tenants have a request waiting (not granted)."""
+    exited = [key for key, proc in procs.items() if proc.poll() is not None]
+    assert not exited, f"runs {exited} ended before the race began"
+    rows = store.dispatch_requests(POOL)
+    return len({r.job_id for r in rows}) == len(procs) and {r.tenant for r in rows if not r.granted} == set(
+        WEIGHTS
+    )
+
+
 def _decided_again(grant: DispatchGrantRow) -> tuple[DispatchRequest, GrantReason]:
     """The rule's choice from the state recorded with the grant (each tenant's best request)."""
     tenants = grant.state["tenants"]
@@ -71,6 +82,10 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
     store.set_capacity(POOL, SLOTS)
     for tenant, weight in WEIGHTS.items():
         store.set_quota(TenantQuotaRow(tenant=tenant, weight=weight))
+    # Workers start slow (2 s a record) so that whichever run starts first cannot finish before the
+    # others ask for slots; once all three wait on the pool, the delay drops and the race is on.
+    delay = tmp_path / "delay"
+    delay.write_text("2.0")
     inputs = {}
     procs = {}
     for n, (tenant, deadline, key) in enumerate(JOBS):
@@ -78,19 +93,26 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
         inputs[key] = mixed
         args = [
             "run", str(mixed.write(tmp_path / f"{key}.jsonl")), "--deadline", deadline, "--engine", "echo",
-            "--workers", "3", "--store", pg_store_url, "--output", str(tmp_path / "out"), "--tenant", tenant,
+            "--workers", "6", "--store", pg_store_url, "--output", str(tmp_path / "out"), "--tenant", tenant,
             "--idempotency-key", key, "--microbatch-size", "4", "--max-invalid-fraction", "0.5", "--json",
         ]  # fmt: skip
         procs[key] = subprocess.Popen(
             cli_argv(*args),
             cwd=tmp_path,
-            env=cli_env({"ADB_ECHO_DELAY_S": "0.02"}),
+            env=cli_env({"ADB_ECHO_DELAY_FILE": str(delay)}),
             stdout=subprocess.PIPE,
             stderr=(tmp_path / f"{key}.err").open("wb"),
             text=True,
         )
     summaries = {}
     try:
+        wait_for(
+            lambda: _all_compete(store, procs),
+            timeout_s=120,
+            what="all three runs asking for slots, both tenants waiting",
+            interval_s=0.2,
+        )
+        delay.write_text("0.02")
         for key, proc in procs.items():
             out, _ = proc.communicate(timeout=150)
             err = (tmp_path / f"{key}.err").read_text()[-3000:]
