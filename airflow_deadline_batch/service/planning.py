@@ -31,10 +31,13 @@ import numpy as np
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
+    CHAT_PRIMING_TOKENS,
+    COMPLETION_OVERHEAD_TOKENS,
+    MESSAGE_OVERHEAD_TOKENS,
     WorkModel,
     WorkSummary,
     estimate_prompt_tokens,
-    estimate_texts_tokens,
+    estimate_text_tokens,
     expected_output_tokens,
 )
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
@@ -360,6 +363,28 @@ class _PartWriter:
         )
 
 
+def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
+    """:func:`~airflow_deadline_batch.core.estimate.estimate_texts_tokens` of each item, in one loop:
+    a prompt's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
+    :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`), chat contents by that function."""
+    tokens = []
+    append = tokens.append
+    for texts in all_texts:
+        if type(texts) is str:
+            if texts.isascii():
+                append((len(texts) + 3) // 4 + COMPLETION_OVERHEAD_TOKENS)
+            else:
+                ascii_chars = len(texts.encode("ascii", "ignore"))
+                append((ascii_chars + 3) // 4 + (len(texts) - ascii_chars) + COMPLETION_OVERHEAD_TOKENS)
+        else:
+            append(
+                sum(map(estimate_text_tokens, texts))
+                + MESSAGE_OVERHEAD_TOKENS * len(texts)
+                + CHAT_PRIMING_TOKENS
+            )
+    return tokens
+
+
 def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
     """The validating pass over one range: every line once, in order, judged on its own.
 
@@ -382,7 +407,7 @@ def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
         fast = [i for i, q in enumerate(quicks) if q is not None]
         ids: list[str | None] = [q[0] if q is not None else None for q in quicks]
         rec_index = fast
-        prompts = [estimate_texts_tokens(quicks[i][1]) for i in fast]  # type: ignore[index]
+        prompts = _texts_tokens([quicks[i][1] for i in fast])  # type: ignore[index]
         # a valid max_tokens is >= 1, as expected_output_tokens says
         outputs = [quicks[i][2] or default_max for i in fast]  # type: ignore[index]
         if len(fast) < len(quicks):
