@@ -367,7 +367,7 @@ def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
     """:func:`~airflow_deadline_batch.core.estimate.estimate_texts_tokens` of each item, in one loop:
     a prompt's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
     :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`), chat contents by that function."""
-    tokens = []
+    tokens: list[int] = []
     append = tokens.append
     for texts in all_texts:
         if type(texts) is str:
