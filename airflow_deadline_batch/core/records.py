@@ -239,7 +239,7 @@ def iter_line_blocks(
     start_line: int = 1,
     start_offset: int = 0,
     max_line_bytes: int,
-    block_bytes: int = 1 << 20,
+    block_bytes: int = 1 << 16,
 ) -> Iterator[LineBlock]:
     """:func:`iter_line_tuples` in blocks of consecutive lines, split at C speed.
 
