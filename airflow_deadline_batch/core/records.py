@@ -739,8 +739,70 @@ def quick_parse(data: bytes, limits: ValidationLimits) -> QuickRecord | None:
     on the decoded dict. None means "use :func:`parse_line`", which stays the reference: this
     never accepts a line that :func:`parse_line` rejects, and what it returns is exactly the
     ID, texts and limit of the :class:`Request` that :func:`parse_line` would build.
+    :func:`quick_parse_many` is the same, for many lines at once (the planner's).
     """
-    return quick_parse_many([data], limits)[0]
+    if len(data) > limits.max_line_bytes:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if type(obj) is not dict:
+        return None
+    record_id = obj.get("id")
+    texts: str | tuple[str, ...] | None
+    if record_id is not None:  # native; any OpenAI key makes it an OpenAI line, left to parse_line
+        if type(record_id) is not str or not record_id or not obj.keys() <= _NATIVE_KEY_SET:
+            return None
+        limit = obj.get("max_tokens")
+        metadata = obj.get("metadata")
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= limits.max_tokens_limit):
+            return None
+        if metadata is not None and type(metadata) is not dict:
+            return None
+        prompt = obj.get("prompt")
+        messages = obj.get("messages")
+        if messages is None:
+            texts = prompt if type(prompt) is str else None
+        else:
+            texts = _quick_contents(messages) if prompt is None else None
+    else:
+        record_id = obj.get("custom_id")
+        if type(record_id) is not str or not record_id or not obj.keys() <= _OPENAI_KEY_SET:
+            return None
+        body = obj.get("body")
+        if obj.get("method") != "POST" or type(body) is not dict:
+            return None
+        limit = body.get("max_tokens")
+        completion_limit = body.get("max_completion_tokens")
+        if completion_limit is not None:  # the newer name wins when both agree (parse_line rejects others)
+            if limit is not None and (type(limit) is not int or limit != completion_limit):  # True == 1
+                return None
+            limit = completion_limit
+        if limit is not None and (type(limit) is not int or not 1 <= limit <= limits.max_tokens_limit):
+            return None
+        url = obj.get("url")
+        if url == CHAT_URL:
+            texts = _quick_contents(body.get("messages"))
+            kind: Literal["chat", "completion"] = "chat"
+        elif url == COMPLETIONS_URL:
+            prompt = body.get("prompt")
+            texts = prompt if type(prompt) is str else None
+            kind = "completion"
+        else:
+            return None
+        if not body.keys() <= REQUEST_KEYS[kind]:  # parameters: the same check as parse_line
+            reserved = REQUEST_KEYS[kind]
+            params = {k: v for k, v in body.items() if k not in reserved}
+            if check_params(params, kind, limits.engine) is not None:
+                return None
+    if texts is None:
+        return None
+    # the joined contents are empty or blank exactly when every message is
+    text = texts if type(texts) is str else "".join(texts)
+    if not text or text.isspace() or len(text) > limits.max_prompt_chars:
+        return None
+    return record_id, texts, limit
 
 
 #: what a line that orjson could not decode becomes in :func:`quick_parse_many` (not a dict)
@@ -749,6 +811,9 @@ _UNDECODED = object()
 
 def quick_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> list[QuickRecord | None]:
     """:func:`quick_parse` of each line of ``datas`` (None for a None item), in one call.
+
+    The same checks as :func:`quick_parse`, line for line (``tests/unit/test_records_blocks.py``
+    holds the two together on the Hypothesis strategies of ``test_records_quick.py``).
 
     The planner's hot loop: the lines are decoded by ``map(orjson.loads, ...)`` at C speed (a
     line that does not decode only interrupts it), and the shape checks run inline, without a

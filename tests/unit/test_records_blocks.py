@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 import random
+from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from airflow_deadline_batch.core.records import (
     ValidationLimits,
@@ -15,6 +18,7 @@ from airflow_deadline_batch.core.records import (
     quick_parse,
     quick_parse_many,
 )
+from tests.unit.test_records_quick import _near_valid, _odd
 
 
 def _flatten(data: bytes, max_line_bytes: int, block_bytes: int) -> list[tuple[object, ...]]:
@@ -67,7 +71,39 @@ def test_quick_parse_many_matches_quick_parse_line_by_line() -> None:
         orjson.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}),
         b"[1, 2]",
         b"{",
+        orjson.dumps({"id": "e", "prompt": " \t"}),  # blank
+        orjson.dumps({"id": "f", "prompt": "x", "max_tokens": 0}),
+        orjson.dumps({"id": "g", "prompt": "x", "metadata": 5}),
+        orjson.dumps(
+            {
+                "custom_id": "h",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": "p", "max_tokens": 0},
+            }
+        ),
     ]
     got = quick_parse_many(lines, limits)
     assert got == [quick_parse(line, limits) if line is not None else None for line in lines]
-    assert [r[0] if r else None for r in got] == ["a", None, None, None, "b", None, None, "d", None, None]
+    assert [r[0] if r else None for r in got] == ["a", None, None, None, "b", None, None, "d"] + [None] * 6
+
+
+_LIMITS = ValidationLimits(max_line_bytes=400, max_prompt_chars=40, max_tokens_limit=100)
+
+
+@given(
+    obj=st.one_of(_near_valid(), _odd),
+    junk=st.binary(max_size=30),
+    engine=st.sampled_from([None, "echo", "transformers", "vllm"]),
+)
+@settings(max_examples=1500, deadline=None)
+def test_quick_parse_many_is_quick_parse_line_by_line(obj: Any, junk: bytes, engine: str | None) -> None:
+    """On the near-valid records of test_records_quick.py, between a valid line and arbitrary bytes."""
+    limits = ValidationLimits(
+        max_line_bytes=_LIMITS.max_line_bytes,
+        max_prompt_chars=_LIMITS.max_prompt_chars,
+        max_tokens_limit=_LIMITS.max_tokens_limit,
+        engine=engine,
+    )
+    lines = [junk, orjson.dumps(obj), b'{"id": "ok", "prompt": "fine"}', orjson.dumps(obj), junk]
+    assert quick_parse_many(lines, limits) == [quick_parse(data, limits) for data in lines]
