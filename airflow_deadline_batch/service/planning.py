@@ -32,10 +32,13 @@ import numpy as np
 from airflow_deadline_batch.core.calibration import prior_tokens_per_s
 from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
+    CHAT_PRIMING_TOKENS,
+    COMPLETION_OVERHEAD_TOKENS,
+    MESSAGE_OVERHEAD_TOKENS,
     WorkModel,
     WorkSummary,
     estimate_prompt_tokens,
-    estimate_texts_tokens,
+    estimate_text_tokens,
     expected_output_tokens,
 )
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
@@ -51,7 +54,8 @@ from airflow_deadline_batch.core.records import (
     ValidationLimits,
     Validator,
     duplicate_error,
-    iter_line_tuples,
+    iter_line_blocks,
+    quick_parse_many,
 )
 from airflow_deadline_batch.core.results import ResultRecord, encode_results
 from airflow_deadline_batch.core.states import JobState
@@ -298,36 +302,46 @@ class _PartWriter:
     def __init__(self, directory: Path, work_model: WorkModel) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
-        self.seconds = work_model.seconds
+        self.work_model = work_model
         self.ids = IdSpill(directory / "ids")
         self.rec_line: array[int] = array("q")
         self.rec_end: array[int] = array("q")
-        self.rec_work: array[float] = array("d")
         self.rec_prompt: array[int] = array("q")
         self.rec_output: array[int] = array("q")
         self._columns = [Column(directory / name, code) for name, code in _COLUMNS]
         self._errors = (directory / "errors").open("wb")
 
-    def add_record(self, line: int, end_offset: int, prompt_tokens: int, output_tokens: int) -> None:
-        """Count one valid-looking record: where it ends, its estimated tokens and GPU-seconds."""
-        self.rec_line.append(line)
-        self.rec_end.append(end_offset)
-        self.rec_work.append(self.seconds(prompt_tokens, output_tokens))
-        self.rec_prompt.append(prompt_tokens)
-        self.rec_output.append(output_tokens)
+    def add_records(
+        self, lines: Sequence[int], ends: Sequence[int], prompts: Sequence[int], outputs: Sequence[int]
+    ) -> None:
+        """Count valid-looking records: their lines, where they end, their estimated tokens (the
+        GPU-seconds are computed per chunk when it is spilled)."""
+        self.rec_line.extend(lines)
+        self.rec_end.extend(ends)
+        self.rec_prompt.extend(prompts)
+        self.rec_output.extend(outputs)
         if len(self.rec_line) >= CHUNK_ROWS:
             self._spill_records()
 
     def _spill_records(self) -> None:
-        arrays: tuple[array[Any], ...] = (
+        # WorkModel.seconds() per record, vectorised: the same IEEE operations in the same order
+        model = self.work_model
+        prompt = np.frombuffer(self.rec_prompt, dtype=np.int64) if self.rec_prompt else np.zeros(0, np.int64)
+        output = np.frombuffer(self.rec_output, dtype=np.int64) if self.rec_output else np.zeros(0, np.int64)
+        work = (
+            prompt / model.prefill_tokens_per_s + output / model.decode_tokens_per_s
+        ) + model.per_record_overhead_s
+        arrays: tuple[array[Any] | np.ndarray, ...] = (
             self.rec_line,
             self.rec_end,
-            self.rec_work,
+            work,
             self.rec_prompt,
             self.rec_output,
         )
         for column, values in zip(self._columns, arrays, strict=True):
             column.extend(values)
+        del prompt, output
+        for values in (self.rec_line, self.rec_end, self.rec_prompt, self.rec_output):
             del values[:]
 
     def add_error(self, error: LineError) -> None:
@@ -351,41 +365,85 @@ class _PartWriter:
         )
 
 
+def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
+    """:func:`~airflow_deadline_batch.core.estimate.estimate_texts_tokens` of each item, in one loop:
+    a prompt's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
+    :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`), chat contents by that function."""
+    tokens: list[int] = []
+    append = tokens.append
+    for texts in all_texts:
+        if type(texts) is str:
+            if texts.isascii():
+                append((len(texts) + 3) // 4 + COMPLETION_OVERHEAD_TOKENS)
+            else:
+                ascii_chars = len(texts.encode("ascii", "ignore"))
+                append((ascii_chars + 3) // 4 + (len(texts) - ascii_chars) + COMPLETION_OVERHEAD_TOKENS)
+        else:
+            append(
+                sum(map(estimate_text_tokens, texts))
+                + MESSAGE_OVERHEAD_TOKENS * len(texts)
+                + CHAT_PRIMING_TOKENS
+            )
+    return tokens
+
+
 def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
-    """The validating pass over one range: every line once, in order, judged on its own."""
+    """The validating pass over one range: every line once, in order, judged on its own.
+
+    Lines come in blocks (:func:`iter_line_blocks`); a block's ordinary lines are checked by one
+    :func:`quick_parse_many` call and the rest one by one by :meth:`Validator.feed` (the reference);
+    the block's records, IDs and errors are then written in line order.
+    """
     limits = job.limits
     default_max = job.default_max_tokens
     # every line is judged on its own; the IDs go to disk and duplicates are found afterwards
     validator = Validator(limits, check_duplicates=False)
-    feed_quick = validator.feed_quick
     out = _PartWriter(Path(job.directory), job.work_model)
-    add_record = out.add_record
-    add_id = out.ids.add
+    add_ids = out.ids.add_many
     line, end_offset = job.first_line - 1, job.byte_start
-    for line, offset, end_offset, data, head in iter_line_tuples(
+    for first, start, datas, ends, heads in iter_line_blocks(
         stream, start_line=job.first_line, start_offset=job.byte_start, max_line_bytes=limits.max_line_bytes
     ):
+        quicks = quick_parse_many(datas, limits)
         # the common case skips building Record objects (same numbers: see quick_parse)
-        quick = feed_quick(data) if data is not None else None
-        if quick is not None:
-            add_id(line, quick[0])
-            # a valid max_tokens is >= 1, as expected_output_tokens says
-            add_record(line, end_offset, estimate_texts_tokens(quick[1]), quick[2] or default_max)
-            continue
-        outcome = validator.feed(RawLine(line, offset, end_offset, data, head))
-        if outcome is None:
-            continue
-        if outcome.id is not None:  # the first line of an ID owns it, even an invalid one
-            add_id(line, outcome.id)
-        if isinstance(outcome, Record):
-            add_record(
-                line,
-                end_offset,
-                estimate_prompt_tokens(outcome.request),
-                expected_output_tokens(outcome.request, default_max_tokens=default_max),
-            )
-        else:
-            out.add_error(outcome)
+        fast = [i for i, q in enumerate(quicks) if q is not None]
+        ids: list[str | None] = [q[0] if q is not None else None for q in quicks]
+        rec_index = fast
+        prompts = _texts_tokens([quicks[i][1] for i in fast])  # type: ignore[index]
+        # a valid max_tokens is >= 1, as expected_output_tokens says
+        outputs = [quicks[i][2] or default_max for i in fast]  # type: ignore[index]
+        if len(fast) < len(quicks):
+            slow: list[tuple[int, int, int]] = []
+            for i, quick in enumerate(quicks):
+                if quick is not None:
+                    continue
+                offset = ends[i - 1] if i else start
+                outcome = validator.feed(
+                    RawLine(first + i, offset, ends[i], datas[i], heads[i] if heads else None)
+                )
+                if outcome is None:
+                    continue
+                ids[i] = outcome.id  # the first line of an ID owns it, even an invalid one
+                if isinstance(outcome, Record):
+                    slow.append(
+                        (
+                            i,
+                            estimate_prompt_tokens(outcome.request),
+                            expected_output_tokens(outcome.request, default_max_tokens=default_max),
+                        )
+                    )
+                else:
+                    out.add_error(outcome)
+            if slow:  # records of unusual shapes: back into line order
+                merged = sorted([*zip(fast, prompts, outputs, strict=True), *slow])
+                rec_index = [row[0] for row in merged]
+                prompts = [row[1] for row in merged]
+                outputs = [row[2] for row in merged]
+        validator.lines += len(fast)
+        validator.records += len(fast)
+        add_ids(first, ids)
+        out.add_records([first + i for i in rec_index], [ends[i] for i in rec_index], prompts, outputs)
+        line, end_offset = first + len(datas) - 1, ends[-1]
     return out.close(line, end_offset)
 
 

@@ -226,6 +226,21 @@ class IdSpill:
         if self._buffered >= self._flush_entries:
             self._flush()
 
+    def add_many(self, first_line: int, record_ids: Sequence[str | None]) -> None:
+        """:meth:`add` for consecutive lines from ``first_line``; a None item is a line without an ID."""
+        mask = self._mask
+        pending = self._pending
+        crc32 = zlib.crc32
+        added = 0
+        for line, record_id in enumerate(record_ids, first_line):
+            if record_id is not None:
+                key = record_id.encode("utf-8", "surrogatepass")  # id_key(), inlined
+                pending[crc32(key) & mask].append((line, key))
+                added += 1
+        self._buffered += added
+        if self._buffered >= self._flush_entries:
+            self._flush()
+
     def _flush(self) -> None:
         for index, part in enumerate(self._parts):
             if part.pending:

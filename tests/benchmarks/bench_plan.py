@@ -382,8 +382,8 @@ def main() -> None:
         f"Python {result['python']}, {result['cpus']} CPUs, {args.repeat} runs each"
     )
     print(
-        f"{'measurement':<10} {'wall s':>7} {'spread':>7} {'CPU s':>7} {'peak RSS MB':>12} {'x bare':>7} "
-        f"{'CPU x':>6}  target"
+        f"{'measurement':<10} {'wall s':>7} {'spread':>7} {'CPU s':>7} {'CPU us/line':>11} "
+        f"{'peak RSS MB':>12} {'x bare':>7} {'CPU x':>6}  target"
     )
     for row in rows:
         target = (
@@ -397,7 +397,7 @@ def main() -> None:
         )
         print(
             f"{row['name']:<10} {row['wall_best_s']:>7.2f} {row['wall_spread_s']:>7.2f} "
-            f"{row['cpu_best_s']:>7.2f} "
+            f"{row['cpu_best_s']:>7.2f} {row['cpu_best_s'] / args.records * 1e6:>11.2f} "
             f"{row['peak_rss_mb']:>12.1f} {row['ratio_vs_bare']:>7.2f} "
             f"{row['cpu_ratio_vs_bare']:>6.2f}  {target}"
         )
