@@ -5,9 +5,10 @@ Three ``deadline-batch run`` processes (echo engine, shards that take real time)
 ``search`` (weight 1) one job due in between. Each run has 6 shards and 6 workers: alone it would
 take the whole pool. Workers start slow and speed up once all three runs wait on the pool, so the
 runs compete however the machine schedules their start. From the dispatcher's audit record:
-every grant is the one the pure rule (``core.dispatch``) picks from the state recorded with it; while both tenants wait, GPU-seconds split 2:1 within a tolerance;
-no more than 3 slots (and no more than 3 workers on the pool) are ever held at once; every job
-completes with one outcome per record.
+every grant is the one the pure rule (``core.dispatch``) picks from the state recorded with it;
+while both tenants wait, GPU-seconds split 2:1 within a tolerance; no more than 3 slots (and no
+more than 3 workers on the pool) are ever held at once; every job completes with one outcome per
+record.
 """
 
 from __future__ import annotations
