@@ -326,7 +326,21 @@ class LocalRun:
     # -- managed pools: the store's dispatcher (core.dispatch, store/dispatch.py) -------------------
 
     def launch_granted(self, now: float, stderr: IO[bytes]) -> None:
-        """Start the shards granted a slot first: the local cap counted them when they asked."""
+        """Start the shards granted a slot first: the local cap counted them when they asked.
+
+        The grants are read back (and renewed) first: a run that stalled past the TTL (SIGSTOP, a
+        long pause) lost its rows and the slot may be another run's now, so a shard whose grant is
+        gone is not launched on it; it goes back to ``launch``, which asks for a slot again.
+        """
+        idle = [i for i in self.granted if i not in self.running]
+        if not idle:
+            return
+        rows = self.store.poll_dispatch(self.job_id, self.options.lease_ttl_s)
+        self.next_renew = now + self.options.lease_ttl_s / 3
+        for index in idle:
+            row = rows.get(index)
+            if row is None or not row.granted or row.pool != self.granted[index]:
+                del self.granted[index]  # still pending: placed and asked anew below
         for index in [i for i in self.granted if i not in self.running]:
             if self.stopped:
                 return

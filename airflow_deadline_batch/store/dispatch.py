@@ -15,11 +15,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.dispatch import DispatchRequest, Grant, plan_grants, weight_of
+from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.store.rows import DispatchGrantRow, DispatchRow
 from airflow_deadline_batch.store.schema import (
     dispatch_grants,
     dispatch_requests,
     pool_capacity,
+    shards,
     tenant_quotas,
 )
 
@@ -108,8 +110,26 @@ def end_rows(conn: Connection, rows: Sequence[DispatchRow], now: float, how: str
 
 
 def expire(conn: Connection, now: float) -> None:
-    """Rows their runner stopped renewing (it died): waiting ones go, held slots come back."""
-    query = sa.select(dispatch_requests).where(dispatch_requests.c.expires_at < now)
+    """Rows their runner stopped renewing (it died or stalls): waiting ones go, held slots come back.
+
+    A held slot whose shard a worker still leases (state ``leased``, lease not expired) stays held
+    however long its runner is gone: the worker renews its lease and keeps using the GPU, so handing
+    its slot out again would run the pool over capacity. It comes back once that lease ends.
+    """
+    live_worker = (
+        sa.select(shards.c.shard_index)
+        .where(
+            shards.c.job_id == dispatch_requests.c.job_id,
+            shards.c.shard_index == dispatch_requests.c.shard_index,
+            shards.c.state == ShardState.LEASED.value,
+            shards.c.lease_expires_at >= now,
+        )
+        .exists()
+    )
+    query = sa.select(dispatch_requests).where(
+        dispatch_requests.c.expires_at < now,
+        sa.not_(sa.and_(dispatch_requests.c.granted_at.is_not(None), live_worker)),
+    )
     end_rows(conn, [DispatchRow.from_row(r) for r in conn.execute(query)], now, "expired")
 
 

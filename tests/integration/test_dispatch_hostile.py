@@ -1,0 +1,98 @@
+"""Hostile runs against the dispatcher: stalled runners, expired grants, slots under live workers."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from pathlib import Path
+
+import pytest
+
+from airflow_deadline_batch.core.clock import ManualClock
+from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.local.runner import LocalRun, RunOptions
+from airflow_deadline_batch.service.planning import PlanRequest, plan_job
+from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.inputs import mixed_input
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+def _plan(store: ManifestStore, tmp_path: Path) -> str:
+    request = PlanRequest(
+        input_uri=str(mixed_input(8, seed=1).write(tmp_path / "in.jsonl")),
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=1,
+        microbatch_size=4,
+        max_invalid_fraction=0.5,
+    )
+    return plan_job(store, request).job_id
+
+
+def _wait_db_past(store: ManifestStore, t: float) -> None:
+    """Wait (a deadline, not a sleep) until the database clock is past ``t``."""
+    give_up = time.monotonic() + 10
+    while store.db_time() <= t:
+        assert time.monotonic() < give_up, "the database clock did not move"
+        time.sleep(0.01)
+
+
+def test_a_slot_under_a_live_worker_does_not_expire_when_its_runner_stalls(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    store.set_capacity("gpu", 1)
+    job_id = _plan(store, tmp_path)
+    row = store.request_dispatch(job_id, 0, tenant="ads", pool="gpu", latest_start=0.0, ttl_s=0.0)
+    assert row is not None and row.granted
+    store.claim_shard(job_id, 0, ttl_s=600, worker="w-1", pool="gpu")  # its worker runs and renews
+    _wait_db_past(store, row.expires_at)  # the runner stalls (SIGSTOP) past its TTL
+
+    other = store.request_dispatch("j-other", 0, tenant="search", pool="gpu", latest_start=0.0, ttl_s=60)
+    assert other is not None and not other.granted  # the one GPU is still in use: no over-capacity
+    assert [r.job_id for r in store.dispatch_requests("gpu") if r.granted] == [job_id]
+
+
+def test_a_waiting_row_and_a_slot_without_a_live_worker_still_expire(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    store.set_capacity("gpu", 1)
+    job_id = _plan(store, tmp_path)
+    row = store.request_dispatch(job_id, 0, tenant="ads", pool="gpu", latest_start=0.0, ttl_s=0.0)
+    assert row is not None and row.granted  # granted, but its worker never claimed the shard
+    _wait_db_past(store, row.expires_at)
+    other = store.request_dispatch("j-other", 0, tenant="search", pool="gpu", latest_start=0.0, ttl_s=60)
+    assert other is not None and other.granted
+    assert [g.release for g in store.dispatch_grants(job_id=job_id)] == ["expired"]
+
+
+def test_a_runner_resumed_after_its_grant_expired_does_not_launch_on_it(tmp_path: Path) -> None:
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    store.set_capacity("local-spot", 1)
+    store.set_capacity("local-on-demand", 1)
+    job_id = _plan(store, tmp_path)
+    clock = ManualClock(dt.datetime.now(dt.timezone.utc))
+    options = RunOptions(workers=1, lease_ttl_s=0.5, worker_env={"ADB_ECHO_DELAY_S": "0.001"})
+    run = LocalRun(store, job_id, options, clock)
+    run.request_slot(0, "local-spot")  # granted; the runner stalls before it launches
+    assert run.granted == {0: "local-spot"} and not run.running
+    row = store.dispatch_requests("local-spot")[0]
+    _wait_db_past(store, row.expires_at)
+    # meanwhile the dead-looking run's slot went to another tenant
+    other = store.request_dispatch(
+        "j-other", 0, tenant="search", pool="local-spot", latest_start=0.0, ttl_s=60
+    )
+    assert other is not None and other.granted
+
+    with open(tmp_path / "workers.log", "ab") as log:
+        run.launch_ready(time.monotonic(), log)  # resumed (SIGCONT)
+    try:
+        assert not run.running  # it must not start a worker on the slot it lost
+        assert run.waiting == {0: "local-spot"}  # it asked again
+        held = [r.job_id for r in store.dispatch_requests("local-spot") if r.granted]
+        assert held == ["j-other"]
+    finally:
+        run.withdraw_dispatch()
+        store.close()
