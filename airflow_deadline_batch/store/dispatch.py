@@ -58,9 +58,15 @@ def post_request(
     latest_start: float,
     now: float,
     ttl_s: float,
+    runner: str | None = None,
 ) -> None:
-    """Ask for a slot of ``pool`` for a shard; a request or grant on another pool is given up."""
+    """Ask for a slot of ``pool`` for a shard; a request or grant on another pool is given up.
+
+    A live row another run of the job posted is left alone: the caller sees its ``runner``.
+    """
     existing = get_request(conn, job_id, shard_index)
+    if existing is not None and existing.runner != runner:
+        return
     if existing is not None and existing.pool == pool:
         conn.execute(
             sa.update(dispatch_requests).where(_key(job_id, shard_index)).values(expires_at=now + ttl_s)
@@ -77,23 +83,28 @@ def post_request(
             latest_start=latest_start,
             requested_at=now,
             expires_at=now + ttl_s,
+            runner=runner,
         )
     )
 
 
-def renew(conn: Connection, job_id: str, now: float, ttl_s: float) -> None:
-    """The job's runner is alive: push its rows' expiry out by ``ttl_s``."""
-    conn.execute(
-        sa.update(dispatch_requests)
-        .where(dispatch_requests.c.job_id == job_id)
-        .values(expires_at=now + ttl_s)
-    )
+def renew(conn: Connection, job_id: str, now: float, ttl_s: float, runner: str | None = None) -> None:
+    """The job's runner is alive: push its rows' expiry out by ``ttl_s`` (``runner``'s rows only)."""
+    query = sa.update(dispatch_requests).where(dispatch_requests.c.job_id == job_id)
+    if runner is not None:
+        query = query.where(dispatch_requests.c.runner == runner)
+    conn.execute(query.values(expires_at=now + ttl_s))
 
 
-def job_rows(conn: Connection, job_id: str, shard_index: int | None = None) -> list[DispatchRow]:
+def job_rows(
+    conn: Connection, job_id: str, shard_index: int | None = None, runner: str | None = None
+) -> list[DispatchRow]:
+    """The job's rows (of one shard; of one run when ``runner`` is given)."""
     query = sa.select(dispatch_requests).where(dispatch_requests.c.job_id == job_id)
     if shard_index is not None:
         query = query.where(dispatch_requests.c.shard_index == shard_index)
+    if runner is not None:
+        query = query.where(dispatch_requests.c.runner == runner)
     return [DispatchRow.from_row(r) for r in conn.execute(query.order_by(dispatch_requests.c.shard_index))]
 
 

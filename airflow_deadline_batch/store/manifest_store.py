@@ -1080,9 +1080,21 @@ class ManifestStore:
         return self._tx(write)
 
     def request_dispatch(
-        self, job_id: str, shard_index: int, *, tenant: str, pool: str, latest_start: float, ttl_s: float
+        self,
+        job_id: str,
+        shard_index: int,
+        *,
+        tenant: str,
+        pool: str,
+        latest_start: float,
+        ttl_s: float,
+        runner: str | None = None,
     ) -> DispatchRow | None:
-        """Ask for a slot of managed ``pool`` (one on another pool is given up); the row after the pass."""
+        """Ask for a slot of managed ``pool`` (one on another pool is given up); the row after the pass.
+
+        ``runner`` names the asking run: a live row of another run of the job is left alone, and
+        returned (its ``runner`` differs) so the caller knows the shard is in that run's hands.
+        """
 
         def change(conn: Connection, now: float) -> None:
             dispatch.post_request(
@@ -1094,26 +1106,33 @@ class ManifestStore:
                 latest_start=latest_start,
                 now=now,
                 ttl_s=ttl_s,
+                runner=runner,
             )
 
         self._dispatch_pass(change)
         return self._tx(lambda conn: dispatch.get_request(conn, job_id, shard_index), write=False)
 
-    def poll_dispatch(self, job_id: str, ttl_s: float) -> dict[int, DispatchRow]:
-        """Renew the job's requests and grants for ``ttl_s``, grant free slots; the job's rows by shard."""
+    def poll_dispatch(
+        self, job_id: str, ttl_s: float, *, runner: str | None = None
+    ) -> dict[int, DispatchRow]:
+        """Renew the job's requests and grants (``runner``'s only, when given) for ``ttl_s``, grant
+        free slots; all the job's rows by shard (``runner`` says whose each is)."""
 
         def change(conn: Connection, now: float) -> None:
-            dispatch.renew(conn, job_id, now, ttl_s)
+            dispatch.renew(conn, job_id, now, ttl_s, runner)
 
         self._dispatch_pass(change)
         rows = self._tx(lambda conn: dispatch.job_rows(conn, job_id), write=False)
         return {row.shard_index: row for row in rows}
 
-    def release_dispatch(self, job_id: str, shard_index: int | None = None, *, how: str = "released") -> None:
-        """Give back a shard's request or slot (all of the job's when ``shard_index`` is None)."""
+    def release_dispatch(
+        self, job_id: str, shard_index: int | None = None, *, how: str = "released", runner: str | None = None
+    ) -> None:
+        """Give back a shard's request or slot (all of the job's when ``shard_index`` is None; only
+        ``runner``'s when given, so a run never gives back another run's slot)."""
 
         def change(conn: Connection, now: float) -> None:
-            dispatch.end_rows(conn, dispatch.job_rows(conn, job_id, shard_index), now, how)
+            dispatch.end_rows(conn, dispatch.job_rows(conn, job_id, shard_index, runner), now, how)
 
         self._dispatch_pass(change)
 

@@ -435,6 +435,8 @@ class DispatchRow:
     expires_at: float
     granted_at: float | None = None
     grant_seq: int | None = None
+    #: the run that posted the row (None: the caller named none)
+    runner: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> DispatchRow:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.pools import default_local_pools
-from airflow_deadline_batch.local.runner import LocalRun, RunOptions
+from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.local.runner import LocalRun, RunOptions, _stop_all
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.inputs import mixed_input
@@ -95,4 +97,49 @@ def test_a_runner_resumed_after_its_grant_expired_does_not_launch_on_it(tmp_path
         assert held == ["j-other"]
     finally:
         run.withdraw_dispatch()
+        store.close()
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_second_run_of_the_same_job_never_takes_or_gives_back_the_first_runs_slot(tmp_path: Path) -> None:
+    """`deadline-batch run` twice on one job, one managed GPU: the slot stays the first run's."""
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    store.set_capacity("local-spot", 1)
+    store.set_capacity("local-on-demand", 1)
+    job_id = _plan(store, tmp_path)
+    clock = ManualClock(dt.datetime.now(dt.timezone.utc))
+    options = RunOptions(workers=1, worker_env={"ADB_ECHO_DELAY_S": "5"})  # A's worker stays busy
+    first, second = LocalRun(store, job_id, options, clock), LocalRun(store, job_id, options, clock)
+    log = open(tmp_path / "workers.log", "ab")  # noqa: SIM115 - closed in finally
+    try:
+        first.launch_ready(time.monotonic(), log)  # asks, is granted
+        first.launch_ready(time.monotonic(), log)  # launches on its grant
+        assert list(first.running) == [0]
+        _wait(
+            lambda: store.get_shard(job_id, 0).state is ShardState.LEASED, "the first run's worker to claim"
+        )
+        pool = first.granted[0]
+
+        for _ in range(2):
+            second.launch_ready(time.monotonic(), log)
+        _wait(
+            lambda: all(r.proc.popen.poll() is not None for r in second.running.values()), "refused workers"
+        )
+        second.reap_exited(time.monotonic())
+        second.withdraw_dispatch()  # the second run gives up (Ctrl-C) and withdraws its rows
+
+        held = [(r.job_id, r.shard_index) for r in store.dispatch_requests(pool) if r.granted]
+        assert held == [(job_id, 0)]  # the first run's worker still holds the pool's one GPU
+        other = store.request_dispatch("j-other", 0, tenant="search", pool=pool, latest_start=0.0, ttl_s=60)
+        assert other is not None and not other.granted  # so nobody else is granted it
+    finally:
+        _stop_all(store, {**first.running, **{k + 1000: v for k, v in second.running.items()}}, 1.0)
+        log.close()
+        first.withdraw_dispatch()
         store.close()
