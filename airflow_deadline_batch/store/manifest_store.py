@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.calibration import PoolHistory
+from airflow_deadline_batch.core.dispatch import check_request
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
 from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, released_key, shard_id
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
@@ -1095,6 +1096,7 @@ class ManifestStore:
         ``runner`` names the asking run: a live row of another run of the job is left alone, and
         returned (its ``runner`` differs) so the caller knows the shard is in that run's hands.
         """
+        check_request(latest_start, ttl_s)
 
         def change(conn: Connection, now: float) -> None:
             dispatch.post_request(
@@ -1117,6 +1119,7 @@ class ManifestStore:
     ) -> dict[int, DispatchRow]:
         """Renew the job's requests and grants (``runner``'s only, when given) for ``ttl_s``, grant
         free slots; all the job's rows by shard (``runner`` says whose each is)."""
+        check_request(0.0, ttl_s)
 
         def change(conn: Connection, now: float) -> None:
             dispatch.renew(conn, job_id, now, ttl_s, runner)

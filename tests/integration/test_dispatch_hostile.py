@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -143,3 +144,29 @@ def test_a_second_run_of_the_same_job_never_takes_or_gives_back_the_first_runs_s
         log.close()
         first.withdraw_dispatch()
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("latest_start", "ttl_s", "message"),
+    [
+        (math.nan, 60.0, "latest_start"),
+        (1.0, math.nan, "ttl_s"),
+        (1.0, math.inf, "ttl_s"),  # rows that never expire: a dead run would hold its slots forever
+        (1.0, -5.0, "ttl_s"),
+    ],
+)
+def test_garbage_dispatch_requests_get_a_one_line_error_and_write_nothing(
+    store: ManifestStore, latest_start: float, ttl_s: float, message: str
+) -> None:
+    store.set_capacity("gpu", 1)
+    with pytest.raises(ValueError, match=message) as raised:
+        store.request_dispatch("j", 0, tenant="ads", pool="gpu", latest_start=latest_start, ttl_s=ttl_s)
+    assert "\n" not in str(raised.value)
+    assert store.dispatch_requests() == []
+
+
+def test_a_capacity_beyond_the_column_gets_a_one_line_error(store: ManifestStore) -> None:
+    with pytest.raises(ValueError, match="gpus must be <= 2147483647"):
+        store.set_capacity("gpu", 2**40)
+    assert store.list_capacity() == []
+    assert store.set_capacity("gpu", 2**31 - 1).gpus == 2**31 - 1
