@@ -28,7 +28,13 @@ from sqlalchemy.engine import Connection
 from airflow_deadline_batch.core.calibration import PoolHistory
 from airflow_deadline_batch.core.dispatch import check_request
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
-from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, released_key, shard_id
+from airflow_deadline_batch.core.ids import (
+    check_idempotency_key,
+    new_attempt_id,
+    new_job_id,
+    released_key,
+    shard_id,
+)
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import (
@@ -1193,6 +1199,8 @@ def _commit_values(commit: NewCommit) -> dict[str, Any]:
 
 def _check_new_job(job: NewJob, shards_: Sequence[NewShard], validation: NewCommit | None) -> None:
     """Refuse a plan that could not yield one outcome per input line (docs/design.md §4.5 invariant 1)."""
+    if job.idempotency_key is not None:
+        check_idempotency_key(job.idempotency_key)
     if job.state is JobState.REJECTED:
         if shards_:
             raise ValueError("a rejected job is recorded without shards")

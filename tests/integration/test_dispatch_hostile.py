@@ -13,6 +13,7 @@ import pytest
 from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.local.runner import LocalRun, RunOptions, _stop_all
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
@@ -21,7 +22,7 @@ from tests.helpers.inputs import mixed_input
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 
-def _plan(store: ManifestStore, tmp_path: Path) -> str:
+def _plan(store: ManifestStore, tmp_path: Path, *, key: str | None = None) -> str:
     request = PlanRequest(
         input_uri=str(mixed_input(8, seed=1).write(tmp_path / "in.jsonl")),
         deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2),
@@ -31,6 +32,7 @@ def _plan(store: ManifestStore, tmp_path: Path) -> str:
         workers=1,
         microbatch_size=4,
         max_invalid_fraction=0.5,
+        idempotency_key=key,
     )
     return plan_job(store, request).job_id
 
@@ -170,3 +172,20 @@ def test_a_capacity_beyond_the_column_gets_a_one_line_error(store: ManifestStore
         store.set_capacity("gpu", 2**40)
     assert store.list_capacity() == []
     assert store.set_capacity("gpu", 2**31 - 1).gpus == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("k" * 256, "at most 255"),  # PostgreSQL: 'value too long' blamed on the store URL
+        ("k#rejected-j-aaaaaaaaaaaaaaaaaaaa", "#rejected-"),  # would pass for a rejected job's key
+    ],
+)
+def test_an_idempotency_key_the_store_cannot_keep_gets_a_one_line_error(
+    store: ManifestStore, tmp_path: Path, key: str, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message) as raised:
+        _plan(store, tmp_path, key=key)
+    assert "\n" not in str(raised.value)
+    assert store.get_job_by_idempotency_key(key) is None
+    assert _plan(store, tmp_path, key="k" * 255)  # the longest key is fine
