@@ -412,6 +412,10 @@ class LocalRun:
             del self.waiting[index]
             if self._holds(row, pool, granted=True):
                 self.granted[index] = pool
+            elif self._holds(row, pool, granted=False):
+                # its pool is no longer managed (`capacity delete`): withdraw the request, else it
+                # stays renewed and is granted a slot nobody launches on if the pool is managed again
+                self.store.release_dispatch(self.job_id, index, how="withdrawn", runner=self.run_id)
             # granted; or expired (the run stalled past the TTL), or the pool no longer managed:
             # launch() places it again and asks again where needed
             self.pending.appendleft(index)

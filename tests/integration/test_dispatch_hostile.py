@@ -189,3 +189,34 @@ def test_an_idempotency_key_the_store_cannot_keep_gets_a_one_line_error(
     assert "\n" not in str(raised.value)
     assert store.get_job_by_idempotency_key(key) is None
     assert _plan(store, tmp_path, key="k" * 255)  # the longest key is fine
+
+
+def test_a_request_on_a_pool_no_longer_managed_is_withdrawn_not_left_to_be_granted_later(
+    tmp_path: Path,
+) -> None:
+    """`capacity delete` while a shard waits, then `capacity set` again: no phantom grant."""
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    store.set_capacity("local-spot", 1)
+    job_id = _plan(store, tmp_path)
+    blocker = store.request_dispatch(
+        "j-other", 0, tenant="search", pool="local-spot", latest_start=0, ttl_s=600
+    )
+    assert blocker is not None and blocker.granted
+    clock = ManualClock(dt.datetime.now(dt.timezone.utc))
+    run = LocalRun(store, job_id, RunOptions(workers=1), clock)
+    try:
+        with open(tmp_path / "workers.log", "ab") as log:
+            run.launch_ready(time.monotonic(), log)
+        assert run.waiting == {0: "local-spot"}
+        assert store.delete_capacity("local-spot")
+        run.managed_read_at = -math.inf  # the run reads the managed pools again at its next poll
+        run.poll_dispatch(time.monotonic())
+        assert not run.waiting and run.pending[0] == 0  # placed again, on an unmanaged pool
+        assert [r.job_id for r in store.dispatch_requests()] == ["j-other"]  # its request withdrawn
+
+        store.set_capacity("local-spot", 2)  # managed again: the old request must not be granted
+        store.release_dispatch("j-other")
+        assert [r.job_id for r in store.dispatch_requests()] == []
+    finally:
+        run.withdraw_dispatch()
+        store.close()
