@@ -372,7 +372,7 @@ class _Problem:
                 cut_offs[name] = deadline
         by_name = {p.name: p for p in pools}
         cut_pools = tuple(sorted(cut_offs))
-        last = max(counted, key=lambda d: (d.deadline, d is new))
+        last = max(counted, key=lambda d: (d.deadline, d is new), default=new)
         return DeadlineCheck(
             deadline=max(cut_offs.values(), default=new.deadline),
             job_id=last.job_id,
@@ -393,8 +393,11 @@ class _Problem:
         everything = math.fsum(d.gpu_seconds for d in self.held) + new.gpu_seconds
         lead = max(p.lead_s for p in own)
         run = window_needed_s(everything, sum(p.gpus for p in own), self.policy)
-        high = _ceil_second(self.now + dt.timedelta(seconds=lead + run + 1))
-        high = max(high, _ceil_second(new.deadline) + dt.timedelta(seconds=1))
+        try:
+            high = _ceil_second(self.now + dt.timedelta(seconds=lead + run + 1))
+            high = max(high, _ceil_second(new.deadline) + dt.timedelta(seconds=1))
+        except (OverflowError, ValueError):
+            return None  # the work outlasts any date a deadline can name
         if not self.fits(replace(new, deadline=high))[0]:
             return None  # held work that already cannot be done leaves it no room
         low = _ceil_second(new.deadline)  # refused at new.deadline, so at most this second
@@ -412,8 +415,8 @@ class _Problem:
         """The fewest GPUs on the new job's pools that admit it, added where the lead is largest."""
         slowest = max(own, key=lambda p: (p.lead_s, p.name))
         per_gpu = self.supply(replace(slowest, gpus=1), new.deadline)
-        if per_gpu <= 0:
-            return None
+        if per_gpu <= 0 or not new.gpu_seconds / per_gpu < 1 << 30:
+            return None  # no GPUs finish it by its deadline (or more than the search would try)
 
         def with_extra(extra: int) -> tuple[SharedPool, ...]:
             return tuple(replace(p, gpus=p.gpus + extra) if p is slowest else p for p in self.pools)

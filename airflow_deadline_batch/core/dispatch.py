@@ -69,8 +69,18 @@ def fair_shares(slots: int, weights: Mapping[str, float], tenants: Iterable[str]
     """Each tenant's weighted share of ``slots`` among ``tenants`` (a missing weight is 1)."""
     names = sorted(set(tenants))
     w = {t: weight_of(weights, t) for t in names}
+    top = max(w.values(), default=1.0)
+    w = {t: v / top for t, v in w.items()}  # by the largest: huge weights cannot sum to inf
     total = sum(w.values())
     return {t: slots * w[t] / total for t in names} if total > 0 else {}
+
+
+def check_request(latest_start: float, ttl_s: float) -> None:
+    """Refuse a request the dispatcher could not order or expire (one-line ``ValueError``)."""
+    if math.isnan(latest_start):
+        raise ValueError("dispatch request: latest_start must be a number, got nan")
+    if not (math.isfinite(ttl_s) and ttl_s >= 0):
+        raise ValueError(f"dispatch request: ttl_s must be a finite number >= 0 (the lease TTL), got {ttl_s}")
 
 
 def weight_of(weights: Mapping[str, float], tenant: str) -> float:

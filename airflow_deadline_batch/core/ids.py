@@ -30,6 +30,14 @@ REJECTED_KEY_MARK = "#rejected-"
 IDEMPOTENCY_KEY_MAX = 255
 
 
+def check_idempotency_key(key: str) -> None:
+    """Refuse a key the store cannot keep, or one that could pass for a rejected job's (one line)."""
+    if len(key) > IDEMPOTENCY_KEY_MAX:
+        raise ValueError(f"idempotency key: use at most {IDEMPOTENCY_KEY_MAX} characters, got {len(key)}")
+    if REJECTED_KEY_MARK in key:
+        raise ValueError(f"idempotency key {key[:80]!r}: {REJECTED_KEY_MARK!r} is reserved, pick another key")
+
+
 def released_key(key: str, job_id: str) -> str:
     """The key a rejected job keeps: ``<key>#rejected-<job_id>``, unique, never equal to a submitted key.
 

@@ -34,6 +34,7 @@ import shutil
 import signal
 import tempfile
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ from airflow_deadline_batch.operators.placement import TryAction, TryDecision, d
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.service.quotas import quota_allows_launch
-from airflow_deadline_batch.store import ManifestStore, Progress
+from airflow_deadline_batch.store import DispatchRow, ManifestStore, Progress
 
 log = logging.getLogger("airflow_deadline_batch.local")
 #: environment variable the worker writes its termination message to (worker.worker)
@@ -73,6 +74,8 @@ QUOTA_RECHECK_S = 0.5
 MANAGED_POOLS_TTL_S = 1.0
 #: how often a shard waiting for a slot is placed again (its slack falls while it waits)
 REDECIDE_WAITING_S = 1.0
+#: how often a shard another run of the job asked a slot for is looked at again
+HELD_BY_OTHER_RUN_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,6 +226,9 @@ class LocalRun:
         self.next_renew = 0.0
         self.next_redecide = 0.0
         self.dispatch_used = False
+        #: names this run's dispatch rows: a second run of the same job neither launches on nor
+        #: gives back this run's slots
+        self.run_id = uuid.uuid4().hex
 
     def work_until_done(self, on_progress: Callable[[Progress], None] | None) -> None:
         """Launch, preempt and reap until every shard is terminal, the job stops or the deadline passes."""
@@ -330,7 +336,21 @@ class LocalRun:
     # -- managed pools: the store's dispatcher (core.dispatch, store/dispatch.py) -------------------
 
     def launch_granted(self, now: float, stderr: IO[bytes]) -> None:
-        """Start the shards granted a slot first: the local cap counted them when they asked."""
+        """Start the shards granted a slot first: the local cap counted them when they asked.
+
+        The grants are read back (and renewed) first: a run that stalled past the TTL (SIGSTOP, a
+        long pause) lost its rows and the slot may be another run's now, so a shard whose grant is
+        gone is not launched on it; it goes back to ``launch``, which asks for a slot again.
+        """
+        idle = [i for i in self.granted if i not in self.running]
+        if not idle:
+            return
+        rows = self.store.poll_dispatch(self.job_id, self.options.lease_ttl_s, runner=self.run_id)
+        self.next_renew = now + self.options.lease_ttl_s / 3
+        for index in idle:
+            row = rows.get(index)
+            if not self._holds(row, self.granted[index], granted=True):
+                del self.granted[index]  # still pending: placed and asked anew below
         for index in [i for i in self.granted if i not in self.running]:
             if self.stopped:
                 return
@@ -362,12 +382,22 @@ class LocalRun:
             pool=pool,
             latest_start=latest_start,
             ttl_s=self.options.lease_ttl_s,
+            runner=self.run_id,
         )
-        if row is not None and row.granted:
+        if row is not None and row.runner != self.run_id:
+            # another run of this job asked for (or holds) this shard's slot: leave it to that run,
+            # look again later (it ends with the shard committed, or its rows gone)
+            self.not_before[index] = time.monotonic() + HELD_BY_OTHER_RUN_RECHECK_S
+            self.pending.append(index)
+        elif row is not None and row.granted:
             self.granted[index] = pool
             self.pending.appendleft(index)
         else:
             self.waiting[index] = pool
+
+    def _holds(self, row: DispatchRow | None, pool: str, *, granted: bool) -> bool:
+        """Whether ``row`` is this run's request (or, ``granted``, its slot) on ``pool``."""
+        return row is not None and row.runner == self.run_id and row.pool == pool and row.granted == granted
 
     def poll_dispatch(self, now: float) -> None:
         """Renew the run's rows; a shard granted a slot goes to the front of the queue.
@@ -377,15 +407,19 @@ class LocalRun:
         if not self.waiting and (not self.granted or now < self.next_renew):
             return
         self.next_renew = now + self.options.lease_ttl_s / 3
-        rows = self.store.poll_dispatch(self.job_id, self.options.lease_ttl_s)
+        rows = self.store.poll_dispatch(self.job_id, self.options.lease_ttl_s, runner=self.run_id)
         managed = self.managed_pools(now)
         for index, pool in list(self.waiting.items()):
             row = rows.get(index)
-            if row is not None and row.pool == pool and not row.granted and pool in managed:
+            if self._holds(row, pool, granted=False) and pool in managed:
                 continue
             del self.waiting[index]
-            if row is not None and row.pool == pool and row.granted:
+            if self._holds(row, pool, granted=True):
                 self.granted[index] = pool
+            elif self._holds(row, pool, granted=False):
+                # its pool is no longer managed (`capacity delete`): withdraw the request, else it
+                # stays renewed and is granted a slot nobody launches on if the pool is managed again
+                self.store.release_dispatch(self.job_id, index, how="withdrawn", runner=self.run_id)
             # granted; or expired (the run stalled past the TTL), or the pool no longer managed:
             # launch() places it again and asks again where needed
             self.pending.appendleft(index)
@@ -406,7 +440,7 @@ class LocalRun:
     def release_slot(self, index: int, *, how: str = "released") -> None:
         """Give a shard's slot (or request) back to the dispatcher."""
         if self.granted.pop(index, None) is not None or self.waiting.pop(index, None) is not None:
-            self.store.release_dispatch(self.job_id, index, how=how)
+            self.store.release_dispatch(self.job_id, index, how=how, runner=self.run_id)
 
     def withdraw_dispatch(self) -> None:
         """The run ends: every request and slot it still has goes back (else they expire)."""
@@ -414,7 +448,7 @@ class LocalRun:
         self.granted.clear()
         if self.dispatch_used:
             with contextlib.suppress(Exception):  # they expire after the TTL otherwise
-                self.raw_store.release_dispatch(self.job_id, how="withdrawn")
+                self.raw_store.release_dispatch(self.job_id, how="withdrawn", runner=self.run_id)
 
     def inject_preemptions(self, now: float) -> None:
         """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out."""

@@ -50,7 +50,12 @@ ADMISSION_REPORT_KEY = "admission_report"
 def deadline_weight(deadline: dt.datetime, base: int = 1) -> int:
     """``base`` plus the whole minutes from ``deadline`` to :data:`WEIGHT_ANCHOR` (sooner: heavier)."""
     minutes = int((WEIGHT_ANCHOR - deadline).total_seconds() // 60)
-    return max(base, min(MAX_WEIGHT, base + max(0, minutes)))
+    return _in_range(max(base, min(MAX_WEIGHT, base + max(0, minutes))))
+
+
+def _in_range(weight: int) -> int:
+    """``weight`` clamped to Airflow's 32-bit priority weights (a huge fixed weight included)."""
+    return max(-MAX_WEIGHT - 1, min(MAX_WEIGHT, weight))
 
 
 class DeadlineWeightStrategy(PriorityWeightStrategy):
@@ -68,7 +73,7 @@ class DeadlineWeightStrategy(PriorityWeightStrategy):
 
 def _fixed_weight(ti: Any) -> int:
     weight = getattr(getattr(ti, "task", None), "priority_weight", 1)
-    return weight if isinstance(weight, int) and not isinstance(weight, bool) else 1
+    return _in_range(weight) if isinstance(weight, int) and not isinstance(weight, bool) else 1
 
 
 def _upstream_ids(ti: Any) -> list[str]:

@@ -42,7 +42,7 @@ from airflow_deadline_batch.core.estimate import (
     expected_output_tokens,
 )
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
-from airflow_deadline_batch.core.ids import new_job_id
+from airflow_deadline_batch.core.ids import check_idempotency_key, new_job_id
 from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count, target_shard_seconds
 from airflow_deadline_batch.core.params import check_generation_defaults
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
@@ -135,6 +135,11 @@ class PlanRequest:
             object.__setattr__(self, "tenant", check_tenant(self.tenant))
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
+        if self.idempotency_key:
+            try:
+                check_idempotency_key(self.idempotency_key)
+            except ValueError as exc:
+                raise ConfigurationError(str(exc)) from None
         if not self.pools:
             raise ConfigurationError("no pools given: define at least one Spot or on-demand pool")
         if self.workers < 1:

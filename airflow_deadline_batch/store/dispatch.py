@@ -15,11 +15,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.dispatch import DispatchRequest, Grant, plan_grants, weight_of
+from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.store.rows import DispatchGrantRow, DispatchRow
 from airflow_deadline_batch.store.schema import (
     dispatch_grants,
     dispatch_requests,
     pool_capacity,
+    shards,
     tenant_quotas,
 )
 
@@ -56,9 +58,15 @@ def post_request(
     latest_start: float,
     now: float,
     ttl_s: float,
+    runner: str | None = None,
 ) -> None:
-    """Ask for a slot of ``pool`` for a shard; a request or grant on another pool is given up."""
+    """Ask for a slot of ``pool`` for a shard; a request or grant on another pool is given up.
+
+    A live row another run of the job posted is left alone: the caller sees its ``runner``.
+    """
     existing = get_request(conn, job_id, shard_index)
+    if existing is not None and existing.runner != runner:
+        return
     if existing is not None and existing.pool == pool:
         conn.execute(
             sa.update(dispatch_requests).where(_key(job_id, shard_index)).values(expires_at=now + ttl_s)
@@ -75,23 +83,28 @@ def post_request(
             latest_start=latest_start,
             requested_at=now,
             expires_at=now + ttl_s,
+            runner=runner,
         )
     )
 
 
-def renew(conn: Connection, job_id: str, now: float, ttl_s: float) -> None:
-    """The job's runner is alive: push its rows' expiry out by ``ttl_s``."""
-    conn.execute(
-        sa.update(dispatch_requests)
-        .where(dispatch_requests.c.job_id == job_id)
-        .values(expires_at=now + ttl_s)
-    )
+def renew(conn: Connection, job_id: str, now: float, ttl_s: float, runner: str | None = None) -> None:
+    """The job's runner is alive: push its rows' expiry out by ``ttl_s`` (``runner``'s rows only)."""
+    query = sa.update(dispatch_requests).where(dispatch_requests.c.job_id == job_id)
+    if runner is not None:
+        query = query.where(dispatch_requests.c.runner == runner)
+    conn.execute(query.values(expires_at=now + ttl_s))
 
 
-def job_rows(conn: Connection, job_id: str, shard_index: int | None = None) -> list[DispatchRow]:
+def job_rows(
+    conn: Connection, job_id: str, shard_index: int | None = None, runner: str | None = None
+) -> list[DispatchRow]:
+    """The job's rows (of one shard; of one run when ``runner`` is given)."""
     query = sa.select(dispatch_requests).where(dispatch_requests.c.job_id == job_id)
     if shard_index is not None:
         query = query.where(dispatch_requests.c.shard_index == shard_index)
+    if runner is not None:
+        query = query.where(dispatch_requests.c.runner == runner)
     return [DispatchRow.from_row(r) for r in conn.execute(query.order_by(dispatch_requests.c.shard_index))]
 
 
@@ -108,8 +121,26 @@ def end_rows(conn: Connection, rows: Sequence[DispatchRow], now: float, how: str
 
 
 def expire(conn: Connection, now: float) -> None:
-    """Rows their runner stopped renewing (it died): waiting ones go, held slots come back."""
-    query = sa.select(dispatch_requests).where(dispatch_requests.c.expires_at < now)
+    """Rows their runner stopped renewing (it died or stalls): waiting ones go, held slots come back.
+
+    A held slot whose shard a worker still leases (state ``leased``, lease not expired) stays held
+    however long its runner is gone: the worker renews its lease and keeps using the GPU, so handing
+    its slot out again would run the pool over capacity. It comes back once that lease ends.
+    """
+    live_worker = (
+        sa.select(shards.c.shard_index)
+        .where(
+            shards.c.job_id == dispatch_requests.c.job_id,
+            shards.c.shard_index == dispatch_requests.c.shard_index,
+            shards.c.state == ShardState.LEASED.value,
+            shards.c.lease_expires_at >= now,
+        )
+        .exists()
+    )
+    query = sa.select(dispatch_requests).where(
+        dispatch_requests.c.expires_at < now,
+        sa.not_(sa.and_(dispatch_requests.c.granted_at.is_not(None), live_worker)),
+    )
     end_rows(conn, [DispatchRow.from_row(r) for r in conn.execute(query)], now, "expired")
 
 

@@ -26,8 +26,15 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.calibration import PoolHistory
+from airflow_deadline_batch.core.dispatch import check_request
 from airflow_deadline_batch.core.failures import FailureClass, spends_budget
-from airflow_deadline_batch.core.ids import new_attempt_id, new_job_id, released_key, shard_id
+from airflow_deadline_batch.core.ids import (
+    check_idempotency_key,
+    new_attempt_id,
+    new_job_id,
+    released_key,
+    shard_id,
+)
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import (
@@ -1112,9 +1119,22 @@ class ManifestStore:
         return self._tx(write)
 
     def request_dispatch(
-        self, job_id: str, shard_index: int, *, tenant: str, pool: str, latest_start: float, ttl_s: float
+        self,
+        job_id: str,
+        shard_index: int,
+        *,
+        tenant: str,
+        pool: str,
+        latest_start: float,
+        ttl_s: float,
+        runner: str | None = None,
     ) -> DispatchRow | None:
-        """Ask for a slot of managed ``pool`` (one on another pool is given up); the row after the pass."""
+        """Ask for a slot of managed ``pool`` (one on another pool is given up); the row after the pass.
+
+        ``runner`` names the asking run: a live row of another run of the job is left alone, and
+        returned (its ``runner`` differs) so the caller knows the shard is in that run's hands.
+        """
+        check_request(latest_start, ttl_s)
 
         def change(conn: Connection, now: float) -> None:
             dispatch.post_request(
@@ -1126,26 +1146,34 @@ class ManifestStore:
                 latest_start=latest_start,
                 now=now,
                 ttl_s=ttl_s,
+                runner=runner,
             )
 
         self._dispatch_pass(change)
         return self._tx(lambda conn: dispatch.get_request(conn, job_id, shard_index), write=False)
 
-    def poll_dispatch(self, job_id: str, ttl_s: float) -> dict[int, DispatchRow]:
-        """Renew the job's requests and grants for ``ttl_s``, grant free slots; the job's rows by shard."""
+    def poll_dispatch(
+        self, job_id: str, ttl_s: float, *, runner: str | None = None
+    ) -> dict[int, DispatchRow]:
+        """Renew the job's requests and grants (``runner``'s only, when given) for ``ttl_s``, grant
+        free slots; all the job's rows by shard (``runner`` says whose each is)."""
+        check_request(0.0, ttl_s)
 
         def change(conn: Connection, now: float) -> None:
-            dispatch.renew(conn, job_id, now, ttl_s)
+            dispatch.renew(conn, job_id, now, ttl_s, runner)
 
         self._dispatch_pass(change)
         rows = self._tx(lambda conn: dispatch.job_rows(conn, job_id), write=False)
         return {row.shard_index: row for row in rows}
 
-    def release_dispatch(self, job_id: str, shard_index: int | None = None, *, how: str = "released") -> None:
-        """Give back a shard's request or slot (all of the job's when ``shard_index`` is None)."""
+    def release_dispatch(
+        self, job_id: str, shard_index: int | None = None, *, how: str = "released", runner: str | None = None
+    ) -> None:
+        """Give back a shard's request or slot (all of the job's when ``shard_index`` is None; only
+        ``runner``'s when given, so a run never gives back another run's slot)."""
 
         def change(conn: Connection, now: float) -> None:
-            dispatch.end_rows(conn, dispatch.job_rows(conn, job_id, shard_index), now, how)
+            dispatch.end_rows(conn, dispatch.job_rows(conn, job_id, shard_index, runner), now, how)
 
         self._dispatch_pass(change)
 
@@ -1203,6 +1231,8 @@ def _commit_values(commit: NewCommit) -> dict[str, Any]:
 
 def _check_new_job(job: NewJob, shards_: Sequence[NewShard], validation: NewCommit | None) -> None:
     """Refuse a plan that could not yield one outcome per input line (docs/design.md §4.5 invariant 1)."""
+    if job.idempotency_key is not None:
+        check_idempotency_key(job.idempotency_key)
     if job.state is JobState.REJECTED:
         if shards_:
             raise ValueError("a rejected job is recorded without shards")

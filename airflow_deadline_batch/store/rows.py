@@ -13,6 +13,9 @@ from airflow_deadline_batch.core.ids import shard_id
 from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 
+#: the most GPUs a pool's ``capacity`` row holds (a 32-bit INTEGER column on PostgreSQL)
+MAX_POOL_GPUS = 2**31 - 1
+
 #: defaults when a job's config omits them
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_LEASE_TTL_S = 60.0
@@ -379,6 +382,8 @@ class PoolCapacityRow:
             raise ValueError("pool name must not be empty")
         if self.gpus < 0:
             raise ValueError(f"pool {self.pool!r}: gpus must be >= 0, got {self.gpus}")
+        if self.gpus > MAX_POOL_GPUS:
+            raise ValueError(f"pool {self.pool!r}: gpus must be <= {MAX_POOL_GPUS}, got {self.gpus}")
 
     @classmethod
     def from_row(cls, row: Any) -> PoolCapacityRow:
@@ -435,6 +440,8 @@ class DispatchRow:
     expires_at: float
     granted_at: float | None = None
     grant_seq: int | None = None
+    #: the run that posted the row (None: the caller named none)
+    runner: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> DispatchRow:

@@ -260,6 +260,9 @@ dispatch_requests = sa.Table(
     sa.Column("expires_at", sa.Double(), nullable=False),
     sa.Column("granted_at", sa.Double(), nullable=True),
     sa.Column("grant_seq", sa.Integer(), nullable=True),
+    # the run that posted the row: only it renews, launches on or gives back the row (two runs of
+    # one job must not release each other's slots); NULL for callers that name no run
+    sa.Column("runner", sa.String(64), nullable=True),
     sa.Index("ix_adb_dispatch_pool", "pool"),
 )
 

@@ -130,3 +130,10 @@ def test_two_backlogged_tenants_hold_their_weighted_shares(slots: int, w_ads: in
         backlog.remove(grant.request)
     share = slots * w_ads / (w_ads + w_search)
     assert abs(held["ads"] - share) <= 1.0
+
+
+def test_huge_and_tiny_weights_still_split_the_pool_by_ratio() -> None:
+    # two weights of 1e308 sum to inf: the shares must not collapse to 0 (nobody below share)
+    assert fair_shares(4, {"a": 1e308, "b": 1e308}, ["a", "b"]) == {"a": 2.0, "b": 2.0}
+    shares = fair_shares(3, {"a": 1e308, "b": 1e308, "c": 5e-324}, ["a", "b", "c"])
+    assert shares["a"] == shares["b"] == 1.5 and shares["c"] >= 0.0

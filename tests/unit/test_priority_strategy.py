@@ -54,3 +54,10 @@ def test_whatever_goes_wrong_the_fixed_weight_comes_back() -> None:
         assert strategy.get_weight(_ti(dag)) == 5  # type: ignore[arg-type]
     assert strategy.get_weight(_ti(None, priority_weight="heavy")) == 1  # type: ignore[arg-type]
     assert strategy.get_weight(SimpleNamespace()) == 1  # type: ignore[arg-type]
+
+
+def test_a_fixed_weight_out_of_the_32_bit_range_is_clamped_into_it() -> None:
+    deadline = dt.datetime(2026, 12, 1, 6, 0, tzinfo=UTC)
+    assert deadline_weight(deadline, base=2**40) == MAX_WEIGHT
+    assert deadline_weight(WEIGHT_ANCHOR + dt.timedelta(days=1), base=-(2**40)) == -MAX_WEIGHT - 1
+    assert DeadlineWeightStrategy().get_weight(_ti(_Dag(deadline), priority_weight=2**40)) == MAX_WEIGHT

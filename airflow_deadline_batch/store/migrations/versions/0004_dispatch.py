@@ -39,6 +39,7 @@ def upgrade() -> None:
         sa.Column("expires_at", sa.Double(), nullable=False),
         sa.Column("granted_at", sa.Double(), nullable=True),
         sa.Column("grant_seq", sa.Integer(), nullable=True),
+        sa.Column("runner", sa.String(64), nullable=True),
         sa.PrimaryKeyConstraint("job_id", "shard_index", name="pk_adb_dispatch"),
     )
     op.create_index("ix_adb_dispatch_pool", "adb_dispatch", ["pool"])
