@@ -171,6 +171,8 @@ attempts = sa.Table(
         ["job_id", "shard_index"], ["adb_shards.job_id", "adb_shards.shard_index"], ondelete="CASCADE"
     ),
     sa.Index("ix_adb_attempts_job_id_shard_index", "job_id", "shard_index"),
+    # earlier jobs' tries on a pool, newest first (store/pool_stats.py)
+    sa.Index("ix_adb_attempts_pool_ended_at", "pool", "ended_at"),
 )
 
 commits = sa.Table(
@@ -194,6 +196,8 @@ commits = sa.Table(
     sa.Column("model_digest", sa.String(128), nullable=True),
     sa.Column("pool", sa.String(128), nullable=True),
     sa.Column("committed_at", UTCDateTime(), nullable=False),
+    # earlier jobs' measured rates on a pool, newest first (store/throughput.py)
+    sa.Index("ix_adb_commits_pool_committed_at", "pool", "committed_at"),
 )
 
 usage = sa.Table(

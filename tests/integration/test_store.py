@@ -8,6 +8,7 @@ import multiprocessing as mp
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -140,6 +141,26 @@ def test_migrate_is_idempotent_and_tables_are_prefixed(store: ManifestStore) -> 
         engine.dispose()
     assert {"adb_jobs", "adb_shards", "adb_attempts", "adb_commits", "adb_alembic_version"} <= names
     assert not {n for n in names if not n.startswith("adb_")}
+
+
+def test_migrations_create_every_index_the_schema_declares(tmp_path: Path) -> None:
+    """The Alembic revisions and ``store.schema`` agree on indexes (the history reads rely on two)."""
+    from airflow_deadline_batch.store.schema import metadata
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    ManifestStore.open(url).close()
+    engine = sa.create_engine(url)
+    try:
+        inspector = sa.inspect(engine)
+        for table in metadata.sorted_tables:
+            created = {ix["name"]: tuple(ix["column_names"]) for ix in inspector.get_indexes(table.name)}
+            for index in table.indexes:
+                assert created.get(index.name) == tuple(c.name for c in index.columns), (
+                    table.name,
+                    index.name,
+                )
+    finally:
+        engine.dispose()
 
 
 def store_url_of(store: ManifestStore) -> str:

@@ -4,7 +4,9 @@
 every quota recorded before this revision). ``adb_dispatch`` holds one row per shard that waits
 for, or holds, a slot of a pool with a ``capacity`` row; ``adb_dispatch_grants`` is the
 append-only record of every grant and the state it was decided on. Both start empty, and a
-store without ``capacity`` rows never writes them.
+store without ``capacity`` rows never writes them. Two indexes serve the history that planning
+and placement read from earlier jobs: ``adb_commits (pool, committed_at)`` (measured rates) and
+``adb_attempts (pool, ended_at)`` (Spot tries).
 
 Revision ID: 0004
 Revises: 0003
@@ -61,9 +63,13 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("seq", name="pk_adb_dispatch_grants"),
     )
     op.create_index("ix_adb_dispatch_grants_job_id", "adb_dispatch_grants", ["job_id"])
+    op.create_index("ix_adb_commits_pool_committed_at", "adb_commits", ["pool", "committed_at"])
+    op.create_index("ix_adb_attempts_pool_ended_at", "adb_attempts", ["pool", "ended_at"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_adb_attempts_pool_ended_at", table_name="adb_attempts")
+    op.drop_index("ix_adb_commits_pool_committed_at", table_name="adb_commits")
     op.drop_index("ix_adb_dispatch_grants_job_id", table_name="adb_dispatch_grants")
     op.drop_table("adb_dispatch_grants")
     op.drop_index("ix_adb_dispatch_pool", table_name="adb_dispatch")
