@@ -8,8 +8,8 @@ an input that changed since planning.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Protocol
 
 from airflow_deadline_batch.core.records import (
     LineError,
@@ -48,9 +48,22 @@ def limits_from_config(config: Mapping[str, Any]) -> ValidationLimits:
 
 def parse_shard(data: bytes, shard: ShardRange, limits: ValidationLimits) -> list[Record]:
     """Records of a shard's byte range in line order; a line the planner accepted must still parse."""
+    records = list(iter_shard(io.BytesIO(data), shard, limits))
+    if len(records) != shard.records:
+        raise InputError(
+            f"shard {shard.shard_id} has {len(records)} records, the plan says {shard.records}; "
+            "the input changed after planning: re-plan the job"
+        )
+    return records
+
+
+def iter_shard(stream: BinaryIO, shard: ShardRange, limits: ValidationLimits) -> Iterator[Record]:
+    """The records of ``stream`` (the shard's byte range) in line order, one at a time.
+
+    A line the planner accepted must still parse (else :class:`InputError`); the caller checks
+    the count against ``shard.records`` once the stream is exhausted.
+    """
     excluded = set(shard.excluded_lines)
-    records: list[Record] = []
-    stream = io.BytesIO(data)
     for raw in iter_raw_lines(
         stream,
         start_line=shard.first_line,
@@ -68,10 +81,4 @@ def parse_shard(data: bytes, shard: ShardRange, limits: ValidationLimits) -> lis
                 f"({outcome.code.value}); the input changed after planning: re-plan the job",
                 line=outcome.line,
             )
-        records.append(outcome)
-    if len(records) != shard.records:
-        raise InputError(
-            f"shard {shard.shard_id} has {len(records)} records, the plan says {shard.records}; "
-            "the input changed after planning: re-plan the job"
-        )
-    return records
+        yield outcome

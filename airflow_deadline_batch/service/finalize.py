@@ -26,7 +26,6 @@ import orjson
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.ids import shard_id as display_shard_id
-from airflow_deadline_batch.core.records import LineError, iter_raw_lines, parse_line
 from airflow_deadline_batch.core.results import (
     FINALIZE_ATTEMPT_ID,
     RESULT_STATUSES,
@@ -39,7 +38,7 @@ from airflow_deadline_batch.core.results import (
     ResultRecord,
     SettledUsage,
 )
-from airflow_deadline_batch.core.shard_input import limits_from_config
+from airflow_deadline_batch.core.shard_input import iter_shard, limits_from_config
 from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
@@ -521,31 +520,14 @@ def _shard_records(job: Any, shard: Any) -> Iterator[Any]:
     """
     storage, key = open_uri(job.input_uri)
     limits = limits_from_config(job.config)
-    excluded = set(shard.excluded_lines)
     count = 0
     with storage.open_read(key) as source:
         source.seek(shard.byte_start)
         ranged = _RangeHasher(source, shard.byte_end - shard.byte_start)
         with io.BufferedReader(ranged, buffer_size=CHUNK_SIZE) as stream:
-            for raw in iter_raw_lines(
-                stream,
-                start_line=shard.first_line,
-                start_offset=shard.byte_start,
-                max_line_bytes=limits.max_line_bytes,
-            ):
-                if raw.line in excluded:
-                    continue
-                outcome = parse_line(raw, limits)
-                if outcome is None:
-                    continue
-                if isinstance(outcome, LineError):  # never echo the line: it is user data
-                    raise InputError(
-                        f"line {outcome.line} of shard {shard.shard_id} no longer parses "
-                        f"({outcome.code.value}); the input changed after planning: re-plan the job",
-                        line=outcome.line,
-                    )
+            for record in iter_shard(stream, shard, limits):
                 count += 1
-                yield outcome
+                yield record
     if ranged.digest.hexdigest() != shard.input_sha256:
         raise ChecksumMismatch(
             f"input range of shard {shard.shard_index} changed since planning: restore {job.input_uri}",
