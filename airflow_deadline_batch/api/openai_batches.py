@@ -27,13 +27,10 @@ import functools
 import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
@@ -132,33 +129,6 @@ def _read_json(storage: ObjectStorage, key: str) -> dict[str, Any] | None:
 
 def _write_json(storage: ObjectStorage, key: str, value: dict[str, Any]) -> None:
     storage.put_bytes(key, orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE))
-
-
-def _put_stream(storage: ObjectStorage, key: str, stream: BinaryIO) -> str:
-    """Copy ``stream`` to ``key`` without holding it in memory (local: temp file + rename; S3: multipart)."""
-    from airflow_deadline_batch.storage.local import LocalStorage
-    from airflow_deadline_batch.storage.s3 import S3Storage
-
-    if isinstance(storage, S3Storage):
-        uri = storage.uri(key)
-        bucket, _, object_key = uri.removeprefix("s3://").partition("/")
-        storage._client.upload_fileobj(stream, bucket, object_key)
-        return uri
-    if isinstance(storage, LocalStorage):
-        path = Path(storage.uri(key))  # the storage's own key check
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".adb-tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                shutil.copyfileobj(stream, out, COPY_CHUNK)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temp, path)
-        finally:
-            if os.path.exists(temp):
-                os.unlink(temp)
-        return str(path)
-    return storage.put_bytes(key, stream.read())  # an unknown backend: bytes are all it offers
 
 
 def _file_meta_key(file_id: str) -> str:
@@ -494,7 +464,9 @@ def create_router() -> APIRouter:
         file.file.seek(0, os.SEEK_END)
         size = file.file.tell()
         file.file.seek(0)
-        _put_stream(storage, f"files/{file_id}/content", file.file)
+        from airflow_deadline_batch.storage import put_stream
+
+        put_stream(storage, f"files/{file_id}/content", file.file)  # chunked, atomic
         meta = {
             "id": file_id,
             "bytes": size,

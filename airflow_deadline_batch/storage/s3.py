@@ -134,19 +134,10 @@ class S3Storage:
         return uri
 
     def put_file(self, key: str, source: str | os.PathLike[str]) -> str:
-        """Upload the file ``source`` to ``key`` with boto3's managed transfer (multipart in 8 MiB
-        parts for a large file, so memory stays bounded); the object appears whole or not at all."""
-        object_key = self._object_key(key)
-        uri = self.uri(key)
-        try:
-            self._client.upload_file(os.fspath(source), self.bucket, object_key)
-        except boto3.exceptions.S3UploadFailedError as exc:
-            raise StorageError(
-                f"cannot upload {uri}: {exc}; check the bucket and credentials", uri=uri
-            ) from exc
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            raise _translate(exc, "write", uri, self.bucket) from exc
-        return uri
+        """Upload the file ``source`` to ``key`` (as :meth:`put_stream`: multipart in 8 MiB parts for
+        a large file, so memory stays bounded); the object appears whole or not at all."""
+        with open(source, "rb") as stream:
+            return self.put_stream(key, stream)
 
     def put_stream(self, key: str, stream: BinaryIO) -> str:
         """Upload what is left in ``stream`` to ``key`` (boto3's managed transfer, as ``put_file``)."""
