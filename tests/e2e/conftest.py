@@ -5,17 +5,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
+from tests.helpers.waiting import wait_for
+
+__all__ = ["CLI", "CliResult", "assert_usage_error", "cli_argv", "cli_env", "run_cli", "wait_for"]
+
 #: the console script installed with the package, next to the interpreter running the tests
 CLI = Path(sys.executable).parent / "deadline-batch"
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,17 +72,3 @@ def assert_usage_error(result: CliResult) -> None:
     assert len(lines) == 1, result.describe()
     assert "Traceback" not in result.stderr, result.describe()
     assert lines[0].startswith("deadline-batch"), result.describe()
-
-
-def wait_for(
-    condition: Callable[[], T | None], *, timeout_s: float, what: str, interval_s: float = 0.05
-) -> T:
-    """Poll ``condition`` until it returns a truthy value or ``timeout_s`` passes (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)  # the polling interval of a wait with a deadline

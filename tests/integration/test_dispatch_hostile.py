@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from airflow_deadline_batch.local.runner import LocalRun, RunOptions, _stop_all
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.inputs import mixed_input
+from tests.helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -39,10 +39,7 @@ def _plan(store: ManifestStore, tmp_path: Path, *, key: str | None = None) -> st
 
 def _wait_db_past(store: ManifestStore, t: float) -> None:
     """Wait (a deadline, not a sleep) until the database clock is past ``t``."""
-    give_up = time.monotonic() + 10
-    while store.db_time() <= t:
-        assert time.monotonic() < give_up, "the database clock did not move"
-        time.sleep(0.01)
+    wait_for(lambda: store.db_time() > t, timeout_s=10, what="the database clock to move", interval_s=0.01)
 
 
 def test_a_slot_under_a_live_worker_does_not_expire_when_its_runner_stalls(
@@ -103,13 +100,6 @@ def test_a_runner_resumed_after_its_grant_expired_does_not_launch_on_it(tmp_path
         store.close()
 
 
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < give_up, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_a_second_run_of_the_same_job_never_takes_or_gives_back_the_first_runs_slot(tmp_path: Path) -> None:
     """`deadline-batch run` twice on one job, one managed GPU: the slot stays the first run's."""
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
@@ -124,15 +114,19 @@ def test_a_second_run_of_the_same_job_never_takes_or_gives_back_the_first_runs_s
         first.launch_ready(time.monotonic(), log)  # asks, is granted
         first.launch_ready(time.monotonic(), log)  # launches on its grant
         assert list(first.running) == [0]
-        _wait(
-            lambda: store.get_shard(job_id, 0).state is ShardState.LEASED, "the first run's worker to claim"
+        wait_for(
+            lambda: store.get_shard(job_id, 0).state is ShardState.LEASED,
+            timeout_s=15,
+            what="the first run's worker to claim",
         )
         pool = first.granted[0]
 
         for _ in range(2):
             second.launch_ready(time.monotonic(), log)
-        _wait(
-            lambda: all(r.proc.popen.poll() is not None for r in second.running.values()), "refused workers"
+        wait_for(
+            lambda: all(r.proc.popen.poll() is not None for r in second.running.values()),
+            timeout_s=15,
+            what="refused workers",
         )
         second.reap_exited(time.monotonic())
         second.withdraw_dispatch()  # the second run gives up (Ctrl-C) and withdraws its rows

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.storage import join_uri, open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import ManifestStore, NewCommit, NewJob, NewShard
 from airflow_deadline_batch.worker.engines.echo import FAIL_MARKER
+from tests.helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -42,14 +42,7 @@ WAIT_S = 30.0  # generous deadline for conditions on a loaded 2-core CI machine
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
     """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
+    return wait_for(predicate, timeout_s=timeout_s, what=what, interval_s=0.02)
 
 
 def input_lines(n: int, *, extra: Sequence[str] = ()) -> list[str]:
