@@ -91,19 +91,18 @@ def _refusals(
         if refusal is not None:
             reasons.append(refusal)
         details["projected_cost"] = cost
-    shared = [p for p in pools if p.name in snapshot.capacity]
-    if shared and chosen is not None:
+    if chosen is not None and any(p.name in snapshot.capacity for p in pools):
         new = Demand(
             job_id=job_id,
             tenant=snapshot.tenant,
             deadline=report.deadline,
             gpu_seconds=chosen.run_seconds * chosen.gpus,
-            pools=frozenset(p.name for p in shared),
+            pools=frozenset(p.name for p in pools),
         )
         result = edf_test(
             new,
             held_demands(snapshot, policy),
-            pools=shared_pools(snapshot, pools),
+            pools=[*shared_pools(snapshot, pools), *private_pools(snapshot, pools)],
             now=snapshot.now,
             policy=policy,
         )
@@ -140,6 +139,22 @@ def shared_pools(snapshot: TenancySnapshot, pools: tuple[PoolSpec, ...]) -> list
     return [
         SharedPool(name=name, gpus=gpus, lead_s=leads.get(name, 0.0))
         for name, gpus in sorted(snapshot.capacity.items())
+    ]
+
+
+def private_pools(snapshot: TenancySnapshot, pools: tuple[PoolSpec, ...]) -> list[SharedPool]:
+    """The new job's unmanaged pools, as pools only it can use: the GPUs it declares there are its own.
+
+    A job that may also run on a pool with no capacity row (say, on-demand beside a managed Spot
+    pool) is admitted when its work fits on the managed pools and its own GPUs together, not refused
+    because the managed pools are full. Held jobs' unmanaged pools are not counted (their GPUs are
+    not in the snapshot): their whole work stays reserved on the managed pools, which only errs
+    towards refusing.
+    """
+    return [
+        SharedPool(name=p.name, gpus=p.gpus, lead_s=p.queue_wait_seconds + p.startup_seconds)
+        for p in pools
+        if p.name not in snapshot.capacity
     ]
 
 

@@ -317,3 +317,24 @@ def test_a_job_on_two_managed_pools_takes_the_room_left_on_either(
         shared["violated"]["pools"]
         and shared["violated"]["demand_gpu_s"] > shared["violated"]["supply_gpu_s"]
     )
+
+
+def test_a_full_managed_pool_does_not_refuse_a_job_its_own_unmanaged_pool_can_carry(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Spot is managed and has no GPU left; the job's on-demand pool has no capacity row, so the
+    GPUs the job declares there are its own: it is admitted, and a job on the full pool alone is not."""
+    spot = PoolSpec.from_dict({**SHARED.to_dict(), "name": "spot", "kind": "spot", "gpus": 2})
+    own = PoolSpec.from_dict({**SHARED.to_dict(), "name": "own-on-demand", "gpus": 2})
+    store.set_capacity("spot", 0)
+    admitted = plan_job(store, replace(_request(tmp_path, "ads"), pools=(spot, own)))
+    assert admitted.created and store.get_job(admitted.job_id).state is JobState.ADMITTED
+
+    refused = _rejected(store, replace(_request(tmp_path, "search"), pools=(spot,)))
+    assert "rejected by shared capacity" in refused.message
+    # its own pool carries a job only as far as its GPUs go: with one GPU of its own, a deadline
+    # that its three GPUs would meet is refused on the shared capacity
+    small = PoolSpec.from_dict({**own.to_dict(), "gpus": 1})
+    tight = replace(_request(tmp_path, "search", minutes=25, workers=3), pools=(spot, small))
+    refused = _rejected(store, tight)
+    assert "rejected by shared capacity" in refused.message, refused.message
