@@ -147,6 +147,8 @@ class EdfResult:
     earliest_feasible_deadline: dt.datetime | None
     #: the GPUs on the new job's managed pools that would admit it with its deadline (None: none would)
     gpus_needed: int | None
+    #: whether a refusal's two fields above were searched (``edf_test(explain=False)`` skips them)
+    explained: bool = True
 
     def reasons(self) -> list[str]:
         """Sentences with the numbers: the verdict, and when refused, what would work."""
@@ -169,6 +171,8 @@ class EdfResult:
             fixes.append(f"the earliest feasible deadline is {_iso(self.earliest_feasible_deadline)}")
         if self.gpus_needed is not None:
             fixes.append(f"{self.gpus_needed} shared GPU(s){where} would admit it with its deadline")
+        if not self.explained:
+            return [head]
         advice = "; ".join(fixes) if fixes else "no later deadline or capacity would admit it"
         return [f"{head}; {advice}"]
 
@@ -184,6 +188,7 @@ class EdfResult:
             "violated": None if self.violated is None else self.violated.to_dict(),
             "earliest_feasible_deadline": _iso(self.earliest_feasible_deadline),
             "gpus_needed": self.gpus_needed,
+            "explained": self.explained,
         }
 
 
@@ -214,14 +219,16 @@ def edf_test(
     pools: Sequence[SharedPool],
     now: dt.datetime,
     policy: AdmissionPolicy | None = None,
+    explain: bool = True,
 ) -> EdfResult:
     """Whether ``new`` fits on the managed ``pools`` beside the ``held`` work, every deadline met.
 
     Held work whose deadline has passed is left out (its job expires at its deadline), and so is
     work on none of ``pools``. The new job is admitted iff the max flow grows by all its work:
     held work that already cannot all be done is not the new job's to answer for, unless the new
-    job takes capacity it needs. A refusal names the minimum cut, the earliest deadline that would
-    be admitted and the GPUs on the new job's pools that would admit it.
+    job takes capacity it needs. A refusal names the minimum cut and, with ``explain``, the
+    earliest deadline that would be admitted and the GPUs on the new job's pools that would admit
+    it (searches of some 20 to 40 flows: the caller may run them after releasing a lock).
     """
     policy = policy or AdmissionPolicy()
     now = ensure_aware(now, "now")
@@ -257,6 +264,8 @@ def edf_test(
     )
     if fits:
         return result
+    if not explain:
+        return replace(result, explained=False)
     return replace(
         result,
         earliest_feasible_deadline=problem.earliest_deadline(new),

@@ -10,7 +10,7 @@ judged alone by ``core.feasibility``, as before tenants existed (docs/tenants.md
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,21 +34,41 @@ if TYPE_CHECKING:
 REJECTED_SHARED = "rejected_shared"
 
 
-def shared_admission(
-    job_id: str,
-    report: AdmissionReport,
-    pools: tuple[PoolSpec, ...],
-    *,
-    policy: AdmissionPolicy | None = None,
-) -> Callable[[TenancySnapshot], Mapping[str, Any] | None]:
-    """The check ``create_job`` runs: None admits, a report (plain values) rejects."""
-    policy = policy or AdmissionPolicy()
+@dataclass
+class SharedAdmission:
+    """The check ``create_job`` runs (call it: None admits, a report of plain values rejects).
 
-    def admit(snapshot: TenancySnapshot) -> Mapping[str, Any] | None:
-        reasons, details = _refusals(job_id, report, pools, snapshot, policy)
+    Under the admission lock a refusal says only what is short (the minimum cut). What would admit
+    the job (the earliest feasible deadline, the GPUs needed) takes some 20 to 40 more flows, which
+    :meth:`explained` computes afterwards from the same snapshot, so other submissions do not wait
+    for them; the caller records that fuller report on the rejected job.
+    """
+
+    job_id: str
+    report: AdmissionReport
+    pools: tuple[PoolSpec, ...]
+    policy: AdmissionPolicy
+    #: the snapshot of the last refusal (a retried transaction refuses again on a fresh one)
+    refused_on: TenancySnapshot | None = None
+
+    def __call__(self, snapshot: TenancySnapshot) -> Mapping[str, Any] | None:
+        self.refused_on = None
+        rejection = self._rejection(snapshot, explain=False)
+        if rejection is not None:
+            self.refused_on = snapshot
+        return rejection
+
+    def explained(self) -> Mapping[str, Any] | None:
+        """The last refusal's report with what would admit the job (None if nothing was refused)."""
+        if self.refused_on is None:
+            return None
+        return self._rejection(self.refused_on, explain=True)
+
+    def _rejection(self, snapshot: TenancySnapshot, *, explain: bool) -> Mapping[str, Any] | None:
+        reasons, details = _refusals(self.job_id, self.report, self.pools, snapshot, self.policy, explain)
         if not reasons:
             return None
-        data = report.to_dict()
+        data = self.report.to_dict()
         return {
             **data,
             "verdict": REJECTED_SHARED,
@@ -57,7 +77,16 @@ def shared_admission(
             "shared": details,
         }
 
-    return admit
+
+def shared_admission(
+    job_id: str,
+    report: AdmissionReport,
+    pools: tuple[PoolSpec, ...],
+    *,
+    policy: AdmissionPolicy | None = None,
+) -> SharedAdmission:
+    """The check ``create_job`` runs: None admits, a report (plain values) rejects."""
+    return SharedAdmission(job_id, report, pools, policy or AdmissionPolicy())
 
 
 def _refusals(
@@ -66,6 +95,7 @@ def _refusals(
     pools: tuple[PoolSpec, ...],
     snapshot: TenancySnapshot,
     policy: AdmissionPolicy,
+    explain: bool = True,
 ) -> tuple[list[str], dict[str, Any]]:
     reasons: list[str] = []
     details: dict[str, Any] = {"tenant": snapshot.tenant}
@@ -105,6 +135,7 @@ def _refusals(
             pools=[*shared_pools(snapshot, pools), *private_pools(snapshot, pools)],
             now=snapshot.now,
             policy=policy,
+            explain=explain,
         )
         details["edf"] = result.to_dict()
         if not result.feasible:

@@ -1149,6 +1149,11 @@ def _record(
     # shared capacity, the tenant's quota and budget are checked as the job is recorded
     admit = None if request.allow_infeasible else shared_admission(job_id, report, request.pools)
     job, created = store.create_job(new_job, shards, validation, admit=admit)
+    if created and job.state is JobState.REJECTED and admit is not None:
+        # what would admit it, searched after the admission lock is released, on the same snapshot
+        explained = admit.explained()
+        if explained is not None:
+            job = store.explain_rejection(job.job_id, explained)
     if not created or job.state is JobState.REJECTED:
         # lost an idempotency race (the first job stands) or refused: our validation object is garbage
         if validation is not None:

@@ -987,6 +987,23 @@ class ManifestStore:
         """Settled usage of attempts started at or after ``since``, of one tenant or of all."""
         return self._tx(lambda conn: tenancy.tenant_usage(conn, tenant, since), write=False)
 
+    def explain_rejection(self, job_id: str, admission: Mapping[str, Any]) -> JobRow:
+        """Replace a rejected job's admission report by the fuller one searched after the lock.
+
+        Only a ``rejected`` job's report changes (a refusal is final; the report only gains what
+        would have admitted it); returns the job as it now is.
+        """
+
+        def update(conn: Connection) -> JobRow:
+            conn.execute(
+                sa.update(jobs)
+                .where(jobs.c.job_id == job_id, jobs.c.state == JobState.REJECTED.value)
+                .values(admission=dict(admission))
+            )
+            return self._job(conn, job_id)
+
+        return self._tx(update)
+
     def admission_snapshot(self, tenant: str) -> tenancy.TenancySnapshot:
         """What admission of ``tenant``'s next job would read (read-only; ``deadline-batch capacity``)."""
         return self._tx(lambda conn: tenancy.read_snapshot(conn, tenant, _ts(self._now(conn))), write=False)

@@ -77,6 +77,7 @@ def test_the_third_job_on_a_shared_pool_waits_for_the_first_to_finish(
     edf = (job.admission or {})["shared"]["edf"]
     earliest = dt.datetime.fromisoformat(edf["earliest_feasible_deadline"])
     assert earliest > third.deadline and edf["gpus_needed"] == 3
+    assert edf["explained"]  # searched after the admission lock, recorded on the rejected job
     assert (job.admission or {})["verdict"] == "rejected_shared"
 
     # the same job with the earliest feasible deadline it was told is admitted

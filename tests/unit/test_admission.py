@@ -58,6 +58,14 @@ def test_three_jobs_on_one_pool_the_third_is_refused_with_what_would_work() -> N
     assert "earliest feasible deadline is 2026-12-01T01:22:30Z" in reason and "3 shared GPU(s)" in reason
     # once the first job is done, the third fits
     assert edf_test(demand("j-3", 1, 3000), held[1:], pools=one(2), now=NOW).feasible
+    # under the admission lock the search for what would work is skipped: the same verdict and cut,
+    # no advice (neither a made-up "nothing would admit it"), and it says it was not searched
+    quick = edf_test(demand("j-3", 1, 3000), held, pools=one(2), now=NOW, explain=False)
+    assert not quick.feasible and quick.violated == third.violated and not quick.explained
+    assert quick.earliest_feasible_deadline is None and quick.gpus_needed is None
+    [short] = quick.reasons()
+    assert reason.startswith(short) and "would admit" not in short and "earliest" not in short
+    assert third.explained and third.to_dict()["explained"]
 
 
 def test_a_new_urgent_job_cannot_take_capacity_an_earlier_job_needs() -> None:
