@@ -797,13 +797,31 @@ def _shard_target(request: PlanRequest, pool: PoolSpec, gpu_seconds: float, reco
     return max(target, 1e-6)
 
 
+#: local inputs already hashed whole in this process, by path and (size, inode, mtime): ``run``
+#: hashes its input for the default idempotency key before planning, which then need not read
+#: it again (the same test of "unchanged" as planning's own, ``_input_version``)
+_WHOLE_HASHES: dict[tuple[Any, ...], str] = {}
+_WHOLE_HASHES_KEPT = 8
+
+
 def hash_input(input_uri: str) -> str:
-    """SHA-256 of the whole input, in large reads."""
+    """SHA-256 of the whole input, in large reads (a local file unchanged since it was hashed: remembered)."""
+    storage, key = open_uri(input_uri)
+    version = None
+    if isinstance(storage, LocalStorage):
+        version = (str(storage.root / key), *_input_version(storage, key))
+    if version is not None and (known := _WHOLE_HASHES.get(version)) is not None:
+        return known
     whole = hashlib.sha256()
     with _open_input(input_uri) as stream:
         while chunk := stream.read(_READ_CHUNK):
             whole.update(chunk)
-    return whole.hexdigest()
+    digest = whole.hexdigest()
+    if version is not None and _input_version(storage, key) == version[1:]:
+        while len(_WHOLE_HASHES) >= _WHOLE_HASHES_KEPT:
+            del _WHOLE_HASHES[next(iter(_WHOLE_HASHES))]
+        _WHOLE_HASHES[version] = digest
+    return digest
 
 
 def hash_ranges(
