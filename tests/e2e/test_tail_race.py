@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
+from airflow_deadline_batch.local.runner import RunOptions, run_job
 from airflow_deadline_batch.service.finalize import finalize_job
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
-from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.store import ManifestStore, Progress
 from tests.e2e.conftest import run_cli, wait_for
 from tests.helpers.inputs import mixed_input
 
@@ -114,4 +116,46 @@ def test_a_racer_beats_a_stalled_try_which_then_exits_on_its_own(tmp_path: Path)
     assert verified.code == 0, verified.describe()
     report = verified.json()
     assert report["published"] is True
+    store.close()
+
+
+def test_the_runner_races_its_tail_spot_try_and_the_job_verifies(tmp_path: Path) -> None:
+    """``deadline-batch run``'s loop: once the job's clock reaches its tail, the running Spot try races."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(url)
+    start = dt.datetime.now(dt.timezone.utc)
+    clock = ManualClock(start)
+    job: dict[str, str] = {}
+
+    def near_the_deadline(progress: Progress) -> None:
+        # the first try runs on Spot; then the job's clock jumps to 2 minutes before the deadline
+        if progress.shards_by_state.get(ShardState.LEASED.value) and clock.now() == start:
+            clock.set(start + dt.timedelta(minutes=58))
+
+    summary = run_job(
+        store,
+        PlanRequest(
+            input_uri=str(mixed_input(40, seed=3).write(tmp_path / "in.jsonl")),
+            deadline=start + dt.timedelta(hours=1),
+            output_uri=str(tmp_path / "out"),
+            microbatch_size=4,
+            max_shards=2,
+            max_invalid_fraction=0.5,
+            workers=3,
+        ),
+        RunOptions(workers=3, worker_env={"ADB_ECHO_DELAY_S": "0.3"}, lease_ttl_s=10.0),
+        clock=clock,
+        on_progress=near_the_deadline,
+        on_plan=lambda plan: job.update(job_id=plan.job_id),
+    )
+    assert summary.state == "completed", summary
+    # every try before the jump was placed on Spot: an on-demand launch is the racer
+    assert summary.placements["on_demand"] >= 1, summary
+    attempts = store.list_attempts(job["job_id"])
+    # the racer claims its racing lease unless the Spot try finished first (then it exits 0, unrecorded)
+    assert all(a.pool == "local-on-demand" for a in attempts if a.speculative)
+    assert all(a.outcome in (AttemptOutcome.SUCCEEDED, AttemptOutcome.LOST_RACE) for a in attempts)
+    assert not [a for a in attempts if a.failure_class is not None]  # no try failed
+    verified = run_cli("verify", job["job_id"], "--store", url, "--json", cwd=tmp_path)
+    assert verified.code == 0, verified.describe()
     store.close()
