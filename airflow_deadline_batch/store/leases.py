@@ -24,10 +24,11 @@ The tail race (docs/internals.md, "Racing leases"): beside its lease a LEASED sh
 racing lease (``race_attempt_id``, ``race_epoch``, ``race_expires_at``), granted by
 :data:`CLAIM_RACE` only while the primary lease is live. Heartbeat, commit and complete accept
 either lease, each fenced by its own attempt ID and epoch (a racer's ``race_epoch`` is the
-shard's epoch when it started, so any epoch bump fences it too). COMMIT stays a compare-and-set
-on the cursor, so whichever attempt commits a microbatch first wins it; no claim or take-over
-matches while a live racer holds the shard; COMPLETE clears the race and ends the other attempt
-as ``lost_race``.
+shard's epoch when it started, so any epoch bump fences it too): the primary's statement first
+(unchanged, the hot path), then the racer's (``*_RACE``). COMMIT stays a compare-and-set on the
+cursor, so whichever attempt commits a microbatch first wins it; no claim or take-over matches
+while a live racer holds the shard; COMPLETE_RACED clears the race and ends the other attempt as
+``lost_race``.
 
 Lock order: every statement here locks the shard row first (the UPDATE), then attempt rows, then
 the job row (the first claim of an admitted job). In the combined statement a bookkeeping CTE
@@ -139,14 +140,6 @@ _RACER_HOLDS = sa.and_(
     shards.c.race_epoch == _EPOCH,
     shards.c.race_attempt_id == _ATTEMPT,
     shards.c.race_expires_at > db_epoch(),
-)
-#: the precondition of heartbeat, commit and complete: this attempt holds a live lease (primary
-#: or racing) of an active job
-_HOLDS_LIVE_LEASE = sa.and_(
-    _KEY,
-    shards.c.state == ShardState.LEASED.value,
-    sa.or_(_PRIMARY_HOLDS, _RACER_HOLDS),
-    _JOB_IS_ACTIVE,
 )
 #: no racer, or its racing lease expired
 _NO_LIVE_RACER = sa.or_(shards.c.race_attempt_id.is_(None), shards.c.race_expires_at <= db_epoch())
@@ -395,33 +388,31 @@ CLAIM_RACE = lease_statement(
 )
 
 
-def _own_expiry(
-    attempt: sa.ColumnElement[str | None],
-    expires: sa.ColumnElement[float | None],
-    new: sa.ColumnElement[float],
-) -> sa.ColumnElement[float | None]:
-    """``new`` for the lease (primary or racing) this attempt holds, the other one unchanged."""
-    return sa.case((attempt == _ATTEMPT, new), else_=expires)
+def _held(lease: sa.ColumnElement[bool]) -> sa.ColumnElement[bool]:
+    """The precondition of heartbeat, commit and complete: ``lease`` (primary or racing) is held, live."""
+    return sa.and_(_KEY, shards.c.state == ShardState.LEASED.value, lease, _JOB_IS_ACTIVE)
 
 
-#: the expiry of the lease this attempt holds (after the update: a CASE in RETURNING)
-_HELD_EXPIRY = sa.case(
-    (shards.c.lease_attempt_id == _ATTEMPT, shards.c.lease_expires_at), else_=shards.c.race_expires_at
-).label("lease_expires_at")
+# Each of heartbeat, commit and complete is two statements: the primary lease's (as before the
+# race existed, the hot path) and the racing lease's, tried second (ManifestStore._fenced tries
+# them in order), so a job that never races pays nothing for it.
 
-#: extend the live lease (primary or racing) to db_now + ttl; returns the new expiry and the cursor
+#: extend the live lease to db_now + ttl; returns the new expiry and the cursor
 HEARTBEAT = lease_statement(
     "heartbeat",
     sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE)
-    .values(
-        lease_expires_at=_own_expiry(shards.c.lease_attempt_id, shards.c.lease_expires_at, db_epoch() + _TTL),
-        lease_ttl_s=sa.case((shards.c.lease_attempt_id == _ATTEMPT, _TTL), else_=shards.c.lease_ttl_s),
-        race_expires_at=_own_expiry(shards.c.race_attempt_id, shards.c.race_expires_at, db_epoch() + _TTL),
-        race_ttl_s=sa.case((shards.c.race_attempt_id == _ATTEMPT, _TTL), else_=shards.c.race_ttl_s),
-        updated_at=db_timestamp(),
-    )
-    .returning(_HELD_EXPIRY, shards.c.cursor),
+    .where(_held(_PRIMARY_HOLDS))
+    .values(lease_expires_at=db_epoch() + _TTL, lease_ttl_s=_TTL, updated_at=db_timestamp())
+    .returning(shards.c.lease_expires_at, shards.c.cursor),
+    _stamp_heartbeat,
+)
+#: the same for the racing lease
+HEARTBEAT_RACE = lease_statement(
+    "heartbeat_race",
+    sa.update(shards)
+    .where(_held(_RACER_HOLDS))
+    .values(race_expires_at=db_epoch() + _TTL, race_ttl_s=_TTL, updated_at=db_timestamp())
+    .returning(shards.c.race_expires_at.label("lease_expires_at"), shards.c.cursor),
     _stamp_heartbeat,
 )
 
@@ -432,43 +423,58 @@ def _extended(expires: sa.ColumnElement[Any], ttl: sa.ColumnElement[Any]) -> sa.
     return sa.case((expires > from_now, expires), else_=from_now)
 
 
-#: record microbatch b_seq (the cursor) and extend the committer's lease by its TTL; returns the new
-#: expiry. The cursor is the compare-and-set: of two racing attempts, the first to commit a seq wins it
+#: the cursor is the compare-and-set: of two racing attempts, the first to commit a seq wins it
+_NEXT_SEQ = sa.and_(shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
+#: record microbatch b_seq (the cursor) and extend the lease by its TTL; returns the new expiry
 COMMIT = lease_statement(
     "commit",
     sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
+    .where(_held(_PRIMARY_HOLDS), _NEXT_SEQ)
     .values(
         cursor=shards.c.cursor + 1,
-        lease_expires_at=_own_expiry(
-            shards.c.lease_attempt_id,
-            shards.c.lease_expires_at,
-            _extended(shards.c.lease_expires_at, shards.c.lease_ttl_s),
-        ),
-        race_expires_at=_own_expiry(
-            shards.c.race_attempt_id,
-            shards.c.race_expires_at,
-            _extended(shards.c.race_expires_at, shards.c.race_ttl_s),
-        ),
+        lease_expires_at=_extended(shards.c.lease_expires_at, shards.c.lease_ttl_s),
         updated_at=db_timestamp(),
     )
-    .returning(_HELD_EXPIRY),
+    .returning(shards.c.lease_expires_at),
+    _insert_commit,
+)
+#: the same under the racing lease
+COMMIT_RACE = lease_statement(
+    "commit_race",
+    sa.update(shards)
+    .where(_held(_RACER_HOLDS), _NEXT_SEQ)
+    .values(
+        cursor=shards.c.cursor + 1,
+        race_expires_at=_extended(shards.c.race_expires_at, shards.c.race_ttl_s),
+        updated_at=db_timestamp(),
+    )
+    .returning(shards.c.race_expires_at.label("lease_expires_at")),
     _insert_commit,
 )
 
-#: mark the shard succeeded once every microbatch is committed (by either racing attempt); ends
-#: this attempt as succeeded and the other one of a race as ``lost_race``
+_ALL_COMMITTED = shards.c.cursor == shards.c.num_microbatches
+_DONE: dict[str, Any] = {
+    "state": ShardState.SUCCEEDED.value,
+    "lease_expires_at": None,
+    "last_error": None,
+    "updated_at": db_timestamp(),
+}
+#: mark the shard succeeded once every microbatch is committed; ends the attempt as succeeded
 COMPLETE = lease_statement(
     "complete",
     sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == shards.c.num_microbatches)
-    .values(
-        state=ShardState.SUCCEEDED.value,
-        lease_expires_at=None,
-        last_error=None,
-        updated_at=db_timestamp(),
-        **NO_RACE,
-    )
+    .where(_held(_PRIMARY_HOLDS), _ALL_COMMITTED, shards.c.race_attempt_id.is_(None))
+    .values(**_DONE)
+    .returning(shards.c.epoch),
+    _attempt_succeeded,
+)
+#: the same for a shard in a race, by either attempt: clears the race and ends the other attempt
+#: as ``lost_race``
+COMPLETE_RACED = lease_statement(
+    "complete_raced",
+    sa.update(shards)
+    .where(_held(sa.or_(_PRIMARY_HOLDS, _RACER_HOLDS)), _ALL_COMMITTED, shards.c.race_attempt_id.is_not(None))
+    .values(**_DONE, **NO_RACE)
     .returning(shards.c.epoch),
     _attempt_succeeded,
     _end_superseded_attempts(
@@ -477,7 +483,18 @@ COMPLETE = lease_statement(
 )
 
 #: every lease operation (a PostgreSQL store compiles their combined statements when it is created)
-OPERATIONS = (CLAIM, TAKE_OVER, CLAIM_RACE, EXHAUST, HEARTBEAT, COMMIT, COMPLETE)
+OPERATIONS = (
+    CLAIM,
+    TAKE_OVER,
+    CLAIM_RACE,
+    EXHAUST,
+    HEARTBEAT,
+    HEARTBEAT_RACE,
+    COMMIT,
+    COMMIT_RACE,
+    COMPLETE,
+    COMPLETE_RACED,
+)
 
 # The transitions the statements above make must be allowed by core.states (the one definition of
 # them); checked once, at import.

@@ -625,7 +625,7 @@ class ManifestStore:
         """Extend the lease to ``db_now + ttl_s``; :class:`LeaseLost` if fenced, expired or job inactive."""
         params = {**_lease_params(lease), "b_ttl": float(ttl_s)}
         beat = self._fenced(
-            (leases.HEARTBEAT,),
+            (leases.HEARTBEAT, leases.HEARTBEAT_RACE),
             params,
             lambda: leases.lease_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
             job_id=lease.job_id,
@@ -688,7 +688,11 @@ class ManifestStore:
             return leases.commit_refusal(snap, lease, seq)
 
         committed = self._fenced(
-            (leases.COMMIT,), params, refuse, job_id=lease.job_id, shard_index=lease.shard_index
+            (leases.COMMIT, leases.COMMIT_RACE),
+            params,
+            refuse,
+            job_id=lease.job_id,
+            shard_index=lease.shard_index,
         )
         return dataclasses.replace(lease, expires_at=committed["lease_expires_at"], cursor=seq + 1)
 
@@ -713,7 +717,7 @@ class ManifestStore:
     def complete_shard(self, lease: Lease) -> None:
         """Mark the shard succeeded; needs every microbatch committed and the live lease."""
         self._fenced(
-            (leases.COMPLETE,),
+            (leases.COMPLETE, leases.COMPLETE_RACED),
             _lease_params(lease),
             lambda: leases.complete_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
             job_id=lease.job_id,
