@@ -8,16 +8,24 @@ not the wall clock, decides whether the safety rule escalates the running try, a
 from __future__ import annotations
 
 import datetime as dt
+import math
+import os
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
-from airflow_deadline_batch.local.runner import race_pool
+from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.local.launcher import start_worker
+from airflow_deadline_batch.local.runner import LocalRun, RunOptions, _Running, race_pool
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
+from tests.e2e.conftest import wait_for
 from tests.helpers.inputs import mixed_input
 
 pytestmark = pytest.mark.integration
@@ -84,3 +92,39 @@ def test_no_race_when_the_gain_does_not_beat_the_cost(store: ManifestStore, tmp_
     job_id = planned(store, tmp_path, (stormy, on_demand))
     store.claim_shard(job_id, 0, ttl_s=600, worker="w", pool=stormy.name)
     assert decide(store, job_id, stormy.name, TAIL) is None
+
+
+def test_the_run_races_only_once_no_shard_waits_for_a_worker(store: ManifestStore, tmp_path: Path) -> None:
+    """``LocalRun.race_tail`` with a real Spot worker holding shard 0 and the job's clock at its tail."""
+    job_id = planned(store, tmp_path)
+    stalled = tmp_path / "stalled"
+    run = LocalRun(store, job_id, RunOptions(workers=3, lease_ttl_s=30.0), ManualClock(TAIL))
+    proc = start_worker(
+        store.url,
+        job_id,
+        0,
+        pool="local-spot",
+        lease_ttl_s=30.0,
+        env={"ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled)},  # holds its live lease, committing nothing
+    )
+    try:
+        run.pending.remove(0)
+        run.running[0] = _Running(proc, PoolKind.SPOT, math.inf)
+        wait_for(stalled.exists, timeout_s=60, what="the Spot worker to hold shard 0")
+        with open(os.devnull, "ab") as devnull:
+            run.race_tail(time.monotonic(), devnull)
+            assert run.racing == {}  # shard 1 still waits for a worker: no duplicate takes one
+            run.pending.clear()
+            run.next_race_check = 0.0
+            run.race_tail(time.monotonic(), devnull)
+        assert list(run.racing) == [0] and run.racing[0].proc.pool == "local-on-demand"
+        racer = run.racing[0].proc.popen
+        wait_for(lambda: racer.poll() is not None, timeout_s=60, what="the racer to finish the shard")
+        assert racer.returncode == 0
+        assert store.get_shard(job_id, 0).state is ShardState.SUCCEEDED
+    finally:
+        for item in [*run.running.values(), *run.racing.values()]:
+            if item.proc.popen.poll() is None:
+                item.proc.popen.kill()
+                item.proc.popen.wait()
+        shutil.rmtree(run.messages_dir, ignore_errors=True)
