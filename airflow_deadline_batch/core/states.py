@@ -64,6 +64,8 @@ class AttemptOutcome(str, enum.Enum):
     FAILED_RETRYABLE = "failed_retryable"
     FAILED_TERMINAL = "failed_terminal"
     ABANDONED = "abandoned"
+    #: one of two racing attempts (the tail race) whose commit the other beat; the winner goes on
+    LOST_RACE = "lost_race"
 
 
 TERMINAL_JOB_STATES: frozenset[JobState] = frozenset(
@@ -110,6 +112,8 @@ _SHARD_AFTER: Mapping[AttemptOutcome, ShardState] = {
     _A.FAILED_RETRYABLE: _S.RETRYABLE_FAILURE,
     _A.ABANDONED: _S.RETRYABLE_FAILURE,
     _A.FAILED_TERMINAL: _S.TERMINAL_FAILURE,
+    # the shard stays with the winner of the race
+    _A.LOST_RACE: _S.LEASED,
 }
 
 

@@ -72,12 +72,19 @@ def start_worker(
     env: Mapping[str, str] | None = None,
     stderr: IO[bytes] | int | None = None,
     worker_name: str | None = None,
+    race: bool = False,
 ) -> WorkerProcess:
     full_env = worker_environment(store_url, env)
     argv = worker_command(
         sys.executable,
         worker_arguments(
-            job_id, shard_index, pool=pool, lease_ttl_s=lease_ttl_s, grace_s=grace_s, worker_name=worker_name
+            job_id,
+            shard_index,
+            pool=pool,
+            lease_ttl_s=lease_ttl_s,
+            grace_s=grace_s,
+            worker_name=worker_name,
+            extra=("--race",) if race else (),
         ),
     )
     popen = subprocess.Popen(
@@ -140,7 +147,10 @@ def fence_dead_worker(
     of another launch that holds the shard is left alone.
     """
     attempt = launched_attempt(store, proc)
-    if attempt is None or store.get_shard(proc.job_id, proc.shard_index).lease_attempt_id != attempt:
+    if attempt is None:
+        return False
+    shard = store.get_shard(proc.job_id, proc.shard_index)
+    if attempt not in (shard.lease_attempt_id, shard.race_attempt_id):  # its lease or its racing lease
         return False
     code = proc.popen.returncode
     if failure is None:

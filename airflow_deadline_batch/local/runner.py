@@ -20,6 +20,13 @@ On a pool with a ``capacity`` row the GPUs are shared with every other run on th
 asks the store's dispatcher for a slot and starts when granted, least slack first within the
 tenants' weighted fair shares (``core.dispatch``, docs/tenants.md "Dispatch"); its slot goes
 back when its worker ends, and all of the run's requests are withdrawn when the run stops.
+
+The tail race (issue 13, docs/simulator.md "The tail race"): once no shard waits for a worker and
+a worker slot is free, a running Spot try that the safety rule would now escalate races a
+duplicate on the on-demand pool (``worker --race``: a racing lease beside its own) when
+``core.placement.should_speculate`` says the expected gain beats the duplicate's cost
+(:func:`race_pool`); one racer per shard at most. Whichever commits a microbatch first wins it;
+the loser's worker exits 0 (``lost_race``) and is neither retried nor counted as a failure.
 """
 
 from __future__ import annotations
@@ -49,8 +56,9 @@ from airflow_deadline_batch.core.failures import (
     classify_exception,
     classify_exit,
 )
-from airflow_deadline_batch.core.job_view import JobView, is_stopped
-from airflow_deadline_batch.core.pools import PoolKind
+from airflow_deadline_batch.core.job_view import JobView, is_stopped, pool_named
+from airflow_deadline_batch.core.placement import should_speculate
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError, StoreError, VerificationError
 from airflow_deadline_batch.local.launcher import (
@@ -59,11 +67,17 @@ from airflow_deadline_batch.local.launcher import (
     launched_attempt,
     start_worker,
 )
-from airflow_deadline_batch.operators.placement import TryAction, TryDecision, decide_for_try, read_job_view
+from airflow_deadline_batch.operators.placement import (
+    TryAction,
+    TryDecision,
+    decide_for_try,
+    placement_snapshot,
+    read_job_view,
+)
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.service.quotas import quota_allows_launch
-from airflow_deadline_batch.store import DispatchRow, ManifestStore, Progress
+from airflow_deadline_batch.store import DispatchRow, ManifestStore, Progress, ShardRow
 
 log = logging.getLogger("airflow_deadline_batch.local")
 #: environment variable the worker writes its termination message to (worker.worker)
@@ -76,6 +90,8 @@ MANAGED_POOLS_TTL_S = 1.0
 REDECIDE_WAITING_S = 1.0
 #: how often a shard another run of the job asked a slot for is looked at again
 HELD_BY_OTHER_RUN_RECHECK_S = 1.0
+#: how often the job's tail is looked at for a race (core.placement.should_speculate)
+RACE_CHECK_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +199,38 @@ def run_job(
     return _summary(store, plan, result, run, time.monotonic() - started)
 
 
+def race_pool(view: JobView, shard: ShardRow, running_pool: str | None) -> PoolSpec | None:
+    """The on-demand pool to race this shard's running Spot try on, or None.
+
+    As the simulator's ``slack_aware`` policy: only a Spot try that the safety rule would now
+    escalate (the shard operator's decision for it is on-demand), and only when
+    ``core.placement.should_speculate`` finds the expected gain above the duplicate's cost. The
+    racer resumes at the cursor, so the duplicate needs the changeover and the shard's
+    uncommitted work at the on-demand rate; the running try needs that work at its pool's rate.
+    """
+    if shard.state is not ShardState.LEASED or shard.race_attempt_id is not None:
+        return None
+    spot = pool_named(running_pool, view.pools)
+    if spot is None or spot.kind is not PoolKind.SPOT:
+        return None
+    decision = decide_for_try(view, shard)
+    if decision.pool is None or decision.pool.kind is not PoolKind.ON_DEMAND:
+        return None
+    snap = placement_snapshot(view, shard.shard_index, decision.pool)
+    if snap.price_ratio is None:
+        return None
+    option = next((o for o in snap.spot_pools if o.name == spot.name), None)
+    speed, price = (option.speed, option.price) if option is not None else (1.0, 1.0)
+    race = should_speculate(
+        remaining_s=snap.shard_work_s / speed,
+        price=price,
+        mean_run_s=option.mean_run_s if option is not None else snap.spot_mean_run_s,
+        duplicate_s=snap.changeover_s + snap.shard_work_s,
+        duplicate_price=snap.price_ratio,
+    )
+    return decision.pool if race else None
+
+
 class LocalRun:
     """The launch loop of one job: keep ``workers`` shards running until none is left to run."""
 
@@ -197,6 +245,9 @@ class LocalRun:
             s.shard_index for s in store.list_shards(job_id) if s.state not in TERMINAL_SHARD_STATES
         )
         self.running: dict[int, _Running] = {}
+        #: the tail race: the racer (worker --race) of a running shard, by shard index
+        self.racing: dict[int, _Running] = {}
+        self.next_race_check = 0.0
         self.not_before: dict[int, float] = {}  # monotonic time before which a shard is not relaunched
         self.placements = {kind.value: 0 for kind in PoolKind}
         self.preemptions = 0
@@ -234,7 +285,7 @@ class LocalRun:
         """Launch, preempt and reap until every shard is terminal, the job stops or the deadline passes."""
         stderr = _open_log(self.options.worker_log)
         try:
-            while (self.pending or self.running or self.waiting) and not self.stopped:
+            while (self.pending or self.running or self.racing or self.waiting) and not self.stopped:
                 now = time.monotonic()
                 if self.clock.now() >= self.deadline:
                     self.deadline_passed = True
@@ -242,6 +293,7 @@ class LocalRun:
                 self.poll_dispatch(now)
                 self.redecide_waiting(now)
                 self.launch_ready(now, stderr)
+                self.race_tail(now, stderr)
                 self.inject_preemptions(now)
                 self.reap_exited(now)
                 if on_progress and not self.stopped:
@@ -250,6 +302,7 @@ class LocalRun:
                     time.sleep(self.options.poll_interval_s)
         finally:
             _stop_all(self.raw_store, self.running, self.grace_s)
+            _stop_all(self.raw_store, self.racing, self.grace_s)
             self.withdraw_dispatch()
             stderr.close()
             shutil.rmtree(self.messages_dir, ignore_errors=True)
@@ -361,7 +414,7 @@ class LocalRun:
     def busy_slots(self) -> int:
         """The run's local cap counts running workers, shards waiting for a slot and granted ones."""
         granted_idle = sum(1 for i in self.granted if i not in self.running)
-        return len(self.running) + len(self.waiting) + granted_idle
+        return len(self.running) + len(self.racing) + len(self.waiting) + granted_idle
 
     def managed_pools(self, now: float) -> frozenset[str]:
         """Pools with a ``capacity`` row (re-read at most every ``MANAGED_POOLS_TTL_S``)."""
@@ -450,6 +503,67 @@ class LocalRun:
             with contextlib.suppress(Exception):  # they expire after the TTL otherwise
                 self.raw_store.release_dispatch(self.job_id, how="withdrawn", runner=self.run_id)
 
+    # -- the tail race ------------------------------------------------------------------------------
+
+    def race_tail(self, now: float, stderr: IO[bytes]) -> None:
+        """Race a running Spot try on on-demand where :func:`race_pool` says so, on a free slot.
+
+        Never while a shard waits for a worker (queued, or for a dispatcher slot): a duplicate
+        only uses a worker that has nothing else to pull. Managed pools are not raced (a racer
+        would need a dispatcher slot of its own).
+        """
+        if self.pending or self.waiting or self.granted or self.stopped or now < self.next_race_check:
+            return
+        self.next_race_check = now + RACE_CHECK_S
+        candidates = [
+            i for i, item in self.running.items() if i not in self.racing and item.pool is PoolKind.SPOT
+        ]
+        if not candidates or self.busy_slots() >= self.options.workers:
+            return
+        view = self.read_view()
+        for index in candidates:
+            if self.busy_slots() >= self.options.workers or self.stopped:
+                return
+            pool = race_pool(view, self.store.get_shard(self.job_id, index), self.running[index].proc.pool)
+            if pool is None or pool.name in self.managed_pools(now):
+                continue
+            own = sum(1 for r in [*self.running.values(), *self.racing.values()] if r.pool is pool.kind)
+            if not quota_allows_launch(self.store, self.job_id, self.tenant, pool.kind, own):
+                continue
+            log.info(
+                "shard %05d: racing its Spot try on %s (core.placement.should_speculate)", index, pool.name
+            )
+            self.placements[pool.kind.value] += 1
+            self.launches += 1
+            message_path = os.path.join(self.messages_dir, f"try-{self.launches}.json")
+            proc = start_worker(
+                self.raw_store.url,
+                self.job_id,
+                index,
+                pool=pool.name,
+                lease_ttl_s=self.options.lease_ttl_s,
+                grace_s=self.grace_s,
+                env={**self.worker_env, ENV_TERMINATION_LOG: message_path},
+                stderr=stderr,
+                race=True,
+            )
+            self.racing[index] = _Running(proc, pool.kind, math.inf, message_path)
+
+    def reap_racers(self) -> None:
+        """Collect exited racers: a racer that won, lost or found nothing to race exits 0; a racer
+        that died is fenced (its racing lease goes, the primary runs on); none is retried."""
+        for index in list(self.racing):
+            item = self.racing[index]
+            code = item.proc.popen.poll()
+            if code is None:
+                continue
+            del self.racing[index]
+            _read_message(item.message_path)  # the try's own word: nothing to act on for a racer
+            if code < 0:
+                self._fence_dead(item.proc, FailureClass.PREEMPTED, f"racer pid {item.proc.pid} died")
+            elif code != 0:
+                log.warning("shard %05d: its racer exited %d; the running try goes on", index, code)
+
     def inject_preemptions(self, now: float) -> None:
         """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out."""
         for item in self.running.values():
@@ -463,6 +577,7 @@ class LocalRun:
 
     def reap_exited(self, now: float) -> None:
         """Collect exited workers: classify each failed try once, then requeue, back off or stop."""
+        self.reap_racers()
         for index in list(self.running):
             item = self.running[index]
             code = item.proc.popen.poll()
@@ -472,6 +587,13 @@ class LocalRun:
             if item.dispatched:
                 self.release_slot(index)
             failure = self.try_failure(item, code)
+            if index in self.racing and (
+                failure is None or failure.failure is not FailureClass.CONFIGURATION
+            ):
+                # the shard is in its racer's hands now (the store promoted it, or it won): it
+                # becomes the shard's running try, and nothing is retried
+                self.running[index] = self.racing.pop(index)
+                continue
             if failure is None:
                 self.failures_in_a_row.pop(index, None)
                 continue

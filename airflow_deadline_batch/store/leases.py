@@ -1,4 +1,4 @@
-"""The lease operations, each defined once: claim (or take over), exhaust, heartbeat, commit, complete.
+"""The lease operations, each defined once: claim (or take over), race, exhaust, heartbeat, commit, complete.
 
 Each operation is ONE conditional ``UPDATE ... RETURNING`` of the shard row. Its WHERE clause is
 the whole precondition (the fencing token: epoch + attempt ID; a live lease on the DATABASE clock;
@@ -19,6 +19,16 @@ When the UPDATE matches nothing, nothing was written; the caller then reads the 
 read-only transaction (:func:`read_snapshot`) and the ``*_refusal`` functions name the precise
 reason as the store's existing exceptions. Those functions mirror the WHERE clauses below: change
 both together.
+
+The tail race (docs/internals.md, "Racing leases"): beside its lease a LEASED shard may hold one
+racing lease (``race_attempt_id``, ``race_epoch``, ``race_expires_at``), granted by
+:data:`CLAIM_RACE` only while the primary lease is live. Heartbeat, commit and complete accept
+either lease, each fenced by its own attempt ID and epoch (a racer's ``race_epoch`` is the
+shard's epoch when it started, so any epoch bump fences it too): the primary's statement first
+(unchanged, the hot path), then the racer's (``*_RACE``). COMMIT stays a compare-and-set on the
+cursor, so whichever attempt commits a microbatch first wins it; no claim or take-over matches
+while a live racer holds the shard; COMPLETE_RACED clears the race and ends the other attempt as
+``lost_race``.
 
 Lock order: every statement here locks the shard row first (the UPDATE), then attempt rows, then
 the job row (the first claim of an admitted job). In the combined statement a bookkeeping CTE
@@ -118,18 +128,34 @@ def _one_of(column: sa.ColumnElement[str], values: list[str]) -> sa.ColumnElemen
 
 _KEY = sa.and_(shards.c.job_id == _JOB, shards.c.shard_index == _INDEX)
 _JOB_IS_ACTIVE = sa.exists().where(jobs.c.job_id == shards.c.job_id, _one_of(jobs.c.state, _ACTIVE))
-#: the precondition of heartbeat, commit and complete: this attempt holds a live lease of an active job
-_HOLDS_LIVE_LEASE = sa.and_(
-    _KEY,
-    shards.c.state == ShardState.LEASED.value,
+#: this attempt holds the shard's (primary) lease, live
+_PRIMARY_HOLDS = sa.and_(
     shards.c.epoch == _EPOCH,
     shards.c.lease_attempt_id == _ATTEMPT,
     shards.c.lease_expires_at > db_epoch(),
-    _JOB_IS_ACTIVE,
 )
+#: this attempt holds the shard's racing lease, live, started at the shard's current epoch
+_RACER_HOLDS = sa.and_(
+    shards.c.epoch == _EPOCH,
+    shards.c.race_epoch == _EPOCH,
+    shards.c.race_attempt_id == _ATTEMPT,
+    shards.c.race_expires_at > db_epoch(),
+)
+#: no racer, or its racing lease expired
+_NO_LIVE_RACER = sa.or_(shards.c.race_attempt_id.is_(None), shards.c.race_expires_at <= db_epoch())
+#: the columns of the racing lease, cleared whenever the shard leaves a race
+NO_RACE: dict[str, Any] = {
+    "race_attempt_id": None,
+    "race_epoch": None,
+    "race_expires_at": None,
+    "race_ttl_s": None,
+}
 #: claimable: never leased or released after a failure (held by no attempt), or its lease expired
+#: and no live racer holds it (a third attempt never takes over from a running racer)
 _NOT_HELD = _one_of(shards.c.state, [ShardState.PENDING.value, ShardState.RETRYABLE_FAILURE.value])
-_LEASE_EXPIRED = sa.and_(shards.c.state == ShardState.LEASED.value, shards.c.lease_expires_at <= db_epoch())
+_LEASE_EXPIRED = sa.and_(
+    shards.c.state == ShardState.LEASED.value, shards.c.lease_expires_at <= db_epoch(), _NO_LIVE_RACER
+)
 _CLAIMABLE = sa.and_(_KEY, sa.or_(_NOT_HELD, _LEASE_EXPIRED))
 #: the shard's job's max_attempts (for EXHAUST's message), by the shard key's job ID
 _MAX_ATTEMPTS = sa.select(jobs.c.max_attempts).where(jobs.c.job_id == _JOB).scalar_subquery()
@@ -139,10 +165,19 @@ def _fenced_exists(fenced: sa.FromClause) -> sa.Exists:
     return sa.exists(sa.select(1).select_from(fenced))
 
 
-def _end_superseded_attempts(error: Callable[[sa.FromClause], sa.ColumnElement[str]]) -> Bookkeeping:
-    """End as ``lost_lease`` the attempt whose expired lease ``fenced`` took away (any older running one)."""
+def _end_superseded_attempts(
+    error: Callable[[sa.FromClause], sa.ColumnElement[str]],
+    outcome: AttemptOutcome = AttemptOutcome.LOST_LEASE,
+    *,
+    spare_holder: bool = False,
+) -> Bookkeeping:
+    """End as ``outcome`` the attempts ``fenced`` took the shard from (every other running one).
+
+    ``spare_holder``: not the attempt that holds the primary lease (``fenced.lease_attempt_id``).
+    """
 
     def make(fenced: sa.FromClause) -> sa.Update:
+        spared = [attempts.c.attempt_id != fenced.c.lease_attempt_id] if spare_holder else []
         return (
             sa.update(attempts)
             .where(
@@ -151,30 +186,40 @@ def _end_superseded_attempts(error: Callable[[sa.FromClause], sa.ColumnElement[s
                 attempts.c.outcome == AttemptOutcome.RUNNING.value,
                 attempts.c.epoch <= fenced.c.epoch,  # UPDATE ... FROM fenced: nothing if it matched nothing
                 attempts.c.attempt_id != _ATTEMPT,
+                *spared,
             )
-            .values(outcome=AttemptOutcome.LOST_LEASE.value, ended_at=db_timestamp(), error=error(fenced))
+            .values(outcome=outcome.value, ended_at=db_timestamp(), error=error(fenced))
         )
 
     return make
 
 
-def _insert_attempt(fenced: sa.FromClause) -> sa.Insert:
-    now = db_timestamp()
-    return sa.insert(attempts).from_select(
-        ["attempt_id", "job_id", "shard_index", "epoch", "worker", "pool", "started_at", "outcome"]
-        + ["heartbeat_at"],
-        sa.select(
-            _ATTEMPT,
-            _JOB,
-            _INDEX,
-            fenced.c.epoch,
-            _B("b_worker", type_=sa.String()),
-            _POOL,
-            now,
-            sa.literal(AttemptOutcome.RUNNING.value),
-            now,
-        ),
-    )
+def _attempt_row(*, speculative: bool) -> Bookkeeping:
+    """Record the new attempt, running, at the epoch ``fenced`` returned."""
+
+    def make(fenced: sa.FromClause) -> sa.Insert:
+        now = db_timestamp()
+        return sa.insert(attempts).from_select(
+            ["attempt_id", "job_id", "shard_index", "epoch", "worker", "pool", "started_at", "outcome"]
+            + ["heartbeat_at", "speculative"],
+            sa.select(
+                _ATTEMPT,
+                _JOB,
+                _INDEX,
+                fenced.c.epoch,
+                _B("b_worker", type_=sa.String()),
+                _POOL,
+                now,
+                sa.literal(AttemptOutcome.RUNNING.value),
+                now,
+                sa.literal(speculative, type_=sa.Boolean()),
+            ),
+        )
+
+    return make
+
+
+_insert_attempt = _attempt_row(speculative=False)
 
 
 def _run_job(fenced: sa.FromClause) -> sa.Update:
@@ -258,6 +303,7 @@ def _claim(name: str, shard_state: sa.ColumnElement[bool], *bookkeeping: Bookkee
             attempts=shards.c.attempts + 1,
             last_pool=_POOL,
             updated_at=db_timestamp(),
+            **NO_RACE,
         )
         .returning(shards.c.epoch, shards.c.lease_expires_at, shards.c.cursor, shards.c.num_microbatches),
         _insert_attempt,
@@ -300,52 +346,155 @@ EXHAUST = lease_statement(
         + "); last error: "
         + sa.func.coalesce(shards.c.last_error, "unknown"),
         updated_at=db_timestamp(),
+        **NO_RACE,
     )
     .returning(shards.c.epoch, shards.c.last_error),
     _end_superseded_attempts(lambda f: "lease expired; shard " + f.c.last_error),
 )
 
+#: a racing lease for a LEASED shard whose primary lease is live and that no live racer holds,
+#: with microbatches left to run; the epoch is not bumped (the primary keeps its lease). A dead
+#: racer it replaces ends as ``lost_lease``. Returns the racer's lease.
+CLAIM_RACE = lease_statement(
+    "claim_race",
+    sa.update(shards)
+    .where(
+        _KEY,
+        shards.c.state == ShardState.LEASED.value,
+        shards.c.lease_expires_at > db_epoch(),
+        _NO_LIVE_RACER,
+        shards.c.cursor < shards.c.num_microbatches,
+        _JOB_IS_ACTIVE,
+    )
+    .values(
+        race_attempt_id=_ATTEMPT,
+        race_epoch=shards.c.epoch,
+        race_expires_at=db_epoch() + _TTL,
+        race_ttl_s=_TTL,
+        attempts=shards.c.attempts + 1,
+        updated_at=db_timestamp(),
+    )
+    .returning(
+        shards.c.epoch,
+        shards.c.race_expires_at.label("lease_expires_at"),
+        shards.c.cursor,
+        shards.c.num_microbatches,
+        shards.c.lease_attempt_id,
+    ),
+    _attempt_row(speculative=True),
+    _end_superseded_attempts(
+        lambda f: sa.literal("racing lease expired; replaced by another racer"), spare_holder=True
+    ),
+)
+
+
+def _held(lease: sa.ColumnElement[bool]) -> sa.ColumnElement[bool]:
+    """The precondition of heartbeat, commit and complete: ``lease`` (primary or racing) is held, live."""
+    return sa.and_(_KEY, shards.c.state == ShardState.LEASED.value, lease, _JOB_IS_ACTIVE)
+
+
+# Each of heartbeat, commit and complete is two statements: the primary lease's (as before the
+# race existed, the hot path) and the racing lease's, tried second (ManifestStore._fenced tries
+# them in order), so a job that never races pays nothing for it.
+
 #: extend the live lease to db_now + ttl; returns the new expiry and the cursor
 HEARTBEAT = lease_statement(
     "heartbeat",
     sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE)
+    .where(_held(_PRIMARY_HOLDS))
     .values(lease_expires_at=db_epoch() + _TTL, lease_ttl_s=_TTL, updated_at=db_timestamp())
     .returning(shards.c.lease_expires_at, shards.c.cursor),
     _stamp_heartbeat,
 )
+#: the same for the racing lease
+HEARTBEAT_RACE = lease_statement(
+    "heartbeat_race",
+    sa.update(shards)
+    .where(_held(_RACER_HOLDS))
+    .values(race_expires_at=db_epoch() + _TTL, race_ttl_s=_TTL, updated_at=db_timestamp())
+    .returning(shards.c.race_expires_at.label("lease_expires_at"), shards.c.cursor),
+    _stamp_heartbeat,
+)
 
-_TTL_FROM_NOW = db_epoch() + sa.func.coalesce(shards.c.lease_ttl_s, 0.0)
+
+def _extended(expires: sa.ColumnElement[Any], ttl: sa.ColumnElement[Any]) -> sa.ColumnElement[float]:
+    """A commit extends a lease to db_now + its TTL, never shortens it."""
+    from_now = db_epoch() + sa.func.coalesce(ttl, 0.0)
+    return sa.case((expires > from_now, expires), else_=from_now)
+
+
+#: the cursor is the compare-and-set: of two racing attempts, the first to commit a seq wins it
+_NEXT_SEQ = sa.and_(shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
 #: record microbatch b_seq (the cursor) and extend the lease by its TTL; returns the new expiry
 COMMIT = lease_statement(
     "commit",
     sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == _SEQ, shards.c.cursor < shards.c.num_microbatches)
+    .where(_held(_PRIMARY_HOLDS), _NEXT_SEQ)
     .values(
         cursor=shards.c.cursor + 1,
-        lease_expires_at=sa.case(
-            (shards.c.lease_expires_at > _TTL_FROM_NOW, shards.c.lease_expires_at), else_=_TTL_FROM_NOW
-        ),
+        lease_expires_at=_extended(shards.c.lease_expires_at, shards.c.lease_ttl_s),
         updated_at=db_timestamp(),
     )
     .returning(shards.c.lease_expires_at),
     _insert_commit,
 )
+#: the same under the racing lease
+COMMIT_RACE = lease_statement(
+    "commit_race",
+    sa.update(shards)
+    .where(_held(_RACER_HOLDS), _NEXT_SEQ)
+    .values(
+        cursor=shards.c.cursor + 1,
+        race_expires_at=_extended(shards.c.race_expires_at, shards.c.race_ttl_s),
+        updated_at=db_timestamp(),
+    )
+    .returning(shards.c.race_expires_at.label("lease_expires_at")),
+    _insert_commit,
+)
 
+_ALL_COMMITTED = shards.c.cursor == shards.c.num_microbatches
+_DONE: dict[str, Any] = {
+    "state": ShardState.SUCCEEDED.value,
+    "lease_expires_at": None,
+    "last_error": None,
+    "updated_at": db_timestamp(),
+}
 #: mark the shard succeeded once every microbatch is committed; ends the attempt as succeeded
 COMPLETE = lease_statement(
     "complete",
     sa.update(shards)
-    .where(_HOLDS_LIVE_LEASE, shards.c.cursor == shards.c.num_microbatches)
-    .values(
-        state=ShardState.SUCCEEDED.value, lease_expires_at=None, last_error=None, updated_at=db_timestamp()
-    )
+    .where(_held(_PRIMARY_HOLDS), _ALL_COMMITTED, shards.c.race_attempt_id.is_(None))
+    .values(**_DONE)
     .returning(shards.c.epoch),
     _attempt_succeeded,
 )
+#: the same for a shard in a race, by either attempt: clears the race and ends the other attempt
+#: as ``lost_race``
+COMPLETE_RACED = lease_statement(
+    "complete_raced",
+    sa.update(shards)
+    .where(_held(sa.or_(_PRIMARY_HOLDS, _RACER_HOLDS)), _ALL_COMMITTED, shards.c.race_attempt_id.is_not(None))
+    .values(**_DONE, **NO_RACE)
+    .returning(shards.c.epoch),
+    _attempt_succeeded,
+    _end_superseded_attempts(
+        lambda f: sa.literal("the other attempt of the race completed the shard"), AttemptOutcome.LOST_RACE
+    ),
+)
 
 #: every lease operation (a PostgreSQL store compiles their combined statements when it is created)
-OPERATIONS = (CLAIM, TAKE_OVER, EXHAUST, HEARTBEAT, COMMIT, COMPLETE)
+OPERATIONS = (
+    CLAIM,
+    TAKE_OVER,
+    CLAIM_RACE,
+    EXHAUST,
+    HEARTBEAT,
+    HEARTBEAT_RACE,
+    COMMIT,
+    COMMIT_RACE,
+    COMPLETE,
+    COMPLETE_RACED,
+)
 
 # The transitions the statements above make must be allowed by core.states (the one definition of
 # them); checked once, at import.
@@ -399,12 +548,46 @@ def claim_refusal(snap: ShardSnapshot) -> ShardNotClaimable | None:
             f"{where} failed terminally ({shard.last_error}); it is not retried", reason="exhausted", **key
         )
     left = (shard.lease_expires_at or 0.0) - snap.db_now
-    if shard.state is ShardState.LEASED and left > 0:
+    race_left = (shard.race_expires_at or 0.0) - snap.db_now if shard.race_attempt_id else 0.0
+    if shard.state is ShardState.LEASED and max(left, race_left) > 0:
+        holder = shard.lease_attempt_id if left > 0 else f"racer {shard.race_attempt_id}"
         return ShardNotClaimable(
-            f"{where} is leased by {shard.lease_attempt_id} for {left:.1f}s more",
+            f"{where} is leased by {holder} for {max(left, race_left):.1f}s more",
             reason="leased",
-            seconds_left=left,
+            seconds_left=max(left, race_left),
             **key,
+        )
+    return None
+
+
+def race_refusal(snap: ShardSnapshot) -> ShardNotClaimable | None:
+    """Why CLAIM_RACE matched nothing, or None if a racer may start now.
+
+    Reasons: ``succeeded``, ``job_inactive``, ``exhausted`` (as a claim's), ``not_running`` (no
+    live primary lease to race: claim the shard instead), ``racing`` (a live racer holds it) and
+    ``committed`` (every microbatch is committed; only completing is left).
+    """
+    shard = snap.shard
+    refused = claim_refusal(snap)
+    if refused is not None and refused.fields.get("reason") != "leased":
+        return refused
+    where = f"shard {shard.shard_id} of job {shard.job_id}"
+    key = {"job_id": shard.job_id, "shard_index": shard.shard_index}
+    if shard.state is not ShardState.LEASED or (shard.lease_expires_at or 0.0) <= snap.db_now:
+        return ShardNotClaimable(
+            f"{where} has no live lease to race ({shard.state.value}); claim it instead",
+            reason="not_running",
+            **key,
+        )
+    if shard.race_attempt_id is not None and (shard.race_expires_at or 0.0) > snap.db_now:
+        return ShardNotClaimable(
+            f"{where} is already raced by {shard.race_attempt_id}; one racer at most",
+            reason="racing",
+            **key,
+        )
+    if shard.cursor >= shard.num_microbatches:
+        return ShardNotClaimable(
+            f"{where} has every microbatch committed; nothing left to race", reason="committed", **key
         )
     return None
 
@@ -422,14 +605,20 @@ def exhausted(job_id: str, shard_index: int, last_error: str) -> ShardNotClaimab
 def lease_refusal(snap: ShardSnapshot, lease: Lease) -> LeaseLost | None:
     """:class:`LeaseLost` unless ``lease`` is the shard's current, live lease of an active job."""
     shard = snap.shard
+    racer = shard.race_attempt_id == lease.attempt_id
+    expires = (shard.race_expires_at if racer else shard.lease_expires_at) or 0.0
     if snap.job_state not in ACTIVE_JOB_STATES:
         reason = f"job is {snap.job_state.value}"  # checked first: it is the reason a user can act on
-    elif shard.epoch != lease.epoch or shard.lease_attempt_id != lease.attempt_id:
+    elif (
+        shard.epoch != lease.epoch
+        or (racer and shard.race_epoch != lease.epoch)
+        or not (racer or shard.lease_attempt_id == lease.attempt_id)
+    ):
         reason = f"fenced by epoch {shard.epoch} ({shard.lease_attempt_id})"
     elif shard.state is not ShardState.LEASED:
         reason = f"shard is {shard.state.value}"
-    elif (shard.lease_expires_at or 0.0) <= snap.db_now:
-        reason = f"lease expired {snap.db_now - (shard.lease_expires_at or 0.0):.2f}s ago"
+    elif expires <= snap.db_now:
+        reason = f"lease expired {snap.db_now - expires:.2f}s ago"
     else:
         return None
     return LeaseLost(
@@ -459,6 +648,25 @@ def commit_refusal(snap: ShardSnapshot, lease: Lease, seq: int) -> StoreError | 
             expected_seq=shard.cursor,
         )
     return None
+
+
+def live_rival(snap: ShardSnapshot, lease: Lease) -> str | None:
+    """The other attempt of a race that ``lease`` (live) is in, if that one's lease is live too."""
+    shard = snap.shard
+    if shard.race_attempt_id is None:
+        return None
+    if shard.race_attempt_id == lease.attempt_id:
+        rival, expires = shard.lease_attempt_id, shard.lease_expires_at
+    else:
+        rival, expires = shard.race_attempt_id, shard.race_expires_at
+    return rival if (expires or 0.0) > snap.db_now else None
+
+
+def lost_race(snap: ShardSnapshot, lease: Lease, seq: int) -> bool:
+    """Whether ``lease``'s commit of ``seq`` was refused because its live rival committed it first."""
+    return (
+        lease_refusal(snap, lease) is None and seq < snap.shard.cursor and live_rival(snap, lease) is not None
+    )
 
 
 def complete_refusal(snap: ShardSnapshot, lease: Lease) -> StoreError | None:

@@ -49,6 +49,7 @@ from airflow_deadline_batch.core.states import (
 from airflow_deadline_batch.exceptions import (
     InvalidTransition,
     JobNotFound,
+    LeaseLost,
     StoreError,
 )
 from airflow_deadline_batch.store import dispatch, leases, pool_stats, tenancy, throughput
@@ -423,7 +424,9 @@ class ManifestStore:
         """
         now = self._now(conn)
         rows = conn.execute(
-            sa.select(shards.c.shard_index, shards.c.lease_attempt_id, shards.c.state)
+            sa.select(
+                shards.c.shard_index, shards.c.lease_attempt_id, shards.c.race_attempt_id, shards.c.state
+            )
             .where(shards.c.job_id == job_id, shards.c.state != ShardState.SUCCEEDED.value)
             .with_for_update()
         ).all()
@@ -433,17 +436,15 @@ class ManifestStore:
                 "lease_attempt_id": None,
                 "lease_expires_at": None,
                 "updated_at": _ts(now),
+                **leases.NO_RACE,
             }
             if row.state == ShardState.LEASED.value:
                 values["state"] = ShardState.RETRYABLE_FAILURE.value
             conn.execute(sa.update(shards).where(_shard_key(job_id, row.shard_index)).values(**values))
-            self._end_attempt(
-                conn,
-                row.lease_attempt_id,
-                AttemptOutcome.LOST_LEASE,
-                now,
-                "fenced: the job left the running state",
-            )
+            for attempt_id in (row.lease_attempt_id, row.race_attempt_id):
+                self._end_attempt(
+                    conn, attempt_id, AttemptOutcome.LOST_LEASE, now, "fenced: the job left the running state"
+                )
 
     def set_job_state(
         self,
@@ -583,11 +584,48 @@ class ManifestStore:
             num_microbatches=claimed["num_microbatches"],
         )
 
+    def claim_race(
+        self, job_id: str, shard_index: int, *, ttl_s: float, worker: str, pool: str | None = None
+    ) -> Lease:
+        """A racing lease beside the shard's live lease: a speculative attempt at the tail (issue 13).
+
+        Granted only while the shard is LEASED with a live primary lease, no live racer and
+        microbatches left, in an active job; the epoch is not bumped. The racer resumes at the
+        cursor; heartbeat, commit and complete take its lease as they take the primary's, and the
+        first of the two to commit a microbatch wins it (:meth:`commit_microbatch`). Raises
+        :class:`ShardNotClaimable` with the reason of :func:`leases.race_refusal`.
+        """
+        attempt_id = new_attempt_id()
+        params = {
+            "b_job": job_id,
+            "b_index": shard_index,
+            "b_attempt": attempt_id,
+            "b_ttl": float(ttl_s),
+            "b_pool": pool,
+            "b_worker": worker,
+        }
+        raced = self._fenced(
+            (leases.CLAIM_RACE,),
+            params,
+            lambda: leases.race_refusal(self._snapshot(job_id, shard_index)),
+            job_id=job_id,
+            shard_index=shard_index,
+        )
+        return Lease(
+            job_id=job_id,
+            shard_index=shard_index,
+            attempt_id=attempt_id,
+            epoch=raced["epoch"],
+            expires_at=raced["lease_expires_at"],
+            cursor=raced["cursor"],
+            num_microbatches=raced["num_microbatches"],
+        )
+
     def heartbeat(self, lease: Lease, ttl_s: float) -> Lease:
         """Extend the lease to ``db_now + ttl_s``; :class:`LeaseLost` if fenced, expired or job inactive."""
         params = {**_lease_params(lease), "b_ttl": float(ttl_s)}
         beat = self._fenced(
-            (leases.HEARTBEAT,),
+            (leases.HEARTBEAT, leases.HEARTBEAT_RACE),
             params,
             lambda: leases.lease_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
             job_id=lease.job_id,
@@ -613,7 +651,11 @@ class ManifestStore:
         """Commit microbatch ``seq`` (must equal the shard's cursor) under the lease, and extend the lease.
 
         :class:`LeaseLost` when fenced or expired; :class:`StoreError` for a duplicate or
-        out-of-order ``seq``. Returns the extended lease (callers may ignore it).
+        out-of-order ``seq`` (``expected_seq`` the cursor: an attempt whose rival of a race
+        committed ahead of it and then ended resumes there). In a race whose rival is live, a
+        ``seq`` the rival committed first loses the race: the attempt ends as ``lost_race`` (no
+        failure, no budget spent) and :class:`LeaseLost` with ``lost_race=True`` is raised.
+        Returns the extended lease (callers may ignore it).
         """
         params = {
             **_lease_params(lease),
@@ -628,19 +670,54 @@ class ManifestStore:
             "b_model_digest": model_digest,
             "b_pool": pool,
         }
+
+        def refuse() -> StoreError | None:
+            snap = self._snapshot(lease.job_id, lease.shard_index)
+            if leases.lost_race(snap, lease, seq) and self._tx(
+                lambda conn: self._lose_race(conn, lease, seq)
+            ):
+                return LeaseLost(
+                    f"shard {lease.shard_id} of job {lease.job_id}: attempt {lease.attempt_id} lost the "
+                    f"race: microbatch {seq} was committed first by the other attempt; stop and exit",
+                    job_id=lease.job_id,
+                    shard_index=lease.shard_index,
+                    attempt_id=lease.attempt_id,
+                    epoch=lease.epoch,
+                    lost_race=True,
+                )
+            return leases.commit_refusal(snap, lease, seq)
+
         committed = self._fenced(
-            (leases.COMMIT,),
+            (leases.COMMIT, leases.COMMIT_RACE),
             params,
-            lambda: leases.commit_refusal(self._snapshot(lease.job_id, lease.shard_index), lease, seq),
+            refuse,
             job_id=lease.job_id,
             shard_index=lease.shard_index,
         )
         return dataclasses.replace(lease, expires_at=committed["lease_expires_at"], cursor=seq + 1)
 
+    def _lose_race(self, conn: Connection, lease: Lease, seq: int) -> bool:
+        """End ``lease``'s attempt as ``lost_race`` if, under the shard's row lock, it still lost it."""
+        shard, now = self._lock_shard(conn, lease.job_id, lease.shard_index)
+        snap = leases.ShardSnapshot(shard=shard, job_state=self._job(conn, lease.job_id).state, db_now=now)
+        if not leases.lost_race(snap, lease, seq):
+            return False
+        rival = leases.live_rival(snap, lease)
+        self._end_lease(
+            conn,
+            lease.job_id,
+            lease.shard_index,
+            lease.attempt_id,
+            lease.epoch,
+            AttemptOutcome.LOST_RACE,
+            f"lost the race: microbatch {seq} was committed first by {rival}",
+        )
+        return True
+
     def complete_shard(self, lease: Lease) -> None:
         """Mark the shard succeeded; needs every microbatch committed and the live lease."""
         self._fenced(
-            (leases.COMPLETE,),
+            (leases.COMPLETE, leases.COMPLETE_RACED),
             _lease_params(lease),
             lambda: leases.complete_refusal(self._snapshot(lease.job_id, lease.shard_index), lease),
             job_id=lease.job_id,
@@ -736,6 +813,11 @@ class ManifestStore:
     ) -> ShardState | None:
         """End an attempt; if it still holds the shard's lease, free the shard for the next attempt.
 
+        In a race (docs/internals.md, "Racing leases") the shard is not freed: a racer that ends
+        leaves the primary lease as it is; a primary that ends while its racer's lease is live
+        hands the shard to the racer (promoted to the primary lease, same epoch); neither spends
+        the budget. Both return ``leased``.
+
         Returns the shard's state afterwards, or None when the attempt no longer held the lease.
         With a ``failure`` class (docs/design.md §6.6): a deterministic failure of an attempt that
         committed nothing spends one unit of the budget, and the shard fails for good once
@@ -744,15 +826,23 @@ class ManifestStore:
         """
         shard, now = self._lock_shard(conn, job_id, shard_index)
         self._end_attempt(conn, attempt_id, outcome, now, error, failure)
-        holds = (
-            shard.state is ShardState.LEASED
-            and shard.lease_attempt_id == attempt_id
-            and (epoch is None or shard.epoch == epoch)
-        )
+        leased = shard.state is ShardState.LEASED and (epoch is None or shard.epoch == epoch)
+        holds = leased and shard.lease_attempt_id == attempt_id
+        races = leased and shard.race_attempt_id == attempt_id
+        racer_live = shard.race_attempt_id is not None and (shard.race_expires_at or 0.0) > now
+        if races or (holds and racer_live):
+            self._leave_race(conn, shard, promote=not races, now=now)
+            if failure is FailureClass.CONFIGURATION:
+                self._stop_for_configuration(conn, job_id, shard.shard_id, error)
+            return ShardState.LEASED
         if not holds:
             if failure is FailureClass.CONFIGURATION:
                 self._stop_for_configuration(conn, job_id, shard.shard_id, error)
             return None
+        if outcome is AttemptOutcome.LOST_RACE:
+            raise ValueError("an attempt without a live rival cannot lose a race")
+        # a dead racer (its lease expired) goes with the primary lease
+        self._end_attempt(conn, shard.race_attempt_id, AttemptOutcome.LOST_LEASE, now, "racing lease expired")
         after = shard_state_after(outcome)
         message = error or outcome.value
         failures = shard.failures
@@ -789,11 +879,24 @@ class ManifestStore:
                 failures=failures,
                 last_error=message[:4000],
                 updated_at=_ts(now),
+                **leases.NO_RACE,
             )
         )
         if failure is FailureClass.CONFIGURATION:
             self._stop_for_configuration(conn, job_id, shard.shard_id, error)
         return after
+
+    @staticmethod
+    def _leave_race(conn: Connection, shard: ShardRow, *, promote: bool, now: float) -> None:
+        """One attempt of a race ends: the racer goes, or (``promote``) the racer takes the primary lease."""
+        values: dict[str, Any] = {**leases.NO_RACE, "updated_at": _ts(now)}
+        if promote:
+            values.update(
+                lease_attempt_id=shards.c.race_attempt_id,
+                lease_expires_at=shards.c.race_expires_at,
+                lease_ttl_s=shards.c.race_ttl_s,
+            )
+        conn.execute(sa.update(shards).where(_shard_key(shard.job_id, shard.shard_index)).values(**values))
 
     def _stop_for_configuration(
         self, conn: Connection, job_id: str, shard_id_: str, error: str | None

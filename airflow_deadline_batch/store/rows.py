@@ -174,6 +174,10 @@ class ShardRow:
     last_pool: str | None
     last_error: str | None
     updated_at: dt.datetime
+    #: the tail race: the speculative attempt beside the lease's, its epoch and expiry (DB clock)
+    race_attempt_id: str | None = None
+    race_epoch: int | None = None
+    race_expires_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> ShardRow:
@@ -201,6 +205,9 @@ class ShardRow:
             last_pool=m["last_pool"],
             last_error=m["last_error"],
             updated_at=m["updated_at"],
+            race_attempt_id=m.get("race_attempt_id"),
+            race_epoch=m.get("race_epoch"),
+            race_expires_at=m.get("race_expires_at"),
         )
 
     @property
@@ -223,6 +230,8 @@ class AttemptRow:
     heartbeat_at: dt.datetime | None
     #: core.failures.FailureClass value of a failed try (None: running, succeeded, unclassified)
     failure_class: str | None = None
+    #: a speculative duplicate of a running attempt (the tail race)
+    speculative: bool = False
 
     @classmethod
     def from_row(cls, row: Any) -> AttemptRow:
@@ -240,6 +249,7 @@ class AttemptRow:
             error=m["error"],
             heartbeat_at=m["heartbeat_at"],
             failure_class=m.get("failure_class"),
+            speculative=bool(m.get("speculative") or False),
         )
 
 

@@ -149,6 +149,12 @@ shards = sa.Table(
     sa.Column("last_pool", sa.String(128), nullable=True),
     sa.Column("last_error", sa.Text(), nullable=True),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
+    # the tail race (revision 0005): at most one speculative attempt beside the lease's, fenced by
+    # its own attempt ID and race_epoch (== epoch while it races); None when no racer
+    sa.Column("race_attempt_id", sa.String(64), nullable=True),
+    sa.Column("race_epoch", sa.Integer(), nullable=True),
+    sa.Column("race_expires_at", sa.Double(), nullable=True),
+    sa.Column("race_ttl_s", sa.Double(), nullable=True),
 )
 
 attempts = sa.Table(
@@ -167,6 +173,8 @@ attempts = sa.Table(
     sa.Column("heartbeat_at", UTCDateTime(), nullable=True),
     # core.failures.FailureClass of a failed try (None: running, succeeded, or not classified)
     sa.Column("failure_class", sa.String(32), nullable=True),
+    # a speculative duplicate started beside a live lease (the tail race, revision 0005)
+    sa.Column("speculative", sa.Boolean(), nullable=False, server_default=sa.false()),
     sa.ForeignKeyConstraint(
         ["job_id", "shard_index"], ["adb_shards.job_id", "adb_shards.shard_index"], ondelete="CASCADE"
     ),

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="engine-specific option, repeatable (e.g. delay_s_per_record=0.1)",
     )
+    parser.add_argument(
+        "--race",
+        action="store_true",
+        help="run as a speculative duplicate beside the shard's running attempt (the tail race)",
+    )
     return parser
 
 
@@ -81,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace_s=args.grace,
             pool=args.pool,
             engine_options=parse_engine_options(args.engine_option),
+            race=args.race,
             **extra,
         )
     except ConfigurationError as exc:

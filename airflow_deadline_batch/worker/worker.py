@@ -13,6 +13,14 @@ It runs inside a Kubernetes pod (or as a local subprocess) and follows docs/desi
    SIGINT releases and exits at once;
 5. complete the shard.
 
+With ``--race`` the worker is a speculative duplicate at the job's tail (issue 13): it takes a
+racing lease beside the running attempt's (``ManifestStore.claim_race``) and runs the shard from
+the cursor. Whichever of the two commits a microbatch first wins it; the other's commit is
+refused, the store ends that attempt as ``lost_race``, and its worker exits 0: the shard is in
+the other's hands, nothing failed and nothing is retried. A worker whose rival completed the
+shard exits 0 the same way. A racer that finds nothing to race (no live lease, a racer already
+there, every microbatch committed) exits 0 too.
+
 Exit codes: 0 done (also when the shard was already committed), 75 retryable (preempted, lease
 lost or held by another live attempt, transient failure), 1 terminal (bad configuration, model
 digest mismatch, changed input, attempts exhausted).
@@ -73,6 +81,7 @@ from airflow_deadline_batch.exceptions import (
     LeaseLost,
     ShardNotClaimable,
     StorageError,
+    StoreError,
 )
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
@@ -112,6 +121,8 @@ class WorkerConfig:
     pool: str | None = None
     worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     engine_options: Mapping[str, str] = field(default_factory=dict)
+    #: a speculative duplicate beside the shard's running attempt (the tail race)
+    race: bool = False
 
     def __post_init__(self) -> None:
         if not self.store_url:
@@ -424,7 +435,8 @@ class ShardWorker:
             with self._store_call():
                 job = store.get_job(cfg.job_id)
                 ttl_s = cfg.lease_ttl_s or job.lease_ttl_s
-                self.lease = store.claim_shard(
+                claim = store.claim_race if cfg.race else store.claim_shard
+                self.lease = claim(
                     cfg.job_id, cfg.shard_index, ttl_s=ttl_s, worker=cfg.worker_name, pool=cfg.pool
                 )
         except ShardNotClaimable as exc:
@@ -442,7 +454,8 @@ class ShardWorker:
         lease = self.lease
         _set_log_prefix(cfg.job_id, cfg.shard_index, lease.attempt_id)
         log.info(
-            "claimed: epoch %d, resuming at microbatch %d of %d, lease ttl %.1fs",
+            "claimed%s: epoch %d, resuming at microbatch %d of %d, lease ttl %.1fs",
+            " a racing lease" if cfg.race else "",
             lease.epoch,
             lease.cursor,
             lease.num_microbatches,
@@ -456,6 +469,8 @@ class ShardWorker:
         except _Interrupted as exc:
             return self._finish(store, FailureClass.PREEMPTED, AttemptOutcome.PREEMPTED, exc.reason)
         except LeaseLost as exc:
+            if self._race_is_over(store, exc):
+                return self._stop_racing(str(exc))
             return self._finish(store, FailureClass.PREEMPTED, AttemptOutcome.LOST_LEASE, str(exc))
         except Exception as exc:
             failure = classify_exception(exc)
@@ -472,10 +487,37 @@ class ShardWorker:
         log.info("shard complete")
         return EXIT_DONE
 
+    def _race_is_over(self, store: ManifestStore, exc: LeaseLost) -> bool:
+        """Whether the lease went to the other attempt of a race (the store ended this one ``lost_race``)."""
+        if exc.fields.get("lost_race"):
+            return True
+        if self.lease is None:
+            return False
+        try:
+            with self._store_call():
+                tries = store.list_attempts(self.config.job_id)
+        except Exception:  # cannot tell: end the try as a lost lease, the retry finds out
+            return False
+        mine = [a for a in tries if a.attempt_id == self.lease.attempt_id]
+        return bool(mine) and mine[0].outcome is AttemptOutcome.LOST_RACE
+
+    def _stop_racing(self, reason: str) -> int:
+        """The race's other attempt has the shard: stop, no failure, no retry (the store ended this try)."""
+        self._shutting_down = True
+        self._disarm_alarm()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        log.info("the other attempt of the race has the shard; stopping: %s", reason)
+        log.info("exit %d", EXIT_DONE)
+        return EXIT_DONE
+
     def _not_claimable(self, exc: ShardNotClaimable) -> int:
         reason = str(getattr(exc, "reason", "unknown"))
         if reason == "succeeded":
             log.info("shard already committed: nothing to do")
+            return EXIT_DONE
+        if self.config.race and reason in ("not_running", "racing", "committed"):
+            log.info("nothing to race (%s): %s", reason, exc)
             return EXIT_DONE
         if reason == "leased":
             log.warning("shard is leased by another live attempt: %s", exc)
@@ -569,11 +611,12 @@ class ShardWorker:
         )
 
         output = open_storage(job.output_uri)
-        for seq in range(lease.cursor, lease.num_microbatches):
+        seq = lease.cursor
+        while seq < lease.num_microbatches:
             if self.stop_requested:
                 return False
             self._check_heartbeat()
-            self._run_microbatch(
+            seq = self._run_microbatch(
                 store, output, engine, digest, lease, seq, shard_input.microbatch(seq), params
             )
 
@@ -622,7 +665,8 @@ class ShardWorker:
         seq: int,
         records: Sequence[Record],
         params: GenerationParams,
-    ) -> None:
+    ) -> int:
+        """Generate, write and commit microbatch ``seq``; the next microbatch to run."""
         self._generate_records = len(records)
         self._generate_started = started = time.monotonic()
         self.phase = Phase.GENERATING  # after the fields the SIGTERM handler reads
@@ -647,20 +691,30 @@ class ShardWorker:
         succeeded = sum(1 for r in results if r.status == "succeeded")
         counts = {"succeeded": succeeded, "errored": len(results) - succeeded}
         self.phase = Phase.COMMITTING
-        with self._store_call():
-            store.commit_microbatch(
-                lease,
-                seq=seq,
-                uri=uri,
-                sha256=sha,
-                records=len(results),
-                counts=counts,
-                prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-                completion_tokens=sum(r.usage.completion_tokens for r in results),
-                elapsed_s=time.monotonic() - started,
-                model_digest=digest,
-                pool=self.config.pool,
-            )
+        try:
+            with self._store_call():
+                store.commit_microbatch(
+                    lease,
+                    seq=seq,
+                    uri=uri,
+                    sha256=sha,
+                    records=len(results),
+                    counts=counts,
+                    prompt_tokens=sum(r.usage.prompt_tokens for r in results),
+                    completion_tokens=sum(r.usage.completion_tokens for r in results),
+                    elapsed_s=time.monotonic() - started,
+                    model_digest=digest,
+                    pool=self.config.pool,
+                )
+        except LeaseLost:
+            raise
+        except StoreError as exc:
+            ahead = exc.fields.get("expected_seq")
+            if not isinstance(ahead, int) or ahead <= seq:
+                raise
+            # the other attempt of a race committed this one and then ended: go on from the cursor
+            log.info("microbatch %d was committed by the other attempt of a race; resuming at %d", seq, ahead)
+            return ahead
         self._committed += 1
         log.info(
             "committed microbatch %d/%d: %d records (%d errored) in %.2fs",
@@ -670,6 +724,7 @@ class ShardWorker:
             counts["errored"],
             time.monotonic() - started,
         )
+        return seq + 1
 
     def _disarm_alarm(self) -> None:
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():

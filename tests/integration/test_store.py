@@ -133,7 +133,7 @@ def expired_claim(store: ManifestStore, job: JobRow, index: int = 0) -> Lease:
 def test_migrate_is_idempotent_and_tables_are_prefixed(store: ManifestStore) -> None:
     store.migrate()
     store.migrate()
-    assert store.schema_revision() == "0004"
+    assert store.schema_revision() == "0005"
     engine = sa.create_engine(normalize_url(store_url_of(store)))
     try:
         names = set(sa.inspect(engine).get_table_names())
@@ -159,6 +159,23 @@ def test_migrations_create_every_index_the_schema_declares(tmp_path: Path) -> No
                     table.name,
                     index.name,
                 )
+    finally:
+        engine.dispose()
+
+
+def test_migrations_create_every_column_the_schema_declares(tmp_path: Path) -> None:
+    """The Alembic revisions and ``store.schema`` agree on columns (0005 adds the racing lease)."""
+    from airflow_deadline_batch.store.schema import metadata
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    ManifestStore.open(url).close()
+    engine = sa.create_engine(url)
+    try:
+        inspector = sa.inspect(engine)
+        for table in metadata.sorted_tables:
+            created = {c["name"]: c["nullable"] for c in inspector.get_columns(table.name)}
+            declared = {c.name: c.nullable for c in table.columns}
+            assert created == declared, table.name
     finally:
         engine.dispose()
 

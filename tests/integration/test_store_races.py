@@ -227,6 +227,6 @@ def test_two_processes_can_migrate_at_once(store_url: str) -> None:
     assert [p.exitcode for p in procs] == [0] * RACERS
     store = ManifestStore(store_url)
     try:
-        assert store.schema_revision() == "0004"
+        assert store.schema_revision() == "0005"
     finally:
         store.close()

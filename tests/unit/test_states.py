@@ -144,6 +144,8 @@ def test_shard_state_after_attempt() -> None:
     assert shard_state_after("preempted") is S.RETRYABLE_FAILURE
     assert shard_state_after(A.LOST_LEASE) is S.RETRYABLE_FAILURE
     assert shard_state_after(A.FAILED_TERMINAL) is S.TERMINAL_FAILURE
+    # the loser of a tail race leaves the shard leased by the winner
+    assert shard_state_after("lost_race") is S.LEASED
     for outcome in TERMINAL_ATTEMPT_OUTCOMES:
         check_shard_transition(S.LEASED, shard_state_after(outcome))
     with pytest.raises(ValueError, match="not terminal"):
