@@ -365,6 +365,8 @@ def spot_tries(
         pool = pool_named(attempt.pool, pools)
         if attempt.ended_at is None or pool is None or pool.kind is not PoolKind.SPOT:
             continue
+        if attempt.outcome == AttemptOutcome.UNSCHEDULABLE:
+            continue  # its pod never ran: no Spot time, no preemption (availability evidence only)
         finished.append(attempt)
     if not finished:
         return job, shards

@@ -64,6 +64,10 @@ class AttemptOutcome(str, enum.Enum):
     FAILED_RETRYABLE = "failed_retryable"
     FAILED_TERMINAL = "failed_terminal"
     ABANDONED = "abandoned"
+    #: a Spot try whose pod waited for capacity until its startup timeout and never ran: no lease,
+    #: no worker, no GPU time; ``started_at`` is when the pod was created, ``ended_at`` when the try
+    #: gave up (``store.pool_stats.record_unschedulable``, the pool's availability evidence)
+    UNSCHEDULABLE = "unschedulable"
 
 
 TERMINAL_JOB_STATES: frozenset[JobState] = frozenset(
@@ -109,6 +113,7 @@ _SHARD_AFTER: Mapping[AttemptOutcome, ShardState] = {
     _A.LOST_LEASE: _S.RETRYABLE_FAILURE,
     _A.FAILED_RETRYABLE: _S.RETRYABLE_FAILURE,
     _A.ABANDONED: _S.RETRYABLE_FAILURE,
+    _A.UNSCHEDULABLE: _S.RETRYABLE_FAILURE,
     _A.FAILED_TERMINAL: _S.TERMINAL_FAILURE,
 }
 

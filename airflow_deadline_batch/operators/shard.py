@@ -19,6 +19,11 @@ operator do with each class:
   goes ``up_for_reschedule`` and comes back with the same try number, so no retry is spent;
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
+
+A Spot pod that stays unschedulable (no node with capacity) until the try's startup timeout
+leaves the one observation of missing capacity production has: the pod operator records it as an
+``unschedulable`` attempt (:func:`unschedulable_reason`, ``ManifestStore.record_unschedulable``),
+from which the next decisions learn the pool's availability (``operators.placement``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
+from airflow.providers.cncf.kubernetes.utils.pod_manager import PodLaunchTimeoutException
 from airflow.sdk import BaseOperator
 from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
 from airflow.sdk.exceptions import (
@@ -54,7 +60,7 @@ from airflow_deadline_batch.core.failures import (
     backoff_s,
     classify_exit,
 )
-from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -63,6 +69,8 @@ from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.metrics import dag_id_of, emit_decision
 from airflow_deadline_batch.operators.placement import (
+    CAPACITY_VALUES,
+    LABEL_PREFIX,
     TryAction,
     TryDecision,
     decide_for_try,
@@ -213,6 +221,30 @@ def _classify_status(
         f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
         code,
     )
+
+
+def unschedulable_reason(pod: k8s.V1Pod | None) -> str | None:
+    """Why a shard pod on Spot waits for capacity, or None (pure; not Spot, scheduled, or started).
+
+    A pod of this package labelled for a Spot pool that is still ``Pending`` with
+    ``PodScheduled=False`` (reason ``Unschedulable``: no node fits, the Spot pool has no capacity
+    now) is waiting for capacity; a scheduled pod still pulling its image is not.
+    """
+    if pod is None or pod.status is None or pod.metadata is None:
+        return None
+    labels = pod.metadata.labels or {}
+    if labels.get(f"{LABEL_PREFIX}/capacity") != CAPACITY_VALUES[PoolKind.SPOT]:
+        return None
+    if pod.status.phase != "Pending":
+        return None
+    for condition in pod.status.conditions or []:
+        if (
+            condition.type == "PodScheduled"
+            and condition.status == "False"
+            and condition.reason == "Unschedulable"
+        ):
+            return f"pod {pod.metadata.name} unschedulable: {condition.message or 'no node has capacity'}"
+    return None
 
 
 class ShardPartial(OperatorPartial):
@@ -472,6 +504,58 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         )
         self.pod_request_obj = None
         self.pod = None
+
+    def await_pod_start(self, pod: k8s.V1Pod) -> None:
+        try:
+            super().await_pod_start(pod)
+        except PodLaunchTimeoutException:
+            self.record_if_unschedulable(self.pod_manager.read_pod(pod))
+            raise
+
+    def trigger_reentry(self, context: Any, event: dict[str, Any]) -> Any:
+        if event.get("status") == "timeout":  # deferrable: the trigger gave up waiting for the start
+            try:
+                self.record_if_unschedulable(self.hook.get_pod(event["name"], event["namespace"]))
+            except Exception:  # the pod is gone: nothing to learn; the base class reports it
+                self.log.warning("cannot read timed-out pod %s", event.get("name"), exc_info=True)
+        return super().trigger_reentry(context, event)
+
+    def record_if_unschedulable(self, pod: k8s.V1Pod | None) -> None:
+        """Record a Spot pod that waited for capacity in vain as an ``unschedulable`` attempt.
+
+        Best effort: a store that cannot be written loses this one observation of the pool's
+        availability, not the try's own failure handling, which follows as for any timeout.
+        """
+        reason = unschedulable_reason(pod)
+        if reason is None or pod is None:
+            return
+        labels, created = pod.metadata.labels or {}, pod.metadata.creation_timestamp
+        pool = labels.get(f"{LABEL_PREFIX}/pool")
+        if pool is None or created is None:
+            return
+        try:
+            store = self.store_hook().get_job_store(
+                self.job_id, plan_store_conn_id=self.plan_connections.get("store_conn_id")
+            )
+            store.record_unschedulable(
+                self.job_id,
+                int(self.shard_index),
+                pool=pool,
+                worker=pod.metadata.name,
+                created_at=created,
+                error=reason,
+            )
+        except Exception:
+            self.log.warning(
+                "could not record the unschedulable Spot pod %s", pod.metadata.name, exc_info=True
+            )
+            return
+        self.log.warning(
+            "shard %s of job %s: %s; recorded for the pool's availability",
+            self.shard_index,
+            self.job_id,
+            reason,
+        )
 
     def prepare_try(self, context: Any | None = None) -> TryDecision:
         """Decide and apply this try's placement; returns the decision."""

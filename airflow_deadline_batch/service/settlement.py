@@ -32,7 +32,15 @@ if TYPE_CHECKING:
 #: ``attempts/<attempt_id>/shard-<index>-mb-<seq>.jsonl`` (docs/internals.md, object keys)
 _ATTEMPT_KEY = re.compile(r"^attempts/(?P<attempt>[^/]+)/shard-\d+-mb-\d+\.jsonl$")
 #: outcomes the worker did not report itself: it may have died long before the attempt was ended
-_UNREPORTED = frozenset({AttemptOutcome.LOST_LEASE, AttemptOutcome.ABANDONED, AttemptOutcome.RUNNING})
+#: (an unschedulable try had no worker at all: no heartbeat, so it bills no GPU time)
+_UNREPORTED = frozenset(
+    {
+        AttemptOutcome.LOST_LEASE,
+        AttemptOutcome.ABANDONED,
+        AttemptOutcome.RUNNING,
+        AttemptOutcome.UNSCHEDULABLE,
+    }
+)
 
 
 @dataclass(frozen=True)

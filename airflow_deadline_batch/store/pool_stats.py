@@ -1,11 +1,17 @@
-"""Read-only queries of what earlier jobs saw of a pool: the prior of placement's learned rates.
+"""What earlier jobs saw of a pool, the prior of placement's learned rates; and a Spot try that
+never ran.
 
 :func:`spot_history` folds the finished attempts of other jobs on each named pool into a
-:class:`core.calibration.PoolHistory` (tries, preemptions, seconds on the pool), which
-``operators.placement`` turns into the prior of the job's own Spot tries
-(:func:`core.calibration.spot_prior`). No schema of its own: it reads ``adb_attempts``. The read is
-bounded twice, by age (``since``) and by the ``limit`` most recent attempts per pool, so its cost
-does not grow with the store's history; it runs once per placement decision.
+:class:`core.calibration.PoolHistory`: the tries that ran (tries, preemptions, seconds on the
+pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts, the seconds
+they waited), which ``operators.placement`` turns into the prior of the job's own Spot tries
+(:func:`core.calibration.spot_prior`) and of the pool's availability
+(:func:`core.calibration.availability_prior`). No schema of its own: it reads ``adb_attempts``.
+The read is bounded twice, by age (``since``) and by the ``limit`` most recent attempts per pool,
+so its cost does not grow with the store's history; it runs once per placement decision.
+
+:func:`record_unschedulable` writes the one observation a waiting pod leaves: an ``unschedulable``
+attempt row (no lease: epoch :data:`NO_LEASE_EPOCH`, no worker heartbeat, so no GPU time is billed).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.calibration import PoolHistory
 from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.ids import new_attempt_id
 from airflow_deadline_batch.core.job_view import PREEMPTED_OUTCOMES
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.store.schema import attempts
@@ -28,6 +35,9 @@ HISTORY_DAYS = 30.0
 HISTORY_LIMIT = 500
 
 _PREEMPTED = {o.value for o in PREEMPTED_OUTCOMES}
+_UNSCHEDULABLE = AttemptOutcome.UNSCHEDULABLE.value
+#: the epoch of an attempt that never held a lease (a lease's epoch is >= 1)
+NO_LEASE_EPOCH = -1
 
 
 def spot_history(
@@ -56,12 +66,78 @@ def spot_history(
         )
         if exclude_job is not None:
             query = query.where(attempts.c.job_id != exclude_job)
-        tries = preemptions = 0
-        seconds = 0.0
+        tries = preemptions = unschedulable = 0
+        seconds = waited = 0.0
+        gave_up: dt.datetime | None = None
         for started, ended, outcome in conn.execute(query):
-            span = (ensure_aware(ended, "ended_at") - ensure_aware(started, "started_at")).total_seconds()
+            started, ended = ensure_aware(started, "started_at"), ensure_aware(ended, "ended_at")
+            span = max(0.0, (ended - started).total_seconds())
+            if outcome == _UNSCHEDULABLE:
+                unschedulable += 1
+                waited += span
+                gave_up = ended if gave_up is None else max(gave_up, ended)
+                continue
             tries += 1
             preemptions += outcome in _PREEMPTED
-            seconds += max(0.0, span)
-        out[pool] = PoolHistory(pool=pool, tries=tries, preemptions=preemptions, spot_s=seconds)
+            seconds += span
+        out[pool] = PoolHistory(
+            pool=pool,
+            tries=tries,
+            preemptions=preemptions,
+            spot_s=seconds,
+            unschedulable=unschedulable,
+            wait_s=waited,
+            last_unschedulable_s=gave_up.timestamp() if gave_up is not None else None,
+            last_start_s=_last_start(conn, pool, since, exclude_job),
+        )
     return out
+
+
+def _last_start(conn: Connection, pool: str, since: dt.datetime, exclude_job: str | None) -> float | None:
+    """When the latest try of another job that ran on ``pool`` started (since ``since``).
+
+    Running tries count (capacity is back while one runs), so this is a second, one-row read; it
+    tells whether capacity came back after a give-up, the job's own or another's.
+    """
+    query = sa.select(sa.func.max(attempts.c.started_at)).where(
+        attempts.c.pool == pool, attempts.c.outcome != _UNSCHEDULABLE, attempts.c.started_at >= since
+    )
+    if exclude_job is not None:
+        query = query.where(attempts.c.job_id != exclude_job)
+    latest = conn.execute(query).scalar()
+    return ensure_aware(latest, "started_at").timestamp() if latest is not None else None
+
+
+def record_unschedulable(
+    conn: Connection,
+    *,
+    job_id: str,
+    shard_index: int,
+    pool: str,
+    worker: str,
+    created_at: dt.datetime,
+    now: dt.datetime,
+    error: str,
+) -> str:
+    """Record a Spot try whose pod waited for capacity from ``created_at`` until ``now`` and never ran.
+
+    An ``unschedulable`` attempt row, ended at once; it holds no lease and changes no shard.
+    Returns its attempt ID.
+    """
+    attempt_id = new_attempt_id()
+    now = ensure_aware(now, "now")
+    conn.execute(
+        sa.insert(attempts).values(
+            attempt_id=attempt_id,
+            job_id=job_id,
+            shard_index=shard_index,
+            epoch=NO_LEASE_EPOCH,
+            worker=worker,
+            pool=pool,
+            started_at=min(ensure_aware(created_at, "created_at"), now),
+            ended_at=now,
+            outcome=_UNSCHEDULABLE,
+            error=error[:2000],
+        )
+    )
+    return attempt_id
