@@ -388,6 +388,12 @@ class PoolAvailability:
         return now_s - gave_up >= missing_s
 
 
+def gave_up_waiting(failure_class: str | None) -> bool:
+    """Whether an ``unschedulable`` attempt is a try that gave up waiting for capacity (it is a
+    failed try, with a failure class), not the wait of a pod that was scheduled at last (none)."""
+    return failure_class is not None
+
+
 def _latest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 

@@ -64,9 +64,11 @@ class AttemptOutcome(str, enum.Enum):
     FAILED_RETRYABLE = "failed_retryable"
     FAILED_TERMINAL = "failed_terminal"
     ABANDONED = "abandoned"
-    #: a Spot try whose pod waited for capacity until its startup timeout and never ran: no lease,
-    #: no worker, no GPU time; ``started_at`` is when the pod was created, ``ended_at`` when the try
-    #: gave up (``store.pool_stats.record_unschedulable``, the pool's availability evidence)
+    #: the time a Spot try's pod waited unschedulable for capacity, from its creation (``started_at``)
+    #: until the try gave up at its startup timeout (a failed try, failure class ``transient``) or
+    #: until the pod was scheduled at last (no failure class; the worker's own attempt follows).
+    #: No lease, no worker, no GPU time: the pool's availability evidence
+    #: (``store.pool_stats.record_unschedulable``)
     UNSCHEDULABLE = "unschedulable"
 
 

@@ -35,6 +35,7 @@ from airflow_deadline_batch.core.calibration import (
     PoolHistory,
     SpotTries,
     availability_prior,
+    gave_up_waiting,
     spot_prior,
 )
 from airflow_deadline_batch.core.clock import ensure_aware
@@ -256,7 +257,8 @@ def pool_spot_availability(
     """Each Spot pool's availability evidence: this job's tries on it over earlier jobs' history.
 
     A try that ran counts its time on the pool (up to ``now`` while it runs) as capacity present;
-    an ``unschedulable`` try its wait as capacity missing. The prior is the default policy's
+    an ``unschedulable`` attempt its pod's wait as capacity missing (and, when the try gave up,
+    the pool as out of capacity for a while). The prior is the default policy's
     ``availability_prior``; :func:`placement_snapshot` applies the deciding policy's own.
     """
     out = {
@@ -272,7 +274,8 @@ def pool_spot_availability(
         ended = ensure_aware(attempt.ended_at, "ended_at") if attempt.ended_at is not None else now
         span = (ended - started).total_seconds()
         if attempt.outcome == AttemptOutcome.UNSCHEDULABLE:
-            out[pool.name] = out[pool.name].observe(absent_s=span, gave_up_s=ended.timestamp())
+            gave_up = ended.timestamp() if gave_up_waiting(attempt.failure_class) else None
+            out[pool.name] = out[pool.name].observe(absent_s=span, gave_up_s=gave_up)
         else:
             out[pool.name] = out[pool.name].observe(present_s=span, started_s=started.timestamp())
     return out

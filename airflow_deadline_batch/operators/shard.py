@@ -20,10 +20,11 @@ operator do with each class:
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
 
-A Spot pod that stays unschedulable (no node with capacity) until the try's startup timeout
-leaves the one observation of missing capacity production has: the pod operator records it as an
-``unschedulable`` attempt (:func:`unschedulable_reason`, ``ManifestStore.record_unschedulable``),
-from which the next decisions learn the pool's availability (``operators.placement``).
+A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
+pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
+from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)
+or until the pod is scheduled at last (:func:`scheduling_wait`); the next decisions learn the
+pool's availability from it (``operators.placement``).
 """
 
 from __future__ import annotations
@@ -244,6 +245,33 @@ def unschedulable_reason(pod: k8s.V1Pod | None) -> str | None:
             and condition.reason == "Unschedulable"
         ):
             return f"pod {pod.metadata.name} unschedulable: {condition.message or 'no node has capacity'}"
+    return None
+
+
+#: a shorter wait to be scheduled is not recorded (timestamps have whole seconds: 1 s apart may be
+#: an instant)
+MIN_RECORDED_WAIT_S = 2.0
+
+
+def scheduling_wait(pod: k8s.V1Pod | None) -> tuple[dt.datetime, dt.datetime] | None:
+    """When a scheduled shard pod on Spot was created and when it was scheduled, if it waited.
+
+    Pure: from the pod's ``creationTimestamp`` and its ``PodScheduled=True`` condition's
+    ``lastTransitionTime``; None when the pod is not on Spot, not scheduled, or waited less than
+    :data:`MIN_RECORDED_WAIT_S`. The wait includes a node's provisioning where the cluster
+    launches one for the pod (Karpenter): until then, there is no capacity for it either.
+    """
+    if pod is None or pod.status is None or pod.metadata is None:
+        return None
+    labels = pod.metadata.labels or {}
+    created = pod.metadata.creation_timestamp
+    if labels.get(f"{LABEL_PREFIX}/capacity") != CAPACITY_VALUES[PoolKind.SPOT] or created is None:
+        return None
+    for condition in pod.status.conditions or []:
+        if condition.type == "PodScheduled" and condition.status == "True" and condition.last_transition_time:
+            scheduled: dt.datetime = condition.last_transition_time
+            if (scheduled - created).total_seconds() >= MIN_RECORDED_WAIT_S:
+                return created, scheduled
     return None
 
 
@@ -509,31 +537,32 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         try:
             super().await_pod_start(pod)
         except PodLaunchTimeoutException:
-            self.record_if_unschedulable(self.pod_manager.read_pod(pod))
+            self.record_capacity_wait(pod)
             raise
+        self.record_capacity_wait(pod)
 
     def trigger_reentry(self, context: Any, event: dict[str, Any]) -> Any:
-        if event.get("status") == "timeout":  # deferrable: the trigger gave up waiting for the start
-            try:
-                self.record_if_unschedulable(self.hook.get_pod(event["name"], event["namespace"]))
-            except Exception:  # the pod is gone: nothing to learn; the base class reports it
-                self.log.warning("cannot read timed-out pod %s", event.get("name"), exc_info=True)
+        # deferrable: the trigger gave up waiting for the start ("timeout"), or the pod ran
+        self.record_capacity_wait(
+            k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
+        )
         return super().trigger_reentry(context, event)
 
-    def record_if_unschedulable(self, pod: k8s.V1Pod | None) -> None:
-        """Record a Spot pod that waited for capacity in vain as an ``unschedulable`` attempt.
+    def record_capacity_wait(self, pod: k8s.V1Pod) -> None:
+        """Record how long this try's Spot pod waited for capacity, as an ``unschedulable`` attempt.
 
-        Best effort: a store that cannot be written loses this one observation of the pool's
-        availability, not the try's own failure handling, which follows as for any timeout.
+        Still unschedulable (the try gives up), or scheduled after waiting: re-read from the API.
+        Best effort: a pod or store that cannot be read or written loses this one observation of
+        the pool's availability, not the try, whose own handling follows as before.
         """
-        reason = unschedulable_reason(pod)
-        if reason is None or pod is None:
-            return
-        labels, created = pod.metadata.labels or {}, pod.metadata.creation_timestamp
-        pool = labels.get(f"{LABEL_PREFIX}/pool")
-        if pool is None or created is None:
-            return
         try:
+            remote = self.pod_manager.read_pod(pod)
+            reason = unschedulable_reason(remote)
+            waited = None if reason is not None else scheduling_wait(remote)
+            labels = remote.metadata.labels or {}
+            pool, created = labels.get(f"{LABEL_PREFIX}/pool"), remote.metadata.creation_timestamp
+            if pool is None or created is None or (reason is None and waited is None):
+                return
             store = self.store_hook().get_job_store(
                 self.job_id, plan_store_conn_id=self.plan_connections.get("store_conn_id")
             )
@@ -541,21 +570,21 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                 self.job_id,
                 int(self.shard_index),
                 pool=pool,
-                worker=pod.metadata.name,
+                worker=remote.metadata.name,
                 created_at=created,
-                error=reason,
+                error=reason or f"pod {remote.metadata.name} waited to be scheduled",
+                scheduled_at=waited[1] if waited is not None else None,
             )
         except Exception:
-            self.log.warning(
-                "could not record the unschedulable Spot pod %s", pod.metadata.name, exc_info=True
-            )
+            self.log.warning("could not record the capacity wait of pod %s", pod.metadata.name, exc_info=True)
             return
-        self.log.warning(
-            "shard %s of job %s: %s; recorded for the pool's availability",
-            self.shard_index,
-            self.job_id,
-            reason,
-        )
+        if reason is not None:
+            self.log.warning(
+                "shard %s of job %s: %s; recorded for the pool's availability",
+                self.shard_index,
+                self.job_id,
+                reason,
+            )
 
     def prepare_try(self, context: Any | None = None) -> TryDecision:
         """Decide and apply this try's placement; returns the decision."""

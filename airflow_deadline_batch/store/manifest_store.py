@@ -1054,8 +1054,10 @@ class ManifestStore:
         worker: str,
         created_at: dt.datetime,
         error: str,
+        scheduled_at: dt.datetime | None = None,
     ) -> str:
-        """Record a Spot try whose pod waited for capacity since ``created_at`` and gave up now.
+        """Record a Spot try's pod that waited for capacity since ``created_at``: until
+        ``scheduled_at``, else until now, when the try gave up.
 
         The pool's availability evidence (``store.pool_stats.record_unschedulable``); returns the
         attempt ID of the ``unschedulable`` row.
@@ -1071,6 +1073,7 @@ class ManifestStore:
                 created_at=created_at,
                 now=_ts(self._now(conn)),
                 error=error,
+                scheduled_at=scheduled_at,
             )
 
         return self._tx(write)

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from airflow_deadline_batch.core.calibration import PoolHistory
+from airflow_deadline_batch.core.calibration import PoolHistory, gave_up_waiting
 from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.ids import new_attempt_id
 from airflow_deadline_batch.core.job_view import PREEMPTED_OUTCOMES
 from airflow_deadline_batch.core.states import AttemptOutcome
@@ -54,7 +55,9 @@ def spot_history(
     out: dict[str, PoolHistory] = {}
     for pool in dict.fromkeys(pools):
         query = (
-            sa.select(attempts.c.started_at, attempts.c.ended_at, attempts.c.outcome)
+            sa.select(
+                attempts.c.started_at, attempts.c.ended_at, attempts.c.outcome, attempts.c.failure_class
+            )
             .where(
                 attempts.c.pool == pool,
                 attempts.c.ended_at.is_not(None),
@@ -69,13 +72,14 @@ def spot_history(
         tries = preemptions = unschedulable = 0
         seconds = waited = 0.0
         gave_up: dt.datetime | None = None
-        for started, ended, outcome in conn.execute(query):
+        for started, ended, outcome, failure_class in conn.execute(query):
             started, ended = ensure_aware(started, "started_at"), ensure_aware(ended, "ended_at")
             span = max(0.0, (ended - started).total_seconds())
             if outcome == _UNSCHEDULABLE:
                 unschedulable += 1
                 waited += span
-                gave_up = ended if gave_up is None else max(gave_up, ended)
+                if gave_up_waiting(failure_class):
+                    gave_up = ended if gave_up is None else max(gave_up, ended)
                 continue
             tries += 1
             preemptions += outcome in _PREEMPTED
@@ -118,14 +122,17 @@ def record_unschedulable(
     created_at: dt.datetime,
     now: dt.datetime,
     error: str,
+    scheduled_at: dt.datetime | None = None,
 ) -> str:
-    """Record a Spot try whose pod waited for capacity from ``created_at`` until ``now`` and never ran.
+    """Record the time a Spot try's pod waited for capacity since ``created_at``.
 
-    An ``unschedulable`` attempt row, ended at once; it holds no lease and changes no shard.
-    Returns its attempt ID.
+    Until ``scheduled_at`` when it was scheduled at last, else until ``now``, when the try gave up
+    (then a failed try of class ``transient``). An ``unschedulable`` attempt row, ended at once; it
+    holds no lease and changes no shard. Returns its attempt ID.
     """
     attempt_id = new_attempt_id()
     now = ensure_aware(now, "now")
+    end = now if scheduled_at is None else min(ensure_aware(scheduled_at, "scheduled_at"), now)
     conn.execute(
         sa.insert(attempts).values(
             attempt_id=attempt_id,
@@ -134,10 +141,11 @@ def record_unschedulable(
             epoch=NO_LEASE_EPOCH,
             worker=worker,
             pool=pool,
-            started_at=min(ensure_aware(created_at, "created_at"), now),
-            ended_at=now,
+            started_at=min(ensure_aware(created_at, "created_at"), end),
+            ended_at=end,
             outcome=_UNSCHEDULABLE,
             error=error[:2000],
+            failure_class=FailureClass.TRANSIENT.value if scheduled_at is None else None,
         )
     )
     return attempt_id

@@ -14,6 +14,7 @@ import base64
 import datetime as dt
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,6 +345,7 @@ def assert_recorded_unschedulable(job: PlannedJob, pools: list[dict[str, Any]], 
     try:
         [attempt] = store.list_attempts(job.job_id)
         assert attempt.outcome is AttemptOutcome.UNSCHEDULABLE and attempt.pool == "local-spot"
+        assert attempt.failure_class == "transient"  # the try gave up: a failed try
         assert attempt.worker == pod["metadata"]["name"]
         created = dt.datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
         assert attempt.started_at == created and attempt.ended_at is not None
@@ -388,3 +390,66 @@ def test_a_deferred_spot_pod_unschedulable_until_its_startup_timeout_is_recorded
         resume(unschedulable_operator(loopback_k8s, planned, pools, **DEFERRABLE), deferred, ctx, event)
     [pod] = loopback_k8s.api.created_pods
     assert_recorded_unschedulable(planned, pools, pod)
+
+
+def poll(probe: Any, *, timeout_s: float, what: str) -> Any:
+    """Re-evaluate ``probe`` every 0.2 s until it is truthy (a wait measured on the wall clock:
+    the API sees no change while a pod waits, so its ``wait_until`` would not wake)."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while (value := probe()) is None:
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        tick.wait(0.2)
+    return value
+
+
+def test_a_spot_pod_scheduled_after_waiting_records_its_wait_and_runs(
+    loopback_k8s: LoopbackCluster, planned: PlannedJob
+) -> None:
+    api, ns = loopback_k8s.api, loopback_k8s.namespace
+    store_secret(loopback_k8s, planned.store_url)
+    pools = spot_without_capacity(loopback_k8s)
+    failure: list[BaseException] = []
+
+    def run_try() -> None:
+        try:
+            shard_operator(loopback_k8s, planned, pools=pools).execute(context(try_number=1))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            failure.append(exc)
+
+    runner = threading.Thread(target=run_try, name="shard-try")
+    runner.start()
+    try:
+        # the pod waits unschedulable; capacity comes back once it has waited a few whole seconds
+        def waited() -> dict[str, Any] | None:
+            for pod in api.pods(ns, labels=f"{JOB_LABEL}={planned.job_id}"):
+                created = dt.datetime.fromisoformat(
+                    pod["metadata"]["creationTimestamp"].replace("Z", "+00:00")
+                )
+                conditions = pod["status"].get("conditions") or []
+                pending = any(c["type"] == "PodScheduled" and c["status"] == "False" for c in conditions)
+                if pending and (dt.datetime.now(dt.timezone.utc) - created).total_seconds() >= 4:
+                    return pod
+            return None
+
+        pod = poll(waited, timeout_s=WAIT_S, what="a Spot pod that waited for capacity")
+        api.set_capacity(*SPOT_NODES, pods=1)
+    finally:
+        runner.join(timeout=WAIT_S)
+    assert not runner.is_alive() and failure == []
+    store = ManifestStore.open(planned.store_url)
+    try:
+        assert store.get_shard(planned.job_id, 0).state is ShardState.SUCCEEDED
+        by_outcome = {a.outcome: a for a in store.list_attempts(planned.job_id)}
+        assert sorted(o.value for o in by_outcome) == ["succeeded", "unschedulable"]
+        wait, ran = by_outcome[AttemptOutcome.UNSCHEDULABLE], by_outcome[AttemptOutcome.SUCCEEDED]
+        assert wait.failure_class is None and wait.worker == pod["metadata"]["name"]  # no failed try
+        assert wait.ended_at is not None and (wait.ended_at - wait.started_at).total_seconds() >= 3
+        assert wait.ended_at <= ran.started_at + dt.timedelta(seconds=1)  # scheduled, then claimed
+        view = read_job_view(store, planned.job_id, now=dt.datetime.now(dt.timezone.utc), pools=pools)
+        assert isinstance(view, PlacementView)
+        learned = view.pool_availability["local-spot"]
+        assert learned.absent_s >= 3 and learned.present_s > 0
+        assert learned.available(view.now.timestamp())  # it ran: the pool has capacity
+    finally:
+        store.close()

@@ -22,6 +22,8 @@ from airflow_deadline_batch.operators.placement import (
     TryAction,
     TryDecision,
     decide_for_try,
+    on_demand_pool,
+    placement_snapshot,
     read_job_view,
 )
 from airflow_deadline_batch.service.settlement import attempt_usage
@@ -129,3 +131,32 @@ def test_an_unschedulable_try_holds_no_lease_and_bills_nothing(store: ManifestSt
         if u.attempt_id == attempt.attempt_id
     ]
     assert usage.gpu_seconds == 0.0 and usage.cost == 0.0
+
+
+def test_a_wait_that_ended_in_a_start_lowers_availability_but_leaves_the_pool_available(
+    store: ManifestStore,
+) -> None:
+    pools = [SPOT_A, ON_DEMAND]
+    first = make_job(store, pools, "first")
+    now = dt.datetime.now(UTC)
+    for n in range(6):  # each pod waited 30 min, then was scheduled and ran
+        store.record_unschedulable(
+            first,
+            n,
+            pool=SPOT_A.name,
+            worker=f"pod-{n}",
+            created_at=now - dt.timedelta(minutes=31),
+            scheduled_at=now - dt.timedelta(minutes=1),
+            error="waited to be scheduled",
+        )
+    waits = [a for a in store.list_attempts(first) if a.outcome is AttemptOutcome.UNSCHEDULABLE]
+    assert len(waits) == 6 and all(a.failure_class is None for a in waits)  # no failed try
+    second = make_job(store, pools, "second")
+    history = store.pool_history([SPOT_A.name], exclude_job=second)[SPOT_A.name]
+    assert history.unschedulable == 6 and history.last_unschedulable_s is None
+    decision, view = place(store, second)
+    learned = view.pool_availability[SPOT_A.name]
+    assert learned.value < 0.15 and learned.available(view.now.timestamp())
+    snapshot = placement_snapshot(view, 0, on_demand_pool(view))
+    assert snapshot.spot_available and snapshot.spot_availability == learned.value
+    assert decision.pool == SPOT_A and "Spot is available" in decision.reason

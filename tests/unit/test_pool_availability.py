@@ -4,6 +4,7 @@ time they waited for capacity in vain, over a prior; and the pod classifier that
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -15,8 +16,9 @@ from airflow_deadline_batch.core.calibration import (
     PoolAvailability,
     PoolHistory,
     availability_prior,
+    gave_up_waiting,
 )
-from airflow_deadline_batch.operators.shard import unschedulable_reason
+from airflow_deadline_batch.operators.shard import scheduling_wait, unschedulable_reason
 
 fractions = st.floats(min_value=0.0, max_value=1.0)
 seconds = st.floats(min_value=0.0, max_value=1e7, allow_nan=False)
@@ -82,20 +84,32 @@ def test_bad_priors_are_refused() -> None:
         PoolHistory(pool="p", wait_s=-1.0)
 
 
+CREATED = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
 def pod(
-    *, capacity: str = "spot", phase: str = "Pending", scheduled: str = "False", reason: str = "Unschedulable"
-):  # type: ignore[no-untyped-def]
+    *,
+    capacity: str = "spot",
+    phase: str = "Pending",
+    scheduled: str = "False",
+    reason: str = "Unschedulable",
+    after_s: float = 0.0,
+) -> k8s.V1Pod:
     return k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(
             name="shard-0",
             labels={"deadline-batch.io/capacity": capacity, "deadline-batch.io/pool": "spot-a"},
-            creation_timestamp=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+            creation_timestamp=CREATED,
         ),
         status=k8s.V1PodStatus(
             phase=phase,
             conditions=[
                 k8s.V1PodCondition(
-                    type="PodScheduled", status=scheduled, reason=reason, message="0/3 nodes are available"
+                    type="PodScheduled",
+                    status=scheduled,
+                    reason=reason,
+                    message="0/3 nodes are available",
+                    last_transition_time=CREATED + dt.timedelta(seconds=after_s),
                 )
             ],
         ),
@@ -112,9 +126,33 @@ def pod(
         ({"reason": "SchedulingGated"}, False),
     ],
 )
-def test_only_a_spot_pod_no_node_fits_waits_for_capacity(kwargs: dict[str, str], waits: bool) -> None:
+def test_only_a_spot_pod_no_node_fits_waits_for_capacity(kwargs: dict[str, Any], waits: bool) -> None:
     reason = unschedulable_reason(pod(**kwargs))
     assert (reason is not None) is waits
     if waits:
         assert reason is not None and "0/3 nodes are available" in reason
     assert unschedulable_reason(None) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "wait_s"),
+    [
+        ({"phase": "Running", "scheduled": "True", "after_s": 300.0}, 300.0),
+        ({"phase": "Succeeded", "scheduled": "True", "after_s": 2.0}, 2.0),
+        ({"phase": "Running", "scheduled": "True", "after_s": 1.0}, None),  # whole seconds: maybe none
+        ({"phase": "Running", "scheduled": "True", "after_s": 300.0, "capacity": "on-demand"}, None),
+        ({"after_s": 300.0}, None),  # still waiting: unschedulable_reason's case
+    ],
+)
+def test_a_spot_pod_scheduled_after_waiting_tells_how_long(
+    kwargs: dict[str, Any], wait_s: float | None
+) -> None:
+    found = scheduling_wait(pod(**kwargs))
+    if wait_s is None:
+        assert found is None
+    else:
+        assert found is not None and (found[1] - found[0]).total_seconds() == wait_s
+
+
+def test_only_a_wait_with_a_failure_class_gave_up() -> None:
+    assert gave_up_waiting("transient") and not gave_up_waiting(None)
