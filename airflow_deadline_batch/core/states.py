@@ -20,6 +20,7 @@ __all__ = [
     "TERMINAL_ATTEMPT_OUTCOMES",
     "TERMINAL_JOB_STATES",
     "TERMINAL_SHARD_STATES",
+    "UNRUN_ATTEMPT_OUTCOMES",
     "AttemptOutcome",
     "JobState",
     "ShardState",
@@ -79,6 +80,8 @@ TERMINAL_SHARD_STATES: frozenset[ShardState] = frozenset({ShardState.SUCCEEDED, 
 TERMINAL_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
     set(AttemptOutcome) - {AttemptOutcome.RUNNING}
 )
+#: attempts no worker ran: their time is no GPU time, no cost and no Spot exposure
+UNRUN_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset({AttemptOutcome.UNSCHEDULABLE})
 
 _J = JobState
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {

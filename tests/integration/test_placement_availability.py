@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
+
 from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.metrics import attempt_totals
 from airflow_deadline_batch.operators.placement import (
     PlacementView,
     TryAction,
@@ -28,6 +31,7 @@ from airflow_deadline_batch.operators.placement import (
 )
 from airflow_deadline_batch.service.settlement import attempt_usage
 from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.ui.model import cost_summary
 from tests.integration.test_placement_history import make_job
 
 UTC = dt.timezone.utc
@@ -45,6 +49,11 @@ def wait_in_vain(store: ManifestStore, job_id: str, pool: str, tries: int, minut
         store.record_unschedulable(
             job_id, n % 6, pool=pool, worker=f"pod-{n}", created_at=created, error="0/3 nodes are available"
         )
+
+
+def lease_started(store: ManifestStore, job_id: str) -> dt.datetime:
+    [running] = [a for a in store.list_attempts(job_id) if a.outcome is AttemptOutcome.RUNNING]
+    return running.started_at
 
 
 def place(
@@ -131,6 +140,14 @@ def test_an_unschedulable_try_holds_no_lease_and_bills_nothing(store: ManifestSt
         if u.attempt_id == attempt.attempt_id
     ]
     assert usage.gpu_seconds == 0.0 and usage.cost == 0.0
+    # nor do the gauges and the job page count the wait as GPU time (the claimed try runs now)
+    view = read_job_view(store, job_id, now=dt.datetime.now(UTC) + dt.timedelta(minutes=10))
+    tries = store.list_attempts(job_id)
+    ran_s = (view.now - lease_started(store, job_id)).total_seconds()
+    assert attempt_totals(view, tries, []).cost == pytest.approx(
+        ran_s * SPOT_A.price_per_gpu_hour / 3600, rel=0.01
+    )
+    assert cost_summary(view, tries, []).spot_share == 1.0
 
 
 def test_a_wait_that_ended_in_a_start_lowers_availability_but_leaves_the_pool_available(
