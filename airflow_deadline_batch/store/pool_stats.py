@@ -128,8 +128,19 @@ def record_unschedulable(
 
     Until ``scheduled_at`` when it was scheduled at last, else until ``now``, when the try gave up
     (then a failed try of class ``transient``). An ``unschedulable`` attempt row, ended at once; it
-    holds no lease and changes no shard. Returns its attempt ID.
+    holds no lease and changes no shard. Once per pod (``worker``, a pod's unique name): a deferred
+    task re-enters more than once. Returns its attempt ID.
     """
+    recorded = conn.execute(
+        sa.select(attempts.c.attempt_id).where(
+            attempts.c.job_id == job_id,
+            attempts.c.shard_index == shard_index,
+            attempts.c.worker == worker,
+            attempts.c.outcome == _UNSCHEDULABLE,
+        )
+    ).scalar()
+    if recorded is not None:
+        return str(recorded)
     attempt_id = new_attempt_id()
     now = ensure_aware(now, "now")
     end = now if scheduled_at is None else min(ensure_aware(scheduled_at, "scheduled_at"), now)

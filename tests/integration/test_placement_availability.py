@@ -127,6 +127,7 @@ def test_an_unschedulable_try_holds_no_lease_and_bills_nothing(store: ManifestSt
     pools = [SPOT_A, ON_DEMAND]
     job_id = make_job(store, pools, "job")
     wait_in_vain(store, job_id, SPOT_A.name, tries=1, minutes=30)
+    wait_in_vain(store, job_id, SPOT_A.name, tries=1, minutes=30)  # the same pod again: once
     [attempt] = store.list_attempts(job_id)
     assert attempt.outcome is AttemptOutcome.UNSCHEDULABLE and attempt.ended_at is not None
     assert (attempt.ended_at - attempt.started_at).total_seconds() > 29 * 60
