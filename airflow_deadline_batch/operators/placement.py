@@ -15,11 +15,11 @@ rate is learned from this job's finished tries on it, starting from a prior made
 declared rate and of what earlier jobs saw on a pool of that name
 (:meth:`ManifestStore.pool_history`, read once per :func:`read_job_view`). Each Spot pool's
 availability is learned the same way (:class:`~core.calibration.PoolAvailability`): the time its
-tries ran against the time tries waited for capacity in vain (``unschedulable`` attempts, which
-:class:`~operators.shard.DeadlineShardPodOperator` records when a Spot pod stays unschedulable
-until its startup timeout), over the policy's ``availability_prior`` and earlier jobs' evidence;
-and a pool whose latest try gave up waiting recently, with none started since, counts as out of
-capacity (``spot_available`` false), so the rule waits for it or escalates.
+tries ran against the time their pods waited for capacity (``unschedulable`` attempts, which
+:class:`~operators.shard.DeadlineShardPodOperator` records until a Spot pod is scheduled or its
+try gives up at the startup timeout), over the policy's ``availability_prior`` and earlier jobs'
+evidence; and a pool whose latest try gave up waiting recently, with none started since, counts
+as out of capacity (``spot_available`` false), so the rule waits for it or escalates.
 """
 
 from __future__ import annotations
