@@ -72,6 +72,7 @@ def spot_history(
         tries = preemptions = unschedulable = 0
         seconds = waited = 0.0
         gave_up: dt.datetime | None = None
+        started_last = _running_start(conn, pool, exclude_job)
         for started, ended, outcome, failure_class in conn.execute(query):
             started, ended = ensure_aware(started, "started_at"), ensure_aware(ended, "ended_at")
             span = max(0.0, (ended - started).total_seconds())
@@ -82,6 +83,7 @@ def spot_history(
                     gave_up = ended if gave_up is None else max(gave_up, ended)
                 continue
             tries += 1
+            started_last = started if started_last is None else max(started_last, started)
             preemptions += outcome in _PREEMPTED
             seconds += span
         out[pool] = PoolHistory(
@@ -92,24 +94,26 @@ def spot_history(
             unschedulable=unschedulable,
             wait_s=waited,
             last_unschedulable_s=gave_up.timestamp() if gave_up is not None else None,
-            last_start_s=_last_start(conn, pool, since, exclude_job),
+            last_start_s=started_last.timestamp() if started_last is not None else None,
         )
     return out
 
 
-def _last_start(conn: Connection, pool: str, since: dt.datetime, exclude_job: str | None) -> float | None:
-    """When the latest try of another job that ran on ``pool`` started (since ``since``).
+def _running_start(conn: Connection, pool: str, exclude_job: str | None) -> dt.datetime | None:
+    """When the latest try of another job still running on ``pool`` started (None: none runs).
 
-    Running tries count (capacity is back while one runs), so this is a second, one-row read; it
-    tells whether capacity came back after a give-up, the job's own or another's.
+    With the finished tries' starts it tells whether capacity came back after a give-up (a running
+    try has it now); a second, one-row read on the ``(pool, ended_at)`` index (``ended_at`` null).
     """
     query = sa.select(sa.func.max(attempts.c.started_at)).where(
-        attempts.c.pool == pool, attempts.c.outcome != _UNSCHEDULABLE, attempts.c.started_at >= since
+        attempts.c.pool == pool,
+        attempts.c.ended_at.is_(None),
+        attempts.c.outcome == AttemptOutcome.RUNNING.value,
     )
     if exclude_job is not None:
         query = query.where(attempts.c.job_id != exclude_job)
     latest = conn.execute(query).scalar()
-    return ensure_aware(latest, "started_at").timestamp() if latest is not None else None
+    return ensure_aware(latest, "started_at") if latest is not None else None
 
 
 def record_unschedulable(
