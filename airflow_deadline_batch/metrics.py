@@ -33,7 +33,7 @@ from airflow_deadline_batch.core.job_view import (
     pool_named,
 )
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.core.states import UNRUN_ATTEMPT_OUTCOMES, AttemptOutcome
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.operators.placement import TryDecision
@@ -128,6 +128,8 @@ def attempt_totals(
         committed_s[commit.attempt_id] = committed_s.get(commit.attempt_id, 0.0) + float(commit.elapsed_s)
     cost = redone = 0.0
     for attempt in attempts:
+        if attempt.outcome in UNRUN_ATTEMPT_OUTCOMES:
+            continue  # a pod that waited for capacity: no GPU time
         started = ensure_aware(attempt.started_at, "started_at")
         ended = ensure_aware(attempt.ended_at, "ended_at") if attempt.ended_at else view.now
         ran_s = max(0.0, (ended - started).total_seconds())

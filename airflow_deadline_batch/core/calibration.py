@@ -8,7 +8,9 @@ remaining-work estimate. :mod:`core.job_view` folds a job's commits into a :clas
 and takes remaining work, predicted finish, slack and placement from it.
 
 :class:`AvailabilityEstimate` learns how often Spot capacity is there (the simulator's
-``slack_aware`` policy feeds it the capacity it sees). :class:`SpotTries` learns what the job's
+``slack_aware`` policy feeds it the capacity it sees); :class:`PoolAvailability` is production's
+counterpart, from the time a pool's Spot tries ran against the time they waited for capacity in
+vain (:func:`availability_prior`: over earlier jobs on the pool). :class:`SpotTries` learns what the job's
 finished Spot tries tell: preemptions per Spot-hour and whether Spot still makes progress (the job
 view folds the store's attempt rows into it, the simulator its own preempted tries; docs/design.md
 §5, *Observed preemptions*).
@@ -277,10 +279,22 @@ class PoolHistory:
     tries: int = 0
     preemptions: int = 0
     spot_s: float = 0.0
+    #: tries whose pod waited for capacity until its startup timeout and never ran, and their waits
+    unschedulable: int = 0
+    wait_s: float = 0.0
+    #: when the latest of those gave up, and when the latest try that ran started (epoch seconds)
+    last_unschedulable_s: float | None = None
+    last_start_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.tries < 0 or self.preemptions < 0 or not self.spot_s >= 0:
-            raise ValueError(f"pool history of {self.pool!r}: tries, preemptions and spot_s must be >= 0")
+        if (
+            min(self.tries, self.preemptions, self.unschedulable) < 0
+            or not min(self.spot_s, self.wait_s) >= 0
+        ):
+            raise ValueError(
+                f"pool history of {self.pool!r}: tries, preemptions, unschedulable, spot_s and wait_s "
+                "must be >= 0"
+            )
 
 
 def spot_prior(
@@ -306,3 +320,108 @@ def spot_prior(
         preemptions += weight * history.preemptions
         hours += weight * seen_h
     return SpotTries(prior_per_hour=preemptions / hours, prior_hours=hours)
+
+
+#: hours of evidence the availability prior is worth (a few startup timeouts' worth of waiting)
+AVAILABILITY_PRIOR_HOURS = 1.0
+#: how long a pool counts as out of Spot capacity after a try of it gave up waiting, unless a try
+#: has started on it since (capacity comes back in minutes to hours; a fresh try re-probes after)
+CAPACITY_MISSING_S = 900.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolAvailability:
+    """How often a Spot pool had capacity when tries asked for it: a Beta-like posterior.
+
+    Evidence is time: ``present_s``, the seconds Spot tries ran on the pool (capacity was there),
+    against ``absent_s``, the seconds tries waited for capacity and gave up (their pods stayed
+    unschedulable until the startup timeout). The prior ``prior`` is worth ``prior_hours`` of it, so
+    the estimate :attr:`value` is ``(prior × prior time + present) / (prior time + present +
+    absent)``: within [0, 1], the prior while little is seen, the observed share of time with
+    capacity as evidence grows. It is the placement's ``SpotOption.availability`` /
+    ``JobSnapshot.spot_availability``, as :class:`AvailabilityEstimate` is in the simulator.
+    """
+
+    prior: float = 0.5
+    prior_hours: float = AVAILABILITY_PRIOR_HOURS
+    present_s: float = 0.0
+    absent_s: float = 0.0
+    #: when the latest try of the pool gave up waiting for capacity (epoch seconds; None: never)
+    last_unschedulable_s: float | None = None
+    #: when the latest try that ran on the pool started (epoch seconds; None: none seen)
+    last_start_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior <= 1.0 or not self.prior_hours > 0:
+            raise ValueError("an availability prior must be within [0, 1] and worth prior_hours > 0")
+        if not (self.present_s >= 0 and self.absent_s >= 0):
+            raise ValueError("present_s and absent_s must be >= 0")
+
+    def observe(
+        self,
+        *,
+        present_s: float = 0.0,
+        absent_s: float = 0.0,
+        started_s: float | None = None,
+        gave_up_s: float | None = None,
+    ) -> PoolAvailability:
+        """Fold one try: the seconds it ran (``started_s``: when), or waited in vain (``gave_up_s``)."""
+        return replace(
+            self,
+            present_s=self.present_s + max(0.0, present_s),
+            absent_s=self.absent_s + max(0.0, absent_s),
+            last_start_s=_latest(self.last_start_s, started_s),
+            last_unschedulable_s=_latest(self.last_unschedulable_s, gave_up_s),
+        )
+
+    @property
+    def value(self) -> float:
+        """Posterior mean of the fraction of time the pool had Spot capacity."""
+        prior_s = self.prior_hours * 3600.0
+        return (self.prior * prior_s + self.present_s) / (prior_s + self.present_s + self.absent_s)
+
+    def available(self, now_s: float, missing_s: float = CAPACITY_MISSING_S) -> bool:
+        """False while the latest try gave up waiting less than ``missing_s`` ago and none started since."""
+        gave_up = self.last_unschedulable_s
+        if gave_up is None or (self.last_start_s is not None and self.last_start_s >= gave_up):
+            return True
+        return now_s - gave_up >= missing_s
+
+
+def gave_up_waiting(failure_class: str | None) -> bool:
+    """Whether an ``unschedulable`` attempt is a try that gave up waiting for capacity (it is a
+    failed try, with a failure class), not the wait of a pod that was scheduled at last (none)."""
+    return failure_class is not None
+
+
+def _latest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def availability_prior(
+    prior: float,
+    history: PoolHistory | None = None,
+    *,
+    prior_hours: float = AVAILABILITY_PRIOR_HOURS,
+    max_history_hours: float = MAX_HISTORY_HOURS,
+) -> PoolAvailability:
+    """The availability a job's Spot tries on one pool start from: ``prior``, updated by earlier jobs.
+
+    ``prior`` is the policy's ``availability_prior`` (a :class:`PoolSpec` declares no
+    availability); earlier jobs' run and wait time on the pool add to it, scaled down together to
+    ``max_history_hours`` when longer, so the job's own tries keep room to move the estimate. The
+    latest give-up and start of those jobs carry over (:meth:`PoolAvailability.available`).
+    """
+    if max_history_hours <= 0:
+        raise ValueError("max_history_hours must be > 0")
+    out = PoolAvailability(prior=prior, prior_hours=prior_hours)
+    if history is None:
+        return out
+    seen_h = (history.spot_s + history.wait_s) / 3600.0
+    weight = 1.0 if seen_h <= max_history_hours else max_history_hours / seen_h
+    return out.observe(
+        present_s=weight * history.spot_s,
+        absent_s=weight * history.wait_s,
+        started_s=history.last_start_s,
+        gave_up_s=history.last_unschedulable_s,
+    )

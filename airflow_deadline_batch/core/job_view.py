@@ -49,6 +49,7 @@ from airflow_deadline_batch.core.placement import JobSnapshot, od_need_s
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
     TERMINAL_JOB_STATES,
+    UNRUN_ATTEMPT_OUTCOMES,
     AttemptOutcome,
     JobState,
     ShardState,
@@ -365,6 +366,8 @@ def spot_tries(
         pool = pool_named(attempt.pool, pools)
         if attempt.ended_at is None or pool is None or pool.kind is not PoolKind.SPOT:
             continue
+        if attempt.outcome in UNRUN_ATTEMPT_OUTCOMES:
+            continue  # no worker ran: no Spot time, no preemption (availability evidence only)
         finished.append(attempt)
     if not finished:
         return job, shards

@@ -20,6 +20,7 @@ __all__ = [
     "TERMINAL_ATTEMPT_OUTCOMES",
     "TERMINAL_JOB_STATES",
     "TERMINAL_SHARD_STATES",
+    "UNRUN_ATTEMPT_OUTCOMES",
     "AttemptOutcome",
     "JobState",
     "ShardState",
@@ -66,6 +67,12 @@ class AttemptOutcome(str, enum.Enum):
     ABANDONED = "abandoned"
     #: one of two racing attempts (the tail race) whose commit the other beat; the winner goes on
     LOST_RACE = "lost_race"
+    #: the time a Spot try's pod waited unschedulable for capacity, from its creation (``started_at``)
+    #: until the try gave up at its startup timeout (a failed try, failure class ``transient``) or
+    #: until the pod was scheduled at last (no failure class; the worker's own attempt follows).
+    #: No lease, no worker, no GPU time: the pool's availability evidence
+    #: (``store.pool_stats.record_unschedulable``)
+    UNSCHEDULABLE = "unschedulable"
 
 
 TERMINAL_JOB_STATES: frozenset[JobState] = frozenset(
@@ -75,6 +82,8 @@ TERMINAL_SHARD_STATES: frozenset[ShardState] = frozenset({ShardState.SUCCEEDED, 
 TERMINAL_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
     set(AttemptOutcome) - {AttemptOutcome.RUNNING}
 )
+#: attempts no worker ran: their time is no GPU time, no cost and no Spot exposure
+UNRUN_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset({AttemptOutcome.UNSCHEDULABLE})
 
 _J = JobState
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
@@ -111,6 +120,7 @@ _SHARD_AFTER: Mapping[AttemptOutcome, ShardState] = {
     _A.LOST_LEASE: _S.RETRYABLE_FAILURE,
     _A.FAILED_RETRYABLE: _S.RETRYABLE_FAILURE,
     _A.ABANDONED: _S.RETRYABLE_FAILURE,
+    _A.UNSCHEDULABLE: _S.RETRYABLE_FAILURE,
     _A.FAILED_TERMINAL: _S.TERMINAL_FAILURE,
     # the shard stays with the winner of the race
     _A.LOST_RACE: _S.LEASED,

@@ -13,7 +13,13 @@ learned throughput, learned spell length) for :func:`~core.placement.pick_spot_p
 cheapest on-demand pool that is not slower than the reference pool. Each Spot pool's preemption
 rate is learned from this job's finished tries on it, starting from a prior made of the pool's
 declared rate and of what earlier jobs saw on a pool of that name
-(:meth:`ManifestStore.pool_history`, read once per :func:`read_job_view`).
+(:meth:`ManifestStore.pool_history`, read once per :func:`read_job_view`). Each Spot pool's
+availability is learned the same way (:class:`~core.calibration.PoolAvailability`): the time its
+tries ran against the time their pods waited for capacity (``unschedulable`` attempts, which
+:class:`~operators.shard.DeadlineShardPodOperator` records until a Spot pod is scheduled or its
+try gives up at the startup timeout), over the policy's ``availability_prior`` and earlier jobs'
+evidence; and a pool whose latest try gave up waiting recently, with none started since, counts
+as out of capacity (``spot_available`` false), so the rule waits for it or escalates.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow_deadline_batch.core.calibration import PoolHistory, SpotTries, spot_prior
+from airflow_deadline_batch.core.calibration import (
+    PoolAvailability,
+    PoolHistory,
+    SpotTries,
+    availability_prior,
+    gave_up_waiting,
+    spot_prior,
+)
+from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.job_view import (
     JobView,
     build_job_view,
@@ -33,6 +47,7 @@ from airflow_deadline_batch.core.job_view import (
     spot_tries,
 )
 from airflow_deadline_batch.core.placement import (
+    DEFAULT_POLICY,
     JobSnapshot,
     PlacementDecision,
     PolicyParams,
@@ -40,7 +55,7 @@ from airflow_deadline_batch.core.placement import (
     choose_pool,
 )
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
-from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -190,7 +205,11 @@ def job_view_of(
         tenant=job.tenant,
     )
     fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(JobView)}
-    return PlacementView(**fields, pool_tries=pool_spot_tries(view.pools, attempts, commits, history or {}))
+    return PlacementView(
+        **fields,
+        pool_tries=pool_spot_tries(view.pools, attempts, commits, history or {}),
+        pool_availability=pool_spot_availability(view.pools, attempts, history or {}, now=now),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,6 +218,8 @@ class PlacementView(JobView):
 
     #: each Spot pool's finished tries of this job, over the prior of :func:`core.calibration.spot_prior`
     pool_tries: Mapping[str, SpotTries] = dataclasses.field(default_factory=dict)
+    #: each Spot pool's capacity seen by this job's tries, over earlier jobs' (:func:`pool_spot_availability`)
+    pool_availability: Mapping[str, PoolAvailability] = dataclasses.field(default_factory=dict)
 
 
 def pool_spot_tries(
@@ -223,6 +244,40 @@ def pool_spot_tries(
         out[pool.name] = dataclasses.replace(
             seen, prior_per_hour=prior.prior_per_hour, prior_hours=prior.prior_hours
         )
+    return out
+
+
+def pool_spot_availability(
+    pools: Sequence[PoolSpec],
+    attempts: Sequence[AttemptRow],
+    history: Mapping[str, PoolHistory],
+    *,
+    now: dt.datetime,
+) -> dict[str, PoolAvailability]:
+    """Each Spot pool's availability evidence: this job's tries on it over earlier jobs' history.
+
+    A try that ran counts its time on the pool (up to ``now`` while it runs) as capacity present;
+    an ``unschedulable`` attempt its pod's wait as capacity missing (and, when the try gave up,
+    the pool as out of capacity for a while). The prior is the default policy's
+    ``availability_prior``; :func:`placement_snapshot` applies the deciding policy's own.
+    """
+    out = {
+        p.name: availability_prior(DEFAULT_POLICY.availability_prior, history.get(p.name))
+        for p in pools
+        if p.kind is PoolKind.SPOT
+    }
+    for attempt in attempts:
+        pool = pool_named(attempt.pool, pools)
+        if pool is None or pool.name not in out:
+            continue
+        started = ensure_aware(attempt.started_at, "started_at")
+        ended = ensure_aware(attempt.ended_at, "ended_at") if attempt.ended_at is not None else now
+        span = (ended - started).total_seconds()
+        if attempt.outcome == AttemptOutcome.UNSCHEDULABLE:
+            gave_up = ended.timestamp() if gave_up_waiting(attempt.failure_class) else None
+            out[pool.name] = out[pool.name].observe(absent_s=span, gave_up_s=gave_up)
+        else:
+            out[pool.name] = out[pool.name].observe(present_s=span, started_s=started.timestamp())
     return out
 
 
@@ -251,7 +306,7 @@ def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | Non
             f"job {job_id} is {view.state.value}; shard {index} will not run",
         )
     on_demand = on_demand_pool(view)
-    placement = choose_pool(placement_snapshot(view, index, on_demand), policy)
+    placement = choose_pool(placement_snapshot(view, index, on_demand, policy), policy)
     if placement.pool is PoolKind.ON_DEMAND and on_demand is not None:
         pool = on_demand
     else:
@@ -284,13 +339,17 @@ def on_demand_pool(view: JobView) -> PoolSpec | None:
     return min(safe, key=lambda p: p.price_per_gpu_hour / speeds[p.name])
 
 
-def placement_snapshot(view: JobView, shard_index: int, on_demand: PoolSpec | None) -> JobSnapshot:
+def placement_snapshot(
+    view: JobView, shard_index: int, on_demand: PoolSpec | None, policy: PolicyParams | None = None
+) -> JobSnapshot:
     """The view's snapshot of the shard with the job's prices and its Spot pools' learned rates.
 
     Prices are per GPU relative to the reference Spot pool (:func:`core.job_view.reference_pool`),
     throughputs the calibrated ones; a Spot pool's spell length comes from :class:`PlacementView`'s
-    learned tries (a plain :class:`JobView`: its declared rate). With one Spot pool the snapshot's
-    own ``spot_*`` fields carry it; with several, each is a :class:`SpotOption`.
+    learned tries (a plain :class:`JobView`: its declared rate), its availability and whether it
+    has capacity now from its learned :class:`~core.calibration.PoolAvailability` (none seen: the
+    policy's prior, capacity assumed). With one Spot pool the snapshot's own ``spot_*`` fields
+    carry it; with several, each is a :class:`SpotOption`.
     """
     snapshot = view.snapshot(shard_index)
     spot = [p for p in view.pools if p.kind is PoolKind.SPOT]
@@ -299,6 +358,7 @@ def placement_snapshot(view: JobView, shard_index: int, on_demand: PoolSpec | No
     reference = reference_pool(view.pools)
     learned = view.pool_tries if isinstance(view, PlacementView) else {}
     tries = {p.name: learned.get(p.name) or SpotTries(prior_per_hour=p.preemptions_per_hour) for p in spot}
+    capacity = {p.name: spot_capacity(view, p.name, policy) for p in spot}
     ref_price = reference.price_per_gpu_hour
     price_ratio = None
     if on_demand is not None and ref_price > 0:
@@ -312,6 +372,8 @@ def placement_snapshot(view: JobView, shard_index: int, on_demand: PoolSpec | No
             price_ratio=price_ratio,
             spot_preemptions_per_hour=only.preemptions_per_hour,
             spot_mean_run_s=only.mean_run_s,
+            spot_availability=capacity[reference.name][0],
+            spot_available=capacity[reference.name][1],
         )
     options = tuple(
         SpotOption(
@@ -319,11 +381,24 @@ def placement_snapshot(view: JobView, shard_index: int, on_demand: PoolSpec | No
             price=max(p.price_per_gpu_hour, 1e-9) / ref_price if ref_price > 0 else 1.0,
             speed=_speed(view, p, reference),
             mean_run_s=tries[p.name].mean_run_s,
+            availability=capacity[p.name][0],
+            available=capacity[p.name][1],
         )
         for p in spot
     )
     # each option carries its own spell length (None: no preemption expected on that pool)
     return dataclasses.replace(snapshot, price_ratio=price_ratio, spot_pools=options, spot_mean_run_s=None)
+
+
+def spot_capacity(view: JobView, pool: str, policy: PolicyParams | None = None) -> tuple[float | None, bool]:
+    """A Spot pool's learned availability (``None``: nothing seen, the policy's prior stands) and
+    whether it has capacity now (:meth:`~core.calibration.PoolAvailability.available`)."""
+    seen = view.pool_availability.get(pool) if isinstance(view, PlacementView) else None
+    if seen is None:
+        return None, True
+    prior = (policy or DEFAULT_POLICY).availability_prior
+    learned = dataclasses.replace(seen, prior=prior).value if seen.present_s + seen.absent_s > 0 else None
+    return learned, seen.available(view.now.timestamp())
 
 
 @dataclasses.dataclass(frozen=True)

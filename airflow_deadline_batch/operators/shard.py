@@ -19,6 +19,12 @@ operator do with each class:
   goes ``up_for_reschedule`` and comes back with the same try number, so no retry is spent;
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
+
+A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
+pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
+from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)
+or until the pod is scheduled at last (:func:`scheduling_wait`); the next decisions learn the
+pool's availability from it (``operators.placement``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
+from airflow.providers.cncf.kubernetes.utils.pod_manager import PodLaunchTimeoutException
 from airflow.sdk import BaseOperator
 from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
 from airflow.sdk.exceptions import (
@@ -54,7 +61,7 @@ from airflow_deadline_batch.core.failures import (
     backoff_s,
     classify_exit,
 )
-from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -63,6 +70,8 @@ from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
 from airflow_deadline_batch.metrics import dag_id_of, emit_decision
 from airflow_deadline_batch.operators.placement import (
+    CAPACITY_VALUES,
+    LABEL_PREFIX,
     TryAction,
     TryDecision,
     decide_for_try,
@@ -213,6 +222,57 @@ def _classify_status(
         f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
         code,
     )
+
+
+def unschedulable_reason(pod: k8s.V1Pod | None) -> str | None:
+    """Why a shard pod on Spot waits for capacity, or None (pure; not Spot, scheduled, or started).
+
+    A pod of this package labelled for a Spot pool that is still ``Pending`` with
+    ``PodScheduled=False`` (reason ``Unschedulable``: no node fits, the Spot pool has no capacity
+    now) is waiting for capacity; a scheduled pod still pulling its image is not.
+    """
+    if pod is None or pod.status is None or pod.metadata is None:
+        return None
+    labels = pod.metadata.labels or {}
+    if labels.get(f"{LABEL_PREFIX}/capacity") != CAPACITY_VALUES[PoolKind.SPOT]:
+        return None
+    if pod.status.phase != "Pending":
+        return None
+    for condition in pod.status.conditions or []:
+        if (
+            condition.type == "PodScheduled"
+            and condition.status == "False"
+            and condition.reason == "Unschedulable"
+        ):
+            return f"pod {pod.metadata.name} unschedulable: {condition.message or 'no node has capacity'}"
+    return None
+
+
+#: a shorter wait to be scheduled is not recorded (timestamps have whole seconds: 1 s apart may be
+#: an instant)
+MIN_RECORDED_WAIT_S = 2.0
+
+
+def scheduling_wait(pod: k8s.V1Pod | None) -> tuple[dt.datetime, dt.datetime] | None:
+    """When a scheduled shard pod on Spot was created and when it was scheduled, if it waited.
+
+    Pure: from the pod's ``creationTimestamp`` and its ``PodScheduled=True`` condition's
+    ``lastTransitionTime``; None when the pod is not on Spot, not scheduled, or waited less than
+    :data:`MIN_RECORDED_WAIT_S`. The wait includes a node's provisioning where the cluster
+    launches one for the pod (Karpenter): until then, there is no capacity for it either.
+    """
+    if pod is None or pod.status is None or pod.metadata is None:
+        return None
+    labels = pod.metadata.labels or {}
+    created = pod.metadata.creation_timestamp
+    if labels.get(f"{LABEL_PREFIX}/capacity") != CAPACITY_VALUES[PoolKind.SPOT] or created is None:
+        return None
+    for condition in pod.status.conditions or []:
+        if condition.type == "PodScheduled" and condition.status == "True" and condition.last_transition_time:
+            scheduled: dt.datetime = condition.last_transition_time
+            if (scheduled - created).total_seconds() >= MIN_RECORDED_WAIT_S:
+                return created, scheduled
+    return None
 
 
 class ShardPartial(OperatorPartial):
@@ -472,6 +532,59 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         )
         self.pod_request_obj = None
         self.pod = None
+
+    def await_pod_start(self, pod: k8s.V1Pod) -> None:
+        try:
+            super().await_pod_start(pod)
+        except PodLaunchTimeoutException:
+            self.record_capacity_wait(pod)
+            raise
+        self.record_capacity_wait(pod)
+
+    def trigger_reentry(self, context: Any, event: dict[str, Any]) -> Any:
+        # deferrable: the trigger gave up waiting for the start ("timeout"), or the pod ran
+        self.record_capacity_wait(
+            k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
+        )
+        return super().trigger_reentry(context, event)
+
+    def record_capacity_wait(self, pod: k8s.V1Pod) -> None:
+        """Record how long this try's Spot pod waited for capacity, as an ``unschedulable`` attempt.
+
+        Still unschedulable (the try gives up), or scheduled after waiting: re-read from the API.
+        Best effort: a pod or store that cannot be read or written loses this one observation of
+        the pool's availability, not the try, whose own handling follows as before.
+        """
+        try:
+            remote = self.pod_manager.read_pod(pod)
+            reason = unschedulable_reason(remote)
+            waited = None if reason is not None else scheduling_wait(remote)
+            labels = remote.metadata.labels or {}
+            pool, created = labels.get(f"{LABEL_PREFIX}/pool"), remote.metadata.creation_timestamp
+            if pool is None or created is None or (reason is None and waited is None):
+                return
+            store = self.store_hook().get_job_store(
+                self.job_id, plan_store_conn_id=self.plan_connections.get("store_conn_id")
+            )
+            store.record_unschedulable(
+                self.job_id,
+                int(self.shard_index),
+                pool=pool,
+                worker=remote.metadata.name,
+                created_at=created,
+                error=reason or f"pod {remote.metadata.name} waited to be scheduled",
+                scheduled_at=waited[1] if waited is not None else None,
+            )
+        except Exception:
+            self.log.warning("could not record the capacity wait of pod %s", pod.metadata.name, exc_info=True)
+            return
+        if reason is not None:
+            self.log.warning(
+                "shard %s of job %s: %s; recorded for the pool's availability",
+                self.shard_index,
+                self.job_id,
+                reason,
+            )
 
     def prepare_try(self, context: Any | None = None) -> TryDecision:
         """Decide and apply this try's placement; returns the decision."""

@@ -22,7 +22,7 @@ import orjson
 from airflow_deadline_batch.core.job_view import pool_named
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.results import SettledUsage
-from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.core.states import UNRUN_ATTEMPT_OUTCOMES, AttemptOutcome
 from airflow_deadline_batch.exceptions import ObjectNotFound
 
 if TYPE_CHECKING:
@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 #: ``attempts/<attempt_id>/shard-<index>-mb-<seq>.jsonl`` (docs/internals.md, object keys)
 _ATTEMPT_KEY = re.compile(r"^attempts/(?P<attempt>[^/]+)/shard-\d+-mb-\d+\.jsonl$")
 #: outcomes the worker did not report itself: it may have died long before the attempt was ended
-_UNREPORTED = frozenset({AttemptOutcome.LOST_LEASE, AttemptOutcome.ABANDONED, AttemptOutcome.RUNNING})
+#: (an attempt no worker ran has no heartbeat, so it bills no GPU time)
+_UNREPORTED = frozenset(
+    {AttemptOutcome.LOST_LEASE, AttemptOutcome.ABANDONED, AttemptOutcome.RUNNING, *UNRUN_ATTEMPT_OUTCOMES}
+)
 
 
 @dataclass(frozen=True)

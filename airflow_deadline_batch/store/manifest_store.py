@@ -1165,6 +1165,39 @@ class ManifestStore:
 
         return self._tx(read, write=False)
 
+    def record_unschedulable(
+        self,
+        job_id: str,
+        shard_index: int,
+        *,
+        pool: str,
+        worker: str,
+        created_at: dt.datetime,
+        error: str,
+        scheduled_at: dt.datetime | None = None,
+    ) -> str:
+        """Record a Spot try's pod that waited for capacity since ``created_at``: until
+        ``scheduled_at``, else until now, when the try gave up.
+
+        The pool's availability evidence (``store.pool_stats.record_unschedulable``); returns the
+        attempt ID of the ``unschedulable`` row.
+        """
+
+        def write(conn: Connection) -> str:
+            return pool_stats.record_unschedulable(
+                conn,
+                job_id=job_id,
+                shard_index=shard_index,
+                pool=pool,
+                worker=worker,
+                created_at=created_at,
+                now=_ts(self._now(conn)),
+                error=error,
+                scheduled_at=scheduled_at,
+            )
+
+        return self._tx(write)
+
     def measured_rates(
         self,
         pools: Sequence[str],

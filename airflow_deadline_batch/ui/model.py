@@ -41,7 +41,7 @@ from airflow_deadline_batch.core.job_view import (
     reference_pool,
 )
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.core.states import UNRUN_ATTEMPT_OUTCOMES, JobState, ShardState
 from airflow_deadline_batch.metrics import attempt_totals
 from airflow_deadline_batch.operators.placement import job_view_of
 
@@ -183,7 +183,7 @@ def cost_summary(view: JobView, attempts: Sequence[AttemptRow], commits: Sequenc
     seconds = {PoolKind.SPOT: 0.0, PoolKind.ON_DEMAND: 0.0}
     for attempt in attempts:
         pool = pool_named(attempt.pool, view.pools)
-        if pool is None:
+        if pool is None or attempt.outcome in UNRUN_ATTEMPT_OUTCOMES:
             continue
         ended = ensure_aware(attempt.ended_at, "ended_at") if attempt.ended_at else view.now
         seconds[pool.kind] += max(

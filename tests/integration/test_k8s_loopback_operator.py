@@ -14,6 +14,7 @@ import base64
 import datetime as dt
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from kubernetes import client
 
 from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState
+from airflow_deadline_batch.operators.placement import PlacementView, decide_for_try, read_job_view
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator
 from airflow_deadline_batch.service.finalize import finalize_job
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
@@ -292,5 +294,162 @@ def test_a_deferred_shard_pod_evicted_mid_shard_is_preempted(
     try:
         [attempt] = store.list_attempts(planned.job_id)
         assert attempt.outcome is AttemptOutcome.PREEMPTED
+    finally:
+        store.close()
+
+
+SPOT_NODES = ("deadline-batch.io/node-pool", "local-spot")
+#: how long the tests below let a Spot pod wait for capacity (the decision's own timeout is at least
+#: 60 s, core.placement.MIN_STARTUP_TIMEOUT_S; the wait's length is not what they test)
+SHORT_STARTUP_S = 3
+
+
+class ShortStartupShardPodOperator(DeadlineShardPodOperator):
+    """The real operator, giving up on a Pending pod after :data:`SHORT_STARTUP_S`."""
+
+    def apply_decision(self, decision: Any) -> None:
+        super().apply_decision(decision)
+        self.startup_timeout_seconds = self.schedule_timeout_seconds = SHORT_STARTUP_S
+
+
+def spot_without_capacity(cluster: LoopbackCluster) -> list[dict[str, Any]]:
+    """The job's pools, the Spot one on nodes of its own, which have no room for a pod."""
+    pools = [p.to_dict() for p in default_local_pools("echo")]
+    pools[0]["node_selector"] = dict([SPOT_NODES])
+    cluster.api.set_capacity(*SPOT_NODES, pods=0)
+    return pools
+
+
+def unschedulable_operator(
+    cluster: LoopbackCluster, job: PlannedJob, pools: list[dict[str, Any]], **options: Any
+) -> DeadlineShardPodOperator:
+    return ShortStartupShardPodOperator(
+        task_id="shard",
+        job_id=job.job_id,
+        shard_index=0,
+        image="registry.example/deadline-batch-worker@sha256:" + "0" * 64,
+        namespace=cluster.namespace,
+        store_url=job.store_url,
+        store_secret_name=SECRET,
+        config_file=str(cluster.kubeconfig),
+        startup_check_interval_seconds=1,
+        pools=pools,
+        **options,
+    )
+
+
+def assert_recorded_unschedulable(job: PlannedJob, pools: list[dict[str, Any]], pod: dict[str, Any]) -> None:
+    """One ``unschedulable`` attempt on the Spot pool from the pod's creation; the next decision
+    sees the pool out of capacity and waits for it instead of taking it as available."""
+    store = ManifestStore.open(job.store_url)
+    try:
+        [attempt] = store.list_attempts(job.job_id)
+        assert attempt.outcome is AttemptOutcome.UNSCHEDULABLE and attempt.pool == "local-spot"
+        assert attempt.failure_class == "transient"  # the try gave up: a failed try
+        assert attempt.worker == pod["metadata"]["name"]
+        created = dt.datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        assert attempt.started_at == created and attempt.ended_at is not None
+        assert (attempt.ended_at - attempt.started_at).total_seconds() >= SHORT_STARTUP_S - 1
+        assert "0/1 nodes are available" in (attempt.error or "")
+        assert store.get_shard(job.job_id, 0).state is ShardState.PENDING  # no lease was taken
+        view = read_job_view(store, job.job_id, now=dt.datetime.now(dt.timezone.utc), pools=pools)
+        assert isinstance(view, PlacementView)
+        learned = view.pool_availability["local-spot"]
+        assert learned.absent_s > 0 and not learned.available(view.now.timestamp())
+        decision = decide_for_try(view, store.get_shard(job.job_id, 0))
+        assert decision.pool is not None and decision.pool.name == "local-spot"
+        assert "wait for Spot" in decision.reason
+    finally:
+        store.close()
+
+
+def test_a_spot_pod_unschedulable_until_its_startup_timeout_is_recorded(
+    loopback_k8s: LoopbackCluster, planned: PlannedJob
+) -> None:
+    store_secret(loopback_k8s, planned.store_url)
+    pools = spot_without_capacity(loopback_k8s)
+    ctx = context(try_number=1)
+    with pytest.raises(AirflowRescheduleException):  # a timed-out start is transient: no retry spent
+        unschedulable_operator(loopback_k8s, planned, pools).execute(ctx)
+    assert ctx["ti"].xcoms["placement"]["capacity"] == "spot"
+    [pod] = loopback_k8s.api.created_pods
+    assert pod["spec"]["nodeSelector"][SPOT_NODES[0]] == SPOT_NODES[1]
+    assert_recorded_unschedulable(planned, pools, pod)
+
+
+def test_a_deferred_spot_pod_unschedulable_until_its_startup_timeout_is_recorded(
+    loopback_k8s: LoopbackCluster, planned: PlannedJob
+) -> None:
+    store_secret(loopback_k8s, planned.store_url)
+    pools = spot_without_capacity(loopback_k8s)
+    ctx = context(try_number=1)
+    deferred = defer(unschedulable_operator(loopback_k8s, planned, pools, **DEFERRABLE), ctx)
+    event = first_trigger_event(deferred)
+    assert event["status"] == "timeout", event
+    with pytest.raises(AirflowException):
+        resume(unschedulable_operator(loopback_k8s, planned, pools, **DEFERRABLE), deferred, ctx, event)
+    [pod] = loopback_k8s.api.created_pods
+    assert_recorded_unschedulable(planned, pools, pod)
+
+
+def poll(probe: Any, *, timeout_s: float, what: str) -> Any:
+    """Re-evaluate ``probe`` every 0.2 s until it is truthy (a wait measured on the wall clock:
+    the API sees no change while a pod waits, so its ``wait_until`` would not wake)."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while (value := probe()) is None:
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        tick.wait(0.2)
+    return value
+
+
+def test_a_spot_pod_scheduled_after_waiting_records_its_wait_and_runs(
+    loopback_k8s: LoopbackCluster, planned: PlannedJob
+) -> None:
+    api, ns = loopback_k8s.api, loopback_k8s.namespace
+    store_secret(loopback_k8s, planned.store_url)
+    pools = spot_without_capacity(loopback_k8s)
+    failure: list[BaseException] = []
+
+    def run_try() -> None:
+        try:
+            shard_operator(loopback_k8s, planned, pools=pools).execute(context(try_number=1))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            failure.append(exc)
+
+    runner = threading.Thread(target=run_try, name="shard-try")
+    runner.start()
+    try:
+        # the pod waits unschedulable; capacity comes back once it has waited a few whole seconds
+        def waited() -> dict[str, Any] | None:
+            for pod in api.pods(ns, labels=f"{JOB_LABEL}={planned.job_id}"):
+                created = dt.datetime.fromisoformat(
+                    pod["metadata"]["creationTimestamp"].replace("Z", "+00:00")
+                )
+                conditions = pod["status"].get("conditions") or []
+                pending = any(c["type"] == "PodScheduled" and c["status"] == "False" for c in conditions)
+                if pending and (dt.datetime.now(dt.timezone.utc) - created).total_seconds() >= 4:
+                    return pod
+            return None
+
+        pod = poll(waited, timeout_s=WAIT_S, what="a Spot pod that waited for capacity")
+        api.set_capacity(*SPOT_NODES, pods=1)
+    finally:
+        runner.join(timeout=WAIT_S)
+    assert not runner.is_alive() and failure == []
+    store = ManifestStore.open(planned.store_url)
+    try:
+        assert store.get_shard(planned.job_id, 0).state is ShardState.SUCCEEDED
+        by_outcome = {a.outcome: a for a in store.list_attempts(planned.job_id)}
+        assert sorted(o.value for o in by_outcome) == ["succeeded", "unschedulable"]
+        wait, ran = by_outcome[AttemptOutcome.UNSCHEDULABLE], by_outcome[AttemptOutcome.SUCCEEDED]
+        assert wait.failure_class is None and wait.worker == pod["metadata"]["name"]  # no failed try
+        assert wait.ended_at is not None and (wait.ended_at - wait.started_at).total_seconds() >= 3
+        assert wait.ended_at <= ran.started_at + dt.timedelta(seconds=1)  # scheduled, then claimed
+        view = read_job_view(store, planned.job_id, now=dt.datetime.now(dt.timezone.utc), pools=pools)
+        assert isinstance(view, PlacementView)
+        learned = view.pool_availability["local-spot"]
+        assert learned.absent_s >= 3 and learned.present_s > 0
+        assert learned.available(view.now.timestamp())  # it ran: the pool has capacity
     finally:
         store.close()
