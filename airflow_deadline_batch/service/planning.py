@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import io
+import itertools
 import math
 import os
 import tempfile
@@ -43,7 +44,7 @@ from airflow_deadline_batch.core.estimate import (
 )
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
 from airflow_deadline_batch.core.ids import check_idempotency_key, new_job_id
-from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count, target_shard_seconds
+from airflow_deadline_batch.core.packing import cut_contiguous_chunks, microbatch_count, target_shard_seconds
 from airflow_deadline_batch.core.params import check_generation_defaults
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
 from airflow_deadline_batch.core.records import (
@@ -72,7 +73,6 @@ from airflow_deadline_batch.service.spill import (
     CHUNK_ROWS,
     DEFAULT_MEMORY_BUDGET,
     Column,
-    ColumnFloats,
     DuplicateFinder,
     IdSpill,
     PartitionFiles,
@@ -749,7 +749,7 @@ def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[Sha
     records = scan.records
     works = scan.works
     ranges = (
-        cut_contiguous(ColumnFloats(works), target_seconds=target_s, max_shards=max_shards) if records else []
+        cut_contiguous_chunks(works.chunks, target_seconds=target_s, max_shards=max_shards) if records else []
     )
     invalid_lines = scan.invalid_lines
     cuts: list[ShardCut] = []
@@ -770,7 +770,7 @@ def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[Sha
                 line_count=last_line - prev_last_line,
                 records=b - a,
                 excluded_lines=tuple(invalid_lines.read_list(lo, hi)),
-                est_work_s=math.fsum(works.values(a, b)),
+                est_work_s=math.fsum(itertools.chain.from_iterable(c.tolist() for c in works.chunks(a, b))),
             )
         )
         prev_end_offset, prev_last_line = end_offset, last_line
