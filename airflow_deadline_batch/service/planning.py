@@ -55,6 +55,7 @@ from airflow_deadline_batch.core.records import (
     ValidationLimits,
     Validator,
     duplicate_error,
+    fast_parse_many,
     iter_line_blocks,
     quick_parse_many,
 )
@@ -409,7 +410,13 @@ def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
     for first, start, datas, ends, heads in iter_line_blocks(
         stream, start_line=job.first_line, start_offset=job.byte_start, max_line_bytes=limits.max_line_bytes
     ):
-        quicks = quick_parse_many(datas, limits)
+        quicks = fast_parse_many(datas, limits)
+        declined = [i for i, q in enumerate(quicks) if q is None]
+        if declined:  # unusual shapes and invalid lines: the orjson path, then the reference
+            for i, quick in zip(
+                declined, quick_parse_many([datas[i] for i in declined], limits), strict=True
+            ):
+                quicks[i] = quick
         # the common case skips building Record objects (same numbers: see quick_parse)
         fast = [i for i, q in enumerate(quicks) if q is not None]
         ids: list[str | None] = [q[0] if q is not None else None for q in quicks]
