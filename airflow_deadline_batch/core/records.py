@@ -1058,6 +1058,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
     loads = orjson.loads
     unset = msgspec.UNSET
     decode_error = msgspec.DecodeError
+    native_type = _FastNative
     try:
         long_lines = max(map(len, datas), default=0) > max_bytes  # type: ignore[arg-type]
     except TypeError:  # a None item: check each line
@@ -1077,7 +1078,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
             if line is None:
                 append(None)
                 continue
-        if type(line) is _FastNative:
+        if type(line) is native_type:
             limit = line.max_tokens
             if limit is not None and not 1 <= limit <= max_tokens:
                 append(None)

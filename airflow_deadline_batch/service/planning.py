@@ -39,7 +39,6 @@ from airflow_deadline_batch.core.estimate import (
     WorkModel,
     WorkSummary,
     estimate_prompt_tokens,
-    estimate_text_tokens,
     expected_output_tokens,
 )
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
@@ -373,8 +372,8 @@ class _PartWriter:
 
 def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
     """:func:`~airflow_deadline_batch.core.estimate.estimate_texts_tokens` of each item, in one loop:
-    a prompt's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
-    :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`), chat contents by that function."""
+    each text's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
+    :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`)."""
     tokens: list[int] = []
     append = tokens.append
     for texts in all_texts:
@@ -385,11 +384,14 @@ def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
                 ascii_chars = len(texts.encode("ascii", "ignore"))
                 append((ascii_chars + 3) // 4 + (len(texts) - ascii_chars) + COMPLETION_OVERHEAD_TOKENS)
         else:
-            append(
-                sum(map(estimate_text_tokens, texts))
-                + MESSAGE_OVERHEAD_TOKENS * len(texts)
-                + CHAT_PRIMING_TOKENS
-            )
+            total = MESSAGE_OVERHEAD_TOKENS * len(texts) + CHAT_PRIMING_TOKENS
+            for text in texts:  # estimate_text_tokens, inlined
+                if text.isascii():
+                    total += (len(text) + 3) // 4
+                else:
+                    ascii_chars = len(text.encode("ascii", "ignore"))
+                    total += (ascii_chars + 3) // 4 + (len(text) - ascii_chars)
+            append(total)
     return tokens
 
 
