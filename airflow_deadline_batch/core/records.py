@@ -930,7 +930,8 @@ def quick_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) ->
 # surrogates, control characters). What msgspec does not check the way orjson does, inside a
 # value kept as ``msgspec.Raw`` (invalid UTF-8, numbers out of the double range, nesting depth),
 # is checked by orjson itself on those bytes: ``metadata`` on every line, body parameters once
-# per distinct byte string (cached with their check_params verdict).
+# per distinct byte string (cached with their check_params verdict); a line where a raw member
+# may be repeated (only the last occurrence would be checked) declines.
 
 _Role = Literal["system", "user", "assistant", "developer", "tool"]  # ALLOWED_ROLES (a test holds them equal)
 _NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
@@ -993,7 +994,7 @@ _NATIVE_DECODER = msgspec.json.Decoder(_FastNative)
 _OPENAI_DECODER = msgspec.json.Decoder(_FastOpenAI)
 _BODY_ENCODER = msgspec.json.Encoder()
 #: check_params verdicts by (engine, endpoint, the body's re-encoded members without its text)
-_PARAMS_VERDICTS: dict[tuple[str | None, str, bytes], bool] = {}
+_PARAMS_VERDICTS: dict[tuple[str | None, str, bytes], tuple[bytes, ...] | None] = {}
 _PARAMS_VERDICTS_MAX = 4096
 #: orjson refuses JSON nested deeper than 1024; raw bytes with this many brackets are left to it
 _MAX_RAW_BRACKETS = 256
@@ -1012,22 +1013,37 @@ def _raw_loads(raw: msgspec.Raw | bytes) -> tuple[bool, Any]:
         return False, None
 
 
-def _params_ok(key: bytes, kind: Literal["chat", "completion"], engine: str | None) -> bool:
-    """Whether the body members re-encoded as ``key`` hold only parameters ``engine`` can run."""
+def _params_names(
+    key: bytes, kind: Literal["chat", "completion"], engine: str | None
+) -> tuple[bytes, ...] | None:
+    """The quoted names of the parameters among the body members re-encoded as ``key``, or None
+    when one of them cannot run on ``engine`` (check_params, once per distinct ``key``)."""
     cache_key = (engine, kind, key)
-    verdict = _PARAMS_VERDICTS.get(cache_key)
-    if verdict is None:
-        decoded, members = _raw_loads(key)
-        if decoded and type(members) is dict:
-            reserved = REQUEST_KEYS[kind]
-            params = {k: v for k, v in members.items() if k not in reserved}
-            verdict = not params or check_params(params, kind, engine) is None
-        else:
-            verdict = False
-        if len(_PARAMS_VERDICTS) >= _PARAMS_VERDICTS_MAX:
-            _PARAMS_VERDICTS.clear()
-        _PARAMS_VERDICTS[cache_key] = verdict
-    return verdict
+    try:
+        return _PARAMS_VERDICTS[cache_key]
+    except KeyError:
+        pass
+    names = None
+    decoded, members = _raw_loads(key)
+    if decoded and type(members) is dict:
+        reserved = REQUEST_KEYS[kind]
+        params = {k: v for k, v in members.items() if k not in reserved}
+        if not params or check_params(params, kind, engine) is None:
+            names = tuple(b'"%s"' % name.encode() for name in params)
+    if len(_PARAMS_VERDICTS) >= _PARAMS_VERDICTS_MAX:
+        _PARAMS_VERDICTS.clear()
+    _PARAMS_VERDICTS[cache_key] = names
+    return names
+
+
+_METADATA_KEY = (b'"metadata"',)
+
+
+def _maybe_repeated(data: bytes, quoted_keys: tuple[bytes, ...]) -> bool:
+    """Whether a member kept raw may occur twice in ``data``: msgspec keeps the last value of a
+    repeated key and only skips the others (no UTF-8 or number-range check), so a line where
+    one may repeat goes to orjson. A key can be spelt with escapes only through ``\\u00``."""
+    return b"\\u00" in data or any(data.count(key) != 1 for key in quoted_keys)
 
 
 def _decode_reordered(data: bytes) -> _FastOpenAI | None:
@@ -1085,6 +1101,9 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 continue
             metadata = line.metadata
             if metadata is not unset:  # raw bytes: orjson checks them as it would in the line
+                if _maybe_repeated(data, _METADATA_KEY):  # type: ignore[arg-type]
+                    append(None)
+                    continue
                 if len(metadata) >= _MAX_RAW_BRACKETS:
                     decoded, value = _raw_loads(metadata)
                     if not decoded:
@@ -1142,7 +1161,8 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 body.prompt = unset
                 kind = "completion"
             # the rest of the body (model, limits, parameters) as bytes: one verdict per distinct one
-            if not _params_ok(encode(body), kind, engine):
+            names = _params_names(encode(body), kind, engine)
+            if names is None or (names and _maybe_repeated(data, names)):  # type: ignore[arg-type]
                 append(None)
                 continue
             record_id = line.custom_id

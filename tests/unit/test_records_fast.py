@@ -127,6 +127,12 @@ _DECLINED = [
     _COMPLETION + b'{"prompt": "hi", "temperature": 1e400}}',
     _COMPLETION + b'{"prompt": "hi", "stop": "\xc0\x80"}}',
     _COMPLETION + b'{"prompt": "hi", "stop": ' + _DEEP + b"}}",
+    # a raw member repeated: msgspec only skips the first value, orjson refuses the line
+    b'{"id": "r1", "prompt": "hello", "metadata": {"k": "\xff"}, "metadata": {}}',
+    b'{"id": "r1", "prompt": "hello", "metadata": {"k": 1e400}, "metad\\u0061ta": {}}',
+    b'{"id": "r1", "prompt": "hello", "metad\\u0061ta": [1e400], "metadata": null}',
+    _COMPLETION + b'{"prompt": "hi", "temperature": 1e400, "temperature": 0}}',
+    _COMPLETION + b'{"prompt": "hi", "stop": "\xff", "st\\u006fp": "x"}}',
     _COMPLETION + b'{"prompt": "hi", "temperature": 5}}',  # invalid value
     _COMPLETION + b'{"prompt": "hi", "wibble": 1}}',  # unknown parameter
     _COMPLETION + b'{"prompt": "hi", "messages": null}}',  # a parameter for parse_line
