@@ -93,7 +93,8 @@ _MSGS = b'[{"role": "user", "content": "hi"}]'
 _ACCEPTED = [
     b'{"id": "r1", "prompt": "hello"}',
     b'{"id": "r1", "prompt": "hello", "messages": null, "max_tokens": null, "metadata": null}',
-    b'{"id": "r1", "prompt": "hello", "max_tokens": 100, "metadata": {"k": [1, {"a": "\xc3\xa9"}]}}',
+    b'{"id": "r1", "prompt": "hello", "max_tokens": 100, "metadata": {"k": "\xc3\xa9", "x": 1e-400}}',
+    b'{"id": "r1", "prompt": "hi", "metadata": {"b": true}, "metadata": {"n": -9223372036854775808}}',
     b'{"id":"r1","messages":[{"role":"system","content":"be brief"},'
     b'{"role":"user","content":"\xe6\x97\xa5"}]}',
     b' \t{"id": "r1", "prompt": "hello"} ',
@@ -123,6 +124,9 @@ _DECLINED = [
     b'{"id": "r1", "prompt": "hello", "metadata": {"k": 1e400}}',
     b'{"id": "r1", "prompt": "hello", "metadata": {"k": ' + _DEEP + b"}}",
     b'{"id": "r1", "prompt": "hello", "metadata": [1]}',
+    b'{"id": "r1", "prompt": "hello", "metadata": {"k": [1, {"a": "\xc3\xa9"}]}}',  # nested: to orjson
+    b'{"id": "r1", "prompt": "hello", "metadata": {"n": 9223372036854775808}}',  # beyond int64
+    b'{"id": "r1", "prompt": "hello", "metadata": {"n": 1' + b"0" * 400 + b"}}",
     b'{"id": "r1", "prompt": "hello", "metadata": "x"}',
     _COMPLETION + b'{"prompt": "hi", "temperature": 1e400}}',
     _COMPLETION + b'{"prompt": "hi", "stop": "\xc0\x80"}}',
