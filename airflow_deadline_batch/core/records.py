@@ -1004,15 +1004,12 @@ _PARAMS_VERDICTS_MAX = 4096
 _MAX_RAW_BRACKETS = 256
 
 
-def _raw_loads(raw: msgspec.Raw | bytes) -> tuple[bool, Any]:
-    """``(True, value)`` when orjson decodes ``raw`` as it would inside the line, else ``(False, None)``."""
-    view = memoryview(raw)
-    if len(view) >= _MAX_RAW_BRACKETS:
-        data = bytes(view)
-        if data.count(b"[") + data.count(b"{") >= _MAX_RAW_BRACKETS:  # maybe too deep for the line
-            return False, None
+def _raw_loads(data: bytes) -> tuple[bool, Any]:
+    """``(True, value)`` when orjson decodes ``data`` as it would inside the line, else ``(False, None)``."""
+    if len(data) >= _MAX_RAW_BRACKETS and data.count(b"[") + data.count(b"{") >= _MAX_RAW_BRACKETS:
+        return False, None  # maybe nested too deep for orjson inside the line (1024 levels)
     try:
-        return True, orjson.loads(view)
+        return True, orjson.loads(data)
     except orjson.JSONDecodeError:
         return False, None
 
@@ -1038,14 +1035,6 @@ def _params_names(
         _PARAMS_VERDICTS.clear()
     _PARAMS_VERDICTS[cache_key] = names
     return names
-
-
-def _maybe_repeated(data: bytes, quoted_keys: tuple[bytes, ...]) -> bool:
-    """Whether a member kept raw may occur twice in ``data``: msgspec keeps the last value of a
-    repeated key and only skips the others (no UTF-8 or number-range check), so a line where
-    one may repeat goes to orjson. A key can be spelt with escapes only through ``\\u00``.
-    (:func:`fast_parse_many` inlines this; the tests hold the two to the same lines.)"""
-    return b"\\u00" in data or any(data.count(key) != 1 for key in quoted_keys)
 
 
 def _decode_reordered(data: bytes) -> _FastOpenAI | None:
@@ -1147,7 +1136,9 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
             if names is None:
                 append(None)
                 continue
-            if names:  # see _maybe_repeated, inlined
+            if names:  # a raw parameter repeated would have its earlier values only skipped by msgspec
+                # (no UTF-8 or number-range check): decline when one may be; a key can be spelt
+                # with escapes only through \u00XX
                 if b"\\" in data and b"\\u00" in data:  # type: ignore[operator]  # a one-byte search first
                     append(None)
                     continue
