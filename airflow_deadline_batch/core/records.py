@@ -16,11 +16,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat, starmap
 from operator import add
-from typing import Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
 
+import msgspec
 import orjson
 
-from airflow_deadline_batch.core.params import REQUEST_KEYS, check_params
+from airflow_deadline_batch.core.params import PARAMETERS, REQUEST_KEYS, check_params
 
 __all__ = [
     "ALLOWED_ROLES",
@@ -35,6 +36,7 @@ __all__ = [
     "ValidationLimits",
     "Validator",
     "duplicate_error",
+    "fast_parse_many",
     "id_key",
     "iter_line_blocks",
     "iter_line_tuples",
@@ -908,6 +910,247 @@ def quick_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) ->
         if texts is None:
             append(None)
             continue
+        # the joined contents are empty or blank exactly when every message is
+        text = texts if type(texts) is str else "".join(texts)
+        if not text or text.isspace() or len(text) > max_chars:
+            append(None)
+            continue
+        append((record_id, texts, limit))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The planner's typed fast path: the common shapes decoded and checked by msgspec, at C speed
+#
+# A line accepted here is one that quick_parse accepts with the same ID, texts and limit; any
+# doubt makes it decline (None) and the line goes to quick_parse_many / parse_line, which alone
+# decide error codes and messages. What msgspec checks: the key set (forbid_unknown_fields: an
+# extra, a misspelt or a duplicated-shape key declines), the types (no bool for int, no float,
+# no null where parse_line's presence test differs), string contents (UTF-8, escapes, lone
+# surrogates, control characters). What msgspec does not check the way orjson does, inside a
+# value kept as ``msgspec.Raw`` (invalid UTF-8, numbers out of the double range, nesting depth),
+# is checked by orjson itself on those bytes: body parameters once per distinct byte string
+# (cached with their check_params verdict); a line where a raw member may be repeated (only
+# the last occurrence would be checked) declines. ``metadata`` is decoded flat, not kept raw.
+
+_Role = Literal["system", "user", "assistant", "developer", "tool"]  # ALLOWED_ROLES (a test holds them equal)
+_NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class _FastMessage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    role: _Role
+    content: str
+
+
+_FastMessages = Annotated[list[_FastMessage], msgspec.Meta(min_length=1)]
+#: a flat ``metadata`` value, decoded (so checked) at every occurrence of the key; integers within
+#: int64 (orjson turns larger ones into floats and refuses those beyond a double); nested → declined
+_FlatValue = str | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | float | bool | None
+
+
+class _FastNative(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A native line; parse_line reads every member with ``.get``, so null is the same as absent
+    (``metadata`` need only be an object or null: msgspec checks it as orjson would)."""
+
+    id: _NonEmptyStr
+    prompt: str | None = None
+    messages: _FastMessages | None = None
+    max_tokens: int | None = None
+    metadata: dict[str, _FlatValue] | None = None
+
+
+class _FastBodyBase(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_defaults=True):
+    """An OpenAI body's request members; ``messages`` or ``prompt`` present (even null) in the
+    other endpoint's body is a parameter for parse_line, hence UNSET for "absent"."""
+
+    model: str | None | msgspec.UnsetType = msgspec.UNSET
+    messages: _FastMessages | msgspec.UnsetType = msgspec.UNSET
+    prompt: str | msgspec.UnsetType = msgspec.UNSET
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+if TYPE_CHECKING:
+    _FastBody = _FastBodyBase
+else:  # every known parameter as raw JSON bytes (an unknown name declines: check_params refuses it)
+    _FastBody = msgspec.defstruct(
+        "_FastBody",
+        [
+            (name, msgspec.Raw | msgspec.UnsetType, msgspec.UNSET)
+            for name in PARAMETERS
+            if name not in _FastBodyBase.__struct_fields__
+        ],
+        bases=(_FastBodyBase,),
+        forbid_unknown_fields=True,
+        gc=False,
+        omit_defaults=True,
+    )
+
+
+class _FastOpenAI(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    custom_id: _NonEmptyStr
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: _FastBody
+
+
+_NATIVE_DECODER = msgspec.json.Decoder(_FastNative)
+_OPENAI_DECODER = msgspec.json.Decoder(_FastOpenAI)
+_BODY_ENCODER = msgspec.json.Encoder()
+#: check_params verdicts by (engine, endpoint, the body's re-encoded members without its text)
+_PARAMS_VERDICTS: dict[tuple[str | None, str, bytes], tuple[bytes, ...] | None] = {}
+_PARAMS_VERDICTS_MAX = 4096
+#: orjson refuses JSON nested deeper than 1024; raw bytes with this many brackets are left to it
+_MAX_RAW_BRACKETS = 256
+
+
+def _raw_loads(data: bytes) -> tuple[bool, Any]:
+    """``(True, value)`` when orjson decodes ``data`` as it would inside the line, else ``(False, None)``."""
+    if len(data) >= _MAX_RAW_BRACKETS and data.count(b"[") + data.count(b"{") >= _MAX_RAW_BRACKETS:
+        return False, None  # maybe nested too deep for orjson inside the line (1024 levels)
+    try:
+        return True, orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False, None
+
+
+def _params_names(
+    key: bytes, kind: Literal["chat", "completion"], engine: str | None
+) -> tuple[bytes, ...] | None:
+    """The quoted names of the parameters among the body members re-encoded as ``key``, or None
+    when one of them cannot run on ``engine`` (check_params, once per distinct ``key``)."""
+    cache_key = (engine, kind, key)
+    try:
+        return _PARAMS_VERDICTS[cache_key]
+    except KeyError:
+        pass
+    names = None
+    decoded, members = _raw_loads(key)
+    if decoded and type(members) is dict:
+        reserved = REQUEST_KEYS[kind]
+        params = {k: v for k, v in members.items() if k not in reserved}
+        if not params or check_params(params, kind, engine) is None:
+            names = tuple(b'"%s"' % name.encode() for name in params)
+    if len(_PARAMS_VERDICTS) >= _PARAMS_VERDICTS_MAX:
+        _PARAMS_VERDICTS.clear()
+    _PARAMS_VERDICTS[cache_key] = names
+    return names
+
+
+def _decode_reordered(data: bytes) -> _FastOpenAI | None:
+    """An OpenAI Batch line whose first member is not ``custom_id`` (the fast path's second try)."""
+    if data.startswith(b'{"custom_id"') or b'"custom_id"' not in data:
+        return None
+    try:
+        return _OPENAI_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> list[QuickRecord | None]:
+    """:func:`quick_parse_many` for the common shapes, decoded by typed msgspec structs.
+
+    Each item is :func:`quick_parse`'s tuple or None; None means only "not decided here": the
+    caller passes those lines to :func:`quick_parse_many` and :meth:`Validator.feed` (the
+    reference, which alone gives error codes). A line accepted here is accepted by
+    :func:`parse_line` with the same ID, texts and limit (``tests/unit/test_records_fast.py``).
+    """
+    max_bytes = limits.max_line_bytes
+    max_tokens = limits.max_tokens_limit
+    max_chars = limits.max_prompt_chars
+    engine = limits.engine
+    decode_native = _NATIVE_DECODER.decode
+    decode_openai = _OPENAI_DECODER.decode
+    encode = _BODY_ENCODER.encode
+    unset = msgspec.UNSET
+    decode_error = msgspec.DecodeError
+    native_type = _FastNative
+    try:
+        long_lines = max(map(len, datas), default=0) > max_bytes  # type: ignore[arg-type]
+    except TypeError:  # a None item: check each line
+        long_lines = True
+    out: list[QuickRecord | None] = []
+    append = out.append
+    texts: str | tuple[str, ...] | None
+    line: _FastNative | _FastOpenAI | None
+    for data in datas:
+        if long_lines and (data is None or len(data) > max_bytes):
+            append(None)
+            continue
+        try:
+            line = decode_openai(data) if data.startswith(b'{"custom_id"') else decode_native(data)  # type: ignore[union-attr,arg-type]
+        except decode_error:
+            line = _decode_reordered(data)  # type: ignore[arg-type]
+            if line is None:
+                append(None)
+                continue
+        if type(line) is native_type:
+            limit = line.max_tokens
+            if limit is not None and not 1 <= limit <= max_tokens:
+                append(None)
+                continue
+            messages = line.messages
+            if messages is None:
+                texts = line.prompt
+                if texts is None:
+                    append(None)
+                    continue
+            elif line.prompt is not None:
+                append(None)
+                continue
+            else:
+                texts = tuple([message.content for message in messages])
+            record_id = line.id
+        else:
+            assert type(line) is _FastOpenAI
+            body = line.body
+            limit = body.max_tokens
+            completion_limit = body.max_completion_tokens
+            if completion_limit is not None:  # the newer name wins when both agree
+                if limit is not None and limit != completion_limit:
+                    append(None)
+                    continue
+                limit = completion_limit
+            if limit is not None and not 1 <= limit <= max_tokens:
+                append(None)
+                continue
+            kind: Literal["chat", "completion"]
+            if line.url == CHAT_URL:
+                chat = body.messages
+                if chat is unset or body.prompt is not unset:
+                    append(None)
+                    continue
+                texts = tuple([message.content for message in chat])
+                body.messages = unset
+                kind = "chat"
+            else:
+                prompt = body.prompt
+                if prompt is unset or body.messages is not unset:
+                    append(None)
+                    continue
+                texts = prompt
+                body.prompt = unset
+                kind = "completion"
+            # the rest of the body (model, limits, parameters) as bytes: one verdict per distinct one
+            names = _params_names(encode(body), kind, engine)
+            if names is None:
+                append(None)
+                continue
+            if names:  # a raw parameter repeated would have its earlier values only skipped by msgspec
+                # (no UTF-8 or number-range check): decline when one may be; a key can be spelt
+                # with escapes only through \u00XX
+                if b"\\" in data and b"\\u00" in data:  # type: ignore[operator]  # a one-byte search first
+                    append(None)
+                    continue
+                for name in names:
+                    if data.count(name) != 1:  # type: ignore[union-attr]
+                        break
+                else:
+                    name = b""
+                if name:
+                    append(None)
+                    continue
+            record_id = line.custom_id
         # the joined contents are empty or blank exactly when every message is
         text = texts if type(texts) is str else "".join(texts)
         if not text or text.isspace() or len(text) > max_chars:

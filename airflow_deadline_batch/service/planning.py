@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import io
+import itertools
 import math
 import os
 import tempfile
@@ -38,12 +39,11 @@ from airflow_deadline_batch.core.estimate import (
     WorkModel,
     WorkSummary,
     estimate_prompt_tokens,
-    estimate_text_tokens,
     expected_output_tokens,
 )
 from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionReport, assess
 from airflow_deadline_batch.core.ids import check_idempotency_key, new_job_id
-from airflow_deadline_batch.core.packing import cut_contiguous, microbatch_count, target_shard_seconds
+from airflow_deadline_batch.core.packing import cut_contiguous_chunks, microbatch_count, target_shard_seconds
 from airflow_deadline_batch.core.params import check_generation_defaults
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_pools
 from airflow_deadline_batch.core.records import (
@@ -54,6 +54,7 @@ from airflow_deadline_batch.core.records import (
     ValidationLimits,
     Validator,
     duplicate_error,
+    fast_parse_many,
     iter_line_blocks,
     quick_parse_many,
 )
@@ -72,7 +73,6 @@ from airflow_deadline_batch.service.spill import (
     CHUNK_ROWS,
     DEFAULT_MEMORY_BUDGET,
     Column,
-    ColumnFloats,
     DuplicateFinder,
     IdSpill,
     PartitionFiles,
@@ -372,8 +372,8 @@ class _PartWriter:
 
 def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
     """:func:`~airflow_deadline_batch.core.estimate.estimate_texts_tokens` of each item, in one loop:
-    a prompt's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
-    :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`), chat contents by that function."""
+    each text's estimate inlined (ceil(ASCII chars / 4) + one per non-ASCII char, as
+    :func:`~airflow_deadline_batch.core.estimate.estimate_text_tokens`)."""
     tokens: list[int] = []
     append = tokens.append
     for texts in all_texts:
@@ -384,11 +384,14 @@ def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
                 ascii_chars = len(texts.encode("ascii", "ignore"))
                 append((ascii_chars + 3) // 4 + (len(texts) - ascii_chars) + COMPLETION_OVERHEAD_TOKENS)
         else:
-            append(
-                sum(map(estimate_text_tokens, texts))
-                + MESSAGE_OVERHEAD_TOKENS * len(texts)
-                + CHAT_PRIMING_TOKENS
-            )
+            total = MESSAGE_OVERHEAD_TOKENS * len(texts) + CHAT_PRIMING_TOKENS
+            for text in texts:  # estimate_text_tokens, inlined
+                if text.isascii():
+                    total += (len(text) + 3) // 4
+                else:
+                    ascii_chars = len(text.encode("ascii", "ignore"))
+                    total += (ascii_chars + 3) // 4 + (len(text) - ascii_chars)
+            append(total)
     return tokens
 
 
@@ -409,7 +412,23 @@ def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
     for first, start, datas, ends, heads in iter_line_blocks(
         stream, start_line=job.first_line, start_offset=job.byte_start, max_line_bytes=limits.max_line_bytes
     ):
-        quicks = quick_parse_many(datas, limits)
+        quicks = fast_parse_many(datas, limits)
+        if None in quicks:  # unusual shapes and invalid lines: the orjson path, then the reference
+            declined = [i for i, q in enumerate(quicks) if q is None]
+            for i, quick in zip(
+                declined, quick_parse_many([datas[i] for i in declined], limits), strict=True
+            ):
+                quicks[i] = quick
+        line, end_offset = first + len(datas) - 1, ends[-1]
+        if None not in quicks:  # every line an ordinary record: columns by transposing, no step per line
+            ids_all, texts_all, limits_all = zip(*quicks, strict=True)
+            add_ids(first, ids_all)
+            # a valid max_tokens is >= 1, as expected_output_tokens says
+            outputs_all = [limit or default_max for limit in limits_all]
+            out.add_records(range(first, line + 1), ends, _texts_tokens(texts_all), outputs_all)
+            validator.lines += len(datas)
+            validator.records += len(datas)
+            continue
         # the common case skips building Record objects (same numbers: see quick_parse)
         fast = [i for i, q in enumerate(quicks) if q is not None]
         ids: list[str | None] = [q[0] if q is not None else None for q in quicks]
@@ -448,7 +467,6 @@ def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
         validator.records += len(fast)
         add_ids(first, ids)
         out.add_records([first + i for i in rec_index], [ends[i] for i in rec_index], prompts, outputs)
-        line, end_offset = first + len(datas) - 1, ends[-1]
     return out.close(line, end_offset)
 
 
@@ -749,7 +767,7 @@ def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[Sha
     records = scan.records
     works = scan.works
     ranges = (
-        cut_contiguous(ColumnFloats(works), target_seconds=target_s, max_shards=max_shards) if records else []
+        cut_contiguous_chunks(works.chunks, target_seconds=target_s, max_shards=max_shards) if records else []
     )
     invalid_lines = scan.invalid_lines
     cuts: list[ShardCut] = []
@@ -770,7 +788,7 @@ def _cut_shards(scan: _InputScan, target_s: float, max_shards: int) -> tuple[Sha
                 line_count=last_line - prev_last_line,
                 records=b - a,
                 excluded_lines=tuple(invalid_lines.read_list(lo, hi)),
-                est_work_s=math.fsum(works.values(a, b)),
+                est_work_s=math.fsum(itertools.chain.from_iterable(c.tolist() for c in works.chunks(a, b))),
             )
         )
         prev_end_offset, prev_last_line = end_offset, last_line
