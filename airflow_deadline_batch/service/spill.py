@@ -21,14 +21,13 @@ import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, overload
+from typing import Any, BinaryIO
 
 import numpy as np
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "Column",
-    "ColumnFloats",
     "DuplicateFinder",
     "IdSpill",
     "PartitionFiles",
@@ -123,32 +122,6 @@ class Column:
         if not 0 <= index < self._len:
             raise IndexError(f"column index {index} out of range (length {self._len})")
         return self._read(index, 1).tolist()[0]
-
-
-class ColumnFloats(Sequence[float]):
-    """A float :class:`Column` as a read-only sequence that iterates in chunks (for ``cut_contiguous``)."""
-
-    def __init__(self, column: Column) -> None:
-        self._column = column
-
-    def __len__(self) -> int:
-        return len(self._column)
-
-    def __iter__(self) -> Iterator[float]:
-        return self._column.values()
-
-    @overload
-    def __getitem__(self, index: int) -> float: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[float]: ...
-    def __getitem__(self, index: int | slice) -> float | Sequence[float]:
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self._column))
-            if step != 1:
-                raise ValueError("a column reads contiguous ranges only")
-            return self._column.read_list(start, stop)
-        value: float = self._column[index]
-        return value
 
 
 def _write_chunk(file: BinaryIO, entries: list[tuple[int, bytes]]) -> None:

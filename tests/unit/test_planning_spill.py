@@ -31,7 +31,7 @@ from airflow_deadline_batch.core.records import (
 )
 from airflow_deadline_batch.service import planning
 from airflow_deadline_batch.service.planning import analyze_input
-from airflow_deadline_batch.service.spill import Column, ColumnFloats, DuplicateFinder, IdSpill, combine
+from airflow_deadline_batch.service.spill import Column, DuplicateFinder, IdSpill, combine
 from tests.unit.planning_inputs import MAX_LINE_BYTES, ODD_IDS, plan_request, summarize, write_input
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "planning_cut_golden.json").read_text())
@@ -352,8 +352,6 @@ def test_column_reads_back_in_chunks_by_index_and_range(tmp_path: Path) -> None:
     assert [len(c) for c in column.chunks(size=400)] == [400, 400, 200]
     assert column[0] == values[0] and column[-1] == values[-1] and column[555] == values[555]
     assert column.read_list(10, 13) == values[10:13]
-    floats = ColumnFloats(column)
-    assert list(floats) == values and floats[2:4] == values[2:4] and len(floats) == 1000
     with pytest.raises(IndexError):
         column[1000]
     column.close()
