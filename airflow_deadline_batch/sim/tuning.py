@@ -113,14 +113,14 @@ def on_demand_hours_by_spot(trace: traces.Trace, start: int, run: RunResult) -> 
     return there, missing
 
 
-GAP_KEYS = ("sa", "up", "opt", "sa_spot_h", "sa_od_h", "sa_changeover_h", "sa_redone_h")
+GAP_KEYS: tuple[str, ...] = ("sa", "up", "opt", "sa_spot_h", "sa_od_h", "sa_changeover_h", "sa_redone_h")
 GAP_KEYS += ("opt_spot_h", "opt_od_h", "sa_od_h_spot_there", "sa_od_h_spot_missing")
 
 
 def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> list[tuple[float, ...]]:
     """Per start: slack_aware, UP and the exact optimum's cost, and slack_aware's hours (GAP_KEYS)."""
     trace, cfg, starts, params = args
-    out = []
+    out: list[tuple[float, ...]] = []
     for t in start_ticks(trace, cfg, starts=starts, seed=7):
         run = simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params), record=True)
         best = omniscient(trace, t, cfg)
