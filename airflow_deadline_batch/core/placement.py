@@ -21,8 +21,8 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
 * **Preemption storm** (docs/design.md §5, *Observed preemptions*): once the job's (or this
   shard's) last ``storm_tries + parallelism - 1`` Spot tries were all preempted without committing
   anything, fresh tries go on-demand whatever the slack; one Spot probe is allowed after a
-  cool-down that doubles with every further round of fruitless tries (one per worker), and only while no other Spot try of the
-  job runs.
+  cool-down that doubles with every further round of fruitless tries (one per worker), and only
+  while no other Spot try of the job runs.
 * **Expected cost**: a fresh Spot try only while its expected price per committed hour of work
   (:func:`spot_cost_ratio`, from the learned spell length) is below on-demand's; an optional hard
   cap (:func:`cost_room_s`) bounds the worst case of a run.
