@@ -21,8 +21,8 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
 * **Preemption storm** (docs/design.md §5, *Observed preemptions*): once the job's (or this
   shard's) last ``storm_tries + parallelism - 1`` Spot tries were all preempted without committing
   anything, fresh tries go on-demand whatever the slack; one Spot probe is allowed after a
-  cool-down that doubles with every further fruitless try, and only while no other Spot try of the
-  job runs.
+  cool-down that doubles with every further round of fruitless tries (one per worker), and only
+  while no other Spot try of the job runs.
 * **Expected cost**: a fresh Spot try only while its expected price per committed hour of work
   (:func:`spot_cost_ratio`, from the learned spell length) is below on-demand's; an optional hard
   cap (:func:`cost_room_s`) bounds the worst case of a run.
@@ -85,7 +85,8 @@ class PolicyParams:
     #: per worker beyond the first: one reclaim can end them all) send fresh tries on-demand (0: off)
     storm_tries: int = 6
     #: ... until a cool-down of this many (changeover + shard) has passed since the last of them,
-    #: doubled for every fruitless try beyond ``storm_tries`` (at most ``2 ** storm_backoff_cap``)
+    #: doubled for every round of one fruitless try per worker beyond the storm (at most
+    #: ``2 ** storm_backoff_cap``)
     storm_cooldown_tries: float = 4.0
     storm_backoff_cap: int = 6
     #: the job may cost at most this fraction more than on-demand only (0.01: 1 %): a Spot try is
@@ -492,15 +493,19 @@ def storm_cooldown_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLIC
     A storm is ``storm_tries + parallelism - 1`` consecutive Spot tries preempted without a commit
     (docs/design.md §5, *Observed preemptions*): one reclaim may end every worker's try at once.
     The cool-down is ``storm_cooldown_tries`` tries' length (changeover plus the shard), doubled
-    for every further fruitless try, so probing Spot costs a bounded share of the job's tries
-    however long the storm lasts.
+    for every further round of ``parallelism`` fruitless tries (with one worker: every further
+    try), so probing Spot costs a bounded share of the job's tries however long the storm lasts.
     """
     n = snapshot.spot_fruitless_tries
     # one reclaim can take every worker of the job at once: that alone is not a storm
-    need = policy.storm_tries + snapshot.parallelism - 1
+    p = snapshot.parallelism
+    need = policy.storm_tries + p - 1
     if policy.storm_tries <= 0 or n < need:
         return None
-    doublings = min(n - need, policy.storm_backoff_cap)
+    # the backoff doubles per round of one fruitless try per worker: a reclaim that ends every
+    # worker's try at once is one more failure, not ``parallelism`` of them (counted per try, two
+    # reclaims of 8 workers kept Spot off for 8 × the cool-down, 14 h: gang8-902, docs/simulator.md)
+    doublings = min((n - need) // p, policy.storm_backoff_cap)
     try_s = snapshot.changeover_s + snapshot.shard_work_s
     return policy.storm_cooldown_tries * try_s * 2.0**doublings
 

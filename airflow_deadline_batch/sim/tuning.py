@@ -3,7 +3,10 @@
 ``python -m airflow_deadline_batch.sim.tuning '{"switch_run_factor": 2.5}'`` prints the mean / max
 of slack_aware ÷ uniform_progress over every case (and per ``N``), the cases above 1.01, the misses
 beyond on-demand's, and against on-demand only the worst case (mean over its starts) and the worst
-single run. The shared trace files are never read here: they are for evaluation.
+single run. ``--gap '<json>'`` instead splits slack_aware's excess over the exact optimum on the
+``N = 1`` cases into Spot and on-demand hours, changeovers, lost work, and on-demand hours taken
+while Spot was there or missing (docs/simulator.md, *Third round*). The shared trace files are
+never read here: they are for evaluation.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim import traces
-from airflow_deadline_batch.sim.engine import SimConfig, simulate
+from airflow_deadline_batch.sim.engine import Mode, RunResult, SimConfig, simulate
+from airflow_deadline_batch.sim.omniscient import omniscient
 from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress, slack_aware_at
 from airflow_deadline_batch.sim.runner import start_ticks
 
@@ -88,10 +92,63 @@ def evaluate(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
     }
 
 
+def on_demand_hours_by_spot(trace: traces.Trace, start: int, run: RunResult) -> tuple[float, float]:
+    """On-demand worker-hours of a recorded run while Spot capacity was there, and while it was not."""
+    gap = trace.gap_s / 3600.0
+    switches = sorted(run.switches)
+    modes: dict[int, str] = {}
+    there = missing = 0.0
+    tick, index = 0, 0
+    while tick * gap < run.finish_h - 1e-9:
+        t = tick * gap
+        while index < len(switches) and switches[index][0] <= t + 1e-9:
+            modes[switches[index][1]] = switches[index][2]
+            index += 1
+        hours = min(gap, run.finish_h - t) * sum(m == Mode.ON_DEMAND.value for m in modes.values())
+        if trace.at(start + tick) > 0:
+            there += hours
+        else:
+            missing += hours
+        tick += 1
+    return there, missing
+
+
+GAP_KEYS: tuple[str, ...] = ("sa", "up", "opt", "sa_spot_h", "sa_od_h", "sa_changeover_h", "sa_redone_h")
+GAP_KEYS += ("opt_spot_h", "opt_od_h", "sa_od_h_spot_there", "sa_od_h_spot_missing")
+
+
+def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> list[tuple[float, ...]]:
+    """Per start: slack_aware, UP and the exact optimum's cost, and slack_aware's hours (GAP_KEYS)."""
+    trace, cfg, starts, params = args
+    out: list[tuple[float, ...]] = []
+    for t in start_ticks(trace, cfg, starts=starts, seed=7):
+        run = simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params), record=True)
+        best = omniscient(trace, t, cfg)
+        up = simulate(trace, t, cfg, UniformProgress()).cost
+        there, missing = on_demand_hours_by_spot(trace, t, run)
+        out.append(
+            (run.cost, up, best.cost, run.spot_hours, run.on_demand_hours, run.changeover_hours)
+            + (run.redone_hours, best.spot_hours, best.on_demand_hours, there, missing)
+        )
+    return out
+
+
+def gap(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
+    """Means per run over the ``N = 1`` cases (the optimum is exact there), keyed by GAP_KEYS."""
+    work = [(t, c, s, params) for t, c, s in cases() if c.workers == 1]
+    with ProcessPoolExecutor(jobs) as pool:
+        runs = [r for rows in pool.map(gap_case, work) for r in rows]
+    out: dict[str, float] = {"runs": len(runs)}
+    out.update({key: sum(r[i] for r in runs) / len(runs) for i, key in enumerate(GAP_KEYS)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    split = bool(args) and args[0] == "--gap"
+    args = args[1:] if split else args
     params = PolicyParams(**json.loads(args[0])) if args else PolicyParams()
-    result = evaluate(params)
+    result = gap(params) if split else evaluate(params)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return 0
 

@@ -109,12 +109,28 @@ def test_one_probe_after_a_cool_down_that_doubles_with_every_fruitless_probe() -
     assert not in_storm(probe) and choose_pool(probe).pool is PoolKind.SPOT
     # another worker already on Spot is the probe: this one stays on-demand
     assert choose_pool(dataclasses.replace(probe, spot_workers=1)).pool is PoolKind.ON_DEMAND
-    # the probe failed too: twice the wait
-    failed = snapshot(spot_fruitless_tries=8, spot_fruitless_age_s=cooldown + 1)
+    # a round of failed probes, one per worker (2 here): twice the wait
+    failed = snapshot(spot_fruitless_tries=9, spot_fruitless_age_s=cooldown + 1)
     assert storm_cooldown_s(failed) == pytest.approx(2 * cooldown)
     assert choose_pool(failed).pool is PoolKind.ON_DEMAND
+    # with one worker every failed probe doubles it
+    alone = snapshot(parallelism=1, spot_fruitless_tries=7)
+    assert storm_cooldown_s(alone) == pytest.approx(
+        2 * storm_cooldown_s(snapshot(parallelism=1, spot_fruitless_tries=6))
+    )
     # an unknown age keeps the storm on
     assert in_storm(snapshot(spot_fruitless_tries=7))
+
+
+def test_a_second_gang_reclaim_is_one_more_failure_not_one_per_worker() -> None:
+    """Two reclaims of 8 workers (16 fruitless tries, the storm needs 13) wait one cool-down;
+    counted per try it was 2^3 of them, 14 h of on-demand on gang8-902 with 1 h Spot spells."""
+    gang = snapshot(parallelism=8, spot_fruitless_tries=16)
+    one_round = storm_cooldown_s(snapshot(parallelism=8, spot_fruitless_tries=13))
+    assert one_round == pytest.approx(4.0 * 70.0)
+    assert storm_cooldown_s(gang) == pytest.approx(one_round)
+    assert storm_cooldown_s(snapshot(parallelism=8, spot_fruitless_tries=21)) == pytest.approx(2 * one_round)
+    assert storm_cooldown_s(snapshot(parallelism=8, spot_fruitless_tries=12)) is None
 
 
 def test_the_backoff_is_capped() -> None:

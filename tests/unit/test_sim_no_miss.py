@@ -19,6 +19,7 @@ from airflow_deadline_batch.sim.engine import (
     Mode,
     SimConfig,
     SimPool,
+    Speculate,
     SpotIn,
     View,
     on_demand_makespan,
@@ -66,9 +67,19 @@ class _Checked(SlackAware):
 
     def decide(self, view: View) -> list[Choice]:
         modes = super().decide(view)
+        # a Spot try raced by an on-demand duplicate of its shard (the tail race) is covered: the
+        # duplicate is the on-demand fallback of that shard, started now or running already
+        on_demand = [
+            want is Mode.ON_DEMAND or (isinstance(want, Speculate) and want.choice is Mode.ON_DEMAND)
+            for want in modes
+        ]
+        raced = {
+            want.of for want, od in zip(modes, on_demand, strict=True) if od and isinstance(want, Speculate)
+        }
+        raced |= {i for i, slot in enumerate(view.slots) if slot.twin is not None and on_demand[slot.twin]}
         off_on_demand = any(
-            want is not Mode.ON_DEMAND and (slot.busy or view.pending_shards > 0)
-            for slot, want in zip(view.slots, modes, strict=True)
+            not on_demand[i] and i not in raced and (slot.busy or view.pending_shards > 0)
+            for i, slot in enumerate(view.slots)
         )
         if off_on_demand:
             slack = slack_h(view)
@@ -114,6 +125,13 @@ def _random_trace(draw: st.DrawFn, workers: int, gap: float, name: str = "random
     scenario=(
         Trace("one-of-two", 195.0, (1,)),
         SimConfig(work_h=2.0, deadline_h=2.0, workers=2, changeover_h=0.0, shard_h=0.2 / 15),
+    ),
+    start=0,
+)
+@example(  # the tail race: a Spot try raced by its on-demand duplicate at zero slack is covered
+    scenario=(
+        Trace("race-at-zero-slack", 15.0, (0,) + (1,) * 30),
+        SimConfig(work_h=0.25, deadline_h=1.25, workers=3, changeover_h=0.0, shard_h=0.25),
     ),
     start=0,
 )
