@@ -7,7 +7,8 @@ mid-way, shards never started) is finalized and exported; ``output.jsonl``, ``er
 ``retry.jsonl`` and ``export.json`` must equal ``data/export_golden.json`` once the job ID, the
 temporary path and the checksums over them are replaced by placeholders
 (``ADB_REGEN_GOLDEN=1`` rewrites it). The same from sorted runs spilled to disk, and with the
-outputs and the export on S3 (moto over HTTP), objects read ahead in parallel.
+outputs and the export on S3 (moto over HTTP), objects read ahead in parallel; and with every
+object streamed in chunks instead of read whole.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.service.export import EXPORT_MANIFEST, export_job
 from airflow_deadline_batch.service.finalize import finalize_job
-from airflow_deadline_batch.storage import open_storage
+from airflow_deadline_batch.storage import open_storage, read_ahead
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.messy_job import build_messy_job
 
@@ -71,8 +72,13 @@ def _check(got: dict[str, str]) -> None:
         assert got[name] == expected[name], f"{name} differs from the golden copy"
 
 
+@pytest.mark.parametrize("whole_records", [20_000, 0], ids=["read-whole", "streamed"])
 @pytest.mark.parametrize("run_bytes", [64 << 20, 1], ids=["in-memory", "spilled"])
-def test_export_of_a_messy_job_is_byte_identical(tmp_path: Path, run_bytes: int) -> None:
+def test_export_of_a_messy_job_is_byte_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int, whole_records: int
+) -> None:
+    # 0: every object is streamed in chunks rather than read whole (the path of large objects)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         _check(_exported(store, tmp_path, None, run_bytes))
@@ -80,7 +86,12 @@ def test_export_of_a_messy_job_is_byte_identical(tmp_path: Path, run_bytes: int)
         store.close()
 
 
-def test_export_on_s3_is_byte_identical(tmp_path: Path, s3_base_uri: str) -> None:
+@pytest.mark.parametrize("whole_records", [20_000, 0], ids=["read-whole", "streamed"])
+def test_export_on_s3_is_byte_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_base_uri: str, whole_records: int
+) -> None:
+    monkeypatch.setattr(read_ahead, "READ_AHEAD", 3)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         got = _exported(store, tmp_path, s3_base_uri, 64 << 20)

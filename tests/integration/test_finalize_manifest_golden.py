@@ -25,9 +25,8 @@ import pytest
 
 from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.states import JobState
-from airflow_deadline_batch.service import finalize
 from airflow_deadline_batch.service.finalize import finalize_job, verify_job
-from airflow_deadline_batch.storage import open_storage
+from airflow_deadline_batch.storage import open_storage, read_ahead
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.messy_job import build_messy_job
 
@@ -67,7 +66,7 @@ def test_manifest_of_a_messy_job_is_byte_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int
 ) -> None:
     # 0: every object is streamed in chunks rather than read whole (the path of large objects)
-    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records, raising=False)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         job_id = build_messy_job(store, tmp_path)
@@ -98,7 +97,7 @@ def test_manifest_of_a_messy_job_is_byte_identical(
 def test_an_object_failing_its_checksum_counts_none_of_its_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int
 ) -> None:
-    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         job_id = build_messy_job(store, tmp_path)
@@ -124,8 +123,8 @@ def test_on_s3_objects_read_in_parallel_give_the_same_report_and_manifest_counts
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int, s3_base_uri: str
 ) -> None:
     """The same messy job with its outputs on S3 (moto's server): read ahead by 3 threads."""
-    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records)
-    monkeypatch.setattr(finalize, "READ_AHEAD", 3)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
+    monkeypatch.setattr(read_ahead, "READ_AHEAD", 3)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         job_id = build_messy_job(store, tmp_path, s3_base_uri)
