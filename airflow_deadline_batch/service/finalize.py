@@ -52,6 +52,8 @@ from airflow_deadline_batch.storage.read_ahead import ObjectReader, read_ahead, 
 from airflow_deadline_batch.store import ManifestStore
 
 MANIFEST_KEY = "manifest.json"
+#: where the finalizer writes the outcomes of records that never committed
+FINALIZE_PREFIX = "finalize/"
 STATUSES = RESULT_STATUSES
 _MAX_PROBLEMS = 20
 
@@ -519,7 +521,8 @@ def finalize_job(
     The steps: return a published job's manifest; leave a job with live shards alone (unless it
     expires or is cancelled); move it to ``finalizing`` (which fences its unfinished shards);
     write the outcomes of the records that never committed; verify every outcome object; publish
-    the manifest with a conditional create; record it; delete uncommitted attempt objects.
+    the manifest with a conditional create; record it; delete uncommitted attempt objects
+    and the ``finalize/`` objects of an earlier, failed try that the manifest does not list.
     """
     clock = clock or SystemClock()
     job = store.get_job(job_id)
@@ -543,15 +546,41 @@ def finalize_job(
     manifest = build_manifest(job, objects, report, clock.now(), usage=usage)
     uri, body = _publish(output, manifest)
     store.record_manifest(job_id, uri=uri, sha256=sha256_hex(body), state=final_state)
+    published = orjson.loads(body)
     collect_garbage(store, job_id)
-    return FinalizeResult(job_id, final_state, uri, report, orjson.loads(body))
+    remove_leftovers(output, published)
+    return FinalizeResult(job_id, final_state, uri, report, published)
 
 
 def _published(store: ManifestStore, job: Any) -> FinalizeResult:
-    """The result of a job whose manifest is already published (re-verified, not rewritten)."""
+    """The result of a job whose manifest is already published (re-verified, not rewritten).
+
+    The leftovers of a finalizer killed between publication and clean-up are removed here.
+    """
+    storage, key = open_uri(job.manifest_uri)
+    remove_leftovers(open_storage(job.output_uri), orjson.loads(storage.get_bytes(key)))
     return FinalizeResult(
         job.job_id, JobState(job.state), job.manifest_uri, verify_manifest(store, job.job_id)
     )
+
+
+def remove_leftovers(output: Any, manifest: dict[str, Any]) -> int:
+    """Delete the ``finalize/`` objects the published ``manifest`` does not list; return how many.
+
+    A finalizer that fails part-way (a storage error, a killed process) leaves the objects it had
+    written. A re-run rewrites those it still needs in place: an object's key is its shard and
+    status and its bytes follow from the input and the commits, which no longer change once the
+    job is fenced, so the same job gives the same objects and manifest. What it no longer needs
+    (the job was cancelled in between: ``cancelled`` objects replace ``expired`` ones) is
+    deleted here, once the manifest that decides it is published.
+    """
+    listed = {entry["uri"] for entry in manifest["shards"]}
+    removed = 0
+    for key in list(output.list_keys(FINALIZE_PREFIX)):
+        if output.uri(key) not in listed:
+            output.delete(key)
+            removed += 1
+    return removed
 
 
 def _has_live_shards(shards: list[Any]) -> bool:
@@ -611,7 +640,8 @@ def _write_unfinished_outcomes(
             if not records:
                 continue
             spool.seek(0)
-            uri = put_stream(output, f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl", spool)
+            key = f"{FINALIZE_PREFIX}shard-{shard.shard_index:05d}-{status}.jsonl"
+            uri = put_stream(output, key, spool)
         extra.append(
             OutcomeObject(
                 shard.shard_index,

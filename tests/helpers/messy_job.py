@@ -12,8 +12,11 @@ golden copy was written with.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.pools import default_local_pools
@@ -136,3 +139,30 @@ def build_messy_job(
     _commit(store, output, lease, s2, records_of(s2)[:MICROBATCH], 0, rich)
     # the other shards never started
     return job.job_id
+
+
+def normalized_outputs(store: ManifestStore, job_id: str, tmp_path: Path) -> dict[str, str]:
+    """Every object the job published, keyed by its relative name, with placeholders for what varies."""
+    job = store.get_job(job_id)
+    output = open_storage(job.output_uri)
+    texts = {
+        key: output.get_bytes(key).decode()
+        for key in ["manifest.json", *output.list_keys("finalize/"), *output.list_keys("validation/")]
+    }
+    manifest = orjson.loads(texts["manifest.json"])
+    fixed = ("plan", "finalize")
+    attempts = list(
+        dict.fromkeys(s["attempt_id"] for s in manifest["shards"] if s["attempt_id"] not in fixed)
+    )
+    replace = [(job_id, "JOB"), (str(tmp_path), "TMP"), (manifest["created_at"], "CREATED")]
+    replace += [(a, f"ATTEMPT{i}") for i, a in enumerate(attempts)]
+    # a microbatch object holds its attempt's random ID, so its checksum varies too
+    shas = [s["sha256"] for s in manifest["shards"] if s["attempt_id"] not in fixed]
+    replace += [(sha, f"SHA{i}") for i, sha in enumerate(shas)]
+    out = {}
+    for key, text in texts.items():
+        for old, new in replace:
+            text = text.replace(old, new)
+        # the attempts' GPU time is measured on the store's clock
+        out[key] = re.sub(r'"gpu_seconds": [0-9.e+-]+', '"gpu_seconds": GPU', text)
+    return out

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import re
 from pathlib import Path
 
 import orjson
@@ -28,37 +27,10 @@ from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.service.finalize import finalize_job, verify_job
 from airflow_deadline_batch.storage import open_storage, read_ahead
 from airflow_deadline_batch.store import ManifestStore
-from tests.helpers.messy_job import build_messy_job
+from tests.helpers.messy_job import build_messy_job, normalized_outputs
 
 pytestmark = pytest.mark.integration
 GOLDEN = Path(__file__).parent / "data" / "finalize_manifest_golden.json"
-
-
-def _normalized(store: ManifestStore, job_id: str, tmp_path: Path) -> dict[str, str]:
-    """Every object the job published, keyed by its relative name, with placeholders for what varies."""
-    job = store.get_job(job_id)
-    output = open_storage(job.output_uri)
-    texts = {
-        key: output.get_bytes(key).decode()
-        for key in ["manifest.json", *output.list_keys("finalize/"), *output.list_keys("validation/")]
-    }
-    manifest = orjson.loads(texts["manifest.json"])
-    fixed = ("plan", "finalize")
-    attempts = list(
-        dict.fromkeys(s["attempt_id"] for s in manifest["shards"] if s["attempt_id"] not in fixed)
-    )
-    replace = [(job_id, "JOB"), (str(tmp_path), "TMP"), (manifest["created_at"], "CREATED")]
-    replace += [(a, f"ATTEMPT{i}") for i, a in enumerate(attempts)]
-    # a microbatch object holds its attempt's random ID, so its checksum varies too
-    shas = [s["sha256"] for s in manifest["shards"] if s["attempt_id"] not in fixed]
-    replace += [(sha, f"SHA{i}") for i, sha in enumerate(shas)]
-    out = {}
-    for key, text in texts.items():
-        for old, new in replace:
-            text = text.replace(old, new)
-        # the attempts' GPU time is measured on the store's clock
-        out[key] = re.sub(r'"gpu_seconds": [0-9.e+-]+', '"gpu_seconds": GPU', text)
-    return out
 
 
 @pytest.mark.parametrize("whole_records", [20_000, 0], ids=["read-whole", "streamed"])
@@ -74,7 +46,7 @@ def test_manifest_of_a_messy_job_is_byte_identical(
         result = finalize_job(store, job_id, clock=clock, expire_unfinished=True)
         assert result.state is JobState.PARTIAL
         assert verify_job(store, job_id).complete
-        got = _normalized(store, job_id, tmp_path)
+        got = normalized_outputs(store, job_id, tmp_path)
         codes = {
             (o["status"], o["error"]["code"])
             for key, text in got.items()
