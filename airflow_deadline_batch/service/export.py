@@ -12,10 +12,12 @@ Reads only what the published, verified manifest lists, and writes, in input ord
   resubmitted; this one can);
 * ``export.json`` last: counts and the SHA-256 of each file (its presence means the export is whole).
 
-Memory stays bounded whatever the job's size: outcomes are streamed object by object, put in line
-order with sorted runs that spill to temporary files past ``run_bytes`` (a shard's microbatches are
-written in length order, the validation object spans the whole input), merged with the input read
-as a stream, and the files are spooled on local disk before they are copied or uploaded.
+Memory stays bounded whatever the job's size: outcomes are read object by object (on S3 eight
+at a time, ahead of the sort: ``storage.read_ahead``, as verification does), a shard's put in line
+order with sorted runs that spill to temporary files past ``run_bytes`` (its microbatches are
+written in length order), the validation object (in line order, spanning the whole input) streamed
+beside them, merged with the input read as a stream; the files are spooled on local disk and then
+published with ``storage.put_file`` (a chunked copy and rename, or a multipart upload).
 """
 
 from __future__ import annotations
