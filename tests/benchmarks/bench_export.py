@@ -15,8 +15,10 @@ Then, each in its own subprocess (peak RSS is the child's own ``VmHWM``), ``--re
 * ``export-spill``: ``service.export.export_job`` with ``run_bytes`` of 1 MiB, so every shard's
   outcomes are sorted in spilled runs on disk (the path a shard too large for memory takes).
 
-The export's files are deleted after each run (``--keep`` keeps the last). Bounded memory shows as
-a peak RSS that does not grow with the number of records.
+``--compare-with DIR`` runs the same exports from another checkout too (the code before a change:
+``git archive REV | tar -x -C DIR``), interleaved with this one's, on the same built job (rows
+``export@other``). The export's files are deleted after each run (``--keep`` keeps the last).
+Bounded memory shows as a peak RSS that does not grow with the number of records.
 
     .venv/bin/python tests/benchmarks/bench_export.py --records 1000000 --backend local,s3
     nice -n 10 .venv/bin/python tests/benchmarks/bench_export.py --records 10000000 --measure export
@@ -106,8 +108,8 @@ def child_export(store_url: str, job_id: str, output: str, run_bytes: str) -> di
     return {f.name: f.lines for f in result.files}
 
 
-def commands(info: dict[str, Any], target: str) -> dict[str, list[str]]:
-    script = str(Path(__file__).resolve())
+def commands(info: dict[str, Any], target: str, tree: Path = ROOT) -> dict[str, list[str]]:
+    script = str(tree / "tests" / "benchmarks" / "bench_export.py")
     cli = [cli_path(), "export", info["job_id"], "--format", "openai", "--output", target]
     return {
         "bare": python_child(script, "--child", "bare", info["manifest"]),
@@ -134,11 +136,17 @@ def bench(records: int, backend: str, args: argparse.Namespace) -> list[dict[str
         workdir, info = prepare_job(records, args.seed, backend, args.rebuild)
         target = export_target(backend, workdir)
         wanted = args.measure.split(",")
-        runs = {name: argv for name, argv in commands(info, target).items() if name in wanted}
+        trees = {"": ROOT, **({"@other": Path(args.compare_with).resolve()} if args.compare_with else {})}
+        runs = {
+            name + tag: (argv, {**env, "PYTHONPATH": str(tree)})
+            for tag, tree in trees.items()
+            for name, argv in commands(info, target, tree).items()
+            if name in wanted and (name != "bare" or not tag)
+        }
         samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
         for attempt in range(args.repeat):
-            for name, argv in runs.items():
-                wall, cpu, rss, _ = run_child(argv, env)
+            for name, (argv, child_env) in runs.items():
+                wall, cpu, rss, _ = run_child(argv, child_env)
                 samples[name].append((wall, cpu, rss))
                 print(
                     f"  [{backend} {records:,}] {name:<12} run {attempt + 1}: {wall:8.2f} s wall "
@@ -181,6 +189,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--rebuild", action="store_true", help="build the local job again even if cached")
     parser.add_argument("--keep", action="store_true", help="keep the last export's files")
+    parser.add_argument(
+        "--compare-with",
+        metavar="DIR",
+        help="also run the exports from this checkout (e.g. the code before a change), interleaved",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON line per measurement")
     args = parser.parse_args()
     rows = []
