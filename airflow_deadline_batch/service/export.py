@@ -12,10 +12,12 @@ Reads only what the published, verified manifest lists, and writes, in input ord
   resubmitted; this one can);
 * ``export.json`` last: counts and the SHA-256 of each file (its presence means the export is whole).
 
-Memory stays bounded whatever the job's size: outcomes are streamed object by object, put in line
-order with sorted runs that spill to temporary files past ``run_bytes`` (a shard's microbatches are
-written in length order, the validation object spans the whole input), merged with the input read
-as a stream, and the files are spooled on local disk before they are copied or uploaded.
+Memory stays bounded whatever the job's size: outcomes are read object by object (on S3 eight
+at a time, ahead of the sort: ``storage.read_ahead``, as verification does), a shard's put in line
+order with sorted runs that spill to temporary files past ``run_bytes`` (its microbatches are
+written in length order), the validation object (in line order, spanning the whole input) streamed
+beside them, merged with the input read as a stream; the files are spooled on local disk and then
+published with ``storage.put_file`` (a chunked copy and rename, or a multipart upload).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import heapq
+import itertools
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ from airflow_deadline_batch.core.results import (
 from airflow_deadline_batch.core.shard_input import limits_from_config
 from airflow_deadline_batch.exceptions import ConfigurationError, VerificationError
 from airflow_deadline_batch.storage import ObjectStorage, open_storage, open_uri, put_file, sha256_hex
-from airflow_deadline_batch.storage.local import LocalStorage
+from airflow_deadline_batch.storage.read_ahead import Fetched, ObjectReader, read_ahead, stream_lines
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.worker.engines.base import DEFAULT_MAX_TOKENS
 
@@ -163,7 +165,7 @@ def _write_files(
     manifest: OutputManifest, limits: ValidationLimits, target: ObjectStorage, run_bytes: int
 ) -> tuple[ExportedFile, ...]:
     """Spool the three files locally from the ordered outcomes and the input, then publish them."""
-    reader = _ObjectReader()
+    reader = ObjectReader()
     with tempfile.TemporaryDirectory(prefix="adb-export-") as tmp:
         spool = Path(tmp)
         files = _OpenAIFiles(spool, manifest, limits)
@@ -211,66 +213,83 @@ def _verified_manifest(store: ManifestStore, job_id: str) -> tuple[OutputManifes
     return OutputManifest.from_json_bytes(data), digest
 
 
-class _ObjectReader:
-    """Opens objects by URI, with at most one S3 client (building one costs 0.1-0.3 s)."""
-
-    def __init__(self) -> None:
-        self._client: Any = None
-
-    def storage(self, uri: str) -> tuple[ObjectStorage, str]:
-        if not uri.startswith("s3://"):
-            return open_uri(uri)
-        return open_uri(uri, client=self.client())
-
-    def client(self) -> Any:
-        if self._client is None:
-            from airflow_deadline_batch.storage.s3 import make_client
-
-            self._client = make_client()
-        return self._client
-
-    def open(self, uri: str) -> BinaryIO:
-        storage, key = self.storage(uri)
-        return storage.open_read(key)
-
-
 def _ordered_outcomes(
-    manifest: OutputManifest, reader: _ObjectReader, run_bytes: int, spool: Path
+    manifest: OutputManifest, reader: ObjectReader, run_bytes: int, spool: Path
 ) -> Iterator[tuple[int, bytes]]:
     """Every outcome line of the manifest's objects as ``(line, bytes)``, in line order.
 
     Shards are contiguous line ranges in index order, so the shards' sorted outcomes, one shard
     after the other, are in order; the validation object's lines fall anywhere and are merged in.
+    The shards' objects are read ahead in that order (on S3 several at a time, :func:`read_ahead`).
     """
     validation: list[ManifestShard] = []
-    by_shard: dict[int, list[ManifestShard]] = {}
+    shards: list[ManifestShard] = []
     for obj in manifest.shards:
         if obj.shard_id == VALIDATION_SHARD_ID:
             validation.append(obj)
         elif obj.shard_id.isdigit():
-            by_shard.setdefault(int(obj.shard_id), []).append(obj)
+            shards.append(obj)
         else:
             raise VerificationError(
                 f"manifest of job {manifest.job_id} lists an unknown shard {obj.shard_id!r}"
             )
+    shards.sort(key=lambda s: (int(s.shard_id), s.seq))
 
-    def shards() -> Iterator[tuple[int, bytes]]:
-        for index in sorted(by_shard):
-            yield from _sorted_lines(sorted(by_shard[index], key=lambda s: s.seq), reader, run_bytes, spool)
+    def by_shard() -> Iterator[tuple[int, bytes]]:
+        fetched = read_ahead(shards, reader)
+        for _, objects in itertools.groupby(fetched, key=lambda item: int(item[0].shard_id)):
+            yield from _sorted_lines(objects, reader, run_bytes, spool)
 
-    return heapq.merge(_sorted_lines(validation, reader, run_bytes, spool), shards(), key=itemgetter(0))
+    return heapq.merge(_validation_lines(validation, reader, run_bytes, spool), by_shard(), key=itemgetter(0))
+
+
+def _validation_lines(
+    objects: list[ManifestShard], reader: ObjectReader, run_bytes: int, spool: Path
+) -> Iterator[tuple[int, bytes]]:
+    """The validation object's lines in line order, as ``(line, bytes)``.
+
+    The planner writes them in line order, so after a first pass that finds them so they are
+    streamed as they are (checked again as they come: the object may not change in between);
+    otherwise they are sorted like a shard's. Either way memory does not grow with the object
+    (28 MB at 10M lines), which is merged beside the shard being sorted.
+    """
+    if not _in_line_order(objects, reader):
+        yield from _sorted_lines(read_ahead(objects, reader), reader, run_bytes, spool)
+        return
+    last = 0
+    for obj in objects:
+        for raw in _object_lines(obj, Fetched(), reader):
+            line = _line_of(raw, obj.uri)
+            if line <= last:
+                raise _changed(obj)
+            last = line
+            yield line, raw
+
+
+def _in_line_order(objects: list[ManifestShard], reader: ObjectReader) -> bool:
+    """Whether the objects' lines, one object after the other, have ascending line numbers."""
+    last = 0
+    for obj in objects:
+        with reader.open_read(obj.uri) as stream:
+            for raw in stream_lines(stream, hashlib.sha256()):
+                if raw.strip():
+                    line = _line_of(raw, obj.uri)
+                    if line <= last:
+                        return False
+                    last = line
+    return True
 
 
 def _sorted_lines(
-    objects: Iterable[ManifestShard], reader: _ObjectReader, run_bytes: int, spool: Path
+    objects: Iterable[tuple[ManifestShard, Fetched]], reader: ObjectReader, run_bytes: int, spool: Path
 ) -> Iterator[tuple[int, bytes]]:
     """The outcome lines of ``objects`` in line order: sorted in memory up to ``run_bytes``,
     beyond that as sorted runs in temporary files merged lazily (an external merge sort)."""
     runs: list[Path] = []
     buffer: list[tuple[int, bytes]] = []
     held = 0
-    for obj in objects:
-        for raw in _object_lines(obj, reader):
+    for obj, fetched in objects:
+        for raw in _object_lines(obj, fetched, reader):
             buffer.append((_line_of(raw, obj.uri), raw))
             held += len(raw) + 80  # the tuple and the int beside the bytes
             if held >= run_bytes:
@@ -290,23 +309,38 @@ def _sorted_lines(
             path.unlink(missing_ok=True)
 
 
-def _object_lines(obj: ManifestShard, reader: _ObjectReader) -> Iterator[bytes]:
-    """The non-blank lines of one committed object, streamed; its SHA-256 and count checked at the end."""
+def _object_lines(obj: ManifestShard, fetched: Fetched, reader: ObjectReader) -> Iterator[bytes]:
+    """The non-blank lines of one committed object (read ahead whole, or else streamed); its
+    SHA-256 and record count checked."""
+    if fetched.error is not None:
+        raise fetched.error
+    if fetched.data is not None:
+        if fetched.sha256 != obj.sha256:
+            raise _changed(obj)
+        lines = [raw.rstrip(b"\r") for raw in fetched.data.split(b"\n")]
+        lines = [raw for raw in lines if raw.strip()]
+        if len(lines) != obj.records:
+            raise _changed(obj)
+        yield from lines
+        return
     digest = hashlib.sha256()
     count = 0
-    with reader.open(obj.uri) as stream:
-        for chunk_line in stream:
-            digest.update(chunk_line)
-            raw = chunk_line.rstrip(b"\r\n")
+    with reader.open_read(obj.uri) as stream:
+        for line in stream_lines(stream, digest):
+            raw = line.rstrip(b"\r")
             if raw.strip():
                 count += 1
                 yield raw
     if digest.hexdigest() != obj.sha256 or count != obj.records:
-        raise VerificationError(
-            f"object {obj.uri} changed after verification (SHA-256 or record count); "
-            "export again once it is restored",
-            uri=obj.uri,
-        )
+        raise _changed(obj)
+
+
+def _changed(obj: ManifestShard) -> VerificationError:
+    return VerificationError(
+        f"object {obj.uri} changed after verification (SHA-256 or record count); "
+        "export again once it is restored",
+        uri=obj.uri,
+    )
 
 
 def _line_of(raw: bytes, uri: str) -> int:
@@ -352,7 +386,7 @@ def _with_input(
     outcomes: Iterator[tuple[int, bytes]],
     manifest: OutputManifest,
     limits: ValidationLimits,
-    reader: _ObjectReader,
+    reader: ObjectReader,
 ) -> Iterator[tuple[ResultRecord, RawLine, bytes]]:
     """Each outcome with its input line (and that line's bytes for the retry file), in order.
 
@@ -592,23 +626,7 @@ def _completion_choice(choice: Choice, fallback: str) -> dict[str, Any]:
 
 
 def _publish(target: ObjectStorage, path: Path, name: str, meta: _HashedFile) -> ExportedFile:
-    """Copy a spooled file to ``target`` without loading it: an atomic rename locally, a managed
-    (multipart past 8 MiB) upload on S3."""
-    if isinstance(target, LocalStorage):
-        final = Path(target.uri(name))
-        final.parent.mkdir(parents=True, exist_ok=True)
-        temp = final.with_name(f".{name}.export-tmp")
-        shutil.copyfile(path, temp)  # the spool may be on another file system
-        with temp.open("rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(temp, final)
-        uri = str(final)
-    else:
-        uri = _upload(target, name, path)
+    """Copy a spooled file to ``target`` without loading it (``put_file``: a chunked copy and an
+    atomic rename locally, a managed multipart upload on S3)."""
+    uri = put_file(target, name, path)
     return ExportedFile(name, uri, meta.digest.hexdigest(), meta.lines, meta.bytes)
-
-
-def _upload(target: ObjectStorage, name: str, path: Path) -> str:
-    """Write a file to the target storage in bounded chunks (an S3 upload is boto3's managed
-    transfer, in 8 MiB parts), without reading it whole."""
-    return put_file(target, name, path)

@@ -12,15 +12,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
-import itertools
 import tempfile
-import threading
 from array import array
-from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal
 
 import orjson
 
@@ -52,17 +48,14 @@ from airflow_deadline_batch.exceptions import (
 from airflow_deadline_batch.service.settlement import settle_job
 from airflow_deadline_batch.storage import open_storage, open_uri, put_stream, sha256_hex
 from airflow_deadline_batch.storage.base import CHUNK_SIZE
+from airflow_deadline_batch.storage.read_ahead import ObjectReader, read_ahead, stream_lines
 from airflow_deadline_batch.store import ManifestStore
 
 MANIFEST_KEY = "manifest.json"
+#: where the finalizer writes the outcomes of records that never committed
+FINALIZE_PREFIX = "finalize/"
 STATUSES = RESULT_STATUSES
 _MAX_PROBLEMS = 20
-#: objects on S3 read ahead of the line check by a pool of threads (each read is a round trip;
-#: reading and hashing release the GIL): at most this many objects are in memory at once
-READ_AHEAD = 8
-#: an object of more records than this (the validation object, a finalizer's object for an
-#: unfinished shard) is streamed in chunks instead of read whole; a microbatch is read whole
-WHOLE_OBJECT_RECORDS = 20_000
 
 
 @dataclass(frozen=True)
@@ -204,99 +197,6 @@ class _LineLedger:
             self.seen[line] = 0
 
 
-class _Reader:
-    """Reads objects by URI with at most one S3 client per pass: building one costs 0.1-0.3 s,
-    and verification reads every committed object. Safe to share between threads (boto3 clients
-    are)."""
-
-    def __init__(self) -> None:
-        self._client: Any = None
-        self._lock = threading.Lock()
-
-    def _open(self, uri: str) -> tuple[Any, str]:
-        if not uri.startswith("s3://"):
-            return open_uri(uri)
-        with self._lock:
-            if self._client is None:
-                from airflow_deadline_batch.storage.s3 import make_client
-
-                self._client = make_client()
-        return open_uri(uri, client=self._client)
-
-    def get_bytes(self, uri: str) -> bytes:
-        storage, key = self._open(uri)
-        return bytes(storage.get_bytes(key))
-
-    def open_read(self, uri: str) -> BinaryIO:
-        storage, key = self._open(uri)
-        return storage.open_read(key)
-
-
-@dataclass(frozen=True)
-class _Fetched:
-    """An object read ahead: its bytes and their SHA-256, or why it could not be read; or neither,
-    when it is too large to hold and the line check streams it."""
-
-    data: bytes | None = None
-    sha256: str | None = None
-    error: StorageError | None = None
-
-
-def _fetch(obj: OutcomeObject, reader: _Reader) -> _Fetched:
-    if obj.records > WHOLE_OBJECT_RECORDS:
-        return _Fetched()
-    try:
-        data = reader.get_bytes(obj.uri)
-    except StorageError as exc:
-        return _Fetched(error=exc)
-    return _Fetched(data, sha256_hex(data))
-
-
-def _read_ahead(
-    objects: Iterable[OutcomeObject], reader: _Reader
-) -> Iterator[tuple[OutcomeObject, _Fetched]]:
-    """``(object, fetched)`` in the order of ``objects``: from the first object on S3 on, up to
-    :data:`READ_AHEAD` read in parallel (each read is a round trip); local files one by one
-    (threads only add GIL hand-offs to reads the page cache serves: slower on two cores)."""
-    rest = iter(objects)
-    for obj in rest:
-        if obj.uri.startswith("s3://"):
-            yield from _read_in_parallel(itertools.chain([obj], rest), reader)
-            return
-        yield obj, _fetch(obj, reader)
-
-
-def _read_in_parallel(
-    objects: Iterator[OutcomeObject], reader: _Reader
-) -> Iterator[tuple[OutcomeObject, _Fetched]]:
-    pending: deque[tuple[OutcomeObject, Future[_Fetched]]] = deque()
-    with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="adb-verify") as pool:
-        try:
-            for obj in objects:
-                pending.append((obj, pool.submit(_fetch, obj, reader)))
-                if len(pending) >= READ_AHEAD:
-                    head, future = pending.popleft()
-                    yield head, future.result()
-            while pending:
-                head, future = pending.popleft()
-                yield head, future.result()
-        finally:
-            for _, future in pending:
-                future.cancel()
-
-
-def _stream_lines(stream: IO[bytes], digest: Any) -> Iterator[bytes]:
-    """The lines of ``stream`` (without their newline), read in chunks, every byte fed to ``digest``."""
-    rest = b""
-    while chunk := stream.read(CHUNK_SIZE):
-        digest.update(chunk)
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        yield from lines
-    if rest:
-        yield rest
-
-
 def _unreadable(obj: OutcomeObject, report: VerificationReport, exc: StorageError) -> None:
     report.checksum_failures += 1
     if not isinstance(exc, ObjectNotFound):
@@ -387,11 +287,11 @@ def _check_objects(
 ) -> None:
     """Check every object's SHA-256 and count its lines into ``ledger`` and ``report``.
 
-    Objects are read ahead in parallel (:func:`_read_ahead`) and checked in order; a large one is
+    Objects are read ahead in parallel (:func:`read_ahead`) and checked in order; a large one is
     streamed, its lines counted as they come and forgotten again should its checksum fail.
     """
-    reader = _Reader()
-    for obj, fetched in _read_ahead(objects, reader):
+    reader = ObjectReader()
+    for obj, fetched in read_ahead(objects, reader):
         check = _ObjectCheck(obj, ledger, report.outcomes, ranges.get(obj.shard_index, (1, ledger.total)))
         if fetched.error is not None:
             _unreadable(obj, report, fetched.error)
@@ -406,7 +306,7 @@ def _check_objects(
         digest = hashlib.sha256()
         try:
             with reader.open_read(obj.uri) as stream:
-                check.lines(_stream_lines(stream, digest), track=True)
+                check.lines(stream_lines(stream, digest), track=True)
         except StorageError as exc:
             ledger.forget(check.added)
             _unreadable(obj, report, exc)
@@ -584,19 +484,19 @@ def _mark_lines(raws: Iterable[bytes], lines: bytearray, first: int) -> None:
                 lines[line - first] = 1
 
 
-def _committed_lines(commits: list[Any], shard: Any, reader: _Reader) -> bytearray:
+def _committed_lines(commits: list[Any], shard: Any, reader: ObjectReader) -> bytearray:
     """One byte per line of the shard: set for each line a committed object of the shard holds."""
     first, count = shard.first_line, shard.line_count
     lines = bytearray(count)
     mine = (_outcome_object(c) for c in commits if c.shard_index == shard.shard_index)
-    for obj, fetched in _read_ahead(mine, reader):
+    for obj, fetched in read_ahead(mine, reader):
         if fetched.error is not None:
             raise fetched.error
         if fetched.data is not None:
             _mark_lines(fetched.data.splitlines(), lines, first)
         else:
             with reader.open_read(obj.uri) as stream:
-                _mark_lines(_stream_lines(stream, hashlib.sha256()), lines, first)
+                _mark_lines(stream_lines(stream, hashlib.sha256()), lines, first)
     return lines
 
 
@@ -621,7 +521,8 @@ def finalize_job(
     The steps: return a published job's manifest; leave a job with live shards alone (unless it
     expires or is cancelled); move it to ``finalizing`` (which fences its unfinished shards);
     write the outcomes of the records that never committed; verify every outcome object; publish
-    the manifest with a conditional create; record it; delete uncommitted attempt objects.
+    the manifest with a conditional create; record it; delete uncommitted attempt objects
+    and the ``finalize/`` objects of an earlier, failed try that the manifest does not list.
     """
     clock = clock or SystemClock()
     job = store.get_job(job_id)
@@ -645,15 +546,41 @@ def finalize_job(
     manifest = build_manifest(job, objects, report, clock.now(), usage=usage)
     uri, body = _publish(output, manifest)
     store.record_manifest(job_id, uri=uri, sha256=sha256_hex(body), state=final_state)
+    published = orjson.loads(body)
     collect_garbage(store, job_id)
-    return FinalizeResult(job_id, final_state, uri, report, orjson.loads(body))
+    remove_leftovers(output, published)
+    return FinalizeResult(job_id, final_state, uri, report, published)
 
 
 def _published(store: ManifestStore, job: Any) -> FinalizeResult:
-    """The result of a job whose manifest is already published (re-verified, not rewritten)."""
+    """The result of a job whose manifest is already published (re-verified, not rewritten).
+
+    The leftovers of a finalizer killed between publication and clean-up are removed here.
+    """
+    storage, key = open_uri(job.manifest_uri)
+    remove_leftovers(open_storage(job.output_uri), orjson.loads(storage.get_bytes(key)))
     return FinalizeResult(
         job.job_id, JobState(job.state), job.manifest_uri, verify_manifest(store, job.job_id)
     )
+
+
+def remove_leftovers(output: Any, manifest: dict[str, Any]) -> int:
+    """Delete the ``finalize/`` objects the published ``manifest`` does not list; return how many.
+
+    A finalizer that fails part-way (a storage error, a killed process) leaves the objects it had
+    written. A re-run rewrites those it still needs in place: an object's key is its shard and
+    status and its bytes follow from the input and the commits, which no longer change once the
+    job is fenced, so the same job gives the same objects and manifest. What it no longer needs
+    (the job was cancelled in between: ``cancelled`` objects replace ``expired`` ones) is
+    deleted here, once the manifest that decides it is published.
+    """
+    listed = {entry["uri"] for entry in manifest["shards"]}
+    removed = 0
+    for key in list(output.list_keys(FINALIZE_PREFIX)):
+        if output.uri(key) not in listed:
+            output.delete(key)
+            removed += 1
+    return removed
 
 
 def _has_live_shards(shards: list[Any]) -> bool:
@@ -690,7 +617,7 @@ def _write_unfinished_outcomes(
     file as the shard's input range streams by, then uploaded: memory does not grow with the shard.
     """
     extra: list[OutcomeObject] = []
-    reader = _Reader()
+    reader = ObjectReader()
     for shard in store.list_shards(job.job_id):
         if shard.state == ShardState.SUCCEEDED:
             continue
@@ -713,7 +640,8 @@ def _write_unfinished_outcomes(
             if not records:
                 continue
             spool.seek(0)
-            uri = put_stream(output, f"finalize/shard-{shard.shard_index:05d}-{status}.jsonl", spool)
+            key = f"{FINALIZE_PREFIX}shard-{shard.shard_index:05d}-{status}.jsonl"
+            uri = put_stream(output, key, spool)
         extra.append(
             OutcomeObject(
                 shard.shard_index,

@@ -47,16 +47,7 @@ class LocalStorage:
         return str(self._path(key))
 
     def put_bytes(self, key: str, data: bytes) -> str:
-        path = self._path(key)
-        temp = self._write_temp(path, data)
-        try:
-            os.replace(temp, path)
-        except OSError as exc:
-            raise _storage_error(exc, "write", path) from exc
-        finally:
-            _unlink_quietly(temp)
-        _fsync_dir(path.parent)
-        return str(path)
+        return self._put(key, data)
 
     def put_file(self, key: str, source: Path | str) -> str:
         """Copy the file ``source`` to ``key`` atomically (in chunks, never whole in memory)."""
@@ -65,16 +56,7 @@ class LocalStorage:
 
     def put_stream(self, key: str, stream: BinaryIO) -> str:
         """Copy what is left in ``stream`` to ``key`` atomically, in chunks."""
-        path = self._path(key)
-        temp = self._write_temp(path, source=stream)
-        try:
-            os.replace(temp, path)
-        except OSError as exc:
-            raise _storage_error(exc, "write", path) from exc
-        finally:
-            _unlink_quietly(temp)
-        _fsync_dir(path.parent)
-        return str(path)
+        return self._put(key, source=stream)
 
     def create_bytes(self, key: str, data: bytes) -> str:
         path = self._path(key)
@@ -173,6 +155,20 @@ class LocalStorage:
         except BaseException:
             os.close(fd)
             raise
+
+    def _put(self, key: str, data: bytes = b"", *, source: BinaryIO | None = None) -> str:
+        """Write ``data`` (or what is left in ``source``) to a temporary file and move it onto
+        ``key`` in one atomic step, replacing any existing object; return its path."""
+        path = self._path(key)
+        temp = self._write_temp(path, data, source=source)
+        try:
+            os.replace(temp, path)
+        except OSError as exc:
+            raise _storage_error(exc, "write", path) from exc
+        finally:
+            _unlink_quietly(temp)
+        _fsync_dir(path.parent)
+        return str(path)
 
     def _write_temp(self, path: Path, data: bytes = b"", *, source: BinaryIO | None = None) -> Path:
         """Write ``data`` (or what is left in ``source``) to a fresh, fsynced temporary file next to

@@ -187,10 +187,10 @@ def restore(workdir: Path, info: dict[str, Any]) -> None:
 
 def set_read_ahead() -> None:
     """``--read-ahead N`` (passed as ``ADB_BENCH_READ_AHEAD``): objects on S3 read in parallel."""
-    from airflow_deadline_batch.service import finalize
+    from airflow_deadline_batch.storage import read_ahead
 
     if os.environ.get("ADB_BENCH_READ_AHEAD"):
-        finalize.READ_AHEAD = int(os.environ["ADB_BENCH_READ_AHEAD"])
+        read_ahead.READ_AHEAD = int(os.environ["ADB_BENCH_READ_AHEAD"])
 
 
 def child_finalize(store_url: str, job_id: str) -> dict[str, Any]:

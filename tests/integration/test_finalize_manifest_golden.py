@@ -1,10 +1,10 @@
 """The manifest and the finalizer's outcome objects of a messy job are byte-identical to before.
 
-The manifest format is a public contract (docs/design.md §4.3). A job is built through the
-store's worker calls (claim, commit, complete or fail; no engine): the planner's validation
-object (bad and blank lines), a shard that succeeded over two microbatches after a preempted
-attempt whose object never committed, a shard that failed for good after one commit, a shard
-with one commit left running and a shard with none (expired). ``finalize_job`` with
+The manifest format is a public contract (docs/design.md §4.3). The job (tests/helpers/messy_job.py)
+is built through the store's worker calls (claim, commit, complete or fail; no engine): the
+planner's validation object (bad and blank lines), a shard that succeeded over two microbatches
+after a preempted attempt whose object never committed, a shard that failed for good after one
+commit, a shard with one commit left running and a shard with none (expired). ``finalize_job`` with
 ``expire_unfinished`` publishes it ``partial``. Everything it wrote (manifest, finalizer objects,
 validation object) must equal, byte for byte once the random IDs, the temporary path, the
 creation time and the measured GPU time are replaced by placeholders, what the finalizer at
@@ -17,142 +17,20 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import re
 from pathlib import Path
 
 import orjson
 import pytest
 
 from airflow_deadline_batch.core.clock import ManualClock
-from airflow_deadline_batch.core.failures import FailureClass
-from airflow_deadline_batch.core.pools import default_local_pools
-from airflow_deadline_batch.core.results import ResultRecord, Usage, encode_results
-from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
-from airflow_deadline_batch.core.states import JobState, ShardState
-from airflow_deadline_batch.service import finalize
+from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.service.finalize import finalize_job, verify_job
-from airflow_deadline_batch.service.planning import PlanRequest, plan_job
-from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
+from airflow_deadline_batch.storage import open_storage, read_ahead
 from airflow_deadline_batch.store import ManifestStore
-from tests.helpers.inputs import mixed_input
+from tests.helpers.messy_job import build_messy_job, normalized_outputs
 
 pytestmark = pytest.mark.integration
 GOLDEN = Path(__file__).parent / "data" / "finalize_manifest_golden.json"
-MICROBATCH = 5
-
-
-def _commit(
-    store: ManifestStore, output: object, lease: object, shard: object, records: list, seq: int
-) -> None:
-    results = [
-        ResultRecord.succeeded(
-            line=r.line,
-            id=r.id,
-            output=f"echo {r.line}",
-            usage=Usage(prompt_tokens=r.line % 7 + 1, completion_tokens=2),
-            shard_id=f"{shard.shard_index:05d}",  # type: ignore[attr-defined]
-            attempt_id=lease.attempt_id,  # type: ignore[attr-defined]
-        )
-        for r in records
-    ]
-    data = encode_results(results)
-    key = f"attempts/{lease.attempt_id}/shard-{shard.shard_index:05d}-mb-{seq:06d}.jsonl"  # type: ignore[attr-defined]
-    uri = output.put_bytes(key, data)  # type: ignore[attr-defined]
-    store.commit_microbatch(
-        lease,  # type: ignore[arg-type]
-        seq=seq,
-        uri=uri,
-        sha256=sha256_hex(data),
-        records=len(results),
-        counts={"succeeded": len(results), "errored": 0},
-        prompt_tokens=sum(r.usage.prompt_tokens for r in results),
-        completion_tokens=sum(r.usage.completion_tokens for r in results),
-        elapsed_s=1.0,
-        model_digest="sha256:golden",
-    )
-
-
-def _build_messy_job(store: ManifestStore, tmp_path: Path, output_uri: str | None = None) -> str:
-    mixed = mixed_input(160, seed=14, bad_fraction=0.08, blank_fraction=0.03)
-    input_path = mixed.write(tmp_path / "input.jsonl")
-    plan = plan_job(
-        store,
-        PlanRequest(
-            input_uri=str(input_path),
-            deadline=dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc),
-            output_uri=output_uri or str(tmp_path / "out"),
-            engine="echo",
-            pools=default_local_pools("echo"),
-            workers=4,
-            microbatch_size=MICROBATCH,
-            max_shards=5,
-            max_invalid_fraction=0.5,
-            max_attempts=1,
-            allow_infeasible=True,
-        ),
-    )
-    job = store.get_job(plan.job_id)
-    shards = store.list_shards(job.job_id)
-    assert len(shards) >= 4, f"the messy job needs at least 4 shards, the plan cut {len(shards)}"
-    output = open_storage(job.output_uri)
-    source, key = open_uri(job.input_uri)
-    limits = limits_from_config(job.config)
-
-    def records_of(shard: object) -> list:
-        data = source.read_range(key, shard.byte_start, shard.byte_end)  # type: ignore[attr-defined]
-        return parse_shard(data, shard, limits)  # type: ignore[arg-type]
-
-    # shard 0: a preempted attempt writes an object it never commits, a second one succeeds
-    s0 = shards[0]
-    lease = store.claim_shard(job.job_id, 0, ttl_s=600, worker="w0")
-    output.put_bytes(f"attempts/{lease.attempt_id}/shard-00000-mb-000000.jsonl", b'{"stray": 1}\n')
-    store.fail_attempt(lease, FailureClass.PREEMPTED, "spot reclaim")
-    lease = store.claim_shard(job.job_id, 0, ttl_s=600, worker="w0")
-    recs = records_of(s0)
-    for seq in range(s0.num_microbatches):
-        _commit(store, output, lease, s0, recs[seq * MICROBATCH : (seq + 1) * MICROBATCH], seq)
-    store.complete_shard(lease)
-    # shard 1: one commit, then a terminal error ends it for good
-    s1 = shards[1]
-    lease = store.claim_shard(job.job_id, 1, ttl_s=600, worker="w1")
-    _commit(store, output, lease, s1, records_of(s1)[:MICROBATCH], 0)
-    store.fail_attempt(
-        lease, FailureClass.DETERMINISTIC, "CUDA error: illegal memory access", outcome="failed_terminal"
-    )
-    assert store.get_shard(job.job_id, 1).state is ShardState.TERMINAL_FAILURE
-    # shard 2: one commit, still running when the deadline passes
-    s2 = shards[2]
-    lease = store.claim_shard(job.job_id, 2, ttl_s=600, worker="w2")
-    _commit(store, output, lease, s2, records_of(s2)[:MICROBATCH], 0)
-    # the other shards never started
-    return job.job_id
-
-
-def _normalized(store: ManifestStore, job_id: str, tmp_path: Path) -> dict[str, str]:
-    """Every object the job published, keyed by its relative name, with placeholders for what varies."""
-    job = store.get_job(job_id)
-    output = open_storage(job.output_uri)
-    texts = {
-        key: output.get_bytes(key).decode()
-        for key in ["manifest.json", *output.list_keys("finalize/"), *output.list_keys("validation/")]
-    }
-    manifest = orjson.loads(texts["manifest.json"])
-    fixed = ("plan", "finalize")
-    attempts = list(
-        dict.fromkeys(s["attempt_id"] for s in manifest["shards"] if s["attempt_id"] not in fixed)
-    )
-    replace = [(job_id, "JOB"), (str(tmp_path), "TMP"), (manifest["created_at"], "CREATED")]
-    replace += [(a, f"ATTEMPT{i}") for i, a in enumerate(attempts)]
-    # a microbatch object holds its attempt's random ID, so its checksum varies too
-    shas = [s["sha256"] for s in manifest["shards"] if s["attempt_id"] not in fixed]
-    replace += [(sha, f"SHA{i}") for i, sha in enumerate(shas)]
-    out = {}
-    for key, text in texts.items():
-        for old, new in replace:
-            text = text.replace(old, new)
-        # the attempts' GPU time is measured on the store's clock
-        out[key] = re.sub(r'"gpu_seconds": [0-9.e+-]+', '"gpu_seconds": GPU', text)
-    return out
 
 
 @pytest.mark.parametrize("whole_records", [20_000, 0], ids=["read-whole", "streamed"])
@@ -160,15 +38,15 @@ def test_manifest_of_a_messy_job_is_byte_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int
 ) -> None:
     # 0: every object is streamed in chunks rather than read whole (the path of large objects)
-    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records, raising=False)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
-        job_id = _build_messy_job(store, tmp_path)
+        job_id = build_messy_job(store, tmp_path)
         clock = ManualClock(dt.datetime(2029, 12, 31, 23, 0, tzinfo=dt.timezone.utc))
         result = finalize_job(store, job_id, clock=clock, expire_unfinished=True)
         assert result.state is JobState.PARTIAL
         assert verify_job(store, job_id).complete
-        got = _normalized(store, job_id, tmp_path)
+        got = normalized_outputs(store, job_id, tmp_path)
         codes = {
             (o["status"], o["error"]["code"])
             for key, text in got.items()
@@ -191,10 +69,10 @@ def test_manifest_of_a_messy_job_is_byte_identical(
 def test_an_object_failing_its_checksum_counts_none_of_its_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int
 ) -> None:
-    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
-        job_id = _build_messy_job(store, tmp_path)
+        job_id = build_messy_job(store, tmp_path)
         job = store.get_job(job_id)
         [validation] = [c for c in store.list_commits(job_id) if c.shard_index == -1]
         clean = verify_job(store, job_id)
@@ -217,11 +95,11 @@ def test_on_s3_objects_read_in_parallel_give_the_same_report_and_manifest_counts
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, whole_records: int, s3_base_uri: str
 ) -> None:
     """The same messy job with its outputs on S3 (moto's server): read ahead by 3 threads."""
-    monkeypatch.setattr(finalize, "WHOLE_OBJECT_RECORDS", whole_records)
-    monkeypatch.setattr(finalize, "READ_AHEAD", 3)
+    monkeypatch.setattr(read_ahead, "WHOLE_OBJECT_RECORDS", whole_records)
+    monkeypatch.setattr(read_ahead, "READ_AHEAD", 3)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
-        job_id = _build_messy_job(store, tmp_path, s3_base_uri)
+        job_id = build_messy_job(store, tmp_path, s3_base_uri)
         clock = ManualClock(dt.datetime(2029, 12, 31, 23, 0, tzinfo=dt.timezone.utc))
         result = finalize_job(store, job_id, clock=clock, expire_unfinished=True)
         assert result.state is JobState.PARTIAL and result.manifest_uri is not None

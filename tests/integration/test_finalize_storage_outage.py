@@ -20,6 +20,7 @@ from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import StorageError, VerificationError
 from airflow_deadline_batch.service.planning import PlanRequest
 from airflow_deadline_batch.storage import open_uri
+from airflow_deadline_batch.storage.read_ahead import ObjectReader
 from airflow_deadline_batch.store import JobRow, ManifestStore
 
 pytestmark = pytest.mark.integration
@@ -59,7 +60,7 @@ def test_an_outage_leaves_the_job_finalizing_and_a_retry_publishes(
         raise StorageError(f"cannot read {uri}: connection reset; check the network", uri=uri)
 
     with monkeypatch.context() as patch:
-        patch.setattr(finalize._Reader, "get_bytes", outage)
+        patch.setattr(ObjectReader, "get_bytes", outage)
         with pytest.raises(VerificationError, match="could not serve"):
             finalize.finalize_job(store, job.job_id)
     assert store.get_job(job.job_id).state is JobState.FINALIZING
