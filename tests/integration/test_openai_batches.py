@@ -1,18 +1,23 @@
-"""``GET /batches`` on a real files store (local files and the S3 API via moto): pages come from the
-index of pointers, newest first, and read only the sidecars they return.
+"""The batches routes on a real files store (local files and the S3 API via moto).
+
+``GET /batches`` pages come from the index of pointers, newest first, and read only the sidecars
+they return; a real job (echo workers) that runs past its deadline reads ``expired``.
 
 Sidecars are written by ``openai_batches.record_batch`` (what ``POST /batches`` writes before it
 triggers the run); the routes run in a FastAPI app with Airflow's login answered by a fixed user,
-Airflow's metadata database is a migrated SQLite file (no DAG runs: every batch reads
-``validating``), and the manifest store is a migrated SQLite file (no jobs).
+Airflow's metadata database is a migrated SQLite file (no DAG runs: a batch without a job reads
+``validating``), and the manifest store is a migrated SQLite file.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
 from airflow.api_fastapi.core_api.security import get_user
@@ -20,8 +25,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from airflow_deadline_batch.api import openai_batches
+from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.storage import open_storage
 from airflow_deadline_batch.storage.base import ObjectStorage
+from tests.helpers.outcomes import read_manifest
 
 BASE = 1_790_000_000  # created_at of the oldest batch (2026)
 LIST_KEYS = {"object", "data", "first_id", "last_id", "has_more"}
@@ -78,6 +85,7 @@ def client(
     ManifestStore.open(store_url, migrate=True).close()
     monkeypatch.setenv("ADB_STORE_URL", store_url)
     monkeypatch.delenv("ADB_STORE_CONN_ID", raising=False)
+    progress._store.cache_clear()  # the api-server opens its store once: this test's, not the last one's
     monkeypatch.setattr(openai_batches, "_files", lambda: files)
     # SimpleAuthManager's roles, minus the DAGs ADB_TEST_DENIED_DAGS names for a user
     monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER", "tests.fixtures.ui_auth_manager.DagDenyingAuthManager")
@@ -89,6 +97,7 @@ def client(
     app.dependency_overrides[get_user] = lambda: SimpleAuthManagerUser(username="alice", role="viewer")
     with TestClient(app) as test_client:
         yield test_client
+    progress._store.cache_clear()
 
 
 def sidecar(i: int, dag_id: str = "example_deadline_batch_local") -> dict[str, Any]:
@@ -197,3 +206,72 @@ def test_a_page_of_20_out_of_500_reads_only_its_sidecars(client: TestClient, fil
     middle = get_page(client, after="batch_0250", limit=5)
     assert ids(middle) == [f"batch_{i:04d}" for i in range(249, 244, -1)]
     assert len(files.reads) == 6
+
+
+@pytest.mark.parametrize("files", ["local"], indirect=True)
+def test_a_job_past_its_deadline_reads_expired_with_its_counts_and_error_file(
+    client: TestClient, files: CountingStorage, tmp_path: Path
+) -> None:
+    from airflow_deadline_batch.core.pools import default_local_pools
+    from airflow_deadline_batch.local.runner import RunOptions, run_job
+    from airflow_deadline_batch.service.planning import PlanRequest
+    from airflow_deadline_batch.store import ManifestStore
+
+    batch = sidecar(0)
+    openai_batches.record_batch(files.inner, batch)
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo-v1", "messages": [{"role": "user", "content": f"say {i}"}]},
+        }
+        for i in range(16)
+    ]
+    files.inner.put_bytes("files/file-input/content", b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    # 16 records at 0.5 s each on one worker cannot finish in 4 s: the rest expires at the deadline
+    request = PlanRequest(
+        input_uri=files.inner.uri("files/file-input/content"),
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=4),
+        output_uri=files.inner.uri(f"runs/{batch['id']}/output"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=1,
+        microbatch_size=2,
+        idempotency_key=f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}",
+        allow_infeasible=True,
+    )
+    options = RunOptions(
+        workers=1, worker_env={"ADB_ECHO_DELAY_S": "0.5"}, worker_log=str(tmp_path / "w.log")
+    )
+    store = ManifestStore.open(os.environ["ADB_STORE_URL"])
+    try:
+        summary = run_job(store, request, options)
+    finally:
+        store.close()
+    assert summary.state == "partial", summary
+    outcomes = read_manifest(summary.manifest)["outcomes"]
+    assert outcomes.get("expired", 0) > 0, outcomes
+
+    got = client.get(f"/openai/v1/batches/{batch['id']}").json()
+    assert got["status"] == "expired", got
+    assert got["job_id"] == summary.job_id
+    succeeded = outcomes.get("succeeded", 0)
+    assert got["request_counts"] == {"total": 16, "completed": succeeded, "failed": 16 - succeeded}
+    assert got["expired_at"] is not None and got["expired_at"] == got["completed_at"]
+    assert got["failed_at"] is None and got["errors"] is None
+    assert ids(get_page(client)) == [batch["id"]]
+    assert get_page(client)["data"][0]["status"] == "expired"
+
+    assert got["error_file_id"] == f"file-{batch['id'].removeprefix('batch_')}-errors"
+    errors = client.get(f"/openai/v1/files/{got['error_file_id']}/content")
+    assert errors.status_code == 200, errors.text
+    expired = [orjson.loads(line) for line in errors.content.splitlines()]
+    assert len(expired) == 16 - succeeded
+    assert {line["error"]["code"] for line in expired} == {"batch_expired"}
+    assert {line["response"] for line in expired} == {None}
+    assert {line["custom_id"] for line in expired} <= {f"r{i}" for i in range(16)}
+    if succeeded:
+        assert got["output_file_id"] is not None
+        output = client.get(f"/openai/v1/files/{got['output_file_id']}/content")
+        assert len(output.content.splitlines()) == succeeded
