@@ -633,13 +633,12 @@ def create_router() -> APIRouter:
 
         page = list_page(_files(), after, limit, readable)
         shown = [_batch_object(batch) for batch in page.batches]
-        has_more = page.has_more
         return {
             "object": "list",
             "data": shown,
             "first_id": shown[0]["id"] if shown else None,
             "last_id": shown[-1]["id"] if shown else None,
-            "has_more": has_more,
+            "has_more": page.has_more,
         }
 
     @router.post("/batches/{batch_id}/cancel")
