@@ -14,6 +14,8 @@ The official SDK works unchanged::
   output files. The run is triggered through Airflow's own REST API with the caller's token, so
   Airflow's authorization (``POST`` on the DAG's runs) decides; reads check ``GET`` on the DAG's
   runs (:func:`ui.access.may_read`) and read the run's state from the metadata database.
+* ``batches-index/<inverted created_at>-<id>``, an empty pointer per batch, sorts newest first, so
+  ``GET /batches`` lists keys and reads only the sidecars it returns (:func:`list_page`).
 * The job is the one whose idempotency key is ``{dag_id}/{run_id}/{plan_task_id}``
   (``DeadlineBatchOperator``'s default); once its manifest is published, the first read exports
   it (``service.export.export_job``) under ``runs/<id>/export`` and names ``output.jsonl`` /
@@ -29,7 +31,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -61,6 +63,11 @@ _WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 LIST_MAX = 100
 COPY_CHUNK = 1024 * 1024
+SIDECARS = "batches/"
+INDEX = "batches-index/"
+#: ``created_at`` (epoch seconds) is stored as ``INDEX_CEILING - created_at``, zero-padded to 12
+#: digits, so that lexicographic key order (what ``list_keys`` yields) is newest first
+INDEX_CEILING = 10**12 - 1
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -170,6 +177,75 @@ def _open_content(meta: dict[str, Any]) -> BinaryIO:
     return _files().open_read(f"files/{meta['id']}/content")
 
 
+# -- batch sidecars and their index ------------------------------------------------------------------
+def _sidecar_key(batch_id: str) -> str:
+    return f"{SIDECARS}{batch_id}.json"
+
+
+def index_key(batch_id: str, created_at: int) -> str:
+    """The batch's pointer: keys sort newest first, then by id."""
+    return f"{INDEX}{INDEX_CEILING - created_at:012d}-{batch_id}"
+
+
+def _indexed_id(key: str) -> str:
+    return key.removeprefix(INDEX).partition("-")[2]
+
+
+def record_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
+    """Write a new batch's sidecar, then its index pointer (a sidecar left without one is repaired
+    by the next listing, :func:`_repair_index`)."""
+    _write_json(storage, _sidecar_key(batch["id"]), batch)
+    storage.put_bytes(index_key(batch["id"], int(batch["created_at"])), b"")
+
+
+def _repair_index(storage: ObjectStorage, indexed: list[str]) -> list[str]:
+    """``indexed`` plus pointers for sidecars that have none (written before the index existed, or
+    by a process that died between the two writes): one listing, and one read per missing pointer."""
+    have = {_indexed_id(key) for key in indexed}
+    added: list[str] = []
+    for key in storage.list_keys(SIDECARS):
+        batch_id = key.removeprefix(SIDECARS).removesuffix(".json")
+        if not key.endswith(".json") or "/" in batch_id or batch_id in have:
+            continue
+        batch = _read_json(storage, key)
+        if batch is None:  # deleted since the listing
+            continue
+        pointer = index_key(batch_id, int(batch["created_at"]))
+        storage.put_bytes(pointer, b"")  # the same empty object whoever repairs it first
+        added.append(pointer)
+        log.info("indexed batch %s (its sidecar had no pointer)", batch_id)
+    return sorted(indexed + added) if added else indexed
+
+
+@dataclass(frozen=True)
+class Page:
+    batches: list[dict[str, Any]]
+    has_more: bool
+
+
+def list_page(
+    storage: ObjectStorage, after: str | None, limit: int, readable: Callable[[dict[str, Any]], bool]
+) -> Page:
+    """The sidecars of up to ``limit`` readable batches, newest first, after the batch ``after``.
+
+    Two key listings (the index and the sidecars, to repair missing pointers) and one read per
+    sidecar looked at: the returned ones, the unreadable ones skipped, and one more for ``has_more``.
+    """
+    keys = _repair_index(storage, list(storage.list_keys(INDEX)))
+    ids = [_indexed_id(key) for key in keys]
+    if after:
+        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    shown: list[dict[str, Any]] = []
+    for batch_id in ids:
+        batch = _read_json(storage, _sidecar_key(batch_id))
+        if batch is None or not readable(batch):
+            continue
+        if len(shown) == limit:
+            return Page(shown, has_more=True)
+        shown.append(batch)
+    return Page(shown, has_more=False)
+
+
 # -- the batch's DAG run and job ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class RunInfo:
@@ -224,7 +300,7 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
 
     storage = _files()
     with _export_lock:
-        current = _read_json(storage, f"batches/{batch['id']}.json") or batch
+        current = _read_json(storage, _sidecar_key(batch["id"])) or batch
         if current.get("exported"):
             return current
         try:
@@ -260,7 +336,7 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
             "output_file_id": file_ids.get("output"),
             "error_file_id": file_ids.get("errors"),
         }
-        _write_json(storage, f"batches/{batch['id']}.json", current)
+        _write_json(storage, _sidecar_key(batch["id"]), current)
         return current
 
 
@@ -444,7 +520,7 @@ def create_router() -> APIRouter:
     user_dep = Depends(get_user)
 
     def readable_batch(batch_id: str, user: BaseUser) -> dict[str, Any]:
-        batch = _read_json(_files(), f"batches/{_checked_id(batch_id, 'batch')}.json")
+        batch = _read_json(_files(), _sidecar_key(_checked_id(batch_id, "batch")))
         if batch is None:
             raise HTTPException(status_code=404, detail=f"no such batch: {batch_id}")
         if not may_read(user, DagRunRef(dag_id=batch["dag_id"], run_id=batch["run_id"], task_id="")):
@@ -536,7 +612,7 @@ def create_router() -> APIRouter:
         }
         # the sidecar first: a run without one could never be found again, a sidecar without a run
         # is reported ``failed`` (no such run) and is harmless
-        _write_json(storage, f"batches/{batch_id}.json", batch)
+        record_batch(storage, batch)
         _trigger(request, dag_id, batch_id, conf)
         return _batch_object(batch)
 
@@ -547,36 +623,22 @@ def create_router() -> APIRouter:
     @router.get("/batches")
     def list_batches(after: str | None = None, limit: int = 20, user: BaseUser = user_dep) -> dict[str, Any]:
         limit = max(1, min(limit, LIST_MAX))
-        storage = _files()
-        sidecars = [
-            b
-            for key in storage.list_keys("batches/")
-            if key.endswith(".json")
-            if (b := _read_json(storage, key)) is not None
-        ]
-        sidecars.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
-        if after:
-            ids = [b["id"] for b in sidecars]
-            sidecars = sidecars[ids.index(after) + 1 :] if after in ids else []
         allowed: dict[str, bool] = {}
-        shown: list[dict[str, Any]] = []
-        has_more = False
-        for batch in sidecars:
-            if batch["dag_id"] not in allowed:
-                ref = DagRunRef(dag_id=batch["dag_id"], run_id=batch["run_id"], task_id="")
-                allowed[batch["dag_id"]] = may_read(user, ref)
-            if not allowed[batch["dag_id"]]:
-                continue
-            if len(shown) == limit:
-                has_more = True
-                break
-            shown.append(_batch_object(batch))
+
+        def readable(batch: dict[str, Any]) -> bool:
+            dag_id = batch["dag_id"]
+            if dag_id not in allowed:
+                allowed[dag_id] = may_read(user, DagRunRef(dag_id=dag_id, run_id=batch["run_id"], task_id=""))
+            return allowed[dag_id]
+
+        page = list_page(_files(), after, limit, readable)
+        shown = [_batch_object(batch) for batch in page.batches]
         return {
             "object": "list",
             "data": shown,
             "first_id": shown[0]["id"] if shown else None,
             "last_id": shown[-1]["id"] if shown else None,
-            "has_more": has_more,
+            "has_more": page.has_more,
         }
 
     @router.post("/batches/{batch_id}/cancel")
@@ -586,7 +648,7 @@ def create_router() -> APIRouter:
             raise HTTPException(status_code=403, detail="Forbidden")
         if not batch.get("cancel_requested_at"):
             batch = {**batch, "cancel_requested_at": _ts(_now())}
-            _write_json(_files(), f"batches/{batch_id}.json", batch)
+            _write_json(_files(), _sidecar_key(batch_id), batch)
         return _batch_object(batch)  # cancels the job when it exists (else on a later read)
 
     return router
