@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import io
 import itertools
@@ -850,14 +851,14 @@ def hash_ranges(
     The whole-input digest is updated on a second thread: hashlib releases the GIL on large
     buffers, so the two digests of each chunk are computed side by side on two cores. With
     ``include_whole=False`` (the caller hashes the whole input itself) the first item is "".
-    Then a large local input's ranges are hashed in parallel processes, one group of
-    consecutive shards each.
+    Then a large local input's ranges are hashed on parallel threads, one group of consecutive
+    shards each.
     """
     path = _local_path(input_uri)
     if not include_whole and path is not None and len(cuts) > 1:
-        processes = min(_cores(), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
-        if processes > 1:
-            return "", _hash_parallel(path, cuts, processes)
+        threads = min(_cores(), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
+        if threads > 1:
+            return "", _hash_parallel(path, cuts, threads)
     storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
     digests: list[str] = []
@@ -898,28 +899,37 @@ def hash_ranges(
     return (whole.hexdigest() if include_whole else ""), digests
 
 
-def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], processes: int) -> list[str]:
-    """SHA-256 of each shard's byte range, consecutive shards grouped by bytes over ``processes``."""
+def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], threads: int) -> list[str]:
+    """SHA-256 of each shard's byte range, consecutive shards grouped by bytes over ``threads`` threads.
+
+    Threads, not processes: file reads and hashlib release the GIL on large buffers, so each
+    thread has a core, without a Python process to start (two of those cost more than hashing
+    half a gigabyte).
+    """
     size = max(1, cuts[-1].byte_end)
-    groups: list[list[tuple[int, int]]] = [[] for _ in range(processes)]
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
     for cut in cuts:
         middle = (cut.byte_start + cut.byte_end) / 2
-        groups[min(processes - 1, int(middle * processes / size))].append((cut.byte_start, cut.byte_end))
-    calls = [(path, group) for group in groups if group]
-    return [digest for part in run_in_processes(_hash_spans, calls) for digest in part]
+        groups[min(threads - 1, int(middle * threads / size))].append((cut.byte_start, cut.byte_end))
+    calls = [group for group in groups if group]
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="sha256") as pool:
+        parts = list(pool.map(functools.partial(_hash_spans, path), calls))
+    return [digest for part in parts for digest in part]
 
 
 def _hash_spans(path: str, spans: list[tuple[int, int]]) -> list[str]:
-    """SHA-256 of each ``[start, end)`` of a local file (run in a worker process)."""
+    """SHA-256 of each ``[start, end)`` of a local file (run on a thread of its own)."""
     digests = []
-    with open(path, "rb") as file:
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as file:
         for start, end in spans:
             file.seek(start)
             digest = hashlib.sha256()
             left = end - start
-            while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
-                digest.update(chunk)
-                left -= len(chunk)
+            while left > 0 and (got := file.readinto(view[: min(_READ_CHUNK, left)])):
+                digest.update(view[:got])
+                left -= got
             digests.append(digest.hexdigest())
     return digests
 
