@@ -229,8 +229,13 @@ class PlanResult:
     invalid: int
 
 
-def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputAnalysis:
+def analyze_input(
+    request: PlanRequest, *, clock: Clock | None = None, on_scanned: Callable[[], object] | None = None
+) -> InputAnalysis:
     """Validate and estimate every line of the input, decide admission, cut shards.
+
+    ``on_scanned`` is called once every line has been read, before the duplicate-ID check (which
+    runs on one core: a second one is free for, say, hashing the input).
 
     Memory stays within ``request.memory_budget_mb`` whatever the input's size: what is kept per
     line (numbers, IDs) is spilled to temporary files, deleted before this returns; invalid lines'
@@ -238,7 +243,7 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
     """
     now = (clock or SystemClock()).now()
     pool = request.reference_pool()
-    scan = _scan_input(request, WorkModel.from_pool(pool))
+    scan = _scan_input(request, WorkModel.from_pool(pool), on_scanned)
     try:
         work = scan.summary()
         report = assess(
@@ -718,10 +723,12 @@ def _scan_processes(request: PlanRequest, path: str | None) -> int:
     return max(1, min(wanted, size // PARALLEL_MIN_BYTES))
 
 
-def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
+def _scan_input(
+    request: PlanRequest, work_model: WorkModel, on_scanned: Callable[[], object] | None = None
+) -> _InputScan:
     """The validating pass over the input (in byte ranges on several cores when it is large and
-    local), then the duplicate-ID rule (:meth:`_InputScan.finish`). The caller closes the scan;
-    on an error it is closed here."""
+    local), ``on_scanned()``, then the duplicate-ID rule (:meth:`_InputScan.finish`). The caller
+    closes the scan; on an error it is closed here."""
     # lines whose body asks for what the job's engine cannot honour are refused here, per line
     limits = dataclasses.replace(request.limits, engine=request.engine)
     scan = _InputScan(memory_budget=request.memory_budget_mb * 1024 * 1024)
@@ -740,6 +747,8 @@ def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
         else:
             with _open_input(request.input_uri) as stream:
                 parts = [_scan_lines(stream, job(0, 0, None, 1))]
+        if on_scanned is not None:
+            on_scanned()
         scan.finish(parts)
     except BaseException:
         scan.close()
@@ -1084,13 +1093,20 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
         if existing is not None and existing.state is not JobState.REJECTED:
             return _existing_result(store, existing)
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
-        # A local input is hashed whole on a second core while the validating pass runs (file
-        # reads and hashlib release the GIL); an S3 input is not downloaded a third time for it.
+        # A local input is hashed whole on a thread once the validating pass has read it (file
+        # reads and hashlib release the GIL): the pass keeps every core busy, the duplicate-ID
+        # check after it one. An S3 input is not downloaded a third time for it.
         storage, key = open_uri(request.input_uri)
         before = _input_version(storage, key)
-        whole = hasher.submit(hash_input, request.input_uri) if isinstance(storage, LocalStorage) else None
+        hashing: list[Future[str]] = []
+        local = isinstance(storage, LocalStorage)
+
+        def hash_whole() -> None:
+            hashing.append(hasher.submit(hash_input, request.input_uri))
+
         request, rates = rate_pools(store, request)
-        analysis = analyze_input(request, clock=clock)
+        analysis = analyze_input(request, clock=clock, on_scanned=hash_whole if local else None)
+        whole = hashing[0] if hashing else None
         try:
             return _record(
                 store, analysis, clock, whole, lambda: _input_version(storage, key) == before, rates=rates
