@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import io
 import itertools
@@ -228,8 +229,13 @@ class PlanResult:
     invalid: int
 
 
-def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputAnalysis:
+def analyze_input(
+    request: PlanRequest, *, clock: Clock | None = None, on_scanned: Callable[[], object] | None = None
+) -> InputAnalysis:
     """Validate and estimate every line of the input, decide admission, cut shards.
+
+    ``on_scanned`` is called once every line has been read, before the duplicate-ID check (which
+    runs on one core: a second one is free for, say, hashing the input).
 
     Memory stays within ``request.memory_budget_mb`` whatever the input's size: what is kept per
     line (numbers, IDs) is spilled to temporary files, deleted before this returns; invalid lines'
@@ -237,7 +243,7 @@ def analyze_input(request: PlanRequest, *, clock: Clock | None = None) -> InputA
     """
     now = (clock or SystemClock()).now()
     pool = request.reference_pool()
-    scan = _scan_input(request, WorkModel.from_pool(pool))
+    scan = _scan_input(request, WorkModel.from_pool(pool), on_scanned)
     try:
         work = scan.summary()
         report = assess(
@@ -717,10 +723,12 @@ def _scan_processes(request: PlanRequest, path: str | None) -> int:
     return max(1, min(wanted, size // PARALLEL_MIN_BYTES))
 
 
-def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
+def _scan_input(
+    request: PlanRequest, work_model: WorkModel, on_scanned: Callable[[], object] | None = None
+) -> _InputScan:
     """The validating pass over the input (in byte ranges on several cores when it is large and
-    local), then the duplicate-ID rule (:meth:`_InputScan.finish`). The caller closes the scan;
-    on an error it is closed here."""
+    local), ``on_scanned()``, then the duplicate-ID rule (:meth:`_InputScan.finish`). The caller
+    closes the scan; on an error it is closed here."""
     # lines whose body asks for what the job's engine cannot honour are refused here, per line
     limits = dataclasses.replace(request.limits, engine=request.engine)
     scan = _InputScan(memory_budget=request.memory_budget_mb * 1024 * 1024)
@@ -739,6 +747,8 @@ def _scan_input(request: PlanRequest, work_model: WorkModel) -> _InputScan:
         else:
             with _open_input(request.input_uri) as stream:
                 parts = [_scan_lines(stream, job(0, 0, None, 1))]
+        if on_scanned is not None:
+            on_scanned()
         scan.finish(parts)
     except BaseException:
         scan.close()
@@ -752,12 +762,17 @@ def _scan_parallel(
 ) -> list[_ScanPart]:
     """Scan ``processes`` byte ranges of a local file in as many processes (line numbers first)."""
     ranges = _line_ranges(path, os.stat(path).st_size, processes)
-    # each range's first line number: count the newlines before it (C speed: a second or two a GB)
+    # each range's first line number: the newlines before it, counted (C speed: about a second a
+    # GB) while the processes start, range by range, in order
     first_lines = [1]
-    for a, b in ranges[:-1]:
-        first_lines.append(first_lines[-1] + _count_newlines(path, a, b))
+
+    def part(k: int) -> tuple[_PartJob]:
+        if k:
+            first_lines.append(first_lines[-1] + _count_newlines(path, *ranges[k - 1]))
+        return (job(k, ranges[k][0], ranges[k][1], first_lines[k]),)
+
     parts: list[_ScanPart] = run_in_processes(
-        _scan_part, [(job(k, a, b, first_lines[k]),) for k, (a, b) in enumerate(ranges)]
+        _scan_part, [functools.partial(part, k) for k in range(len(ranges))]
     )
     return parts
 
@@ -850,14 +865,14 @@ def hash_ranges(
     The whole-input digest is updated on a second thread: hashlib releases the GIL on large
     buffers, so the two digests of each chunk are computed side by side on two cores. With
     ``include_whole=False`` (the caller hashes the whole input itself) the first item is "".
-    Then a large local input's ranges are hashed in parallel processes, one group of
-    consecutive shards each.
+    Then a large local input's ranges are hashed on parallel threads, one group of consecutive
+    shards each.
     """
     path = _local_path(input_uri)
     if not include_whole and path is not None and len(cuts) > 1:
-        processes = min(_cores(), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
-        if processes > 1:
-            return "", _hash_parallel(path, cuts, processes)
+        threads = min(_cores(), len(cuts), cuts[-1].byte_end // PARALLEL_MIN_BYTES)
+        if threads > 1:
+            return "", _hash_parallel(path, cuts, threads)
     storage, key = open_uri(input_uri)
     whole = hashlib.sha256()
     digests: list[str] = []
@@ -898,28 +913,37 @@ def hash_ranges(
     return (whole.hexdigest() if include_whole else ""), digests
 
 
-def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], processes: int) -> list[str]:
-    """SHA-256 of each shard's byte range, consecutive shards grouped by bytes over ``processes``."""
+def _hash_parallel(path: str, cuts: tuple[ShardCut, ...], threads: int) -> list[str]:
+    """SHA-256 of each shard's byte range, consecutive shards grouped by bytes over ``threads`` threads.
+
+    Threads, not processes: file reads and hashlib release the GIL on large buffers, so each
+    thread has a core, without a Python process to start (two of those cost more than hashing
+    half a gigabyte).
+    """
     size = max(1, cuts[-1].byte_end)
-    groups: list[list[tuple[int, int]]] = [[] for _ in range(processes)]
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
     for cut in cuts:
         middle = (cut.byte_start + cut.byte_end) / 2
-        groups[min(processes - 1, int(middle * processes / size))].append((cut.byte_start, cut.byte_end))
-    calls = [(path, group) for group in groups if group]
-    return [digest for part in run_in_processes(_hash_spans, calls) for digest in part]
+        groups[min(threads - 1, int(middle * threads / size))].append((cut.byte_start, cut.byte_end))
+    calls = [group for group in groups if group]
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="sha256") as pool:
+        parts = list(pool.map(functools.partial(_hash_spans, path), calls))
+    return [digest for part in parts for digest in part]
 
 
 def _hash_spans(path: str, spans: list[tuple[int, int]]) -> list[str]:
-    """SHA-256 of each ``[start, end)`` of a local file (run in a worker process)."""
+    """SHA-256 of each ``[start, end)`` of a local file (run on a thread of its own)."""
     digests = []
-    with open(path, "rb") as file:
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as file:
         for start, end in spans:
             file.seek(start)
             digest = hashlib.sha256()
             left = end - start
-            while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
-                digest.update(chunk)
-                left -= len(chunk)
+            while left > 0 and (got := file.readinto(view[: min(_READ_CHUNK, left)])):
+                digest.update(view[:got])
+                left -= got
             digests.append(digest.hexdigest())
     return digests
 
@@ -1074,13 +1098,20 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
         if existing is not None and existing.state is not JobState.REJECTED:
             return _existing_result(store, existing)
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
-        # A local input is hashed whole on a second core while the validating pass runs (file
-        # reads and hashlib release the GIL); an S3 input is not downloaded a third time for it.
+        # A local input is hashed whole on a thread once the validating pass has read it (file
+        # reads and hashlib release the GIL): the pass keeps every core busy, the duplicate-ID
+        # check after it one. An S3 input is not downloaded a third time for it.
         storage, key = open_uri(request.input_uri)
         before = _input_version(storage, key)
-        whole = hasher.submit(hash_input, request.input_uri) if isinstance(storage, LocalStorage) else None
+        hashing: list[Future[str]] = []
+        local = isinstance(storage, LocalStorage)
+
+        def hash_whole() -> None:
+            hashing.append(hasher.submit(hash_input, request.input_uri))
+
         request, rates = rate_pools(store, request)
-        analysis = analyze_input(request, clock=clock)
+        analysis = analyze_input(request, clock=clock, on_scanned=hash_whole if local else None)
+        whole = hashing[0] if hashing else None
         try:
             return _record(
                 store, analysis, clock, whole, lambda: _input_version(storage, key) == before, rates=rates

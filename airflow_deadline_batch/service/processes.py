@@ -6,7 +6,8 @@ Airflow's entry point imports Airflow in each), and ``fork`` copies a process th
 threads running (the planner hashes the input on one). Each child here is ``python -c`` that
 imports only the function's module, reads its arguments as a pickle on stdin and writes the
 result as a pickle on stdout; the parent's ``sys.path`` goes first, so what imports here
-imports there.
+imports there. The function's module is imported before the arguments are read, so arguments
+that take a while to compute (a callable in ``calls``) are computed while the children start.
 """
 
 from __future__ import annotations
@@ -27,25 +28,33 @@ _BOOT = (
 )
 
 
-def run_in_processes(function: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+def run_in_processes(
+    function: Callable[..., Any], calls: Sequence[tuple[Any, ...] | Callable[[], tuple[Any, ...]]]
+) -> list[Any]:
     """``[function(*args) for args in calls]``, each call in a process of its own, all at once.
 
-    ``function`` must be a module-level function; arguments and results must pickle. A child
+    ``function`` must be a module-level function; arguments and results must pickle. An item of
+    ``calls`` may be a callable returning the arguments: the callables are called in order once
+    every child has started (while they import), each child then gets its arguments. A child
     that fails raises ``RuntimeError`` with the end of its stderr (its traceback); the other
     children are then stopped.
     """
     target = (function.__module__, function.__qualname__)
     children: list[tuple[subprocess.Popen[bytes], IO[bytes]]] = []
     try:
-        for args in calls:
+        for _ in calls:
             stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed below; a file, so no pipe fills up
             child = subprocess.Popen(
                 [sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr
             )
             children.append((child, stderr))
             assert child.stdin is not None
+            child.stdin.write(pickle.dumps(list(sys.path)) + pickle.dumps(target))
+            child.stdin.flush()
+        for (child, _), args in zip(children, calls, strict=True):
+            assert child.stdin is not None
             with child.stdin:
-                child.stdin.write(pickle.dumps(list(sys.path)) + pickle.dumps((target, args)))
+                child.stdin.write(pickle.dumps(args() if callable(args) else args))
         results = []
         for child, errors in children:
             assert child.stdout is not None
@@ -67,7 +76,8 @@ def run_in_processes(function: Callable[..., Any], calls: Sequence[tuple[Any, ..
 
 def _child() -> None:
     """The child's side: call the function named on stdin, write its result to stdout."""
-    (module, name), args = pickle.load(sys.stdin.buffer)
+    module, name = pickle.load(sys.stdin.buffer)
     function = getattr(importlib.import_module(module), name)
+    args = pickle.load(sys.stdin.buffer)
     sys.stdout.buffer.write(pickle.dumps(function(*args)))
     sys.stdout.buffer.flush()

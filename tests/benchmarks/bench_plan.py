@@ -9,6 +9,8 @@ Three measurements, each in its own subprocess so that its peak RSS is its own (
 * ``plan-job``: ``service.planning.plan_job`` into a fresh, migrated SQLite store (the above, plus the
   second pass that hashes every shard's byte range, the validation-errors object, and the job
   with its shards written to the store);
+  ``--phases`` times its steps (wall and CPU seconds each; ``hash_input`` runs on a thread beside
+  the duplicate check, ``finish``);
 * ``scan`` (with ``--scan``): the validating pass alone, in one process, over the whole input
   (``service.planning._scan_part``: split, validate, estimate, spill); its CPU per line is what
   two cores must share (``scan_cpu_us_per_line``, timed inside the child, imports excluded).
@@ -186,12 +188,49 @@ def child_bare(path: str) -> dict[str, Any]:
     return {"ids": len(ids), "unparsable": bad}
 
 
-def child_plan_job(path: str, workdir: str) -> dict[str, Any]:
+#: plan_job's steps timed by ``--phases`` (functions of ``service.planning``; ``finish`` is the
+#: duplicate check and rewrite, ``hash_input`` runs on a thread beside the others)
+PHASES = ("rate_pools", "_scan_parallel", "finish", "analyze_input", "hash_input", "hash_ranges", "_record")
+
+
+def _time_phases(phases: dict[str, list[float]]) -> None:
+    """Wrap :data:`PHASES` to add their (wall s, CPU s of the process and its reaped children)."""
+    import functools
+    import resource
+
+    from airflow_deadline_batch.service import planning
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    for name in PHASES:
+        owner: Any = planning._InputScan if name == "finish" else planning
+        function = getattr(owner, name)
+
+        def timed(*args: Any, _function: Any = function, _name: str = name, **kwargs: Any) -> Any:
+            wall, used = time.perf_counter(), cpu()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                totals = phases.setdefault(_name, [0.0, 0.0])
+                totals[0] += time.perf_counter() - wall
+                totals[1] += cpu() - used
+
+        setattr(owner, name, functools.wraps(function)(timed))
+
+
+def child_plan_job(path: str, workdir: str, phases: bool = False) -> dict[str, Any]:
     import datetime as dt
 
+    started = time.perf_counter()
     from airflow_deadline_batch.core.pools import default_local_pools
     from airflow_deadline_batch.service.planning import PlanRequest, plan_job
     from airflow_deadline_batch.store import ManifestStore
+
+    timings: dict[str, list[float]] = {"imports": [time.perf_counter() - started, 0.0]}
+    if phases:
+        _time_phases(timings)
 
     store = ManifestStore(f"sqlite:///{workdir}/store.db")  # migrated by the driver: planning needs none
     request = PlanRequest(
@@ -203,12 +242,17 @@ def child_plan_job(path: str, workdir: str) -> dict[str, Any]:
         workers=2,
         microbatch_size=2000,
     )
+    started = time.perf_counter()
     result = plan_job(store, request)
+    timings["plan_job"] = [time.perf_counter() - started, 0.0]
     return {
         "job_id": result.job_id,
         "records": result.records,
         "invalid": result.invalid,
         "shards": result.shards,
+        **(
+            {"phases_wall_cpu_s": {k: [round(v, 2) for v in t] for k, t in timings.items()}} if phases else {}
+        ),
     }
 
 
@@ -307,7 +351,7 @@ def child_main(name: str, args: Sequence[str]) -> None:
     elif name == "scan":
         result = child_scan(args[0], args[1])
     else:
-        result = child_plan_job(args[0], args[1])
+        result = child_plan_job(args[0], args[1], phases=args[2:] == ["phases"])
     sys.stdout.write(json.dumps(result) + "\n")
 
 
@@ -320,12 +364,14 @@ def cli_path() -> str:
     return str(script) if script.exists() else shutil.which("deadline-batch") or "deadline-batch"
 
 
-def commands(path: Path, workdir: Path) -> dict[str, list[str]]:
+def commands(path: Path, workdir: Path, *, phases: bool = False) -> dict[str, list[str]]:
     me = str(Path(__file__).resolve())
     return {
         "bare": python_child(me, "--child", "bare", str(path)),
         "plan-cli": python_child(cli_path(), "plan", str(path), "--deadline", "+24h", "--json"),
-        "plan-job": python_child(me, "--child", "plan-job", str(path), str(workdir)),
+        "plan-job": python_child(
+            me, "--child", "plan-job", str(path), str(workdir), *(["phases"] if phases else [])
+        ),
         "scan": python_child(me, "--child", "scan", str(path), str(workdir)),
     }
 
@@ -372,6 +418,11 @@ def main() -> None:
         action="store_true",
         help="also time the validating pass alone, in one process (CPU per line)",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="time plan_job's steps (wall and CPU s; the CPU of steps on threads overlaps the others')",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -393,7 +444,7 @@ def main() -> None:
                 workdir.mkdir()
                 if name == "plan-job":
                     create_store(workdir)
-                wall, cpu, rss, out = run_child(commands(path, workdir)[name], env)
+                wall, cpu, rss, out = run_child(commands(path, workdir, phases=args.phases)[name], env)
                 samples[name].append((wall, cpu, rss))
                 details[name] = json.loads(out.strip().splitlines()[-1])
                 if name == "scan":
@@ -405,6 +456,10 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+                if "phases_wall_cpu_s" in details[name]:
+                    print(
+                        f"    phases (wall s, CPU s): {details[name]['phases_wall_cpu_s']}", file=sys.stderr
+                    )
                 shutil.rmtree(workdir, ignore_errors=True)
     rows = summarize(samples)
     result = {

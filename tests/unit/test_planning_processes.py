@@ -43,3 +43,22 @@ def test_a_script_without_a_main_guard_is_not_run_again(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[24, 6]"
     assert marker.read_text() == "x"
+
+
+def test_arguments_may_be_computed_while_the_children_start() -> None:
+    called: list[int] = []
+
+    def late(n: int) -> tuple[int]:
+        called.append(n)
+        return (n,)
+
+    assert run_in_processes(math.factorial, [(3,), lambda: late(5), lambda: late(4)]) == [6, 120, 24]
+    assert called == [5, 4]
+
+
+def test_a_failure_computing_arguments_stops_the_children() -> None:
+    def broken() -> tuple[int]:
+        raise OSError("input vanished")
+
+    with pytest.raises(OSError, match="input vanished"):
+        run_in_processes(math.factorial, [(3,), broken])
