@@ -365,6 +365,19 @@ class LocalRun:
         if not dispatched and pool.name in self.managed_pools(now):
             self.request_slot(index, pool.name)
             return
+        proc, message_path = self._start_worker(index, pool, stderr)
+        self.running[index] = _Running(
+            proc,
+            pool.kind,
+            self.injector.next_preemption(now, pool.kind),
+            message_path,
+            dispatched=dispatched,
+        )
+
+    def _start_worker(
+        self, index: int, pool: PoolSpec, stderr: IO[bytes], *, race: bool = False
+    ) -> tuple[WorkerProcess, str]:
+        """Start one try's worker process on ``pool`` (a racer with ``race``); count the launch."""
         self.placements[pool.kind.value] += 1
         self.launches += 1
         message_path = os.path.join(self.messages_dir, f"try-{self.launches}.json")
@@ -377,14 +390,9 @@ class LocalRun:
             grace_s=self.grace_s,
             env={**self.worker_env, ENV_TERMINATION_LOG: message_path},
             stderr=stderr,
+            race=race,
         )
-        self.running[index] = _Running(
-            proc,
-            pool.kind,
-            self.injector.next_preemption(now, pool.kind),
-            message_path,
-            dispatched=dispatched,
-        )
+        return proc, message_path
 
     # -- managed pools: the store's dispatcher (core.dispatch, store/dispatch.py) -------------------
 
@@ -533,20 +541,7 @@ class LocalRun:
             log.info(
                 "shard %05d: racing its Spot try on %s (core.placement.should_speculate)", index, pool.name
             )
-            self.placements[pool.kind.value] += 1
-            self.launches += 1
-            message_path = os.path.join(self.messages_dir, f"try-{self.launches}.json")
-            proc = start_worker(
-                self.raw_store.url,
-                self.job_id,
-                index,
-                pool=pool.name,
-                lease_ttl_s=self.options.lease_ttl_s,
-                grace_s=self.grace_s,
-                env={**self.worker_env, ENV_TERMINATION_LOG: message_path},
-                stderr=stderr,
-                race=True,
-            )
+            proc, message_path = self._start_worker(index, pool, stderr, race=True)
             self.racing[index] = _Running(proc, pool.kind, math.inf, message_path)
 
     def reap_racers(self) -> None:

@@ -109,6 +109,20 @@ OUTCOME_OF_FAILURE: Mapping[FailureClass, AttemptOutcome] = {
 }
 
 
+def _claim_params(
+    job_id: str, shard_index: int, attempt_id: str, *, ttl_s: float, worker: str, pool: str | None
+) -> dict[str, Any]:
+    """The bound parameters of a claim (or a racing claim) of a fresh attempt."""
+    return {
+        "b_job": job_id,
+        "b_index": shard_index,
+        "b_attempt": attempt_id,
+        "b_ttl": float(ttl_s),
+        "b_pool": pool,
+        "b_worker": worker,
+    }
+
+
 def _lease_params(lease: Lease) -> dict[str, Any]:
     return {
         "b_job": lease.job_id,
@@ -555,14 +569,7 @@ class ManifestStore:
         (out of attempts, or failed terminally) or ``job_inactive``.
         """
         attempt_id = new_attempt_id()
-        params = {
-            "b_job": job_id,
-            "b_index": shard_index,
-            "b_attempt": attempt_id,
-            "b_ttl": float(ttl_s),
-            "b_pool": pool,
-            "b_worker": worker,
-        }
+        params = _claim_params(job_id, shard_index, attempt_id, ttl_s=ttl_s, worker=worker, pool=pool)
 
         def refuse() -> StoreError | None:
             # out of attempts: record the terminal failure (a refusal that writes, never a success)
@@ -596,14 +603,7 @@ class ManifestStore:
         :class:`ShardNotClaimable` with the reason of :func:`leases.race_refusal`.
         """
         attempt_id = new_attempt_id()
-        params = {
-            "b_job": job_id,
-            "b_index": shard_index,
-            "b_attempt": attempt_id,
-            "b_ttl": float(ttl_s),
-            "b_pool": pool,
-            "b_worker": worker,
-        }
+        params = _claim_params(job_id, shard_index, attempt_id, ttl_s=ttl_s, worker=worker, pool=pool)
         raced = self._fenced(
             (leases.CLAIM_RACE,),
             params,
