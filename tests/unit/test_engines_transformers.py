@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from airflow_deadline_batch.core.records import Message, Request
-from airflow_deadline_batch.worker.engines import GenerationParams, get_engine
+from airflow_deadline_batch.worker.engines import GenerationParams
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def engine():  # type: ignore[no-untyped-def]
-    engine = get_engine("transformers")
-    engine.load()  # ~16 s: de-quantising the GGUF, once per module
-    return engine
+@pytest.fixture
+def engine(transformers_engine: Any) -> Any:
+    return transformers_engine  # loaded once for the session (tests/unit/conftest.py)
 
 
 def test_transformers_generates_real_text_for_chat_and_completion(engine) -> None:  # type: ignore[no-untyped-def]

@@ -8,16 +8,14 @@ from typing import Any
 import pytest
 
 from airflow_deadline_batch.core.records import Message, Request
-from airflow_deadline_batch.worker.engines import GenerationParams, get_engine
+from airflow_deadline_batch.worker.engines import GenerationParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    engine = get_engine("transformers")
-    engine.load()  # de-quantising the GGUF, once per module
-    return engine
+@pytest.fixture
+def engine(transformers_engine: Any) -> Any:
+    return transformers_engine  # loaded once for the session (tests/unit/conftest.py)
 
 
 def test_the_text_is_exactly_what_generate_decodes(engine: Any) -> None:
