@@ -109,6 +109,19 @@ OUTCOME_OF_FAILURE: Mapping[FailureClass, AttemptOutcome] = {
 }
 
 
+def _granted_lease(job_id: str, shard_index: int, attempt_id: str, granted: Mapping[str, Any]) -> Lease:
+    """The lease a claim (or a racing claim) returned: epoch, expiry, cursor and microbatches."""
+    return Lease(
+        job_id=job_id,
+        shard_index=shard_index,
+        attempt_id=attempt_id,
+        epoch=granted["epoch"],
+        expires_at=granted["lease_expires_at"],
+        cursor=granted["cursor"],
+        num_microbatches=granted["num_microbatches"],
+    )
+
+
 def _claim_params(
     job_id: str, shard_index: int, attempt_id: str, *, ttl_s: float, worker: str, pool: str | None
 ) -> dict[str, Any]:
@@ -581,15 +594,7 @@ class ManifestStore:
         claimed = self._fenced(
             (leases.CLAIM, leases.TAKE_OVER), params, refuse, job_id=job_id, shard_index=shard_index
         )
-        return Lease(
-            job_id=job_id,
-            shard_index=shard_index,
-            attempt_id=attempt_id,
-            epoch=claimed["epoch"],
-            expires_at=claimed["lease_expires_at"],
-            cursor=claimed["cursor"],
-            num_microbatches=claimed["num_microbatches"],
-        )
+        return _granted_lease(job_id, shard_index, attempt_id, claimed)
 
     def claim_race(
         self, job_id: str, shard_index: int, *, ttl_s: float, worker: str, pool: str | None = None
@@ -611,15 +616,7 @@ class ManifestStore:
             job_id=job_id,
             shard_index=shard_index,
         )
-        return Lease(
-            job_id=job_id,
-            shard_index=shard_index,
-            attempt_id=attempt_id,
-            epoch=raced["epoch"],
-            expires_at=raced["lease_expires_at"],
-            cursor=raced["cursor"],
-            num_microbatches=raced["num_microbatches"],
-        )
+        return _granted_lease(job_id, shard_index, attempt_id, raced)
 
     def heartbeat(self, lease: Lease, ttl_s: float) -> Lease:
         """Extend the lease to ``db_now + ttl_s``; :class:`LeaseLost` if fenced, expired or job inactive."""

@@ -33,6 +33,7 @@ from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.worker.worker import object_key
 from tests.helpers.inputs import mixed_input
 
 MICROBATCH = 5
@@ -66,8 +67,7 @@ def _commit(
     if rich:
         results.sort(key=lambda rec: (len(rec.output or ""), -rec.line))
     data = encode_results(results)
-    key = f"attempts/{lease.attempt_id}/shard-{shard.shard_index:05d}-mb-{seq:06d}.jsonl"
-    uri = output.put_bytes(key, data)
+    uri = output.put_bytes(object_key(lease.attempt_id, shard.shard_index, seq), data)
     store.commit_microbatch(
         lease,
         seq=seq,

@@ -119,9 +119,13 @@ def store_secret(cluster: LoopbackCluster, store_url: str) -> None:
 
 
 def shard_operator(
-    cluster: LoopbackCluster, job: PlannedJob, *worker_args: str, **options: Any
+    cluster: LoopbackCluster,
+    job: PlannedJob,
+    *worker_args: str,
+    operator_class: type[DeadlineShardPodOperator] = DeadlineShardPodOperator,
+    **options: Any,
 ) -> DeadlineShardPodOperator:
-    return DeadlineShardPodOperator(
+    return operator_class(
         task_id="shard",
         job_id=job.job_id,
         shard_index=0,
@@ -323,19 +327,7 @@ def spot_without_capacity(cluster: LoopbackCluster) -> list[dict[str, Any]]:
 def unschedulable_operator(
     cluster: LoopbackCluster, job: PlannedJob, pools: list[dict[str, Any]], **options: Any
 ) -> DeadlineShardPodOperator:
-    return ShortStartupShardPodOperator(
-        task_id="shard",
-        job_id=job.job_id,
-        shard_index=0,
-        image="registry.example/deadline-batch-worker@sha256:" + "0" * 64,
-        namespace=cluster.namespace,
-        store_url=job.store_url,
-        store_secret_name=SECRET,
-        config_file=str(cluster.kubeconfig),
-        startup_check_interval_seconds=1,
-        pools=pools,
-        **options,
-    )
+    return shard_operator(cluster, job, operator_class=ShortStartupShardPodOperator, pools=pools, **options)
 
 
 def assert_recorded_unschedulable(job: PlannedJob, pools: list[dict[str, Any]], pod: dict[str, Any]) -> None:
