@@ -161,6 +161,11 @@ _CLAIMABLE = sa.and_(_KEY, sa.or_(_NOT_HELD, _LEASE_EXPIRED))
 _MAX_ATTEMPTS = sa.select(jobs.c.max_attempts).where(jobs.c.job_id == _JOB).scalar_subquery()
 
 
+def attempt_pool(attempt_id: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
+    """An attempt's pool, from its attempt row: ``last_pool`` once a racer holds or wins the shard."""
+    return sa.select(attempts.c.pool).where(attempts.c.attempt_id == attempt_id).scalar_subquery()
+
+
 def _fenced_exists(fenced: sa.FromClause) -> sa.Exists:
     return sa.exists(sa.select(1).select_from(fenced))
 
@@ -468,13 +473,13 @@ COMPLETE = lease_statement(
     .returning(shards.c.epoch),
     _attempt_succeeded,
 )
-#: the same for a shard in a race, by either attempt: clears the race and ends the other attempt
-#: as ``lost_race``
+#: the same for a shard in a race, by either attempt: clears the race, ends the other attempt as
+#: ``lost_race`` and names the winner's pool as the shard's ``last_pool`` (a racer's is its own)
 COMPLETE_RACED = lease_statement(
     "complete_raced",
     sa.update(shards)
     .where(_held(sa.or_(_PRIMARY_HOLDS, _RACER_HOLDS)), _ALL_COMMITTED, shards.c.race_attempt_id.is_not(None))
-    .values(**_DONE, **NO_RACE)
+    .values(**_DONE, **NO_RACE, last_pool=attempt_pool(_ATTEMPT))
     .returning(shards.c.epoch),
     _attempt_succeeded,
     _end_superseded_attempts(

@@ -885,13 +885,17 @@ class ManifestStore:
 
     @staticmethod
     def _leave_race(conn: Connection, shard: ShardRow, *, promote: bool, now: float) -> None:
-        """One attempt of a race ends: the racer goes, or (``promote``) the racer takes the primary lease."""
+        """One attempt of a race ends: the racer goes, or (``promote``) the racer takes the primary lease.
+
+        A promoted racer's pool becomes the shard's ``last_pool`` (the UI and pool usage read it).
+        """
         values: dict[str, Any] = {**leases.NO_RACE, "updated_at": _ts(now)}
         if promote:
             values.update(
                 lease_attempt_id=shards.c.race_attempt_id,
                 lease_expires_at=shards.c.race_expires_at,
                 lease_ttl_s=shards.c.race_ttl_s,
+                last_pool=leases.attempt_pool(shards.c.race_attempt_id),
             )
         conn.execute(sa.update(shards).where(_shard_key(shard.job_id, shard.shard_index)).values(**values))
 

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.job_view import build_job_view, shard_done_fraction
 from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.store.leases import attempt_pool
 from airflow_deadline_batch.store.rows import (
     CommitRow,
     JobRow,
@@ -172,20 +173,30 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
 
 
 def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[tuple[str, Any]]:
-    """``(pool, job config)`` of every live lease of the tenant's running jobs (database clock)."""
-    query = (
-        sa.select(shards.c.last_pool, jobs.c.config)
-        .select_from(shards.join(jobs, jobs.c.job_id == shards.c.job_id))
-        .where(
-            jobs.c.tenant == tenant,
-            jobs.c.state.in_(HOLDING_JOB_STATES),
-            shards.c.state == ShardState.LEASED.value,
-            shards.c.lease_expires_at > db_epoch(),
-        )
-    )
+    """``(pool, job config)`` of every live lease of the tenant's running jobs (database clock).
+
+    A shard's primary lease runs on its ``last_pool``; a live racing lease beside it holds a GPU
+    of the racer's own pool (its attempt row's), so a racing shard counts twice.
+    """
+    held = [
+        jobs.c.tenant == tenant,
+        jobs.c.state.in_(HOLDING_JOB_STATES),
+        shards.c.state == ShardState.LEASED.value,
+    ]
     if exclude_job is not None:
-        query = query.where(jobs.c.job_id != exclude_job)
-    return [(row.last_pool, row.config) for row in conn.execute(query)]
+        held.append(jobs.c.job_id != exclude_job)
+    joined = shards.join(jobs, jobs.c.job_id == shards.c.job_id)
+    primary = (
+        sa.select(shards.c.last_pool.label("pool"), jobs.c.config)
+        .select_from(joined)
+        .where(*held, shards.c.lease_expires_at > db_epoch())
+    )
+    racing = (
+        sa.select(attempt_pool(shards.c.race_attempt_id).label("pool"), jobs.c.config)
+        .select_from(joined)
+        .where(*held, shards.c.race_attempt_id.is_not(None), shards.c.race_expires_at > db_epoch())
+    )
+    return [(row.pool, row.config) for row in conn.execute(sa.union_all(primary, racing))]
 
 
 # -- usage ledger -----------------------------------------------------------------------------------

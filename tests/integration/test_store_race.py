@@ -12,6 +12,7 @@ import datetime as dt
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.integration
 MICROBATCHES = 3
 
 
-def new_job(store: ManifestStore, microbatches: int = MICROBATCHES) -> JobRow:
+def new_job(
+    store: ManifestStore, microbatches: int = MICROBATCHES, config: dict[str, Any] | None = None
+) -> JobRow:
     job, _ = store.create_job(
         NewJob(
             deadline=dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc),
@@ -35,7 +38,7 @@ def new_job(store: ManifestStore, microbatches: int = MICROBATCHES) -> JobRow:
             input_lines=1,
             input_total_lines=1,
             output_uri="file:///out",
-            config={"max_attempts": 3},
+            config={"max_attempts": 3, **(config or {})},
         ),
         [
             NewShard(
@@ -336,3 +339,55 @@ def test_random_interleavings_keep_the_invariants(store: ManifestStore, ops: lis
         ):
             with pytest.raises(LeaseLost):
                 store.heartbeat(actor.lease, 30.0)
+
+
+# -- whose pool the shard names ---------------------------------------------------------------------
+
+
+def test_a_racer_that_completes_the_shard_is_its_last_pool(store: ManifestStore) -> None:
+    job = new_job(store, microbatches=1)
+    claim(store, job)
+    racer = race(store, job)
+    assert store.get_shard(job.job_id, 0).last_pool == "spot"  # the racer has won nothing yet
+    commit(store, racer, 0)
+    store.complete_shard(racer)
+    assert store.get_shard(job.job_id, 0).last_pool == "on-demand"
+
+
+def test_a_primary_that_completes_a_raced_shard_keeps_its_pool(store: ManifestStore) -> None:
+    job = new_job(store, microbatches=1)
+    primary = claim(store, job)
+    race(store, job)
+    commit(store, primary, 0)
+    store.complete_shard(primary)
+    assert store.get_shard(job.job_id, 0).last_pool == "spot"
+
+
+@pytest.mark.parametrize("how", ["preempted", "lost_race"])
+def test_a_promoted_racer_is_the_shards_last_pool(store: ManifestStore, how: str) -> None:
+    job = new_job(store)
+    primary = claim(store, job)
+    racer = race(store, job)
+    if how == "preempted":
+        store.fail_attempt(primary, "preempted", "spot reclaimed")
+    else:
+        commit(store, racer, 0)
+        with pytest.raises(LeaseLost):
+            commit(store, primary, 0)
+    shard = store.get_shard(job.job_id, 0)
+    assert (shard.lease_attempt_id, shard.last_pool) == (racer.attempt_id, "on-demand")
+
+
+def test_a_live_racer_holds_a_gpu_of_its_own_pool(store: ManifestStore) -> None:
+    pools = [{"name": "spot", "kind": "spot"}, {"name": "on-demand", "kind": "on_demand"}]
+    job = new_job(store, config={"pools": pools})
+    primary = claim(store, job)
+    assert store.tenant_gpus_in_use(job.tenant) == {"spot": 1}
+    racer = race(store, job, ttl_s=0.2)
+    assert store.tenant_gpus_in_use(job.tenant) == {"spot": 1, "on_demand": 1}
+    wait_for(lambda: store.db_time() > racer.expires_at, what="the racing lease to expire")
+    assert store.tenant_gpus_in_use(job.tenant) == {"spot": 1}
+    store.heartbeat(race(store, job), 30.0)
+    store.fail_attempt(primary, "preempted", "spot reclaimed")  # the racer is promoted
+    assert store.tenant_gpus_in_use(job.tenant) == {"on_demand": 1}
+    assert store.tenant_gpus_in_use(job.tenant, exclude_job=job.job_id) == {}
