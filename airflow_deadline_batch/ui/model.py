@@ -138,6 +138,9 @@ class ShardLine:
     num_microbatches: int
     records: int
     last_error: str | None
+    #: the tail race: a live racing lease holds the shard beside its lease, on ``racing_on``
+    racing: bool = False
+    racing_on: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,6 +175,8 @@ class JobPage:
     #: before publication or when the manifest cannot be read from here
     outcomes: Mapping[str, int] | None = None
     error: str | None
+    #: workers holding a shard now: every leased shard's, and each live racer beside one
+    running_workers: int = 0
 
 
 # -- cost --------------------------------------------------------------------------------------
@@ -328,9 +333,11 @@ def shard_lines(
     view: JobView, shards: Sequence[ShardRow], attempts: Sequence[AttemptRow]
 ) -> tuple[ShardLine, ...]:
     preempted = Counter(a.shard_index for a in attempts if a.outcome in PREEMPTED_OUTCOMES)
+    pool_of = {a.attempt_id: a.pool for a in attempts}
     out = []
     for shard in sorted(shards, key=lambda s: s.shard_index):
         pool = pool_named(shard.last_pool, view.pools)
+        racing = races_now(shard, view.now)
         out.append(
             ShardLine(
                 shard_index=shard.shard_index,
@@ -343,9 +350,28 @@ def shard_lines(
                 num_microbatches=shard.num_microbatches,
                 records=shard.records,
                 last_error=shard.last_error,
+                racing=racing,
+                racing_on=pool_of.get(shard.race_attempt_id or "") if racing else None,
             )
         )
     return tuple(out)
+
+
+def races_now(shard: ShardRow, now: dt.datetime) -> bool:
+    """Whether a live racing lease (the tail race) holds the leased ``shard`` beside its lease.
+
+    The lease's expiry is on the database clock; the page's ``now`` stands in for it (a display).
+    """
+    return (
+        shard.state is ShardState.LEASED
+        and shard.race_attempt_id is not None
+        and (shard.race_expires_at or 0.0) > now.timestamp()
+    )
+
+
+def running_workers(lines: Iterable[ShardLine]) -> int:
+    """Workers holding a shard: one per leased shard, one more per live racer."""
+    return sum((line.state is ShardState.LEASED) + line.racing for line in lines)
 
 
 def by_state_and_pool(lines: Iterable[ShardLine]) -> dict[tuple[str, str], int]:
@@ -426,6 +452,7 @@ def read_job_page(store: ManifestStore, job_id: str, *, now: dt.datetime) -> Job
         manifest_uri=job.manifest_uri,
         outcomes=published_outcomes(job.manifest_uri),
         error=job.error,
+        running_workers=running_workers(lines),
     )
 
 

@@ -15,7 +15,7 @@ import html
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
-from airflow_deadline_batch.ui.model import HistoryPoint, JobPage, JobSummary
+from airflow_deadline_batch.ui.model import HistoryPoint, JobPage, JobSummary, ShardLine
 
 #: seconds between reloads of a page that shows a running job
 REFRESH_S = 15
@@ -278,6 +278,7 @@ def _facts(page: JobPage, prefix: str) -> str:
         ("finish-spread", "spread of the prediction", f"{esc(fmt_time(lo))} … {esc(fmt_time(hi))}"),
         ("slack", "slack", _slack_cell(s.slack_s, s.stopped)),
         ("records", "records done / total", f"{s.committed_records:d} / {s.total_records:d}"),
+        ("running-workers", "running workers", f"{page.running_workers:d}"),
         ("cost-so-far", "cost so far", esc(fmt_money(s.cost.so_far))),
         ("cost-projected", "cost projected", esc(fmt_money(s.cost.projected))),
         (
@@ -308,7 +309,7 @@ def _shards(page: JobPage) -> str:
     )
     rows = "".join(
         f"<tr><td class='n'>{line.shard_index:d}</td><td>{esc(line.state.value)}</td>"
-        f"<td>{esc(line.pool or '-')}</td><td>{esc(line.capacity or '-')}</td>"
+        f"<td>{esc(line.pool or '-')}{_racing(line)}</td><td>{esc(line.capacity or '-')}</td>"
         f"<td class='n'>{line.attempts:d}</td><td class='n'>{line.preemptions:d}</td>"
         f"<td class='n'>{line.cursor:d} / {line.num_microbatches:d}</td>"
         f"<td class='n'>{line.records:d}</td><td>{esc(line.last_error or '')}</td></tr>"
@@ -322,6 +323,12 @@ def _shards(page: JobPage) -> str:
         "<th>attempts</th><th>preemptions</th><th>microbatches</th><th>records</th><th>last error</th></tr>"
         f"{rows}</table>"
     )
+
+
+def _racing(line: ShardLine) -> str:
+    if not line.racing:
+        return ""
+    return f" <span class='racing'>racing on {esc(line.racing_on or 'an unnamed pool')}</span>"
 
 
 def _errors(page: JobPage) -> str:

@@ -134,3 +134,22 @@ def test_published_outcomes_are_read_once_per_manifest_and_failures_are_not_cach
     assert counts is not None
     counts["succeeded"] = 99  # type: ignore[index]  # a caller's copy, not the cached counts
     assert model.published_outcomes(uri) == {"succeeded": 3, "expired": 1}
+
+
+def test_a_live_racer_shows_on_its_shard_and_counts_as_a_running_worker(
+    store: ManifestStore, job: str
+) -> None:
+    page = model.read_job_page(store, job, now=dt.datetime.now(UTC))
+    assert page.running_workers == 1  # shard 1's primary
+    assert all(line.racing_on is None for line in page.shards)
+    racer = store.claim_race(job, 1, ttl_s=60, worker="w2", pool="local-spot")
+    page = model.read_job_page(store, job, now=dt.datetime.now(UTC))
+    assert page.running_workers == 2
+    assert {line.shard_index: (line.pool, line.racing_on) for line in page.shards} == {
+        0: ("local-spot", None),
+        1: ("local-on-demand", "local-spot"),
+    }
+    # once its racing lease has expired, the racer is neither shown nor counted
+    later = dt.datetime.fromtimestamp(racer.expires_at + 1, UTC)
+    page = model.read_job_page(store, job, now=later)
+    assert page.running_workers == 1 and page.shards[1].racing_on is None

@@ -68,6 +68,8 @@ def page(*, state: JobState = JobState.RUNNING, job_id: str = "j-1", evil: str =
                 num_microbatches=5,
                 records=50,
                 last_error=evil or None,
+                racing=True,
+                racing_on="on-demand" + evil,
             ),
         ),
         shards_by_state_pool={("leased", "spot" + evil): 1},
@@ -83,6 +85,7 @@ def page(*, state: JobState = JobState.RUNNING, job_id: str = "j-1", evil: str =
         manifest_uri=None if state is JobState.RUNNING else f"/out/{job_id}/manifest.json{evil}",
         outcomes=None if state is JobState.RUNNING else {"succeeded": 60, "cancelled": 40, "x" + evil: 0},
         error=evil or None,
+        running_workers=2,
     )
 
 
@@ -181,6 +184,14 @@ def test_the_page_shows_the_numbers_it_is_given():
     assert '<dd id="capacity-share">75% / 25%</dd>' in html
     assert '<dd id="deadline">2026-03-01 01:00:00 UTC</dd>' in html
     assert render.fmt_duration(-3723) == "-1h 02m 03s" and render.fmt_duration(59.6) == "1m 00s"
+
+
+def test_a_racing_shard_says_so_and_its_racer_is_a_running_worker() -> None:
+    html = render.render_job_page(page(), prefix="/deadline-batch")
+    assert '<dd id="running-workers">2</dd>' in html
+    assert "<td>spot <span class='racing'>racing on on-demand</span></td>" in html
+    alone = dataclasses.replace(page(), shards=(dataclasses.replace(page().shards[0], racing=False),))
+    assert "racing on" not in render.render_job_page(alone, prefix="/deadline-batch")
 
 
 def test_a_published_job_shows_every_outcome_count() -> None:
