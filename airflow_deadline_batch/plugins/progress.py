@@ -11,15 +11,19 @@ shows its pages inside the UI through ``external_views`` (docs/airflow.md, *Jobs
 Every route needs an Airflow login (``get_user``: JWT bearer or the UI's cookie) and read access to
 the job's DAG (:mod:`airflow_deadline_batch.ui.access`). The store is the one named by
 ``ADB_STORE_URL``, else the connection in ``ADB_STORE_CONN_ID`` / ``[deadline_batch]
-store_conn_id``, else the SQLite default; it is opened once per api-server process.
+store_conn_id``, else the SQLite default. The api-server keeps one open store for the URL these
+resolve to: the environment is read at every call and a connection every :data:`STORE_URL_TTL_S`,
+so an edited URL or connection takes effect without a restart.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import json
 import os
+import threading
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
@@ -43,19 +47,74 @@ RUN_SCAN_LIMIT = 500
 MANIFEST_MAX_BYTES = 16 * 1024 * 1024
 
 
-@functools.lru_cache(maxsize=1)
-def _store() -> ManifestStore:
+#: seconds a store URL resolved from an Airflow connection is used before the connection is read
+#: again (a page refreshes every few seconds; a secrets backend need not be asked each time)
+STORE_URL_TTL_S = 30.0
+_monotonic = time.monotonic
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    conn_id: str | None
+    url: str
+    at: float
+
+
+_lock = threading.Lock()
+_resolved: _Resolved | None = None
+_open: ManifestStore | None = None
+
+
+def _store_conn_id() -> str | None:
+    conn_id = os.environ.get("ADB_STORE_CONN_ID")
+    if conn_id:
+        return conn_id
+    try:
+        from airflow.configuration import conf
+
+        return conf.get("deadline_batch", "store_conn_id", fallback=None)
+    except Exception:  # no such section: fall back to the URL / default
+        return None
+
+
+def _store_url() -> str:
+    """``ADB_STORE_URL`` (read at every call), else the connection's URL (read every TTL), else default."""
+    global _resolved
+    url = os.environ.get("ADB_STORE_URL")
+    if url:
+        return url
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
-    conn_id = os.environ.get("ADB_STORE_CONN_ID")
-    if not conn_id:
-        try:
-            from airflow.configuration import conf
+    conn_id, now = _store_conn_id(), _monotonic()
+    cached = _resolved
+    if cached is None or cached.conn_id != conn_id or now - cached.at >= STORE_URL_TTL_S:
+        cached = _resolved = _Resolved(conn_id, ManifestStoreHook(store_conn_id=conn_id).get_store_url(), now)
+    return cached.url
 
-            conn_id = conf.get("deadline_batch", "store_conn_id", fallback=None)
-        except Exception:  # no such section: fall back to the URL / default
-            conn_id = None
-    return ManifestStoreHook(store_conn_id=conn_id, store_url=os.environ.get("ADB_STORE_URL")).get_store()
+
+def _store() -> ManifestStore:
+    """The store the configuration names now, opened once per URL; a store left behind is closed."""
+    global _open
+    from airflow_deadline_batch.hooks.store import ManifestStoreHook
+
+    url = _store_url()
+    with _lock:
+        current = _open
+        if current is not None and current.url == url:
+            return current
+        _open = ManifestStoreHook(store_url=url).get_store()
+        if current is not None:
+            current.close()  # its pooled connections; a request still using it reconnects
+        return _open
+
+
+def reset_store() -> None:
+    """Forget the resolved URL and close the open store (tests; a later call opens it again)."""
+    global _resolved, _open
+    with _lock:
+        if _open is not None:
+            _open.close()
+        _resolved, _open = None, None
 
 
 def _now() -> dt.datetime:

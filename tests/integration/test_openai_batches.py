@@ -85,7 +85,7 @@ def client(
     ManifestStore.open(store_url, migrate=True).close()
     monkeypatch.setenv("ADB_STORE_URL", store_url)
     monkeypatch.delenv("ADB_STORE_CONN_ID", raising=False)
-    progress._store.cache_clear()  # the api-server opens its store once: this test's, not the last one's
+    progress.reset_store()  # this test's store, not the last one's
     monkeypatch.setattr(openai_batches, "_files", lambda: files)
     # SimpleAuthManager's roles, minus the DAGs ADB_TEST_DENIED_DAGS names for a user
     monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER", "tests.fixtures.ui_auth_manager.DagDenyingAuthManager")
@@ -97,7 +97,7 @@ def client(
     app.dependency_overrides[get_user] = lambda: SimpleAuthManagerUser(username="alice", role="viewer")
     with TestClient(app) as test_client:
         yield test_client
-    progress._store.cache_clear()
+    progress.reset_store()
 
 
 def sidecar(i: int, dag_id: str = "example_deadline_batch_local") -> dict[str, Any]:
