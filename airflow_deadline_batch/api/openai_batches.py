@@ -15,7 +15,8 @@ The official SDK works unchanged::
   Airflow's authorization (``POST`` on the DAG's runs) decides; reads check ``GET`` on the DAG's
   runs (:func:`ui.access.may_read`) and read the run's state from the metadata database.
 * ``batches-index/<inverted created_at>-<id>``, an empty pointer per batch, sorts newest first, so
-  ``GET /batches`` lists keys and reads only the sidecars it returns (:func:`list_page`).
+  ``GET /batches`` lists the index only as far as its page and reads only the sidecars it returns
+  (:func:`list_page`).
 * The job is the one whose idempotency key is ``{dag_id}/{run_id}/{plan_task_id}``
   (``DeadlineBatchOperator``'s default); once its manifest is published, the first read exports
   it (``service.export.export_job``) under ``runs/<id>/export`` and names ``output.jsonl`` /
@@ -68,6 +69,11 @@ INDEX = "batches-index/"
 #: ``created_at`` (epoch seconds) is stored as ``INDEX_CEILING - created_at``, zero-padded to 12
 #: digits, so that lexicographic key order (what ``list_keys`` yields) is newest first
 INDEX_CEILING = 10**12 - 1
+#: written once every sidecar has a pointer (those from before the index got theirs, once per files
+#: store); from then on a listing reads the index alone
+INDEXED = "batches-index.done"
+#: the ``INDEXED`` markers this process has seen (it checks a files store's marker once)
+_indexed: set[str] = set()
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -192,17 +198,31 @@ def _indexed_id(key: str) -> str:
 
 
 def record_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
-    """Write a new batch's sidecar, then its index pointer (a sidecar left without one is repaired
-    by the next listing, :func:`_repair_index`)."""
-    _write_json(storage, _sidecar_key(batch["id"]), batch)
+    """Write a new batch's index pointer, then its sidecar: every sidecar has a pointer, so a listing
+    need not look for sidecars without one; a pointer whose sidecar is missing (not written yet, or
+    its process died between the two writes) is skipped by listings."""
     storage.put_bytes(index_key(batch["id"], int(batch["created_at"])), b"")
+    _write_json(storage, _sidecar_key(batch["id"]), batch)
 
 
-def _repair_index(storage: ObjectStorage, indexed: list[str]) -> list[str]:
-    """``indexed`` plus pointers for sidecars that have none (written before the index existed, or
-    by a process that died between the two writes): one listing, and one read per missing pointer."""
-    have = {_indexed_id(key) for key in indexed}
-    added: list[str] = []
+def _index_once(storage: ObjectStorage) -> None:
+    """Give sidecars written before the index existed their pointers, once per files store.
+
+    Then the :data:`INDEXED` marker is written; a process checks for it once, so a listing after
+    the first lists the index alone.
+    """
+    marker = storage.uri(INDEXED)
+    if marker in _indexed:
+        return
+    if not storage.exists(INDEXED):
+        _repair_index(storage)
+        storage.put_bytes(INDEXED, b"")
+    _indexed.add(marker)
+
+
+def _repair_index(storage: ObjectStorage) -> None:
+    """Pointers for sidecars that have none: two listings, and one read per missing pointer."""
+    have = {_indexed_id(key) for key in storage.list_keys(INDEX)}
     for key in storage.list_keys(SIDECARS):
         batch_id = key.removeprefix(SIDECARS).removesuffix(".json")
         if not key.endswith(".json") or "/" in batch_id or batch_id in have:
@@ -212,9 +232,7 @@ def _repair_index(storage: ObjectStorage, indexed: list[str]) -> list[str]:
             continue
         pointer = index_key(batch_id, int(batch["created_at"]))
         storage.put_bytes(pointer, b"")  # the same empty object whoever repairs it first
-        added.append(pointer)
         log.info("indexed batch %s (its sidecar had no pointer)", batch_id)
-    return sorted(indexed + added) if added else indexed
 
 
 @dataclass(frozen=True)
@@ -228,16 +246,17 @@ def list_page(
 ) -> Page:
     """The sidecars of up to ``limit`` readable batches, newest first, after the batch ``after``.
 
-    Two key listings (the index and the sidecars, to repair missing pointers) and one read per
-    sidecar looked at: the returned ones, the unreadable ones skipped, and one more for ``has_more``.
+    One listing of the index, consumed only up to the page's last pointer and one more (S3 lists
+    1,000 keys a request), and one read per sidecar looked at: the returned ones, the unreadable
+    ones skipped, and one more for ``has_more``.
     """
-    keys = _repair_index(storage, list(storage.list_keys(INDEX)))
-    ids = [_indexed_id(key) for key in keys]
-    if after:
-        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    _index_once(storage)
+    keys = iter(storage.list_keys(INDEX))
+    if after and not any(_indexed_id(key) == after for key in keys):
+        return Page([], has_more=False)  # not a batch: nothing after it
     shown: list[dict[str, Any]] = []
-    for batch_id in ids:
-        batch = _read_json(storage, _sidecar_key(batch_id))
+    for key in keys:
+        batch = _read_json(storage, _sidecar_key(_indexed_id(key)))
         if batch is None or not readable(batch):
             continue
         if len(shown) == limit:

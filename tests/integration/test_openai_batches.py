@@ -35,11 +35,20 @@ LIST_KEYS = {"object", "data", "first_id", "last_id", "has_more"}
 
 
 class CountingStorage:
-    """The real storage, counting the objects read (``get_bytes``, ``open_read``, ``read_range``)."""
+    """The real storage, counting the objects read (``get_bytes``, ``open_read``, ``read_range``),
+    the prefixes listed and the keys the listings yielded."""
 
     def __init__(self, inner: ObjectStorage) -> None:
         self.inner = inner
         self.reads: list[str] = []
+        self.listed: list[str] = []
+        self.keys_listed = 0
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        self.listed.append(prefix)
+        for key in self.inner.list_keys(prefix):
+            self.keys_listed += 1
+            yield key
 
     def get_bytes(self, key: str) -> bytes:
         self.reads.append(key)
@@ -173,7 +182,7 @@ def test_sidecars_without_pointers_are_listed_then_indexed_once(
     client: TestClient, files: CountingStorage
 ) -> None:
     create(files, 0, 2, 4)
-    # written before the index existed, or by a process that died before writing the pointer
+    # written before the index existed (record_batch writes the pointer first)
     for i in (1, 3, 5):
         openai_batches._write_json(files.inner, f"batches/batch_{i:04d}.json", sidecar(i))
 
@@ -203,9 +212,26 @@ def test_a_page_of_20_out_of_500_reads_only_its_sidecars(client: TestClient, fil
     assert set(files.reads) == {f"batches/batch_{i:04d}.json" for i in range(499, 478, -1)}
 
     files.reads.clear()
+    files.listed.clear()
+    files.keys_listed = 0
     middle = get_page(client, after="batch_0250", limit=5)
     assert ids(middle) == [f"batch_{i:04d}" for i in range(249, 244, -1)]
     assert len(files.reads) == 6
+    # the first listing of a files store looked for sidecars without pointers (and marked it done);
+    # later ones list the index alone, only as far as their page and the one key after it
+    assert files.listed == [openai_batches.INDEX] and files.keys_listed == 250 + 6
+    assert files.inner.exists(openai_batches.INDEXED)
+    files.listed.clear()
+    files.keys_listed = 0
+    get_page(client)
+    assert files.listed == [openai_batches.INDEX] and files.keys_listed == 21
+
+
+def test_a_pointer_whose_sidecar_never_came_is_skipped(client: TestClient, files: CountingStorage) -> None:
+    create(files, 0, 2)
+    files.inner.put_bytes(openai_batches.index_key("batch_0001", BASE + 1), b"")  # its process died
+    page = get_page(client)
+    assert ids(page) == ["batch_0002", "batch_0000"] and page["has_more"] is False
 
 
 @pytest.mark.parametrize("files", ["local"], indirect=True)
