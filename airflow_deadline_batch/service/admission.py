@@ -28,7 +28,7 @@ from airflow_deadline_batch.core.feasibility import AdmissionPolicy, AdmissionRe
 from airflow_deadline_batch.core.pools import PoolSpec
 
 if TYPE_CHECKING:
-    from airflow_deadline_batch.store.tenancy import TenancySnapshot
+    from airflow_deadline_batch.store.tenancy import HeldWork, TenancySnapshot
 
 #: the admission report's verdict when shared capacity, a quota or a budget refuses the job
 REJECTED_SHARED = "rejected_shared"
@@ -144,7 +144,7 @@ def _refusals(
 
 
 def held_demands(snapshot: TenancySnapshot, policy: AdmissionPolicy) -> list[Demand]:
-    """The work each admitted, unfinished job holds on the managed pools it may use."""
+    """The work each admitted, unfinished job holds on the managed pools it may use and its own."""
     out = []
     for h in snapshot.held:
         managed = frozenset(h.pools).intersection(snapshot.capacity)
@@ -157,10 +157,23 @@ def held_demands(snapshot: TenancySnapshot, policy: AdmissionPolicy) -> list[Dem
                     gpu_seconds=reserved_gpu_seconds(
                         h.admission, h.est_work_s, h.remaining_work_s, policy, h.work_scale
                     ),
-                    pools=managed,
+                    pools=managed | {p.name for p in _own_pools(h, snapshot)},
                 )
             )
     return out
+
+
+def own_pool_name(pool: str, job_id: str) -> str:
+    """A held job's unmanaged pool in the flow: a name of its own, so no other job reaches it."""
+    return f"{pool} of {job_id}"
+
+
+def _own_pools(held: HeldWork, snapshot: TenancySnapshot) -> list[SharedPool]:
+    return [
+        SharedPool(name=own_pool_name(name, held.job_id), gpus=gpus, lead_s=held.pool_leads.get(name, 0.0))
+        for name, gpus in sorted(held.pool_gpus.items())
+        if name not in snapshot.capacity and gpus > 0
+    ]
 
 
 def shared_pools(snapshot: TenancySnapshot, pools: tuple[PoolSpec, ...]) -> list[SharedPool]:
@@ -174,19 +187,26 @@ def shared_pools(snapshot: TenancySnapshot, pools: tuple[PoolSpec, ...]) -> list
 
 
 def private_pools(snapshot: TenancySnapshot, pools: tuple[PoolSpec, ...]) -> list[SharedPool]:
-    """The new job's unmanaged pools, as pools only it can use: the GPUs it declares there are its own.
+    """Unmanaged pools, each usable only by the job that declares it: the GPUs it declares are its own.
 
     A job that may also run on a pool with no capacity row (say, on-demand beside a managed Spot
     pool) is admitted when its work fits on the managed pools and its own GPUs together, not refused
-    because the managed pools are full. Held jobs' unmanaged pools are not counted (their GPUs are
-    not in the snapshot): their whole work stays reserved on the managed pools, which only errs
-    towards refusing.
+    because the managed pools are full. The same holds for held jobs (their unmanaged pools named
+    :func:`own_pool_name`, so no other job reaches them): the work their own GPUs can carry by their
+    deadlines is not reserved on the managed pools, where it would refuse later jobs for nothing.
     """
-    return [
+    new = [
         SharedPool(name=p.name, gpus=p.gpus, lead_s=p.queue_wait_seconds + p.startup_seconds)
         for p in pools
         if p.name not in snapshot.capacity
     ]
+    held = [
+        pool
+        for h in snapshot.held
+        if set(h.pools) & set(snapshot.capacity)
+        for pool in _own_pools(h, snapshot)
+    ]
+    return [*new, *held]
 
 
 @dataclass(frozen=True, kw_only=True)

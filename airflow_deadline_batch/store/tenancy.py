@@ -58,6 +58,9 @@ class HeldWork:
     work_scale: float = 1.0
     #: each of its pools' queue wait + startup, as its plan recorded them
     pool_leads: Mapping[str, float] = field(default_factory=dict)
+    #: each of its pools' GPUs, as its plan declared them (admission counts those of its unmanaged
+    #: pools as its own)
+    pool_gpus: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +143,7 @@ def _held_work(conn: Connection, now: dt.datetime) -> Iterable[HeldWork]:
             remaining_work_s=sum(s.est_work_s * (1.0 - shard_done_fraction(s)) for s in own),
             work_scale=scale,
             pool_leads=_pool_leads(job.config.get("pools") or ()),
+            pool_gpus=_pool_gpus(job.config.get("pools") or ()),
         )
 
 
@@ -149,6 +153,14 @@ def _pool_leads(pools: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         lead = float(pool.get("queue_wait_seconds") or 0.0) + float(pool.get("startup_seconds") or 0.0)
         leads[str(pool.get("name"))] = lead if math.isfinite(lead) and lead >= 0 else 0.0
     return leads
+
+
+def _pool_gpus(pools: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    gpus = {}
+    for pool in pools:
+        count = pool.get("gpus", 1)
+        gpus[str(pool.get("name"))] = count if isinstance(count, int) and count >= 0 else 0
+    return gpus
 
 
 def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[JobCost]:

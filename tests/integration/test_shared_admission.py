@@ -339,3 +339,29 @@ def test_a_full_managed_pool_does_not_refuse_a_job_its_own_unmanaged_pool_can_ca
     tight = replace(_request(tmp_path, "search", minutes=25, workers=3), pools=(spot, small))
     refused = _rejected(store, tight)
     assert "rejected by shared capacity" in refused.message, refused.message
+
+
+def test_a_held_jobs_own_unmanaged_pool_carries_its_work_so_a_later_job_fits(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Two jobs fill the shared pool when each is reserved there whole; once the first may also run
+    on GPUs of its own (an unmanaged pool), its work goes there and a third job on the shared pool
+    alone is admitted. The held job's own GPUs serve it only: they never admit a job beyond them."""
+    own = PoolSpec.from_dict({**SHARED.to_dict(), "name": "own-on-demand"})
+    store.set_capacity("shared", 2)
+    first = plan_job(store, _request(tmp_path, "ads"))
+    plan_job(store, _request(tmp_path, "search"))
+    assert "rejected by shared capacity" in _rejected(store, _request(tmp_path, "ads")).message
+    store.cancel_job(first.job_id)
+
+    carried = plan_job(store, replace(_request(tmp_path, "ads"), pools=(SHARED, own)))
+    third = plan_job(store, _request(tmp_path, "ads"))
+    assert third.created and store.get_job(third.job_id).state is JobState.ADMITTED
+    # the shared pool is full now: the held job's own GPUs do not admit a fourth
+    refused = _rejected(store, _request(tmp_path, "search"))
+    edf = (store.get_job(str(refused.fields["job_id"])).admission or {})["shared"]["edf"]
+    assert edf["linked_pools"] == [f"own-on-demand of {carried.job_id}", "shared"]
+    assert edf["violated"]["pools"] == ["shared"]
+    # what would admit it counts the held job's own GPUs too (searched after the lock, explained())
+    assert edf["explained"] and edf["gpus_needed"] == 3
+    assert "rejected by shared capacity" in refused.message, refused.message
