@@ -6,13 +6,27 @@
   dynamic programming over ticks. State: committed shards × (pool, changeover left, progress inside
   the running shard). Times are integers of a resolution ``r`` dividing the tick, ``d`` and the
   shard, so the optimum is exact, not approximate. With a tiny shard it is the paper's no-loss model.
-* ``N > 1``: :func:`relaxation_bound`, a **proven lower bound** (not a schedule). Order the running
-  workers at every instant with the Spot ones at the bottom: "virtual worker ``j``" is on Spot iff at
-  least ``j`` workers are, so its Spot time lies in the spells of capacity level ``j``, and the Spot
-  starts of all virtual workers are no more than the real Spot starts. Relaxing further (no lost
-  work, on-demand in any gap, all worker-time within ``N · D``), the cheapest use is the ``c``
-  longest spells for the best ``c``: each used spell of length ``L`` gives ``L − d`` of work for
-  ``L`` of Spot cost. That minimum is computed exactly; the true optimum lies above it.
+* ``N > 1``: :func:`tightest_bound`, the larger of two **proven lower bounds** (not schedules).
+
+  :func:`relaxation_bound`: order the running workers at every instant with the Spot ones at the
+  bottom: "virtual worker ``j``" is on Spot iff at least ``j`` workers are, so its Spot time lies in
+  the spells of capacity level ``j``, and the Spot starts of all virtual workers are no more than the
+  real Spot starts. Relaxing further (no lost work, on-demand in any gap, all worker-time within
+  ``N · D``), the cheapest use is the ``c`` longest spells for the best ``c``: each used spell of
+  length ``L`` gives ``L − d`` of work for ``L`` of Spot cost. That minimum is computed exactly.
+
+  :func:`lagrangian_bound`: cut every worker's part of an on-time schedule at the last commit of each
+  of its tries. Each piece is a try that starts at a tick boundary, pays ``d``, commits ``n`` whole
+  shards and lasts ``d + n·S`` (no longer than the real try, so it costs no more and holds Spot no
+  longer); the worker's next try starts at a later boundary; a Spot piece lies on ticks with
+  capacity. Call such a sequence a *plan* ``p``. The ``N`` plans commit ``W`` together and hold at
+  most ``min(c_t, N)·g`` Spot hours in tick ``t``. So for any toll ``λ_t ≥ 0`` and work price ``μ``,
+  cost ≥ Σ_i [cost(p_i) + Σ_t λ_t spot_i(t) − μ work(p_i)] + μ·W − Σ_t λ_t min(c_t, N)·g
+  ≥ N · min_p [cost(p) + λ·spot(p) − μ·work(p)] + μ·W − λ·min(c, N)·g, and that minimum over one
+  worker's plans is an exact dynamic programme over ticks. Any ``(λ, μ)`` gives a valid bound;
+  bisection on ``μ`` and a few subgradient steps on ``λ`` (only where capacity is short of ``N``)
+  make it tight. Unlike the relaxation it counts a changeover per try, whole shards (work lost to a
+  stop) and each worker's own deadline; like it, it holds for schedules that meet the deadline.
 """
 
 from __future__ import annotations
@@ -84,6 +98,167 @@ def relaxation_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
             best = Bound(cost=cost, spot_hours=spot, on_demand_hours=od, feasible=True)
         if left <= 1e-12:
             break
+    return best
+
+
+@dataclass(frozen=True)
+class _WorkerPlan:
+    """One worker's best schedule at given prices: its value, work, Spot hours per tick, hours."""
+
+    value: float
+    work_h: float
+    spot_by_tick: np.ndarray
+    spot_h: float
+    on_demand_h: float
+
+
+class _WorkerProblem:
+    """One worker alone on the trace: tries that each commit ``n`` whole shards (Lagrangian step).
+
+    A try starts at a tick boundary ``a``, pays the changeover ``d``, commits ``n ≥ 1`` shards and
+    ends at ``a·g + d + n·S`` (the relaxation lets any try stop at its last commit; the engine lets
+    only the finishing ones); the worker is idle until the next boundary. A Spot try needs capacity
+    on every tick it touches; every try ends by the deadline.
+    """
+
+    def __init__(self, trace: Trace, start_tick: int, config: SimConfig) -> None:
+        self.gap = trace.gap_s / 3600.0
+        self.ticks = max(1, math.ceil(config.deadline_h / self.gap - EPS))
+        self.size, self.d, self.k = config.shard_size_h, config.changeover_h, config.price_ratio
+        self.deadline = config.deadline_h
+        caps = np.array([trace.at(start_tick + i) for i in range(self.ticks)], dtype=float)
+        self.caps = np.minimum(caps, config.workers)
+        most = max(0, min(config.shards, math.floor((self.deadline - self.d) / self.size + EPS)))
+        self.length = self.d + self.size * np.arange(1, most + 1)  # a try's hours for n shards
+        self.span = np.ceil(self.length / self.gap - EPS).astype(int)  # ticks it touches
+        self.work = self.size * np.arange(1, most + 1)
+        run = np.zeros(self.ticks + 1, dtype=int)  # ticks with capacity from each tick on
+        for i in range(self.ticks - 1, -1, -1):
+            run[i] = run[i + 1] + 1 if self.caps[i] >= 1 else 0
+        self.n_spot = np.searchsorted(self.span, run[: self.ticks], side="right")
+        self.n_deadline = np.array(
+            [
+                np.searchsorted(self.length, self.deadline - a * self.gap + EPS, side="right")
+                for a in range(self.ticks)
+            ]
+        )
+
+    def solve(self, reward: float, toll: np.ndarray) -> _WorkerPlan:
+        """Best value (reward × work − cost − Σ toll × Spot hours) by dynamic programming over ticks."""
+        pad = self.ticks + (int(self.span[-1]) if len(self.span) else 0) + 1
+        value = np.zeros(pad + 1)
+        tolled = bool(toll.any())
+        paid = np.concatenate(([0.0], np.cumsum(toll * self.gap), np.zeros(pad)))  # toll to each boundary
+        paid[self.ticks + 1 :] = paid[self.ticks]
+        toll_pad = np.concatenate((toll, np.zeros(pad)))
+        gain = reward * self.work
+        od_gain, spot_gain = gain - self.k * self.length, gain - self.length
+        choice = np.zeros((self.ticks, 2), dtype=int)  # (mode 0 idle / 1 Spot / 2 on-demand, n)
+        for a in range(self.ticks - 1, -1, -1):
+            best, pick = value[a + 1], (0, 0)
+            n_od = int(self.n_deadline[a])
+            if n_od:
+                nxt = a + self.span[:n_od]
+                later = value[nxt]
+                od = od_gain[:n_od] + later
+                j = int(od.argmax())
+                if od[j] > best:
+                    best, pick = float(od[j]), (2, j + 1)
+                n_sp = min(int(self.n_spot[a]), n_od)
+                if n_sp:
+                    sp = spot_gain[:n_sp] + later[:n_sp]
+                    if tolled:
+                        last = nxt[:n_sp] - 1
+                        sp -= (
+                            paid[last]
+                            - paid[a]
+                            + toll_pad[last] * (self.length[:n_sp] - (last - a) * self.gap)
+                        )
+                    j = int(sp.argmax())
+                    if sp[j] > best:
+                        best, pick = float(sp[j]), (1, j + 1)
+            value[a] = best
+            choice[a] = pick
+        return self._trace_back(float(value[0]), choice)
+
+    def _trace_back(self, value: float, choice: np.ndarray) -> _WorkerPlan:
+        spot_by_tick = np.zeros(self.ticks)
+        work = spot = od = 0.0
+        a = 0
+        while a < self.ticks:
+            mode, n = int(choice[a, 0]), int(choice[a, 1])
+            if mode == 0:
+                a += 1
+                continue
+            hours, span = float(self.length[n - 1]), int(self.span[n - 1])
+            work += float(self.work[n - 1])
+            if mode == 1:
+                spot += hours
+                spot_by_tick[a : a + span] = self.gap
+                spot_by_tick[a + span - 1] = hours - (span - 1) * self.gap
+            else:
+                od += hours
+            a += span
+        return _WorkerPlan(value, work, spot_by_tick, spot, od)
+
+
+def lagrangian_bound(trace: Trace, start_tick: int, config: SimConfig, *, rounds: int = 8) -> Bound:
+    """Proven lower bound for ``N`` workers sharing the trace: Lagrangian relaxation (module docstring).
+
+    Any prices give a valid bound; ``rounds`` subgradient steps only make it tighter. Its Spot and
+    on-demand hours are those of ``N`` copies of the last best worker plan (indicative only).
+    """
+    n, work, k = config.workers, config.work_h, config.price_ratio
+    if not config.on_demand_feasible():
+        od_only = (work + min(n, config.shards) * config.changeover_h) * k
+        return Bound(cost=od_only, spot_hours=0.0, on_demand_hours=od_only / k, feasible=False)
+    problem = _WorkerProblem(trace, start_tick, config)
+    toll = np.zeros(problem.ticks)
+    shared = bool(np.any(problem.caps[problem.caps > 0] < n))  # capacity short of N somewhere
+    lo, hi = 0.0, 2.0 * k * (1.0 + config.changeover_h / config.shard_size_h)
+    best = Bound(cost=0.0, spot_hours=0.0, on_demand_hours=0.0, feasible=True)
+
+    def evaluate(reward: float) -> tuple[float, _WorkerPlan]:
+        plan = problem.solve(reward, toll)
+        bound = reward * work - n * plan.value - float(np.sum(toll * problem.caps)) * problem.gap
+        return bound, plan
+
+    def keep(bound: float, plan: _WorkerPlan) -> None:
+        nonlocal best
+        if bound > best.cost:
+            best = Bound(
+                cost=bound, spot_hours=n * plan.spot_h, on_demand_hours=n * plan.on_demand_h, feasible=True
+            )
+
+    def bisect(lo: float, hi: float, steps: int) -> tuple[float, _WorkerPlan]:
+        """The work price where ``N`` workers' planned work crosses ``W`` (the bound is concave in it)."""
+        reward, plan = hi, problem.solve(hi, toll)
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            bound, plan = evaluate(mid)
+            keep(bound, plan)
+            if n * plan.work_h >= work - EPS:
+                hi = mid
+            else:
+                lo = mid
+            reward = mid
+        return reward, plan
+
+    reward, plan = bisect(lo, hi, 16)
+    if not shared:
+        return best
+    target = (work + min(n, config.shards) * config.changeover_h) * k  # on-demand only: above the optimum
+    step = 1.0
+    for _ in range(rounds):
+        excess = n * plan.spot_by_tick - problem.caps * problem.gap
+        norm = float(np.dot(excess, excess))
+        if norm < 1e-12:
+            break
+        before = best.cost
+        toll = np.maximum(0.0, toll + step * (target - best.cost) / norm * excess)
+        reward, plan = bisect(max(0.0, reward - 0.5), reward + 0.5, 5)
+        if best.cost <= before + 1e-9:
+            step /= 2
     return best
 
 
@@ -235,7 +410,16 @@ def omniscient(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
     """The best computable reference: the exact optimum for one worker, the proven bound otherwise."""
     if config.workers == 1:
         return exact_optimum(trace, start_tick, config)
-    return relaxation_bound(trace, start_tick, config)
+    return tightest_bound(trace, start_tick, config)
+
+
+def tightest_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
+    """The larger of the two proven lower bounds (each is below every schedule, so the larger is)."""
+    return max(
+        relaxation_bound(trace, start_tick, config),
+        lagrangian_bound(trace, start_tick, config),
+        key=lambda b: b.cost,
+    )
 
 
 def lower_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
@@ -246,9 +430,11 @@ def lower_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
 __all__ = [
     "Bound",
     "exact_optimum",
+    "lagrangian_bound",
     "lower_bound",
     "omniscient",
     "on_demand_makespan",
     "relaxation_bound",
     "spells",
+    "tightest_bound",
 ]

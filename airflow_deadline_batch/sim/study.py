@@ -6,6 +6,8 @@ plus the paper-setting ordering check, prints the Markdown table and the target 
 ``--synthetic`` runs the same settings on :func:`~.traces.synthetic_suite` (the tuning set).
 ``--multi-gpu`` runs issue 13's multi-GPU setting (``W = 192 GPU-h, N = 8, d = 0.2 h, k = 3,
 D = 30/40 h``, 40 starts) on unseen synthetic 8- and 16-GPU traces (:func:`multi_gpu_traces`).
+The ``omniscient`` column is the exact optimum for ``N = 1`` rows and a proven lower bound,
+:func:`~.omniscient.tightest_bound`, for ``N > 1`` rows (so their ``sa / omniscient`` is pessimistic).
 """
 
 from __future__ import annotations
