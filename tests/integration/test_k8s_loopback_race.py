@@ -301,3 +301,34 @@ def test_race_is_off_with_race_false_or_without_an_on_demand_pool(
             shard_operator(loopback_k8s, tail.job, pools=spot_only, race=True).races(store, decision)
     finally:
         store.close()
+
+
+def test_a_racer_that_outlives_its_reclaimed_spot_pod_finishes_the_shard_in_the_same_try(
+    loopback_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    """The Spot node is reclaimed while the racer runs: the try waits for its racer (no reschedule,
+    no third pod) and succeeds once the racer has finished the shard."""
+    api, ns = loopback_k8s.api, loopback_k8s.namespace
+    store_secret(loopback_k8s, tail.job.store_url)
+    stalled, racer_stalled = tmp_path / "stalled", tmp_path / "racer-stalled"
+    operator = racing_operator(loopback_k8s, tail, stalled, {PAUSE: str(racer_stalled), PAUSE_SEQ: "1"})
+    thread, outcome = run_in_thread(operator)
+    try:
+        race_to_the_tail(loopback_k8s, tail, stalled)
+        wait_for(racer_stalled.exists, timeout_s=WAIT_S, what="the racer to stall before microbatch 1")
+        [spot_pod] = api.pods(ns, labels="deadline-batch.io/capacity=spot")
+        api.evict(ns, spot_pod["metadata"]["name"])  # the Spot reclaim: SIGTERM, grace, SIGKILL
+        api.wait_for_deletion(ns, spot_pod["metadata"]["name"], timeout_s=WAIT_S)
+        assert thread.is_alive()  # the try waits for its racer
+        racer_stalled.with_name("racer-stalled.resume").touch()
+    finally:
+        finish(thread, outcome, operator)
+    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    store = ManifestStore.open(tail.job.store_url)
+    try:
+        _, raced = attempts_by_kind(store, tail.job.job_id)
+        assert raced.outcome is AttemptOutcome.SUCCEEDED
+        by_seq = assert_done_once(store, tail, tmp_path)
+        assert {by_seq[s] for s in by_seq if s > 0} == {raced.attempt_id}
+    finally:
+        store.close()
