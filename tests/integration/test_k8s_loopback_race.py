@@ -332,3 +332,32 @@ def test_a_racer_that_outlives_its_reclaimed_spot_pod_finishes_the_shard_in_the_
         assert {by_seq[s] for s in by_seq if s > 0} == {raced.attempt_id}
     finally:
         store.close()
+
+
+def test_a_killed_try_deletes_its_racer_pod_too(
+    loopback_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    """Airflow kills the try (``on_kill``: the task was marked failed, or its worker stops) while its
+    racer runs: both pods go."""
+    api, ns = loopback_k8s.api, loopback_k8s.namespace
+    store_secret(loopback_k8s, tail.job.store_url)
+    stalled, racer_stalled = tmp_path / "stalled", tmp_path / "racer-stalled"
+    operator = racing_operator(loopback_k8s, tail, stalled, {PAUSE: str(racer_stalled), PAUSE_SEQ: "1"})
+    thread, outcome = run_in_thread(operator)
+    try:
+        racer = race_to_the_tail(loopback_k8s, tail, stalled)
+        wait_for(racer_stalled.exists, timeout_s=WAIT_S, what="the racer to stall before microbatch 1")
+        operator.on_kill()
+        # deleted by on_kill itself: the try's own exit (which deletes it too) waits for the Spot
+        # pod's grace period first, and a killed task may never get there
+        deleted = api.pod(ns, racer["metadata"]["name"])
+        assert deleted is None or "deletionTimestamp" in deleted["metadata"]
+        assert thread.is_alive()  # still waiting for its Spot pod to go
+    finally:
+        thread.join(timeout=WAIT_S)
+    assert not thread.is_alive()
+    [error] = outcome
+    assert isinstance(error, Exception)  # the killed try does not succeed
+    for pod in api.created_pods:
+        api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
+    assert len(api.created_pods) == 2 and api.pods(ns) == []
