@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 from airflow.sdk.exceptions import AirflowRescheduleException
 from kubernetes.client import models as k8s
@@ -188,7 +189,8 @@ def assert_done_once(store: ManifestStore, tail: Tail, tmp_path: Path) -> dict[i
 
 
 def assert_racer_spec(racer: dict[str, Any], spot: dict[str, Any]) -> None:
-    """The racer is the Spot pod with the on-demand placement and ``--race``."""
+    """The racer is the Spot pod with the on-demand placement and ``--race``: a valid Pod."""
+    kubernetes_validate.validate(racer, "1.30", strict=True)
     labels = racer["metadata"]["labels"]
     assert labels["deadline-batch.io/capacity"] == "on-demand" and labels[RACE_LABEL] == "true"
     assert (
@@ -202,6 +204,8 @@ def assert_racer_spec(racer: dict[str, Any], spot: dict[str, Any]) -> None:
         and container["args"][container["args"].index("--pool") + 1] == "local-on-demand"
     )
     assert container["image"] == spot["spec"]["containers"][0]["image"]
+    [store_env] = [e for e in container["env"] if e["name"] == "ADB_STORE_URL"]
+    assert "value" not in store_env and store_env["valueFrom"]["secretKeyRef"]["key"] == "url"  # by reference
 
 
 def test_the_racer_wins_and_the_stalled_spot_pod_is_deleted(
