@@ -20,6 +20,12 @@ tries ran against the time their pods waited for capacity (``unschedulable`` att
 try gives up at the startup timeout), over the policy's ``availability_prior`` and earlier jobs'
 evidence; and a pool whose latest try gave up waiting recently, with none started since, counts
 as out of capacity (``spot_available`` false), so the rule waits for it or escalates.
+
+The tail race (issue 13) is decided here once for the local runner and the pod operator:
+:func:`race_decision` (a running Spot try the rule would escalate, raced when
+``core.placement.should_speculate`` says so) and :func:`tail_has_room` (the pod operator's check
+that no shard waits for a worker and one is free). The view counts a race's workers on their own
+pools (:func:`leased_workers`).
 """
 
 from __future__ import annotations

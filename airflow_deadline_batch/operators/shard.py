@@ -797,6 +797,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         return pod
 
     def launch_racer(self, decision: TryDecision) -> None:
+        """Create the racer pod (:meth:`racer_pod`); remembered first, so that a kill deletes it."""
         pod = self.racer_pod(decision)
         self._racer, self._raced = pod, True  # before it exists: a kill from now on deletes it
         self.log.warning(
@@ -810,8 +811,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self.pod_manager.create_pod(pod)
 
     def shard_done(self) -> bool:
-        store = self._race_store or self.store_hook().get_store()
-        return bool(store.get_shard(self.job_id, int(self.shard_index)).state is ShardState.SUCCEEDED)
+        """Whether this try's shard is committed (read from the store of the try's race)."""
+        assert self._race_store is not None, "shard_done is called within execute only"
+        shard = self._race_store.get_shard(self.job_id, int(self.shard_index))
+        return bool(shard.state is ShardState.SUCCEEDED)
 
     def delete_pod(self, pod: k8s.V1Pod, *, why: str) -> None:
         """Delete a pod of the race (gone already: nothing to do)."""
@@ -825,6 +828,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                 raise
 
     def delete_racer(self) -> None:
+        """Delete this try's racer pod, if it has one (best effort: a failure is logged)."""
         racer, self._racer = self._racer, None
         if racer is not None:
             try:
