@@ -25,8 +25,9 @@ The tail race (issue 13, docs/simulator.md "The tail race"): once no shard waits
 a worker slot is free, a running Spot try that the safety rule would now escalate races a
 duplicate on the on-demand pool (``worker --race``: a racing lease beside its own) when
 ``core.placement.should_speculate`` says the expected gain beats the duplicate's cost
-(:func:`race_pool`); one racer per shard at most. Whichever commits a microbatch first wins it;
-the loser's worker exits 0 (``lost_race``) and is neither retried nor counted as a failure.
+(``operators.placement.race_pool``, the shard pod operator's rule too); one racer per shard at
+most. Whichever commits a microbatch first wins it; the loser's worker exits 0 (``lost_race``) and
+is neither retried nor counted as a failure.
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ from airflow_deadline_batch.core.failures import (
     classify_exception,
     classify_exit,
 )
-from airflow_deadline_batch.core.job_view import JobView, is_stopped, pool_named
-from airflow_deadline_batch.core.placement import should_speculate
+from airflow_deadline_batch.core.job_view import JobView, is_stopped
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError, StoreError, VerificationError
@@ -71,13 +71,13 @@ from airflow_deadline_batch.operators.placement import (
     TryAction,
     TryDecision,
     decide_for_try,
-    placement_snapshot,
+    race_pool,
     read_job_view,
 )
 from airflow_deadline_batch.service.finalize import FinalizeResult, finalize_job, verify_job
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.service.quotas import quota_allows_launch
-from airflow_deadline_batch.store import DispatchRow, ManifestStore, Progress, ShardRow
+from airflow_deadline_batch.store import DispatchRow, ManifestStore, Progress
 
 log = logging.getLogger("airflow_deadline_batch.local")
 #: environment variable the worker writes its termination message to (worker.worker)
@@ -197,38 +197,6 @@ def run_job(
     if on_progress:
         on_progress(store.progress(plan.job_id))
     return _summary(store, plan, result, run, time.monotonic() - started)
-
-
-def race_pool(view: JobView, shard: ShardRow, running_pool: str | None) -> PoolSpec | None:
-    """The on-demand pool to race this shard's running Spot try on, or None.
-
-    As the simulator's ``slack_aware`` policy: only a Spot try that the safety rule would now
-    escalate (the shard operator's decision for it is on-demand), and only when
-    ``core.placement.should_speculate`` finds the expected gain above the duplicate's cost. The
-    racer resumes at the cursor, so the duplicate needs the changeover and the shard's
-    uncommitted work at the on-demand rate; the running try needs that work at its pool's rate.
-    """
-    if shard.state is not ShardState.LEASED or shard.race_attempt_id is not None:
-        return None
-    spot = pool_named(running_pool, view.pools)
-    if spot is None or spot.kind is not PoolKind.SPOT:
-        return None
-    decision = decide_for_try(view, shard)
-    if decision.pool is None or decision.pool.kind is not PoolKind.ON_DEMAND:
-        return None
-    snap = placement_snapshot(view, shard.shard_index, decision.pool)
-    if snap.price_ratio is None:
-        return None
-    option = next((o for o in snap.spot_pools if o.name == spot.name), None)
-    speed, price = (option.speed, option.price) if option is not None else (1.0, 1.0)
-    race = should_speculate(
-        remaining_s=snap.shard_work_s / speed,
-        price=price,
-        mean_run_s=option.mean_run_s if option is not None else snap.spot_mean_run_s,
-        duplicate_s=snap.changeover_s + snap.shard_work_s,
-        duplicate_price=snap.price_ratio,
-    )
-    return decision.pool if race else None
 
 
 class LocalRun:

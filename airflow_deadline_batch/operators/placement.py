@@ -20,6 +20,12 @@ tries ran against the time their pods waited for capacity (``unschedulable`` att
 try gives up at the startup timeout), over the policy's ``availability_prior`` and earlier jobs'
 evidence; and a pool whose latest try gave up waiting recently, with none started since, counts
 as out of capacity (``spot_available`` false), so the rule waits for it or escalates.
+
+The tail race (issue 13) is decided here once for the local runner and the pod operator:
+:func:`race_decision` (a running Spot try the rule would escalate, raced when
+``core.placement.should_speculate`` says so) and :func:`tail_has_room` (the pod operator's check
+that no shard waits for a worker and one is free). The view counts a race's workers on their own
+pools (:func:`leased_workers`).
 """
 
 from __future__ import annotations
@@ -53,9 +59,10 @@ from airflow_deadline_batch.core.placement import (
     PolicyParams,
     SpotOption,
     choose_pool,
+    should_speculate,
 )
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
-from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
+from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, AttemptOutcome, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -194,6 +201,7 @@ def job_view_of(
     """
     attempts = list(attempts)
     commits = list(commits)
+    shards = list(shards)
     view = build_job_view(
         job,
         shards,
@@ -205,11 +213,41 @@ def job_view_of(
         tenant=job.tenant,
     )
     fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(JobView)}
+    fields["on_demand_shards"], fields["spot_shards"] = leased_workers(shards, attempts, view.pools)
     return PlacementView(
         **fields,
         pool_tries=pool_spot_tries(view.pools, attempts, commits, history or {}),
         pool_availability=pool_spot_availability(view.pools, attempts, history or {}, now=now),
     )
+
+
+def leased_workers(
+    shards: Sequence[ShardRow], attempts: Sequence[AttemptRow], pools: Sequence[PoolSpec]
+) -> tuple[frozenset[int], frozenset[int]]:
+    """The shards with a worker on on-demand now and those with one on Spot, racers included.
+
+    A leased shard's worker runs on its lease holder's pool (its attempt's; the shard's
+    ``last_pool`` when the attempt is not among ``attempts``), and a shard in a race (issue 13) has
+    a second worker, its racer, on the racer's pool. ``core.job_view`` counts ``last_pool`` only,
+    which misses both: a racer on on-demand was not counted among the job's on-demand workers, and
+    a racer promoted to the primary lease (its Spot try ended first) kept counting as a Spot
+    worker, blocking a storm probe (``core.placement.in_storm``) and charging a Spot worker's waste
+    to the cost cap.
+    """
+    pool_of = {a.attempt_id: a.pool for a in attempts}
+    on_demand: set[int] = set()
+    on_spot: set[int] = set()
+    for shard in shards:
+        if shard.state is not ShardState.LEASED:
+            continue
+        holders = [pool_of.get(shard.lease_attempt_id or "", shard.last_pool)]
+        if shard.race_attempt_id is not None:
+            holders.append(pool_of.get(shard.race_attempt_id))
+        for name in holders:
+            pool = pool_named(name, pools)
+            if pool is not None:
+                (on_demand if pool.kind is PoolKind.ON_DEMAND else on_spot).add(shard.shard_index)
+    return frozenset(on_demand), frozenset(on_spot)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -317,6 +355,62 @@ def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | Non
     elif len(view.pools) > 2:
         reason += f"; on {pool.name}"
     return TryDecision(job_id, index, TryAction.RUN, reason, pool=pool, placement=placement)
+
+
+def race_decision(view: JobView, shard: ShardRow, running_pool: str | None) -> TryDecision | None:
+    """The on-demand try to race this shard's running Spot try with (issue 13), or None.
+
+    As the simulator's ``slack_aware`` policy: only a Spot try that the safety rule would now
+    escalate (this shard's decision is on-demand), and only when ``core.placement.should_speculate``
+    finds the expected gain above the duplicate's cost. The racer resumes at the cursor, so the
+    duplicate needs the changeover and the shard's uncommitted work at the on-demand rate; the
+    running try needs that work at its pool's rate. One racer per shard: none while one holds it.
+    The caller checks that the job is at its tail (:func:`tail_has_room`, or the local runner's
+    own queue); the decision returned is the racer's (its pool and timeouts).
+    """
+    if shard.state is not ShardState.LEASED or shard.race_attempt_id is not None:
+        return None
+    spot = pool_named(running_pool, view.pools)
+    if spot is None or spot.kind is not PoolKind.SPOT:
+        return None
+    decision = decide_for_try(view, shard)
+    if decision.pool is None or decision.pool.kind is not PoolKind.ON_DEMAND:
+        return None
+    snap = placement_snapshot(view, shard.shard_index, decision.pool)
+    if snap.price_ratio is None:
+        return None
+    option = next((o for o in snap.spot_pools if o.name == spot.name), None)
+    speed, price = (option.speed, option.price) if option is not None else (1.0, 1.0)
+    race = should_speculate(
+        remaining_s=snap.shard_work_s / speed,
+        price=price,
+        mean_run_s=option.mean_run_s if option is not None else snap.spot_mean_run_s,
+        duplicate_s=snap.changeover_s + snap.shard_work_s,
+        duplicate_price=snap.price_ratio,
+    )
+    return decision if race else None
+
+
+def race_pool(view: JobView, shard: ShardRow, running_pool: str | None) -> PoolSpec | None:
+    """The on-demand pool of :func:`race_decision`, or None."""
+    decision = race_decision(view, shard, running_pool)
+    return decision.pool if decision is not None else None
+
+
+def tail_has_room(shards: Sequence[ShardRow], parallelism: int) -> bool:
+    """Whether the job is at its tail with a worker free for a racer (the local runner's rule).
+
+    No shard waits for a worker (every unfinished shard is leased), and the job's leased shards
+    and racers together are fewer than its ``parallelism`` (the plan's workers).
+    """
+    busy = 0
+    for shard in shards:
+        if shard.state in TERMINAL_SHARD_STATES:
+            continue
+        if shard.state is not ShardState.LEASED:
+            return False
+        busy += 1 + (shard.race_attempt_id is not None)
+    return busy < parallelism
 
 
 def _speed(view: JobView, pool: PoolSpec, reference: PoolSpec) -> float:

@@ -25,10 +25,20 @@ pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_
 from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)
 or until the pod is scheduled at last (:func:`scheduling_wait`); the next decisions learn the
 pool's availability from it (``operators.placement``).
+
+The tail race (issue 13, docs/kubernetes.md "The tail race"): while the pod operator's Spot pod
+runs, a thread of its synchronous wait reads the job every ``race_check_interval_s``; once the job
+is at its tail (:func:`~operators.placement.tail_has_room`) and
+:func:`~operators.placement.race_decision` (the local runner's rule) says so, it creates ONE racer
+pod on the on-demand pool, the same pod with the racer's placement and ``worker --race``. The
+store's fencing decides the winner; once the shard is done the other pod is deleted, and the try
+succeeds whoever finished it. A racer that outlives its Spot pod finishes the shard in the same
+try; a later try finds a live racer holding the shard and reschedules instead of launching a pod.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as dt
 import enum
@@ -36,6 +46,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,6 +62,7 @@ from airflow.sdk.exceptions import (
     AirflowSkipException,
 )
 from kubernetes.client import models as k8s
+from kubernetes.client.exceptions import ApiException
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
@@ -62,6 +74,7 @@ from airflow_deadline_batch.core.failures import (
     classify_exit,
 )
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
 from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -75,8 +88,11 @@ from airflow_deadline_batch.operators.placement import (
     TryAction,
     TryDecision,
     decide_for_try,
+    parse_pools,
     pod_placement,
+    race_decision,
     read_job_view,
+    tail_has_room,
 )
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
@@ -95,6 +111,19 @@ PREEMPTION_REASONS = frozenset(
         "EvictionByEvictionAPI",
     }
 )
+
+
+#: how often a shard pod operator looks at its running Spot try for the tail race (``race_check_interval_s``)
+RACE_CHECK_S = 30.0
+#: how often, once a racer runs, the operator looks whether the shard is done (at most)
+RACE_POLL_S = 2.0
+#: seconds of grace of a race's pod deleted once the shard is done: its attempt is over (the store
+#: ended it ``lost_race``) and nothing it still writes is ever committed
+LOSER_GRACE_S = 2
+#: label of a racer pod (``"true"``); a try never reattaches to one (``find_pod`` excludes it)
+RACE_LABEL = f"{LABEL_PREFIX}/race"
+#: pod phases of a pod that ran to its end
+FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 #: a shard task's default retries (its preempted and transient tries reschedule without spending one)
@@ -428,6 +457,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param kueue: label the pod for Kueue (docs/kubernetes.md): ``kueue.x-k8s.io/queue-name`` is
         the job's tenant (its LocalQueue), ``kueue.x-k8s.io/priority-class`` a WorkloadPriorityClass
         chosen from the job's slack at this try.
+    :param race: the tail race (docs/kubernetes.md "The tail race"): a Spot try at the job's tail
+        that the safety rule would escalate races one on-demand pod. ``None`` (default): on where
+        the job's pools have a Spot and an on-demand pool; ``False``: off; ``True``: on, and a job
+        without both kinds of pool is a configuration error. Synchronous mode only: a deferred
+        try does not race.
+    :param race_check_interval_s: how often a running Spot try is looked at for the race.
 
     GPU defaults: ``do_xcom_push=False`` (no XCom sidecar), ``retries=5``, and mapped with
     ``.partial(...).expand_kwargs(plan.output)`` at most the plan's ``workers`` pods at once
@@ -465,10 +500,22 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         clock: Clock | None = None,
         reschedule_retryable: bool = True,
         kueue: bool = False,
+        race: bool | None = None,
+        race_check_interval_s: float = RACE_CHECK_S,
         **kwargs: Any,
     ) -> None:
+        if not race_check_interval_s > 0:
+            raise ValueError(f"race_check_interval_s must be > 0 seconds, got {race_check_interval_s!r}")
         kwargs.setdefault("retries", SHARD_RETRIES)
         kwargs.setdefault("name", "deadline-batch-shard")
+        self.race = race
+        self.race_check_interval_s = float(race_check_interval_s)
+        # the race of one try (threads and pods: set by execute, never serialized with the task)
+        self._race_from: TryDecision | None = None
+        self._racer: k8s.V1Pod | None = None
+        self._raced = False
+        self._race_stop: threading.Event | None = None
+        self._race_store: Any = None
         self.kueue = kueue
         self.tenant = DEFAULT_TENANT
         # no XCom sidecar: it would be one more image to pull on every fresh Spot node, and the
@@ -598,7 +645,229 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         if self.settle_without_running(decision):
             self.log.info("%s", decision.reason)
             return None
-        return super().execute(context)
+        store = self.store_hook().get_store()
+        try:
+            if self.wait_out_racer(store):
+                decision = self.prepare_try(context)
+                if self.settle_without_running(decision):
+                    self.log.info("%s", decision.reason)
+                    return None
+            self._race_from = decision if self.races(store, decision) else None
+            self._race_store, self._raced = store, False
+            try:
+                return super().execute(context)
+            except Exception:
+                if not self._raced or not self.shard_done():
+                    raise
+                # the race's loser was deleted under the wait (or the Spot pod went): the shard is
+                # done all the same, and that is what the try is for
+                self.log.info("shard %s of job %s is done; the try succeeds", self.shard_index, self.job_id)
+                return None
+        finally:
+            if self._race_stop is not None:
+                self._race_stop.set()
+            self.delete_racer()
+            self._race_from, self._race_store = None, None
+            store.close()
+
+    # -- the tail race (docs/kubernetes.md "The tail race") ----------------------------------------
+
+    def races(self, store: Any, decision: TryDecision) -> bool:
+        """Whether this try may race: a Spot try, in sync mode, with ``race`` not off and the pools for it."""
+        if self.race is False or decision.pool is None or decision.pool.kind is not PoolKind.SPOT:
+            return False
+        kinds = {p.kind for p in parse_pools(self.pools, store.get_job(self.job_id).config)}
+        if kinds != {PoolKind.SPOT, PoolKind.ON_DEMAND}:
+            if self.race:
+                raise AirflowFailException(
+                    f"race=True needs a Spot and an on-demand pool among job {self.job_id}'s pools: "
+                    "add an on-demand pool, or pass race=False"
+                )
+            return False
+        # deferrable: the wait is the triggerer's, no thread of this task watches the tail
+        return not self.deferrable
+
+    def racer_holding(self, store: Any) -> float | None:
+        """Seconds a live racer still holds this shard for (its racing lease, or the primary lease it
+        was promoted to when its Spot try ended), or None when no racer holds it."""
+        shard = store.get_shard(self.job_id, int(self.shard_index))
+        if shard.state is not ShardState.LEASED:
+            return None
+        now = store.db_time()
+        if shard.race_attempt_id is not None and (shard.race_expires_at or 0.0) > now:
+            return float(shard.race_expires_at - now)
+        if (shard.lease_expires_at or 0.0) <= now:
+            return None
+        holder = next(
+            (a for a in store.list_attempts(self.job_id) if a.attempt_id == shard.lease_attempt_id), None
+        )
+        return float(shard.lease_expires_at - now) if holder is not None and holder.speculative else None
+
+    def wait_out_racer(self, store: Any) -> bool:
+        """A racer of an earlier try still holds the shard: reschedule (no retry spent, no pod
+        launched: its claim would be refused), or without ``reschedule_retryable`` wait here until
+        it lets go. Returns True when it waited (decide again)."""
+        left = self.racer_holding(store)
+        if left is None:
+            return False
+        where = f"shard {self.shard_index} of job {self.job_id}"
+        if self.reschedules():
+            delay = max(MIN_RESUME_DELAY_S, min(left, self.race_check_interval_s))
+            self.log.info(
+                "%s is held by a live racer for %.0f s more: rescheduled in %.0f s", where, left, delay
+            )
+            raise AirflowRescheduleException(dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay))
+        self.log.info("%s is held by a live racer for %.0f s more: waiting for it", where, left)
+        tick = threading.Event()
+        while self.racer_holding(store) is not None:
+            tick.wait(min(RACE_POLL_S, self.race_check_interval_s))
+        return True
+
+    def _build_find_pod_label_selector(
+        self, context: Any | None = None, *, exclude_checked: bool = True
+    ) -> str:
+        # a try reattaches to its own shard pod, never to a racer (which has the same task labels)
+        selector: str = super()._build_find_pod_label_selector(context, exclude_checked=exclude_checked)
+        return f"{selector},{RACE_LABEL}!=true"
+
+    def await_pod_completion(self, pod: k8s.V1Pod) -> Any:  # type: ignore[override]  # tenacity-wrapped there
+        """Wait for this try's pod; a racing try watches the job's tail meanwhile (:meth:`watch_tail`)."""
+        if self._race_from is None:
+            return super().await_pod_completion(pod)
+        stop = self._race_stop = threading.Event()
+        watcher = threading.Thread(target=self.watch_tail, args=(pod, stop), name="tail-race", daemon=True)
+        watcher.start()
+        try:
+            return super().await_pod_completion(pod)
+        finally:
+            stop.set()
+            watcher.join()
+
+    def watch_tail(self, pod: k8s.V1Pod, stop: threading.Event) -> None:
+        """Launch the racer when :meth:`racer_decision` says so; once the shard is done, delete
+        the Spot pod if it still runs (the race's loser: its attempt is over)."""
+        while not stop.wait(self.race_check_interval_s if self._racer is None else RACE_POLL_S):
+            try:
+                if self._racer is None:
+                    decision = self.racer_decision()
+                    if decision is not None and not stop.is_set():
+                        self.launch_racer(decision)
+                elif self.shard_done():
+                    self.delete_pod(pod, why="the shard is done; this Spot pod lost the race")
+                    return
+            except Exception:
+                self.log.warning("tail race check of shard %s failed", self.shard_index, exc_info=True)
+
+    def racer_decision(self) -> TryDecision | None:
+        """The racer's decision when the job is at its tail and the race rule says so, else None."""
+        assert self._race_from is not None and self._race_from.pool is not None
+        store = self._race_store
+        view = read_job_view(store, self.job_id, now=(self.clock or SystemClock()).now(), pools=self.pools)
+        shards = store.list_shards(self.job_id)
+        if not tail_has_room(shards, view.parallelism):
+            return None
+        shard = next(s for s in shards if s.shard_index == int(self.shard_index))
+        return race_decision(view, shard, self._race_from.pool.name)
+
+    def racer_pod(self, decision: TryDecision) -> k8s.V1Pod:
+        """This try's pod as the racer: the racer's placement, ``worker --race``, a pod name of its own."""
+        assert self.pod_request_obj is not None and self._race_from is not None and self._base is not None
+        assert decision.pool is not None
+        pod: k8s.V1Pod = copy.deepcopy(self.pod_request_obj)
+        mine = pod_placement(self._race_from, capacity_label=self.capacity_label)
+        placement = pod_placement(decision, capacity_label=self.capacity_label)
+        node_selector, tolerations, _, _, _ = self._base
+        labels = {k: v for k, v in (pod.metadata.labels or {}).items() if k not in mine.labels}
+        pod.metadata.labels = {**labels, **placement.labels, RACE_LABEL: "true"}
+        annotations = {k: v for k, v in (pod.metadata.annotations or {}).items() if k not in mine.annotations}
+        pod.metadata.annotations = {**annotations, **placement.annotations}
+        pod.metadata.name = f"{pod.metadata.name}-race"[:253]
+        pod.spec.node_selector = {**node_selector, **placement.node_selector}
+        pod.spec.tolerations = [*tolerations, *(k8s.V1Toleration(**t) for t in placement.tolerations)]
+        pod.spec.termination_grace_period_seconds = placement.grace_period_s
+        [container] = [c for c in pod.spec.containers if c.name == self.base_container_name]
+        container.args = worker_arguments(
+            self.job_id,
+            int(self.shard_index),
+            pool=decision.pool.name,
+            lease_ttl_s=self.lease_ttl_s,
+            grace_s=placement.grace_period_s,
+            extra=[*self.worker_args, "--race"],
+        )
+        return pod
+
+    def launch_racer(self, decision: TryDecision) -> None:
+        """Create the racer pod (:meth:`racer_pod`); remembered first, so that a kill deletes it."""
+        pod = self.racer_pod(decision)
+        self._racer, self._raced = pod, True  # before it exists: a kill from now on deletes it
+        self.log.warning(
+            "shard %s of job %s: racing its Spot try with pod %s on %s (%s)",
+            self.shard_index,
+            self.job_id,
+            pod.metadata.name,
+            decision.pool.name if decision.pool else "?",
+            decision.reason,
+        )
+        self.pod_manager.create_pod(pod)
+
+    def shard_done(self) -> bool:
+        """Whether this try's shard is committed (read from the store of the try's race)."""
+        assert self._race_store is not None, "shard_done is called within execute only"
+        shard = self._race_store.get_shard(self.job_id, int(self.shard_index))
+        return bool(shard.state is ShardState.SUCCEEDED)
+
+    def delete_pod(self, pod: k8s.V1Pod, *, why: str) -> None:
+        """Delete a pod of the race (gone already: nothing to do)."""
+        self.log.info("deleting pod %s: %s", pod.metadata.name, why)
+        try:
+            self.client.delete_namespaced_pod(
+                pod.metadata.name, pod.metadata.namespace, grace_period_seconds=LOSER_GRACE_S
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def delete_racer(self) -> None:
+        """Delete this try's racer pod, if it has one (best effort: a failure is logged)."""
+        racer, self._racer = self._racer, None
+        if racer is not None:
+            try:
+                self.delete_pod(racer, why="the race is over")
+            except Exception:
+                self.log.warning("could not delete racer pod %s", racer.metadata.name, exc_info=True)
+
+    def await_racer(self) -> bool:
+        """This try's pod ended; wait for its racer while it may still finish the shard.
+
+        True once the shard is done (by either pod); False when the racer ended, or never started,
+        without it being done. Either way the racer's pod is deleted.
+        """
+        if self._racer is None:
+            return False
+        tick = threading.Event()
+        while not self.shard_done():
+            try:
+                racer = self.pod_manager.read_pod(self._racer)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                racer = None
+            phase = racer.status.phase if racer is not None and racer.status else None
+            if phase is None or phase in FINISHED_PHASES or phase == "Pending":
+                done = self.shard_done()  # it may have completed the shard on its way out
+                self.delete_racer()
+                return done
+            tick.wait(min(RACE_POLL_S, self.race_check_interval_s))
+        self.delete_racer()
+        return True
+
+    def on_kill(self) -> None:
+        if self._race_stop is not None:
+            self._race_stop.set()
+        try:
+            super().on_kill()
+        finally:
+            self.delete_racer()
 
     def cleanup(
         self,
@@ -620,12 +889,19 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                 found.outcome.value,
                 found.reason,
             )
+            if self.await_racer():
+                self.log.info("shard %s of job %s: done by its racer", self.shard_index, self.job_id)
+                return
             failure = failure_class_of(found) or FailureClass.TRANSIENT
             shard_failed = found.failure is not None and found.failure.shard_failed
             try:
                 self.settle_failure(failure, found.reason, shard_failed=shard_failed)
             except AirflowException as settled:
                 raise settled from exc
+        else:
+            if self._racer is not None and not self.await_racer():
+                # this pod lost the race (exit 0, lost_race) and the racer ended before the shard was done
+                self.settle_failure(FailureClass.TRANSIENT, "the racer ended before the shard was done")
 
 
 class LocalShardOperator(_ShardTryMixin, BaseOperator):

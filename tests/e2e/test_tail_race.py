@@ -143,7 +143,8 @@ def test_the_runner_races_its_tail_spot_try_and_the_job_verifies(tmp_path: Path)
             max_invalid_fraction=0.5,
             workers=3,
         ),
-        RunOptions(workers=3, worker_env={"ADB_ECHO_DELAY_S": "0.3"}, lease_ttl_s=10.0),
+        # 0.5 s a record: a Spot try runs ~10 s, far longer than a racer needs to start and claim
+        RunOptions(workers=3, worker_env={"ADB_ECHO_DELAY_S": "0.5"}, lease_ttl_s=10.0),
         clock=clock,
         on_progress=near_the_deadline,
         on_plan=lambda plan: job.update(job_id=plan.job_id),
@@ -152,8 +153,12 @@ def test_the_runner_races_its_tail_spot_try_and_the_job_verifies(tmp_path: Path)
     # every try before the jump was placed on Spot: an on-demand launch is the racer
     assert summary.placements["on_demand"] >= 1, summary
     attempts = store.list_attempts(job["job_id"])
-    # the racer claims its racing lease unless the Spot try finished first (then it exits 0, unrecorded)
-    assert all(a.pool == "local-on-demand" for a in attempts if a.speculative)
+    # the racer took the racing lease: its attempt row is speculative, on the on-demand pool, and
+    # raced a Spot try of the same shard
+    racers = [a for a in attempts if a.speculative]
+    assert racers and all(a.pool == "local-on-demand" for a in racers), attempts
+    raced = {a.shard_index for a in attempts if not a.speculative and a.pool == "local-spot"}
+    assert {a.shard_index for a in racers} <= raced
     assert all(a.outcome in (AttemptOutcome.SUCCEEDED, AttemptOutcome.LOST_RACE) for a in attempts)
     assert not [a for a in attempts if a.failure_class is not None]  # no try failed
     verified = run_cli("verify", job["job_id"], "--store", url, "--json", cwd=tmp_path)
