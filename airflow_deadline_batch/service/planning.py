@@ -69,7 +69,7 @@ from airflow_deadline_batch.exceptions import (
     ObjectNotFound,
 )
 from airflow_deadline_batch.service.admission import shared_admission
-from airflow_deadline_batch.service.processes import run_in_processes
+from airflow_deadline_batch.service.processes import Processes
 from airflow_deadline_batch.service.spill import (
     CHUNK_ROWS,
     DEFAULT_MEMORY_BUDGET,
@@ -77,6 +77,7 @@ from airflow_deadline_batch.service.spill import (
     DuplicateFinder,
     IdSpill,
     PartitionFiles,
+    check_partitions,
     combine,
 )
 from airflow_deadline_batch.storage import (
@@ -574,11 +575,25 @@ class _InputScan:
         self.file_size = 0
         self.spool: Any = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
 
-    def finish(self, parts: Sequence[_ScanPart]) -> None:
-        """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results."""
+    def finish(self, parts: Sequence[_ScanPart], processes: Processes | None = None) -> None:
+        """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results.
+
+        With ``processes`` (the scan's, still running), the ID partitions are checked in them, a
+        share each (the memory budget too), and only the later lines they find are merged here.
+        """
         self.total_lines, self.file_size = parts[-1].last_line, parts[-1].end_offset
         finder = DuplicateFinder(self.directory / "duplicates", memory_budget=self._memory_budget)
-        duplicates = finder.duplicates(combine([part.partitions for part in parts]))
+        partitions = combine([part.partitions for part in parts])
+        if processes is not None and len(processes) > 1:
+            count = len(processes)
+            groups = [
+                (partitions[k::count], str(self.directory / f"duplicates-{k}"), self._memory_budget // count)
+                for k in range(count)
+            ]
+            runs = processes.map(check_partitions, groups)
+            duplicates = finder.merged([run for group in runs for run in group])
+        else:
+            duplicates = finder.duplicates(partitions)
         duplicate_records = Column(self.directory / "duplicate-records", "q")
         self._opened.append(duplicate_records)
         self._merge_errors(parts, duplicates, duplicate_records)
@@ -743,13 +758,17 @@ def _scan_input(
             )
 
         if processes > 1 and path is not None:
-            parts = _scan_parallel(path, processes, job)
+            with Processes(processes) as workers:  # kept for the duplicate check
+                parts = _scan_parallel(path, workers, job)
+                if on_scanned is not None:
+                    on_scanned()
+                scan.finish(parts, workers)
         else:
             with _open_input(request.input_uri) as stream:
                 parts = [_scan_lines(stream, job(0, 0, None, 1))]
-        if on_scanned is not None:
-            on_scanned()
-        scan.finish(parts)
+            if on_scanned is not None:
+                on_scanned()
+            scan.finish(parts)
     except BaseException:
         scan.close()
         scan.spool.close()
@@ -758,10 +777,10 @@ def _scan_input(
 
 
 def _scan_parallel(
-    path: str, processes: int, job: Callable[[int, int, int | None, int], _PartJob]
+    path: str, processes: Processes, job: Callable[[int, int, int | None, int], _PartJob]
 ) -> list[_ScanPart]:
-    """Scan ``processes`` byte ranges of a local file in as many processes (line numbers first)."""
-    ranges = _line_ranges(path, os.stat(path).st_size, processes)
+    """Scan as many byte ranges of a local file as ``processes``, one in each (line numbers first)."""
+    ranges = _line_ranges(path, os.stat(path).st_size, len(processes))
     # each range's first line number: the newlines before it, counted (C speed: about a second a
     # GB) while the processes start, range by range, in order
     first_lines = [1]
@@ -771,7 +790,7 @@ def _scan_parallel(
             first_lines.append(first_lines[-1] + _count_newlines(path, *ranges[k - 1]))
         return (job(k, ranges[k][0], ranges[k][1], first_lines[k]),)
 
-    parts: list[_ScanPart] = run_in_processes(
+    parts: list[_ScanPart] = processes.map(
         _scan_part, [functools.partial(part, k) for k in range(len(ranges))]
     )
     return parts

@@ -33,6 +33,7 @@ __all__ = [
     "DuplicateFinder",
     "IdSpill",
     "PartitionFiles",
+    "check_partitions",
     "combine",
 ]
 
@@ -293,10 +294,23 @@ class DuplicateFinder:
 
     def duplicates(self, partitions: Sequence[PartitionFiles]) -> Iterator[tuple[int, str]]:
         """``(line, id)`` of every line whose ID an earlier line carries, in line order."""
+        return self.merged(self.check(partitions))
+
+    def check(self, partitions: Sequence[PartitionFiles]) -> list[Path]:
+        """Check ``partitions`` (each on its own); the sorted runs of their later lines, for :meth:`merged`.
+
+        Partitions share no ID, so disjoint groups of them may be checked by several finders
+        (in several processes: :func:`check_partitions`) and their runs merged by one."""
         for paths, count in partitions:
             if count:
                 self._check(paths, count, sum(p.stat().st_size for p in paths), depth=0)
-        for line, key in self._merge(self._runs):
+        runs, self._runs = self._runs, []
+        return runs
+
+    def merged(self, runs: Sequence[Path]) -> Iterator[tuple[int, str]]:
+        """``(line, id)`` of the runs' entries (from :meth:`check`, of one or several finders), in
+        line order; each run deleted once read."""
+        for line, key in self._merge(list(runs)):
             yield line, key.decode("utf-8", "surrogatepass")
 
     def _check(self, paths: Sequence[Path], count: int, size: int, depth: int) -> None:
@@ -375,10 +389,15 @@ class DuplicateFinder:
                     path.unlink()
                 merged.append(out_path)
             runs = merged
-        self._runs = []
         yield from heapq.merge(*(_iter_run(p) for p in runs))
         for path in runs:
             path.unlink()
+
+
+def check_partitions(partitions: Sequence[PartitionFiles], directory: str, memory_budget: int) -> list[Path]:
+    """:meth:`DuplicateFinder.check` of some partitions, by a finder of its own in ``directory``
+    (run in a worker process: the runs it returns are merged by the caller's finder)."""
+    return DuplicateFinder(Path(directory), memory_budget=memory_budget).check(partitions)
 
 
 def _read_all(paths: Sequence[Path]) -> Iterator[Entries]:
