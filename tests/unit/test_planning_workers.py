@@ -77,7 +77,12 @@ def test_groups_of_partitions_checked_apart_merge_to_the_duplicates(tmp_path: Pa
     assert list(finder.merged([run for group in runs for run in group])) == expected
 
 
-IDS = st.one_of(st.none(), st.sampled_from(ODD_IDS), st.text(max_size=20), st.from_regex(r"r[0-9]{1,6}"))
+IDS = st.one_of(
+    st.none(),
+    st.sampled_from((*ODD_IDS, "\ud800", "a\udfffb")),
+    st.text(max_size=20),
+    st.from_regex(r"r[0-9]{1,6}"),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
