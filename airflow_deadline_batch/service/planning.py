@@ -585,13 +585,17 @@ class _InputScan:
         self.total_lines = 0
         self.file_size = 0
         self.spool: Any = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
+        #: the scan's worker processes while they run (:meth:`finish` checks the IDs in them)
+        self.workers: Processes | None = None
 
-    def finish(self, parts: Sequence[_ScanPart], processes: Processes | None = None) -> None:
+    def finish(self, parts: Sequence[_ScanPart]) -> None:
         """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results.
 
-        With ``processes`` (the scan's, still running), the ID partitions are checked in them, a
-        share each (the memory budget too), and only the later lines they find are merged here.
+        With :attr:`workers` set (the scan's processes, still running), the ID partitions are
+        checked in them, a share each (the memory budget too), and only the later lines they find
+        are merged here.
         """
+        processes = self.workers
         self.total_lines, self.file_size = parts[-1].last_line, parts[-1].end_offset
         finder = DuplicateFinder(self.directory / "duplicates", memory_budget=self._memory_budget)
         partitions = combine([part.partitions for part in parts])
@@ -773,7 +777,11 @@ def _scan_input(
                 parts = _scan_parallel(path, workers, job)
                 if on_scanned is not None:
                     on_scanned()
-                scan.finish(parts, workers)
+                scan.workers = workers
+                try:
+                    scan.finish(parts)
+                finally:
+                    scan.workers = None
         else:
             with _open_input(request.input_uri) as stream:
                 parts = [_scan_lines(stream, job(0, 0, None, 1))]
