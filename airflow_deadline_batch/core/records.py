@@ -1052,6 +1052,16 @@ def _decode_reordered(data: bytes) -> _FastOpenAI | None:
         return None
 
 
+def _contents(messages: list[_FastMessage]) -> tuple[str, ...]:
+    """The messages' contents; the usual one or two messages without a comprehension (which
+    costs a function object and a list)."""
+    if len(messages) == 2:
+        return (messages[0].content, messages[1].content)
+    if len(messages) == 1:
+        return (messages[0].content,)
+    return tuple([message.content for message in messages])
+
+
 def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> list[QuickRecord | None]:
     """:func:`quick_parse_many` for the common shapes, decoded by typed msgspec structs.
 
@@ -1106,7 +1116,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 append(None)
                 continue
             else:
-                texts = tuple([message.content for message in messages])
+                texts = _contents(messages)
             record_id = line.id
         else:
             assert type(line) is _FastOpenAI
@@ -1127,7 +1137,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 if chat is unset or body.prompt is not unset:
                     append(None)
                     continue
-                texts = tuple([message.content for message in chat])
+                texts = _contents(chat)
                 body.messages = unset
                 kind = "chat"
             else:
