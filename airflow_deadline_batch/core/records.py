@@ -1037,14 +1037,29 @@ def _params_names(
     return names
 
 
+#: how an OpenAI Batch line of the usual key order starts (the fast path's first guess of its shape)
+_OPENAI_START = b'{"custom_id"'
+_BACKSLASH = ord("\\")
+
+
 def _decode_reordered(data: bytes) -> _FastOpenAI | None:
     """An OpenAI Batch line whose first member is not ``custom_id`` (the fast path's second try)."""
-    if data.startswith(b'{"custom_id"') or b'"custom_id"' not in data:
+    if data.startswith(_OPENAI_START) or b'"custom_id"' not in data:
         return None
     try:
         return _OPENAI_DECODER.decode(data)
     except msgspec.DecodeError:
         return None
+
+
+def _contents(messages: list[_FastMessage]) -> tuple[str, ...]:
+    """The messages' contents; the usual one or two messages without a comprehension (which
+    costs a function object and a list)."""
+    if len(messages) == 2:
+        return (messages[0].content, messages[1].content)
+    if len(messages) == 1:
+        return (messages[0].content,)
+    return tuple([message.content for message in messages])
 
 
 def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> list[QuickRecord | None]:
@@ -1065,6 +1080,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
     unset = msgspec.UNSET
     decode_error = msgspec.DecodeError
     native_type = _FastNative
+    openai_start = _OPENAI_START
     try:
         long_lines = max(map(len, datas), default=0) > max_bytes  # type: ignore[arg-type]
     except TypeError:  # a None item: check each line
@@ -1078,7 +1094,8 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
             append(None)
             continue
         try:
-            line = decode_openai(data) if data.startswith(b'{"custom_id"') else decode_native(data)  # type: ignore[union-attr,arg-type]
+            # a slice compared, not startswith: a method call costs more than the comparison
+            line = decode_openai(data) if data[:12] == openai_start else decode_native(data)  # type: ignore[index,arg-type]
         except decode_error:
             line = _decode_reordered(data)  # type: ignore[arg-type]
             if line is None:
@@ -1099,7 +1116,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 append(None)
                 continue
             else:
-                texts = tuple([message.content for message in messages])
+                texts = _contents(messages)
             record_id = line.id
         else:
             assert type(line) is _FastOpenAI
@@ -1120,7 +1137,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 if chat is unset or body.prompt is not unset:
                     append(None)
                     continue
-                texts = tuple([message.content for message in chat])
+                texts = _contents(chat)
                 body.messages = unset
                 kind = "chat"
             else:
@@ -1139,7 +1156,8 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
             if names:  # a raw parameter repeated would have its earlier values only skipped by msgspec
                 # (no UTF-8 or number-range check): decline when one may be; a key can be spelt
                 # with escapes only through \u00XX
-                if b"\\" in data and b"\\u00" in data:  # type: ignore[operator]  # a one-byte search first
+                # a one-byte search first, by the byte's value (memchr; ``b"\\" in data`` costs 10x)
+                if _BACKSLASH in data and b"\\u00" in data:  # type: ignore[operator]
                     append(None)
                     continue
                 for name in names:

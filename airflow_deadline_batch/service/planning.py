@@ -69,7 +69,7 @@ from airflow_deadline_batch.exceptions import (
     ObjectNotFound,
 )
 from airflow_deadline_batch.service.admission import shared_admission
-from airflow_deadline_batch.service.processes import run_in_processes
+from airflow_deadline_batch.service.processes import Processes
 from airflow_deadline_batch.service.spill import (
     CHUNK_ROWS,
     DEFAULT_MEMORY_BUDGET,
@@ -77,6 +77,7 @@ from airflow_deadline_batch.service.spill import (
     DuplicateFinder,
     IdSpill,
     PartitionFiles,
+    check_partitions,
     combine,
 )
 from airflow_deadline_batch.storage import (
@@ -305,6 +306,17 @@ class _ScanPart:
     end_offset: int
 
 
+def _append_ints(target: array[int], values: Sequence[int]) -> None:
+    """``target.extend(values)``, at C speed for a list or a range (``extend`` converts item by
+    item through the iterator protocol, about four times slower)."""
+    if type(values) is list:
+        target.fromlist(values)
+    elif type(values) is range and values.step == 1:
+        target.frombytes(np.arange(values.start, values.stop, dtype=np.int64).tobytes())
+    else:
+        target.extend(values)
+
+
 class _PartWriter:
     """The files of one scanned range: valid-looking records' numbers as columns, IDs to an
     :class:`~airflow_deadline_batch.service.spill.IdSpill`, invalid lines' provisional outcomes
@@ -327,10 +339,10 @@ class _PartWriter:
     ) -> None:
         """Count valid-looking records: their lines, where they end, their estimated tokens (the
         GPU-seconds are computed per chunk when it is spilled)."""
-        self.rec_line.extend(lines)
-        self.rec_end.extend(ends)
-        self.rec_prompt.extend(prompts)
-        self.rec_output.extend(outputs)
+        _append_ints(self.rec_line, lines)
+        _append_ints(self.rec_end, ends)
+        _append_ints(self.rec_prompt, prompts)
+        _append_ints(self.rec_output, outputs)
         if len(self.rec_line) >= CHUNK_ROWS:
             self._spill_records()
 
@@ -573,12 +585,30 @@ class _InputScan:
         self.total_lines = 0
         self.file_size = 0
         self.spool: Any = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)  # noqa: SIM115 - closed by InputAnalysis.close
+        #: the scan's worker processes while they run (:meth:`finish` checks the IDs in them)
+        self.workers: Processes | None = None
 
     def finish(self, parts: Sequence[_ScanPart]) -> None:
-        """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results."""
+        """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results.
+
+        With :attr:`workers` set (the scan's processes, still running), the ID partitions are
+        checked in them, a share each (the memory budget too), and only the later lines they find
+        are merged here.
+        """
+        processes = self.workers
         self.total_lines, self.file_size = parts[-1].last_line, parts[-1].end_offset
         finder = DuplicateFinder(self.directory / "duplicates", memory_budget=self._memory_budget)
-        duplicates = finder.duplicates(combine([part.partitions for part in parts]))
+        partitions = combine([part.partitions for part in parts])
+        if processes is not None and len(processes) > 1:
+            count = len(processes)
+            groups = [
+                (partitions[k::count], str(self.directory / f"duplicates-{k}"), self._memory_budget // count)
+                for k in range(count)
+            ]
+            runs = processes.map(check_partitions, groups)
+            duplicates = finder.merged([run for group in runs for run in group])
+        else:
+            duplicates = finder.duplicates(partitions)
         duplicate_records = Column(self.directory / "duplicate-records", "q")
         self._opened.append(duplicate_records)
         self._merge_errors(parts, duplicates, duplicate_records)
@@ -743,13 +773,21 @@ def _scan_input(
             )
 
         if processes > 1 and path is not None:
-            parts = _scan_parallel(path, processes, job)
+            with Processes(processes) as workers:  # kept for the duplicate check
+                parts = _scan_parallel(path, workers, job)
+                if on_scanned is not None:
+                    on_scanned()
+                scan.workers = workers
+                try:
+                    scan.finish(parts)
+                finally:
+                    scan.workers = None
         else:
             with _open_input(request.input_uri) as stream:
                 parts = [_scan_lines(stream, job(0, 0, None, 1))]
-        if on_scanned is not None:
-            on_scanned()
-        scan.finish(parts)
+            if on_scanned is not None:
+                on_scanned()
+            scan.finish(parts)
     except BaseException:
         scan.close()
         scan.spool.close()
@@ -758,10 +796,10 @@ def _scan_input(
 
 
 def _scan_parallel(
-    path: str, processes: int, job: Callable[[int, int, int | None, int], _PartJob]
+    path: str, processes: Processes, job: Callable[[int, int, int | None, int], _PartJob]
 ) -> list[_ScanPart]:
-    """Scan ``processes`` byte ranges of a local file in as many processes (line numbers first)."""
-    ranges = _line_ranges(path, os.stat(path).st_size, processes)
+    """Scan as many byte ranges of a local file as ``processes``, one in each (line numbers first)."""
+    ranges = _line_ranges(path, os.stat(path).st_size, len(processes))
     # each range's first line number: the newlines before it, counted (C speed: about a second a
     # GB) while the processes start, range by range, in order
     first_lines = [1]
@@ -771,7 +809,7 @@ def _scan_parallel(
             first_lines.append(first_lines[-1] + _count_newlines(path, *ranges[k - 1]))
         return (job(k, ranges[k][0], ranges[k][1], first_lines[k]),)
 
-    parts: list[_ScanPart] = run_in_processes(
+    parts: list[_ScanPart] = processes.map(
         _scan_part, [functools.partial(part, k) for k in range(len(ranges))]
     )
     return parts

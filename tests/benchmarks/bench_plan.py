@@ -189,7 +189,10 @@ def child_bare(path: str) -> dict[str, Any]:
 
 
 #: plan_job's steps timed by ``--phases`` (functions of ``service.planning``; ``finish`` is the
-#: duplicate check and rewrite, ``hash_input`` runs on a thread beside the others)
+#: duplicate check and rewrite, ``hash_input`` runs on a thread beside the others). A worker
+#: process's CPU counts once it is reaped: the scan's workers stay for the duplicate check and end
+#: after ``finish``, so their CPU shows in ``analyze_input`` and in whichever step overlaps their
+#: end (``hash_input``'s thread), not in ``_scan_parallel``; ``finish``'s CPU is the parent's own.
 PHASES = ("rate_pools", "_scan_parallel", "finish", "analyze_input", "hash_input", "hash_ranges", "_record")
 
 
