@@ -27,17 +27,23 @@
   bisection on ``μ`` and a few subgradient steps on ``λ`` (only where capacity is short of ``N``)
   make it tight. Unlike the relaxation it counts a changeover per try, whole shards (work lost to a
   stop) and each worker's own deadline; like it, it holds for schedules that meet the deadline.
+* Several Spot pools (as :func:`~.engine.simulate_pools`, any ``N``): :func:`pools_bound`, the same
+  Lagrangian bound with a try on on-demand or on one pool ``j`` (price ``p_j``, speed ``s_j``: it
+  lasts ``d + n·S/s_j`` and needs pool ``j``'s capacity on every tick it touches) and one toll
+  ``λ_{j,t}`` per pool and tick on that pool's ``min(c_j(t), N)·g`` Spot hours. A proven lower bound,
+  not an optimum, even for ``N = 1``; :func:`lagrangian_bound` is its one-pool case.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
-from airflow_deadline_batch.sim.engine import EPS, SimConfig, on_demand_makespan
+from airflow_deadline_batch.sim.engine import EPS, SimConfig, SimPool, on_demand_makespan
 from airflow_deadline_batch.sim.traces import Trace
 
 #: cap on the states of the dynamic programme (offset in shard × committed shards); above it the
@@ -103,86 +109,104 @@ def relaxation_bound(trace: Trace, start_tick: int, config: SimConfig) -> Bound:
 
 @dataclass(frozen=True)
 class _WorkerPlan:
-    """One worker's best schedule at given prices: its value, work, Spot hours per tick, hours."""
+    """One worker's best schedule at given prices: its value, work, Spot hours per pool and tick, hours."""
 
     value: float
     work_h: float
-    spot_by_tick: np.ndarray
+    spot_by_tick: np.ndarray  # (pools, ticks)
     spot_h: float
     on_demand_h: float
 
 
 class _WorkerProblem:
-    """One worker alone on the trace: tries that each commit ``n`` whole shards (Lagrangian step).
+    """One worker alone on the pools: tries that each commit ``n`` whole shards (Lagrangian step).
 
     A try starts at a tick boundary ``a``, pays the changeover ``d``, commits ``n ≥ 1`` shards and
-    ends at ``a·g + d + n·S`` (the relaxation lets any try stop at its last commit; the engine lets
-    only the finishing ones); the worker is idle until the next boundary. A Spot try needs capacity
-    on every tick it touches; every try ends by the deadline.
+    ends at ``a·g + d + n·S/speed`` (the relaxation lets any try stop at its last commit; the engine
+    lets only the finishing ones); the worker is idle until the next boundary. A try runs on
+    on-demand (price ``k``, speed 1) or on one Spot pool ``j`` (price ``p_j``, speed ``s_j``), which
+    needs capacity in pool ``j`` on every tick it touches; every try ends by the deadline.
     """
 
-    def __init__(self, trace: Trace, start_tick: int, config: SimConfig) -> None:
-        self.gap = trace.gap_s / 3600.0
+    def __init__(self, pools: Sequence[SimPool], start_tick: int, config: SimConfig) -> None:
+        self.gap = pools[0].trace.gap_s / 3600.0
         self.ticks = max(1, math.ceil(config.deadline_h / self.gap - EPS))
         self.size, self.d, self.k = config.shard_size_h, config.changeover_h, config.price_ratio
         self.deadline = config.deadline_h
-        caps = np.array([trace.at(start_tick + i) for i in range(self.ticks)], dtype=float)
-        self.caps = np.minimum(caps, config.workers)
+        caps = np.array([[p.trace.at(start_tick + i) for i in range(self.ticks)] for p in pools], dtype=float)
+        self.caps = np.minimum(caps, config.workers)  # (pools, ticks)
         most = max(0, min(config.shards, math.floor((self.deadline - self.d) / self.size + EPS)))
-        self.length = self.d + self.size * np.arange(1, most + 1)  # a try's hours for n shards
-        self.span = np.ceil(self.length / self.gap - EPS).astype(int)  # ticks it touches
         self.work = self.size * np.arange(1, most + 1)
-        run = np.zeros(self.ticks + 1, dtype=int)  # ticks with capacity from each tick on
-        for i in range(self.ticks - 1, -1, -1):
-            run[i] = run[i + 1] + 1 if self.caps[i] >= 1 else 0
-        self.n_spot = np.searchsorted(self.span, run[: self.ticks], side="right")
-        self.n_deadline = np.array(
-            [
-                np.searchsorted(self.length, self.deadline - a * self.gap + EPS, side="right")
-                for a in range(self.ticks)
-            ]
-        )
+        # mode 0 is on-demand, mode 1 + j Spot pool j: price, a try's hours for n shards, ticks it touches
+        self.price = [self.k] + [p.price for p in pools]
+        self.length = [self.d + self.work / speed for speed in [1.0] + [p.speed for p in pools]]
+        self.span = [np.ceil(length / self.gap - EPS).astype(int) for length in self.length]
+        self.n_deadline = [
+            np.array(
+                [
+                    np.searchsorted(length, self.deadline - a * self.gap + EPS, side="right")
+                    for a in range(self.ticks)
+                ]
+            )
+            for length in self.length
+        ]
+        self.n_spot = []  # per pool: the most shards a try from each tick can commit on capacity
+        for j, pool_caps in enumerate(self.caps):
+            run = np.zeros(self.ticks + 1, dtype=int)  # ticks with capacity from each tick on
+            for i in range(self.ticks - 1, -1, -1):
+                run[i] = run[i + 1] + 1 if pool_caps[i] >= 1 else 0
+            n_spot = np.searchsorted(self.span[1 + j], run[: self.ticks], side="right")
+            self.n_spot.append(np.minimum(n_spot, self.n_deadline[1 + j]))
 
     def solve(self, reward: float, toll: np.ndarray) -> _WorkerPlan:
         """Best value (reward × work − cost − Σ toll × Spot hours) by dynamic programming over ticks."""
-        pad = self.ticks + (int(self.span[-1]) if len(self.span) else 0) + 1
+        longest = max((int(span[-1]) for span in self.span if len(span)), default=0)
+        pad = self.ticks + longest + 1
         value = np.zeros(pad + 1)
-        tolled = bool(toll.any())
-        paid = np.concatenate(([0.0], np.cumsum(toll * self.gap), np.zeros(pad)))  # toll to each boundary
-        paid[self.ticks + 1 :] = paid[self.ticks]
-        toll_pad = np.concatenate((toll, np.zeros(pad)))
         gain = reward * self.work
-        od_gain, spot_gain = gain - self.k * self.length, gain - self.length
-        choice = np.zeros((self.ticks, 2), dtype=int)  # (mode 0 idle / 1 Spot / 2 on-demand, n)
+        gains = [gain - price * length for price, length in zip(self.price, self.length, strict=True)]
+        tolls = [self._tolls(row, pad) for row in toll]
+        choice = np.zeros((self.ticks, 2), dtype=int)  # (mode 0 idle / 1 + try mode, n)
         for a in range(self.ticks - 1, -1, -1):
             best, pick = value[a + 1], (0, 0)
-            n_od = int(self.n_deadline[a])
+            n_od = int(self.n_deadline[0][a])
             if n_od:
-                nxt = a + self.span[:n_od]
-                later = value[nxt]
-                od = od_gain[:n_od] + later
-                j = int(od.argmax())
-                if od[j] > best:
-                    best, pick = float(od[j]), (2, j + 1)
-                n_sp = min(int(self.n_spot[a]), n_od)
-                if n_sp:
-                    sp = spot_gain[:n_sp] + later[:n_sp]
-                    if tolled:
-                        last = nxt[:n_sp] - 1
-                        sp -= (
-                            paid[last]
-                            - paid[a]
-                            + toll_pad[last] * (self.length[:n_sp] - (last - a) * self.gap)
-                        )
-                    j = int(sp.argmax())
-                    if sp[j] > best:
-                        best, pick = float(sp[j]), (1, j + 1)
+                od = gains[0][:n_od] + value[a + self.span[0][:n_od]]
+                i = int(od.argmax())
+                if od[i] > best:
+                    best, pick = float(od[i]), (1, i + 1)
+            for j, n_spot in enumerate(self.n_spot):
+                n_sp = int(n_spot[a])
+                if not n_sp:
+                    continue
+                nxt = a + self.span[1 + j][:n_sp]
+                sp = gains[1 + j][:n_sp] + value[nxt]
+                tolled = tolls[j]
+                if tolled is not None:
+                    paid, toll_pad = tolled
+                    last = nxt - 1
+                    sp -= (
+                        paid[last]
+                        - paid[a]
+                        + toll_pad[last] * (self.length[1 + j][:n_sp] - (last - a) * self.gap)
+                    )
+                i = int(sp.argmax())
+                if sp[i] > best:
+                    best, pick = float(sp[i]), (2 + j, i + 1)
             value[a] = best
             choice[a] = pick
         return self._trace_back(float(value[0]), choice)
 
+    def _tolls(self, toll: np.ndarray, pad: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A pool's toll paid up to each boundary, and per tick, padded past the deadline (None: no toll)."""
+        if not toll.any():
+            return None
+        paid = np.concatenate(([0.0], np.cumsum(toll * self.gap), np.zeros(pad)))
+        paid[self.ticks + 1 :] = paid[self.ticks]
+        return paid, np.concatenate((toll, np.zeros(pad)))
+
     def _trace_back(self, value: float, choice: np.ndarray) -> _WorkerPlan:
-        spot_by_tick = np.zeros(self.ticks)
+        spot_by_tick = np.zeros_like(self.caps)
         work = spot = od = 0.0
         a = 0
         while a < self.ticks:
@@ -190,12 +214,13 @@ class _WorkerProblem:
             if mode == 0:
                 a += 1
                 continue
-            hours, span = float(self.length[n - 1]), int(self.span[n - 1])
+            hours, span = float(self.length[mode - 1][n - 1]), int(self.span[mode - 1][n - 1])
             work += float(self.work[n - 1])
-            if mode == 1:
+            if mode >= 2:
                 spot += hours
-                spot_by_tick[a : a + span] = self.gap
-                spot_by_tick[a + span - 1] = hours - (span - 1) * self.gap
+                row = spot_by_tick[mode - 2]
+                row[a : a + span] = self.gap
+                row[a + span - 1] = hours - (span - 1) * self.gap
             else:
                 od += hours
             a += span
@@ -208,20 +233,35 @@ def lagrangian_bound(trace: Trace, start_tick: int, config: SimConfig, *, rounds
     Any prices give a valid bound; ``rounds`` subgradient steps only make it tighter. Its Spot and
     on-demand hours are those of ``N`` copies of the last best worker plan (indicative only).
     """
+    return pools_bound([SimPool(trace)], start_tick, config, rounds=rounds)
+
+
+def pools_bound(pools: Sequence[SimPool], start_tick: int, config: SimConfig, *, rounds: int = 8) -> Bound:
+    """Proven lower bound for ``N`` workers on several Spot pools (module docstring), as simulate_pools.
+
+    One toll per pool per tick on that pool's capacity ``min(c_j(t), N)·g``; with one pool of price
+    and speed 1 it is :func:`lagrangian_bound`.
+    """
+    if not pools:
+        raise ValueError("at least one Spot pool is needed")
+    if len({p.trace.gap_s for p in pools}) != 1:
+        raise ValueError("the pools' traces must share one tick length (gap_s)")
     n, work, k = config.workers, config.work_h, config.price_ratio
     if not config.on_demand_feasible():
         od_only = (work + min(n, config.shards) * config.changeover_h) * k
         return Bound(cost=od_only, spot_hours=0.0, on_demand_hours=od_only / k, feasible=False)
-    problem = _WorkerProblem(trace, start_tick, config)
-    toll = np.zeros(problem.ticks)
+    problem = _WorkerProblem(pools, start_tick, config)
+    toll = np.zeros_like(problem.caps)
     shared = bool(np.any(problem.caps[problem.caps > 0] < n))  # capacity short of N somewhere
     lo, hi = 0.0, 2.0 * k * (1.0 + config.changeover_h / config.shard_size_h)
     best = Bound(cost=0.0, spot_hours=0.0, on_demand_hours=0.0, feasible=True)
 
     def evaluate(reward: float) -> tuple[float, _WorkerPlan]:
         plan = problem.solve(reward, toll)
-        bound = reward * work - n * plan.value - float(np.sum(toll * problem.caps)) * problem.gap
-        return bound, plan
+        held = (
+            sum(float(np.sum(row * caps)) for row, caps in zip(toll, problem.caps, strict=True)) * problem.gap
+        )
+        return reward * work - n * plan.value - held, plan
 
     def keep(bound: float, plan: _WorkerPlan) -> None:
         nonlocal best
@@ -251,7 +291,7 @@ def lagrangian_bound(trace: Trace, start_tick: int, config: SimConfig, *, rounds
     step = 1.0
     for _ in range(rounds):
         excess = n * plan.spot_by_tick - problem.caps * problem.gap
-        norm = float(np.dot(excess, excess))
+        norm = sum(float(np.dot(row, row)) for row in excess)  # pool by pool: an empty pool adds 0.0
         if norm < 1e-12:
             break
         before = best.cost
@@ -434,6 +474,7 @@ __all__ = [
     "lower_bound",
     "omniscient",
     "on_demand_makespan",
+    "pools_bound",
     "relaxation_bound",
     "spells",
     "tightest_bound",
