@@ -229,10 +229,10 @@ def leased_workers(
     A leased shard's worker runs on its lease holder's pool (its attempt's; the shard's
     ``last_pool`` when the attempt is not among ``attempts``), and a shard in a race (issue 13) has
     a second worker, its racer, on the racer's pool. ``core.job_view`` counts ``last_pool`` only,
-    which misses both: a racer on on-demand was not counted among the job's on-demand workers, and
-    a racer promoted to the primary lease (its Spot try ended first) kept counting as a Spot
-    worker, blocking a storm probe (``core.placement.in_storm``) and charging a Spot worker's waste
-    to the cost cap.
+    which misses the racer: a racer on on-demand was not counted among the job's on-demand
+    workers. (A racer promoted to the primary lease is the shard's ``last_pool`` in the store, and
+    its attempt's pool here either way: it no longer counts as a Spot worker blocking a storm
+    probe, ``core.placement.in_storm``, or charging a Spot worker's waste to the cost cap.)
     """
     pool_of = {a.attempt_id: a.pool for a in attempts}
     on_demand: set[int] = set()

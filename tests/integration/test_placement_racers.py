@@ -82,7 +82,8 @@ def test_a_promoted_racer_counts_on_its_own_pool_not_the_spot_tries(
     store.claim_race(job_id, 0, ttl_s=600, worker="racer-0", pool="local-on-demand")
     store.release(spot, AttemptOutcome.PREEMPTED, "Spot reclaim")  # the racer takes the primary lease
     shard = store.get_shard(job_id, 0)
-    assert shard.race_attempt_id is None and shard.last_pool == "local-spot"
+    # the store names the promoted racer's pool as the shard's (store/leases.py)
+    assert shard.race_attempt_id is None and shard.last_pool == "local-on-demand"
     view = read_job_view(store, job_id, now=START)
     assert (view.on_demand_shards, view.spot_shards) == ({0}, frozenset())
     seen = view.snapshot(1)
