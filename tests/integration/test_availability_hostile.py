@@ -1,0 +1,103 @@
+"""Garbage in the learned Spot availability (issue 13, hostile): the decision must not crash, values clamp.
+
+``PoolAvailability`` folds run and wait seconds; ``availability_prior`` folds earlier jobs'
+``PoolHistory``; the store's ``unschedulable`` rows carry a pod's creation time from the
+Kubernetes API server, whose clock is not the store's. NaN, infinities, negative and 1e308-second
+values, and a pod "created" decades before its job, must leave an availability within [0, 1], a
+pool that comes back once the store's clock says so, and a decision that still runs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+
+import pytest
+
+from airflow_deadline_batch.core.calibration import (
+    CAPACITY_MISSING_S,
+    PoolAvailability,
+    PoolHistory,
+    availability_prior,
+)
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
+from airflow_deadline_batch.operators.placement import (
+    PlacementView,
+    TryAction,
+    decide_for_try,
+    read_job_view,
+)
+from airflow_deadline_batch.store import ManifestStore
+from tests.integration.test_placement_history import make_job
+
+pytestmark = pytest.mark.integration
+
+UTC = dt.timezone.utc
+NOW = 1.8e9
+GARBAGE = [math.nan, math.inf, -math.inf, -1.0, -1e308, 1e308, 0.0]
+SPOT = PoolSpec(name="spot-a", kind=PoolKind.SPOT, price_per_gpu_hour=1.0, preemptions_per_hour=0.1)
+ON_DEMAND = PoolSpec(name="gpu-on-demand", kind=PoolKind.ON_DEMAND, price_per_gpu_hour=3.0)
+
+
+def sane(value: float) -> bool:
+    return math.isfinite(value) and 0.0 <= value <= 1.0
+
+
+@pytest.mark.parametrize("present", GARBAGE)
+@pytest.mark.parametrize("absent", GARBAGE)
+def test_garbage_seconds_leave_the_availability_within_0_and_1(present: float, absent: float) -> None:
+    learned = PoolAvailability()
+    for _ in range(3):  # accumulate: two 1e308 add up to inf
+        learned = learned.observe(present_s=present, absent_s=absent)
+    assert sane(learned.value), (present, absent, learned)
+
+
+def test_huge_run_time_on_both_sides_weighs_them_evenly() -> None:
+    learned = PoolAvailability(prior=0.5).observe(present_s=1e308, absent_s=1e308)
+    assert learned.value == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("gave_up", [math.nan, math.inf, 1e308, NOW + 10 * 365 * 86400.0])
+def test_a_garbage_give_up_time_keeps_the_pool_out_no_longer_than_the_missing_window(gave_up: float) -> None:
+    learned = PoolAvailability().observe(absent_s=600.0, gave_up_s=gave_up)
+    assert learned.available(NOW + CAPACITY_MISSING_S + 1.0), learned
+
+
+def test_a_garbage_start_time_does_not_hide_a_real_give_up() -> None:
+    learned = PoolAvailability().observe(started_s=math.nan).observe(gave_up_s=NOW)
+    assert not learned.available(NOW + 1.0)
+    assert learned.available(NOW + CAPACITY_MISSING_S + 1.0)
+
+
+@pytest.mark.parametrize("spot_s", [math.inf, 1e308, 3600.0])
+@pytest.mark.parametrize("wait_s", [math.inf, 1e308, 0.0])
+def test_huge_pool_history_gives_a_prior_within_0_and_1(spot_s: float, wait_s: float) -> None:
+    history = PoolHistory(pool="spot-a", tries=1, spot_s=spot_s, wait_s=wait_s)
+    assert sane(availability_prior(0.5, history).value)
+
+
+def test_a_pod_created_decades_ago_waits_no_longer_than_its_jobs_window(store: ManifestStore) -> None:
+    """The API server's clock (a pod's creation time) is not the store's: a wait counts no longer
+    than its job's window (creation to deadline, 6 h here), not the 56 years the clock claims."""
+    pools = [SPOT, ON_DEMAND]
+    skewed = make_job(store, pools, "skewed")
+    store.record_unschedulable(
+        skewed,
+        0,
+        pool=SPOT.name,
+        worker="pod-from-1970",
+        created_at=dt.datetime(1970, 1, 2, tzinfo=UTC),
+        error="0/3 nodes are available",
+    )
+    job = store.get_job(skewed)
+    [row] = [a for a in store.list_attempts(skewed) if a.worker == "pod-from-1970"]
+    assert row.ended_at is not None and row.ended_at - row.started_at <= job.deadline - job.created_at
+    waited = store.pool_history([SPOT.name], exclude_job="none")[SPOT.name].wait_s
+    assert waited <= 6 * 3600.0 + 60.0
+
+    view = read_job_view(store, skewed, now=dt.datetime.now(UTC))
+    assert isinstance(view, PlacementView)
+    assert sane(view.pool_availability[SPOT.name].value)
+    assert not view.pool_availability[SPOT.name].available(view.now.timestamp())  # it did give up now
+    decision = decide_for_try(view, store.get_shard(skewed, 1))
+    assert decision.action is TryAction.RUN and decision.pool is not None
