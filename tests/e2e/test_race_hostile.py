@@ -101,9 +101,16 @@ def check_after_attack(store: ManifestStore, job_id: str, tmp_path: Path, *, fin
     assert shard.state is ShardState.SUCCEEDED, shard
     assert sorted(seqs) == list(range(shard.num_microbatches))
     finalize_job(store, job_id)
+    verify_one_outcome_per_line(store, job_id, tmp_path)
+
+
+def verify_one_outcome_per_line(store: ManifestStore, job_id: str, tmp_path: Path) -> None:
     verified = run_cli("verify", job_id, "--store", store.url, "--json", cwd=tmp_path)
     assert verified.code == 0, verified.describe()
-    assert verified.json()["published"] is True
+    report = verified.json()
+    assert report["published"] is True
+    lines = store.get_job(job_id).input_lines
+    assert (report["expected"], report["seen"], report["duplicates"]) == (lines, lines, 0), report
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -312,6 +319,8 @@ def test_cancel_during_a_race_ends_both_tries_and_commits_nothing_more(
     assert len(store.list_commits(job_id)) == committed  # no commit after the cancel
     assert store.get_job(job_id).state is JobState.CANCELLED
     check_after_attack(store, job_id, tmp_path, finished=False)
+    # the cancel published the manifest: committed records and the rest as cancelled, one each
+    verify_one_outcome_per_line(store, job_id, tmp_path)
     store.close()
 
 
