@@ -290,7 +290,7 @@ class PoolHistory:
     def __post_init__(self) -> None:
         if (
             min(self.tries, self.preemptions, self.unschedulable) < 0
-            or not min(self.spot_s, self.wait_s) >= 0
+            or not (self.spot_s >= 0 and self.wait_s >= 0)  # NaN in either fails (min() keeps one)
         ):
             raise ValueError(
                 f"pool history of {self.pool!r}: tries, preemptions, unschedulable, spot_s and wait_s "
@@ -316,7 +316,7 @@ def spot_prior(
         raise ValueError("declared_per_hour must be >= 0, prior_hours and max_history_hours > 0")
     preemptions, hours = declared_per_hour * prior_hours, prior_hours
     if history is not None and history.tries > 0:
-        seen_h = history.spot_s / 3600.0
+        seen_h = _observed_s(history.spot_s) / 3600.0  # finite: inf x a weight of 0 is NaN
         weight = 1.0 if seen_h <= max_history_hours else max_history_hours / seen_h
         preemptions += weight * history.preemptions
         hours += weight * seen_h

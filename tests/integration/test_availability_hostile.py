@@ -18,7 +18,9 @@ from airflow_deadline_batch.core.calibration import (
     CAPACITY_MISSING_S,
     PoolAvailability,
     PoolHistory,
+    SpotTries,
     availability_prior,
+    spot_prior,
 )
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.operators.placement import (
@@ -101,3 +103,27 @@ def test_a_pod_created_decades_ago_waits_no_longer_than_its_jobs_window(store: M
     assert not view.pool_availability[SPOT.name].available(view.now.timestamp())  # it did give up now
     decision = decide_for_try(view, store.get_shard(skewed, 1))
     assert decision.action is TryAction.RUN and decision.pool is not None
+
+
+@pytest.mark.parametrize("spot_s", [math.inf, 1e308, 0.0, 3600.0])
+@pytest.mark.parametrize("preemptions", [0, 10**9])
+def test_huge_pool_history_gives_a_finite_preemption_prior(spot_s: float, preemptions: int) -> None:
+    history = PoolHistory(pool="spot-a", tries=max(1, preemptions), preemptions=preemptions, spot_s=spot_s)
+    tries = spot_prior(0.1, history)
+    assert math.isfinite(tries.prior_per_hour) and tries.prior_per_hour >= 0, tries
+    assert math.isfinite(tries.prior_hours) and tries.prior_hours > 0, tries
+
+
+@pytest.mark.parametrize("duration", [math.nan, math.inf, -math.inf, 1e308, -1.0])
+def test_a_garbage_try_duration_leaves_a_finite_preemption_rate(duration: float) -> None:
+    tries = SpotTries(prior_per_hour=0.1)
+    for _ in range(3):
+        tries = tries.observe(ended_s=NOW, duration_s=duration, preempted=True, commits=0)
+    assert math.isfinite(tries.preemptions_per_hour) and tries.preemptions_per_hour >= 0, tries
+
+
+@pytest.mark.parametrize("garbage", [math.nan])
+def test_a_nan_in_pool_history_is_refused_whichever_field(garbage: float) -> None:
+    for fields in ({"spot_s": garbage}, {"wait_s": garbage}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            PoolHistory(pool="spot-a", **fields)
