@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
-from airflow_deadline_batch.exceptions import LeaseLost, StoreError
-from airflow_deadline_batch.store import Lease, ManifestStore
+from airflow_deadline_batch.exceptions import LeaseLost, ShardNotClaimable, StoreError
+from airflow_deadline_batch.store import JobRow, Lease, ManifestStore
 from tests.integration.test_store_race import claim, commit, new_job, race
 
 pytestmark = pytest.mark.integration
@@ -91,3 +91,43 @@ def test_simultaneous_commits_of_both_attempts_keep_one_commit_per_microbatch(st
             assert shard.last_pool == winner.pool, (n, shard.last_pool, winner.pool)
     finally:
         twin.close()
+
+
+def ask(
+    twin: ManifestStore, job: JobRow, racer: bool, go: threading.Event, granted: list[str], refused: list[str]
+) -> None:
+    """One launch: a racing claim or a plain claim, once ``go`` is set."""
+    go.wait()
+    try:
+        (race if racer else claim)(twin, job)
+        granted.append("race" if racer else "claim")
+    except ShardNotClaimable as exc:
+        refused.append(str(exc.fields["reason"]))
+
+
+def test_racers_and_claims_launched_at_once_grant_one_racing_lease(store: ManifestStore) -> None:
+    """Eight processes' worth of connections ask at once: one racer at most; no claim while it lives."""
+    stores = [ManifestStore.open(store.url) for _ in range(8)]
+    try:
+        for n in range(5):
+            job = new_job(store, MICROBATCHES)
+            claim(store, job, ttl_s=30.0)
+            go = threading.Event()
+            granted: list[str] = []
+            refused: list[str] = []
+            threads = [
+                threading.Thread(target=ask, args=(twin, job, i % 4 != 3, go, granted, refused))
+                for i, twin in enumerate(stores)
+            ]
+            for thread in threads:
+                thread.start()
+            go.set()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert granted == ["race"], (n, granted, refused)
+            assert sorted(set(refused)) == ["leased", "racing"], (n, refused)
+            running = [a for a in store.list_attempts(job.job_id) if a.outcome is AttemptOutcome.RUNNING]
+            assert len(running) == 2 and sum(a.speculative for a in running) == 1, (n, running)
+    finally:
+        for twin in stores:
+            twin.close()
