@@ -4,9 +4,10 @@ Each test runs a primary worker and a ``--race`` worker on one shard, attacks on
 (SIGSTOP past its lease then SIGCONT; SIGKILL between writing an object and committing it;
 ``deadline-batch cancel``), and then checks what must hold after any attack: one commit per
 microbatch, no attempt left running, nothing spent from the shard's budget by the race, and for a
-job that finishes, ``deadline-batch verify`` with one outcome per input line. On SQLite and
-PostgreSQL. The racer's process runs with its own wall clock a day ahead (``time.time``
-shifted): only the store's clock may decide who holds the shard.
+job that finishes, ``deadline-batch verify`` with one outcome per input line. On PostgreSQL (the
+production store; tests/integration/test_store_race_hostile.py runs both backends), the fencing
+attack on SQLite too, to keep CI time down. The racer's process runs with its own wall clock a
+day ahead (``time.time`` shifted): only the store's clock may decide who holds the shard.
 """
 
 from __future__ import annotations
@@ -125,10 +126,19 @@ def logs(tmp_path: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("*.log")))
 
 
-@pytest.mark.parametrize("racer_delay", ["0.05", "0.6"], ids=["racer-finishes-first", "racer-still-running"])
+@pytest.mark.parametrize(
+    ("backend", "racer_delay"),
+    [("postgresql", "0.05"), ("postgresql", "0.6"), ("sqlite", "0.6")],
+    ids=["postgresql-racer-finishes-first", "postgresql-racer-still-running", "sqlite-racer-still-running"],
+)
 def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
-    store_url: str, tmp_path: Path, racer_delay: str
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str, racer_delay: str
 ) -> None:
+    store_url = (
+        f"sqlite:///{tmp_path / 'store.db'}"
+        if backend == "sqlite"
+        else str(request.getfixturevalue("pg_store_url"))
+    )
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=4.0, lines=36)
     procs: list[subprocess.Popen[bytes]] = []
@@ -189,8 +199,9 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
 
 
 def test_a_racer_killed_between_write_and_commit_leaves_the_primary_to_finish(
-    store_url: str, tmp_path: Path
+    pg_store_url: str, tmp_path: Path
 ) -> None:
+    store_url = pg_store_url
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=4.0)
     procs: list[subprocess.Popen[bytes]] = []
@@ -230,8 +241,9 @@ def test_a_racer_killed_between_write_and_commit_leaves_the_primary_to_finish(
 
 
 def test_a_primary_killed_between_write_and_commit_hands_the_shard_to_its_racer(
-    store_url: str, tmp_path: Path
+    pg_store_url: str, tmp_path: Path
 ) -> None:
+    store_url = pg_store_url
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=20.0)
     stalled = tmp_path / "stalled"
@@ -279,8 +291,9 @@ def test_a_primary_killed_between_write_and_commit_hands_the_shard_to_its_racer(
 
 
 def test_cancel_during_a_race_ends_both_tries_and_commits_nothing_more(
-    store_url: str, tmp_path: Path
+    pg_store_url: str, tmp_path: Path
 ) -> None:
+    store_url = pg_store_url
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=6.0)
     procs: list[subprocess.Popen[bytes]] = []
@@ -325,8 +338,9 @@ def test_cancel_during_a_race_ends_both_tries_and_commits_nothing_more(
 
 
 def test_both_killed_between_write_and_commit_then_a_third_try_takes_over(
-    store_url: str, tmp_path: Path
+    pg_store_url: str, tmp_path: Path
 ) -> None:
+    store_url = pg_store_url
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=4.0)
     stalled = tmp_path / "stalled"
