@@ -28,7 +28,7 @@ from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.ids import new_attempt_id
 from airflow_deadline_batch.core.job_view import PREEMPTED_OUTCOMES
 from airflow_deadline_batch.core.states import AttemptOutcome
-from airflow_deadline_batch.store.schema import attempts, jobs
+from airflow_deadline_batch.store.schema import attempts, db_timestamp, jobs
 
 #: how far back earlier jobs' tries count (pools change: a zone fills, a GPU type is retired)
 HISTORY_DAYS = 30.0
@@ -62,6 +62,8 @@ def spot_history(
                 attempts.c.pool == pool,
                 attempts.c.ended_at.is_not(None),
                 attempts.c.ended_at >= since,
+                # the store stamps every end with its own clock: a later one is corrupt, not news
+                attempts.c.ended_at <= db_timestamp(),
                 attempts.c.outcome != AttemptOutcome.RUNNING.value,
             )
             .order_by(attempts.c.ended_at.desc())

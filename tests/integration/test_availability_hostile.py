@@ -13,6 +13,7 @@ import datetime as dt
 import math
 
 import pytest
+import sqlalchemy as sa
 
 from airflow_deadline_batch.core.calibration import (
     CAPACITY_MISSING_S,
@@ -30,6 +31,7 @@ from airflow_deadline_batch.operators.placement import (
     read_job_view,
 )
 from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.store.schema import attempts
 from tests.integration.test_placement_history import make_job
 
 pytestmark = pytest.mark.integration
@@ -140,3 +142,48 @@ def test_a_deciding_clock_a_day_ahead_does_not_count_a_day_of_spot_time(store: M
     view = read_job_view(store, job, now=dt.datetime.now(UTC) + dt.timedelta(days=1))
     assert isinstance(view, PlacementView)
     assert view.pool_availability[SPOT.name].present_s < 3600.0
+
+
+def test_corrupt_unschedulable_rows_neither_crash_the_decision_nor_poison_later_jobs(
+    store: ManifestStore,
+) -> None:
+    """Rows no store writes (ended in year 9999, waits of 2000 years or negative), put there by hand."""
+    pools = [SPOT, ON_DEMAND]
+    earlier = make_job(store, pools, "corrupt")
+    now = dt.datetime.now(UTC)
+    rows = [
+        (dt.datetime(1, 1, 2, tzinfo=UTC), now),  # a 2000-year wait, ended now
+        (now - dt.timedelta(minutes=10), dt.datetime(9999, 12, 30, tzinfo=UTC)),  # ends in year 9999
+        (now, now - dt.timedelta(hours=5)),  # a negative wait
+    ]
+    engine = sa.create_engine(store.url)
+    try:
+        with engine.begin() as conn:
+            for n, (started, ended) in enumerate(rows):
+                conn.execute(
+                    sa.insert(attempts).values(
+                        attempt_id=f"a-corrupt-{n}",
+                        job_id=earlier,
+                        shard_index=0,
+                        epoch=-1,
+                        worker=f"pod-corrupt-{n}",
+                        pool=SPOT.name,
+                        started_at=started,
+                        ended_at=ended,
+                        outcome="unschedulable",
+                        error="corrupt",
+                        failure_class="transient",
+                    )
+                )
+    finally:
+        engine.dispose()
+    later = make_job(store, pools, "later")
+    history = store.pool_history([SPOT.name], exclude_job=later)[SPOT.name]
+    assert history.unschedulable == 2  # the row that ends in year 9999 is not from this store's clock
+    view = read_job_view(store, later, now=dt.datetime.now(UTC))
+    assert isinstance(view, PlacementView)
+    learned = view.pool_availability[SPOT.name]
+    assert sane(learned.value)
+    assert learned.last_unschedulable_s is not None and learned.last_unschedulable_s <= view.now.timestamp()
+    decision = decide_for_try(view, store.get_shard(later, 0))
+    assert decision.action is TryAction.RUN and decision.pool is not None
