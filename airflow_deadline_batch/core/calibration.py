@@ -18,6 +18,7 @@ view folds the store's attempt rows into it, the simulator its own preempted tri
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -289,7 +290,7 @@ class PoolHistory:
     def __post_init__(self) -> None:
         if (
             min(self.tries, self.preemptions, self.unschedulable) < 0
-            or not min(self.spot_s, self.wait_s) >= 0
+            or not (self.spot_s >= 0 and self.wait_s >= 0)  # NaN in either fails (min() keeps one)
         ):
             raise ValueError(
                 f"pool history of {self.pool!r}: tries, preemptions, unschedulable, spot_s and wait_s "
@@ -315,7 +316,7 @@ def spot_prior(
         raise ValueError("declared_per_hour must be >= 0, prior_hours and max_history_hours > 0")
     preemptions, hours = declared_per_hour * prior_hours, prior_hours
     if history is not None and history.tries > 0:
-        seen_h = history.spot_s / 3600.0
+        seen_h = _observed_s(history.spot_s) / 3600.0  # finite: inf x a weight of 0 is NaN
         weight = 1.0 if seen_h <= max_history_hours else max_history_hours / seen_h
         preemptions += weight * history.preemptions
         hours += weight * seen_h
@@ -327,6 +328,10 @@ AVAILABILITY_PRIOR_HOURS = 1.0
 #: how long a pool counts as out of Spot capacity after a try of it gave up waiting, unless a try
 #: has started on it since (capacity comes back in minutes to hours; a fresh try re-probes after)
 CAPACITY_MISSING_S = 900.0
+#: the most seconds one run or wait counts as evidence (about 300 years, longer than any two
+#: clocks span): a longer or infinite value (a corrupt row) is clamped to it, NaN counts as none,
+#: so the estimate stays a number within [0, 1]
+MAX_OBSERVED_S = 1e10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,8 +359,8 @@ class PoolAvailability:
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior <= 1.0 or not self.prior_hours > 0:
             raise ValueError("an availability prior must be within [0, 1] and worth prior_hours > 0")
-        if not (self.present_s >= 0 and self.absent_s >= 0):
-            raise ValueError("present_s and absent_s must be >= 0")
+        if not (0 <= self.present_s < math.inf and 0 <= self.absent_s < math.inf):
+            raise ValueError("present_s and absent_s must be finite and >= 0")
 
     def observe(
         self,
@@ -368,10 +373,10 @@ class PoolAvailability:
         """Fold one try: the seconds it ran (``started_s``: when), or waited in vain (``gave_up_s``)."""
         return replace(
             self,
-            present_s=self.present_s + max(0.0, present_s),
-            absent_s=self.absent_s + max(0.0, absent_s),
-            last_start_s=_latest(self.last_start_s, started_s),
-            last_unschedulable_s=_latest(self.last_unschedulable_s, gave_up_s),
+            present_s=self.present_s + _observed_s(present_s),
+            absent_s=self.absent_s + _observed_s(absent_s),
+            last_start_s=_latest(self.last_start_s, _finite(started_s)),
+            last_unschedulable_s=_latest(self.last_unschedulable_s, _finite(gave_up_s)),
         )
 
     @property
@@ -381,17 +386,30 @@ class PoolAvailability:
         return (self.prior * prior_s + self.present_s) / (prior_s + self.present_s + self.absent_s)
 
     def available(self, now_s: float, missing_s: float = CAPACITY_MISSING_S) -> bool:
-        """False while the latest try gave up waiting less than ``missing_s`` ago and none started since."""
+        """False while the latest try gave up waiting less than ``missing_s`` ago and none started since.
+
+        A give-up more than ``missing_s`` after ``now_s`` is a skewed clock's, not news: it is ignored.
+        """
         gave_up = self.last_unschedulable_s
         if gave_up is None or (self.last_start_s is not None and self.last_start_s >= gave_up):
             return True
-        return now_s - gave_up >= missing_s
+        return abs(now_s - gave_up) >= missing_s
 
 
 def gave_up_waiting(failure_class: str | None) -> bool:
     """Whether an ``unschedulable`` attempt is a try that gave up waiting for capacity (it is a
     failed try, with a failure class), not the wait of a pod that was scheduled at last (none)."""
     return failure_class is not None
+
+
+def _observed_s(seconds: float) -> float:
+    """A run or wait time as evidence: within [0, MAX_OBSERVED_S], NaN as none."""
+    return 0.0 if math.isnan(seconds) else min(max(seconds, 0.0), MAX_OBSERVED_S)
+
+
+def _finite(epoch_s: float | None) -> float | None:
+    """A time as evidence: None for NaN or an infinity."""
+    return epoch_s if epoch_s is not None and math.isfinite(epoch_s) else None
 
 
 def _latest(a: float | None, b: float | None) -> float | None:

@@ -28,7 +28,7 @@ from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.ids import new_attempt_id
 from airflow_deadline_batch.core.job_view import PREEMPTED_OUTCOMES
 from airflow_deadline_batch.core.states import AttemptOutcome
-from airflow_deadline_batch.store.schema import attempts
+from airflow_deadline_batch.store.schema import attempts, db_timestamp, jobs
 
 #: how far back earlier jobs' tries count (pools change: a zone fills, a GPU type is retired)
 HISTORY_DAYS = 30.0
@@ -62,6 +62,8 @@ def spot_history(
                 attempts.c.pool == pool,
                 attempts.c.ended_at.is_not(None),
                 attempts.c.ended_at >= since,
+                # the store stamps every end with its own clock: a later one is corrupt, not news
+                attempts.c.ended_at <= db_timestamp(),
                 attempts.c.outcome != AttemptOutcome.RUNNING.value,
             )
             .order_by(attempts.c.ended_at.desc())
@@ -148,6 +150,13 @@ def record_unschedulable(
     attempt_id = new_attempt_id()
     now = ensure_aware(now, "now")
     end = now if scheduled_at is None else min(ensure_aware(scheduled_at, "scheduled_at"), now)
+    # the pod's creation time is the API server's clock, not the store's: a wait counts no longer
+    # than its job's whole window (creation to deadline), which bounds any try's startup timeout
+    job = conn.execute(sa.select(jobs.c.created_at, jobs.c.deadline).where(jobs.c.job_id == job_id)).first()
+    start = min(ensure_aware(created_at, "created_at"), end)
+    if job is not None:
+        window = ensure_aware(job.deadline, "deadline") - ensure_aware(job.created_at, "created_at")
+        start = max(start, end - max(window, dt.timedelta(0)))
     conn.execute(
         sa.insert(attempts).values(
             attempt_id=attempt_id,
@@ -156,7 +165,7 @@ def record_unschedulable(
             epoch=NO_LEASE_EPOCH,
             worker=worker,
             pool=pool,
-            started_at=min(ensure_aware(created_at, "created_at"), end),
+            started_at=start,
             ended_at=end,
             outcome=_UNSCHEDULABLE,
             error=error[:2000],
