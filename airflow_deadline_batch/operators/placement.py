@@ -294,7 +294,8 @@ def pool_spot_availability(
 ) -> dict[str, PoolAvailability]:
     """Each Spot pool's availability evidence: this job's tries on it over earlier jobs' history.
 
-    A try that ran counts its time on the pool (up to ``now`` while it runs) as capacity present;
+    A try that ran counts its time on the pool (while it runs: up to its last heartbeat, stamped by
+    the store's clock, and never past ``now``) as capacity present;
     an ``unschedulable`` attempt its pod's wait as capacity missing (and, when the try gave up,
     the pool as out of capacity for a while). The prior is the default policy's
     ``availability_prior``; :func:`placement_snapshot` applies the deciding policy's own.
@@ -309,7 +310,10 @@ def pool_spot_availability(
         if pool is None or pool.name not in out:
             continue
         started = ensure_aware(attempt.started_at, "started_at")
-        ended = ensure_aware(attempt.ended_at, "ended_at") if attempt.ended_at is not None else now
+        if attempt.ended_at is not None:
+            ended = ensure_aware(attempt.ended_at, "ended_at")
+        else:  # running: up to its last heartbeat, the store's clock (a deciding clock ahead adds nothing)
+            ended = min(now, ensure_aware(attempt.heartbeat_at or attempt.started_at, "heartbeat_at"))
         span = (ended - started).total_seconds()
         if attempt.outcome == AttemptOutcome.UNSCHEDULABLE:
             gave_up = ended.timestamp() if gave_up_waiting(attempt.failure_class) else None

@@ -131,11 +131,6 @@ def test_a_nan_in_pool_history_is_refused_whichever_field(garbage: float) -> Non
             PoolHistory(pool="spot-a", **fields)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="operators/placement.pool_spot_availability measures a running try up to the caller's "
-    "clock (now), not the store's (its heartbeat_at); owned by another helper, see the report",
-)
 def test_a_deciding_clock_a_day_ahead_does_not_count_a_day_of_spot_time(store: ManifestStore) -> None:
     job = make_job(store, [SPOT, ON_DEMAND], "ahead")
     store.claim_shard(job, 0, ttl_s=60, worker="w", pool=SPOT.name)  # running for a moment, store clock
