@@ -256,6 +256,7 @@ class SlackAware:
                 total_shards=cfg.shards,
                 spot_pools=pools,
                 spot_pool=None if on_pool is None or not pools else pools[on_pool].name,
+                tries_mean_run_s=self.spot_tries.mean_run_s,
             )
             decision = choose_pool(snapshot, self.run_params)
             pool = decision.pool
@@ -272,6 +273,12 @@ class SlackAware:
                 races[idle.pop(0)] = index
                 on_demand += 1
                 modes.append(_spot(slot.pool, options))
+                continue
+            if decision.hold:  # the cost cap holds this worker idle until the next tick
+                if on_pool is not None:
+                    on_spot -= 1
+                    free[on_pool] += 1
+                modes.append(Mode.NONE)
                 continue
             if pool is PoolKind.SPOT:
                 if on_pool != j and free[j] > 0:
