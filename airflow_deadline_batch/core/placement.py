@@ -101,6 +101,11 @@ class PolicyParams:
     #: length and the mean run of the job's own Spot tries (``JobSnapshot.tries_mean_run_s``): a
     #: gang reclaimed within minutes of every return does not look like long spells
     switch_on_tries: bool = False
+    #: a running on-demand try moves to Spot only while fewer other workers' Spot tries are still
+    #: in their changeover (``JobSnapshot.spot_workers_starting``) than have passed it, or none
+    #: when none has: moves go 1, 1, 2, 4, … per round, so a gang reclaimed at once throws away
+    #: few on-demand tries (docs/simulator.md, *A per-run bound by default?*)
+    return_doubling: bool = False
     #: a fresh Spot try is taken only while its expected price per committed hour of work
     #: (:func:`spot_cost_ratio`: changeover, work lost to a preemption, spells of the learned mean
     #: length) stays under this fraction of on-demand's; ``None``, or a snapshot without
@@ -235,6 +240,8 @@ class JobSnapshot:
     #: mean run of the job's own Spot tries before a preemption (``SpotTries.mean_run_s``;
     #: ``None``: unknown or none preempted)
     tries_mean_run_s: float | None = None
+    #: of ``spot_workers``, those whose try is still in its changeover (``return_doubling``)
+    spot_workers_starting: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -686,6 +693,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
             if run < policy.switch_run_factor * thrown:
                 return decide(
                     PoolKind.ON_DEMAND, "keep the running on-demand try: Spot would not repay the switch"
+                )
+            starting = snapshot.spot_workers_starting
+            if policy.return_doubling and starting >= max(1, snapshot.spot_workers - starting):
+                return decide(
+                    PoolKind.ON_DEMAND,
+                    "keep the running on-demand try: other workers' Spot tries are still starting",
                 )
         return decide(PoolKind.SPOT, "Spot is available and slack covers a preemption")
     # Spot is missing (or too short-lived): wait for it (free, burns slack) or escalate this worker.

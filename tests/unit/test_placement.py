@@ -302,3 +302,31 @@ def test_the_cost_cap_holds_a_worker_instead_of_buying_on_demand_while_slack_is_
     once = PolicyParams(cost_cap=0.01)
     assert choose_pool(snap(**blocked), once).pool is PoolKind.ON_DEMAND
     assert not choose_pool(snap(**blocked), once).hold
+
+
+def test_on_demand_tries_return_to_spot_in_doubling_rounds() -> None:
+    # gang8-902 (docs/simulator.md, cap slice): all 8 workers left on-demand for Spot at once and
+    # the gang was reclaimed within a tick, five times; with return_doubling one moves while no
+    # other Spot try is proven past its changeover, then as many as have passed it
+    rule = PolicyParams(return_doubling=True)
+    moving = dict(
+        parallelism=4,
+        remaining_work_s=8 * H,
+        previous_pool=PoolKind.ON_DEMAND,
+        running=True,
+        running_progress_s=60.0,
+        spot_mean_run_s=10 * H,
+    )
+    assert choose_pool(snap(**moving), rule).pool is PoolKind.SPOT  # the first one moves
+    one_starting = dict(moving, spot_workers=1, spot_workers_starting=1)
+    decision = choose_pool(snap(**one_starting), rule)
+    assert decision.pool is PoolKind.ON_DEMAND and "still starting" in decision.reason
+    assert choose_pool(snap(**one_starting)).pool is PoolKind.SPOT  # off by default
+    # fewer starting than proven past their changeover: one more moves (1, 1, 2, 4, ... per round)
+    two_proven = dict(moving, spot_workers=3, spot_workers_starting=1)
+    assert choose_pool(snap(**two_proven), rule).pool is PoolKind.SPOT
+    one_proven = dict(moving, spot_workers=2, spot_workers_starting=1)
+    assert choose_pool(snap(**one_proven), rule).pool is PoolKind.ON_DEMAND
+    # a fresh start (nothing to throw away) is never held back by the rule
+    fresh = dict(one_starting, previous_pool=None, running=False, running_progress_s=0.0)
+    assert choose_pool(snap(**fresh), rule).pool is PoolKind.SPOT
