@@ -93,6 +93,19 @@ class PolicyParams:
     #: taken only while what it can waste before the next decision fits (:func:`cost_room_s`);
     #: ``None``, or a snapshot without ``price_ratio``/``cost_excess_s``/``total_work_s``: off
     cost_cap: float | None = None
+    #: when the cap blocks a Spot try, hold the worker (no try, re-decide at the next interval:
+    #: free) instead of going on-demand, while slack stays above the waiting reserve; needs
+    #: ``decision_interval_s`` (the simulator; an operator cannot hold), off without it
+    cap_holds: bool = True
+    #: the move from a running on-demand try to Spot weighs the shorter of the learned spell
+    #: length and the mean run of the job's own Spot tries (``JobSnapshot.tries_mean_run_s``): a
+    #: gang reclaimed within minutes of every return does not look like long spells
+    switch_on_tries: bool = False
+    #: a running on-demand try moves to Spot only while fewer other workers' Spot tries are still
+    #: in their changeover (``JobSnapshot.spot_workers_starting``) than have passed it, or none
+    #: when none has: moves go 1, 1, 2, 4, … per round, so a gang reclaimed at once throws away
+    #: few on-demand tries (docs/simulator.md, *A per-run bound by default?*)
+    return_doubling: bool = False
     #: a fresh Spot try is taken only while its expected price per committed hour of work
     #: (:func:`spot_cost_ratio`: changeover, work lost to a preemption, spells of the learned mean
     #: length) stays under this fraction of on-demand's; ``None``, or a snapshot without
@@ -224,6 +237,11 @@ class JobSnapshot:
     spot_pools: tuple[SpotOption, ...] = ()
     #: the Spot pool (an option's name) of the running try or the one being decided for
     spot_pool: str | None = None
+    #: mean run of the job's own Spot tries before a preemption (``SpotTries.mean_run_s``;
+    #: ``None``: unknown or none preempted)
+    tries_mean_run_s: float | None = None
+    #: of ``spot_workers``, those whose try is still in its changeover (``return_doubling``)
+    spot_workers_starting: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -282,6 +300,9 @@ class PlacementDecision:
     grace_period_s: int
     #: the Spot pool a Spot decision names, with several (``JobSnapshot.spot_pools``); else ``None``
     spot_pool: str | None = None
+    #: a Spot decision that starts no try now, even with capacity: the cost cap holds the worker
+    #: idle until the next decision (``PolicyParams.cap_holds``; only with a decision interval)
+    hold: bool = False
 
 
 @dataclass(frozen=True)
@@ -600,7 +621,7 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
     spot_needs = b.spot_risk_s + margin
     last_safe = snapshot.now + dt.timedelta(seconds=max(0.0, b.slack_s - spot_needs))
 
-    def decide(pool: PoolKind, why: str) -> PlacementDecision:
+    def decide(pool: PoolKind, why: str, hold: bool = False) -> PlacementDecision:
         if pool is PoolKind.SPOT:
             timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, b.slack_s - spot_needs)))
             safe: dt.datetime | None = last_safe
@@ -620,12 +641,27 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
             startup_timeout_s=timeout,
             grace_period_s=grace_period_s(snapshot),
             spot_pool=option.name if option is not None and pool is PoolKind.SPOT else None,
+            hold=hold,
         )
 
     if b.slack_s < spot_needs:
         return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
+    per_worker = snapshot.remaining_work_s / snapshot.parallelism
+    reserve = policy.reserve_changeovers * d + policy.reserve_work_fraction * per_worker
+    if policy.line_reserve_cap is not None and line > 0:
+        reserve = min(reserve, policy.line_reserve_cap * line)
     room = cost_room_s(snapshot, policy)
     if room is not None and room < spot_waste_s(snapshot, policy):
+        interval = policy.decision_interval_s
+        # holding burns the whole interval of slack, with or without Spot capacity
+        holdable = policy.cap_holds and interval is not None and not continuing_od
+        if holdable and interval is not None and b.slack_s >= max(interval, spot_needs) + reserve:
+            return decide(
+                PoolKind.SPOT,
+                f"hold: a Spot try could make the job dearer than on-demand (room "
+                f"{room / 3600:.2f} Spot h) and slack is above its reserve",
+                hold=True,
+            )
         return decide(
             PoolKind.ON_DEMAND,
             f"a Spot try could make the job dearer than on-demand (room {room / 3600:.2f} Spot h)",
@@ -651,18 +687,23 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
             return decide(PoolKind.ON_DEMAND, "behind the rate Spot can be expected to deliver")
         if continuing_od and snapshot.spot_mean_run_s is not None:
             thrown = d + snapshot.running_progress_s
-            if snapshot.spot_mean_run_s < policy.switch_run_factor * thrown:
+            run = snapshot.spot_mean_run_s
+            if policy.switch_on_tries and snapshot.tries_mean_run_s is not None:
+                run = min(run, snapshot.tries_mean_run_s)
+            if run < policy.switch_run_factor * thrown:
                 return decide(
                     PoolKind.ON_DEMAND, "keep the running on-demand try: Spot would not repay the switch"
+                )
+            starting = snapshot.spot_workers_starting
+            if policy.return_doubling and starting >= max(1, snapshot.spot_workers - starting):
+                return decide(
+                    PoolKind.ON_DEMAND,
+                    "keep the running on-demand try: other workers' Spot tries are still starting",
                 )
         return decide(PoolKind.SPOT, "Spot is available and slack covers a preemption")
     # Spot is missing (or too short-lived): wait for it (free, burns slack) or escalate this worker.
     if short:
         return decide(PoolKind.ON_DEMAND, "Spot is missing and the expected capacity is short")
-    per_worker = snapshot.remaining_work_s / snapshot.parallelism
-    reserve = policy.reserve_changeovers * d + policy.reserve_work_fraction * per_worker
-    if policy.line_reserve_cap is not None and line > 0:
-        reserve = min(reserve, policy.line_reserve_cap * line)
     if b.slack_s < spot_needs + reserve:
         return decide(PoolKind.ON_DEMAND, "Spot is missing or short-lived and slack is down to its reserve")
     if continuing_od:

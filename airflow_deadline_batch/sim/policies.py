@@ -205,6 +205,7 @@ class SlackAware:
         fruitless_end = self.spot_tries.fruitless_end_s
         fruitless_age = None if fruitless_end is None else view.t_h * 3600 - fruitless_end
         on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        starting = sum(1 for s in view.slots if s.mode is Mode.SPOT and s.changeover_left_h > 0)
         free = [
             cap - sum(1 for s in view.slots if s.mode is Mode.SPOT and s.pool == j)
             for j, cap in enumerate(view.pool_capacities)
@@ -256,6 +257,11 @@ class SlackAware:
                 total_shards=cfg.shards,
                 spot_pools=pools,
                 spot_pool=None if on_pool is None or not pools else pools[on_pool].name,
+                tries_mean_run_s=self.spot_tries.mean_run_s,
+                spot_workers_starting=min(
+                    others_on_spot,
+                    starting - (1 if slot.mode is Mode.SPOT and slot.changeover_left_h > 0 else 0),
+                ),
             )
             decision = choose_pool(snapshot, self.run_params)
             pool = decision.pool
@@ -263,6 +269,8 @@ class SlackAware:
             if pool is PoolKind.SPOT and slot.mode is Mode.ON_DEMAND:
                 # leaving on-demand throws its try away: the workers after this one see it
                 excess_s += cfg.price_ratio * snapshot.running_progress_s
+            if pool is PoolKind.SPOT and slot.mode is not Mode.SPOT and not decision.hold and free[j] > 0:
+                starting += 1  # a fresh Spot try with capacity starts its changeover
             if (
                 pool is PoolKind.ON_DEMAND
                 and slot.mode is Mode.SPOT
@@ -272,6 +280,12 @@ class SlackAware:
                 races[idle.pop(0)] = index
                 on_demand += 1
                 modes.append(_spot(slot.pool, options))
+                continue
+            if decision.hold:  # the cost cap holds this worker idle until the next tick
+                if on_pool is not None:
+                    on_spot -= 1
+                    free[on_pool] += 1
+                modes.append(Mode.NONE)
                 continue
             if pool is PoolKind.SPOT:
                 if on_pool != j and free[j] > 0:

@@ -5,8 +5,9 @@ of slack_aware ÷ uniform_progress over every case (and per ``N``), the cases ab
 beyond on-demand's, and against on-demand only the worst case (mean over its starts) and the worst
 single run. ``--gap '<json>'`` instead splits slack_aware's excess over the exact optimum on the
 ``N = 1`` cases into Spot and on-demand hours, changeovers, lost work, and on-demand hours taken
-while Spot was there or missing (docs/simulator.md, *Third round*). The shared trace files are
-never read here: they are for evaluation.
+while Spot was there or missing (docs/simulator.md, *Third round*). ``--multi-gpu '<json>' ...``
+scores candidates on the study's unseen multi-GPU rows (evaluation, never tuning). The shared
+trace files are never read here: they are for evaluation.
 """
 
 from __future__ import annotations
@@ -143,8 +144,61 @@ def gap(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
     return out
 
 
+def multi_gpu_row(
+    args: tuple[traces.Trace, SimConfig, int, tuple[PolicyParams, ...]],
+) -> list[tuple[float, ...]]:
+    """Per candidate on one multi-GPU row: slack_aware ÷ UP (summed over the starts), its worst run
+    and its mean ÷ on-demand only, and its misses."""
+    trace, cfg, starts, candidates = args
+    ticks = start_ticks(trace, cfg, starts=starts, seed=1)
+    on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
+    up = sum(simulate(trace, t, cfg, UniformProgress()).cost for t in ticks)
+    out: list[tuple[float, ...]] = []
+    for params in candidates:
+        runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params)) for t in ticks]
+        cost = sum(r.cost for r in runs)
+        worst = max(r.cost for r in runs)
+        out.append((cost / up, worst / on_demand, cost / len(runs) / on_demand, sum(r.missed for r in runs)))
+    return out
+
+
+def multi_gpu(candidates: list[PolicyParams], jobs: int = 2) -> list[dict[str, float]]:
+    """Candidates on the study's unseen multi-GPU rows (``study --multi-gpu``: ``N = 8``, 24 rows,
+    40 starts, seed 1), UP run once per row: evaluation, not tuning (docs/simulator.md)."""
+    from airflow_deadline_batch.sim.study import multi_gpu_settings, multi_gpu_traces
+
+    work = [
+        (t, s.config(), s.starts, tuple(candidates)) for s in multi_gpu_settings() for t in multi_gpu_traces()
+    ]
+    with ProcessPoolExecutor(jobs) as pool:
+        rows = list(pool.map(multi_gpu_row, work))
+    out = []
+    for i in range(len(candidates)):
+        r = [row[i] for row in rows]
+        out.append(
+            {
+                "rows": len(r),
+                "mean_sa_over_up": sum(x[0] for x in r) / len(r),
+                "max_sa_over_up": max(x[0] for x in r),
+                "rows_over_1.01_up": sum(x[0] > 1.01 for x in r),
+                "max_row_over_on_demand": max(x[2] for x in r),
+                "worst_run_over_on_demand": max(x[1] for x in r),
+                "rows_with_a_run_over_1.01_on_demand": sum(x[1] > 1.01 + 1e-12 for x in r),
+                "misses": sum(x[3] for x in r),
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--multi-gpu":
+        candidates = [PolicyParams(**json.loads(a)) for a in args[1:]] or [PolicyParams()]
+        for text, row in zip(args[1:] or ["{}"], multi_gpu(candidates), strict=True):
+            print(
+                text, " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+            )
+        return 0
     split = bool(args) and args[0] == "--gap"
     args = args[1:] if split else args
     params = PolicyParams(**json.loads(args[0])) if args else PolicyParams()

@@ -257,7 +257,7 @@ def test_risk_is_what_a_choice_can_burn_before_the_next_decision() -> None:
 
 
 def test_the_cost_cap_takes_spot_only_while_its_worst_waste_fits_the_room() -> None:
-    cap = PolicyParams(cost_cap=0.01, decision_interval_s=600)
+    cap = PolicyParams(cost_cap=0.01, decision_interval_s=600, cap_holds=False)
     # on-demand only: 3 x (4 h + 0.1 h) = 12.3 Spot-h; 1 % of it is 0.123 Spot-h = 442.8 s of room
     costed = dict(price_ratio=3.0, total_work_s=4 * H)
     assert cost_room_s(snap(**costed, cost_excess_s=0.0), cap) == pytest.approx(442.8)
@@ -274,3 +274,59 @@ def test_the_cost_cap_takes_spot_only_while_its_worst_waste_fits_the_room() -> N
     # leaving a running on-demand try throws its progress away at on-demand price
     moving = dict(small, previous_pool=PoolKind.ON_DEMAND, running=True, running_progress_s=50.0)
     assert spot_waste_s(snap(**moving), cap) == 180 + 3 * 50
+
+
+def test_the_cost_cap_holds_a_worker_instead_of_buying_on_demand_while_slack_is_above_the_reserve() -> None:
+    cap = PolicyParams(cost_cap=0.01, decision_interval_s=600)
+    assert cap.cap_holds  # the default
+    # a fresh try wastes up to 600 s, the room is 442.8 s: the cap blocks it; slack 5.9 h is far
+    # above the reserve (6 x 0.1 h + 10 % of 4 h = 1 h) plus the tick, so the worker holds (free)
+    blocked = dict(price_ratio=3.0, total_work_s=4 * H, cost_excess_s=0.0)
+    decision = choose_pool(snap(**blocked), cap)
+    assert (decision.pool, decision.hold) == (PoolKind.SPOT, True)
+    assert "hold" in decision.reason
+    # a Spot try the cap allows is a real try, never a hold
+    allowed = choose_pool(snap(**blocked, shard_work_s=60.0, changeover_s=120.0), cap)
+    assert (allowed.pool, allowed.hold) == (PoolKind.SPOT, False)
+    # slack under the reserve plus the tick: on-demand, as without holds (slack 1.1 h here)
+    tight = choose_pool(snap(**blocked, deadline=NOW + dt.timedelta(hours=5.2)), cap)
+    assert (tight.pool, tight.hold) == (PoolKind.ON_DEMAND, False)
+    # a running on-demand try is kept (holding would throw its progress away)
+    od = dict(blocked, previous_pool=PoolKind.ON_DEMAND, running=True, running_progress_s=50.0)
+    assert choose_pool(snap(**od), cap).pool is PoolKind.ON_DEMAND
+    # a running Spot try the cap stops is held, not moved to on-demand
+    spot = dict(blocked, previous_pool=PoolKind.SPOT, running=True, changeover_left_s=0.0)
+    spot["cost_excess_s"] = 400.0  # 42.8 s of room left, the try may waste a whole tick
+    assert choose_pool(snap(**spot), cap).hold
+    # without a decision interval (an operator decides once per try) nobody re-decides a hold
+    once = PolicyParams(cost_cap=0.01)
+    assert choose_pool(snap(**blocked), once).pool is PoolKind.ON_DEMAND
+    assert not choose_pool(snap(**blocked), once).hold
+
+
+def test_on_demand_tries_return_to_spot_in_doubling_rounds() -> None:
+    # gang8-902 (docs/simulator.md, cap slice): all 8 workers left on-demand for Spot at once and
+    # the gang was reclaimed within a tick, five times; with return_doubling one moves while no
+    # other Spot try is proven past its changeover, then as many as have passed it
+    rule = PolicyParams(return_doubling=True)
+    moving = dict(
+        parallelism=4,
+        remaining_work_s=8 * H,
+        previous_pool=PoolKind.ON_DEMAND,
+        running=True,
+        running_progress_s=60.0,
+        spot_mean_run_s=10 * H,
+    )
+    assert choose_pool(snap(**moving), rule).pool is PoolKind.SPOT  # the first one moves
+    one_starting = dict(moving, spot_workers=1, spot_workers_starting=1)
+    decision = choose_pool(snap(**one_starting), rule)
+    assert decision.pool is PoolKind.ON_DEMAND and "still starting" in decision.reason
+    assert choose_pool(snap(**one_starting)).pool is PoolKind.SPOT  # off by default
+    # fewer starting than proven past their changeover: one more moves (1, 1, 2, 4, ... per round)
+    two_proven = dict(moving, spot_workers=3, spot_workers_starting=1)
+    assert choose_pool(snap(**two_proven), rule).pool is PoolKind.SPOT
+    one_proven = dict(moving, spot_workers=2, spot_workers_starting=1)
+    assert choose_pool(snap(**one_proven), rule).pool is PoolKind.ON_DEMAND
+    # a fresh start (nothing to throw away) is never held back by the rule
+    fresh = dict(one_starting, previous_pool=None, running=False, running_progress_s=0.0)
+    assert choose_pool(snap(**fresh), rule).pool is PoolKind.SPOT

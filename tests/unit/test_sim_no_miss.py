@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim.engine import (
     Choice,
     Mode,
@@ -49,6 +50,8 @@ def worst_burn_h(view: View, choices: list[Choice]) -> float:
     same = slot.mode is want and (want is not Mode.SPOT or slot.pool == pool)
     if want is Mode.SPOT and not same and view.pool_capacities[pool] == 0:
         return view.gap_h  # waiting for Spot
+    if want is Mode.NONE and (slot.busy or view.pending_shards > 0):
+        return view.gap_h  # held idle (the cost cap's hold) with work left: the whole tick
     changeover = slot.changeover_left_h if same else cfg.changeover_h
     first = changeover + cfg.shard_size_h / speed
     # after its first shard a pool slower than the reference commits less work than time passes
@@ -141,6 +144,18 @@ def test_slack_aware_never_misses_a_deadline_on_demand_meets(
     trace, cfg = scenario
     assert cfg.on_demand_feasible()
     result = simulate(trace, start % len(trace.capacity), cfg, _Checked())
+    assert not result.missed, (result.finish_h, cfg.deadline_h)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(), cap=st.sampled_from([0.0, 0.01, 0.05]), start=st.integers(0, 500))
+def test_slack_aware_never_misses_with_the_cost_cap_holding_workers(
+    scenario: tuple[Trace, SimConfig], cap: float, start: int
+) -> None:
+    # the cap's hold (PolicyParams.cap_holds) idles a worker for a tick: it burns the whole tick
+    trace, cfg = scenario
+    checked = _Checked(PolicyParams(cost_cap=cap, cap_holds=True))
+    result = simulate(trace, start % len(trace.capacity), cfg, checked)
     assert not result.missed, (result.finish_h, cfg.deadline_h)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
 from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress
 from airflow_deadline_batch.sim.traces import Trace
-from airflow_deadline_batch.sim.tuning import on_demand_hours_by_spot
+from airflow_deadline_batch.sim.tuning import multi_gpu_row, on_demand_hours_by_spot
 
 
 def test_on_demand_hours_are_split_by_whether_spot_was_there() -> None:
@@ -26,3 +27,14 @@ def test_a_run_without_on_demand_has_none_either_way() -> None:
     run = simulate(trace, 0, cfg, UniformProgress(), record=True)
     assert run.on_demand_hours == 0
     assert on_demand_hours_by_spot(trace, 0, run) == (0.0, 0.0)
+
+
+def test_the_multi_gpu_score_rows_each_candidate_against_up_and_on_demand() -> None:
+    # two candidates on one small flapping row: the default and a zero cost cap (never dearer)
+    trace = Trace("flap", 600.0, (2, 2, 0, 0, 0, 2, 0, 2, 2, 2, 0, 0) * 4)
+    cfg = SimConfig(work_h=4.0, deadline_h=4.0, workers=2, changeover_h=0.1, shard_h=0.25)
+    rows = multi_gpu_row((trace, cfg, 3, (PolicyParams(), PolicyParams(cost_cap=0.0))))
+    assert len(rows) == 2
+    for over_up, worst_over_od, mean_over_od, misses in rows:
+        assert over_up > 0 and mean_over_od <= worst_over_od and misses == 0
+    assert rows[1][1] <= 1.0 + 1e-9  # the zero cap: no run dearer than on-demand only
