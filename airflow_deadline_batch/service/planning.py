@@ -59,7 +59,7 @@ from airflow_deadline_batch.core.records import (
     iter_line_blocks,
     quick_parse_many,
 )
-from airflow_deadline_batch.core.results import ResultRecord, encode_results
+from airflow_deadline_batch.core.results import encode_line_error
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import (
@@ -369,10 +369,7 @@ class _PartWriter:
 
     def add_error(self, error: LineError) -> None:
         """Spool one invalid line's provisional ``errored`` outcome."""
-        self._errors.write(
-            b"%d %s " % (error.line, error.code.value.encode())
-            + encode_results([ResultRecord.from_line_error(error)])
-        )
+        self._errors.write(b"%d %s " % (error.line, error.code.value.encode()) + encode_line_error(error))
 
     def close(self, last_line: int, end_offset: int) -> _ScanPart:
         self._spill_records()
@@ -655,7 +652,7 @@ class _InputScan:
                 if len(dup_records) >= CHUNK_ROWS:
                     duplicate_records.extend(dup_records)
                     del dup_records[:]
-            outcome = encode_results([ResultRecord.from_line_error(duplicate_error(dup_line, dup_id))])
+            outcome = encode_line_error(duplicate_error(dup_line, dup_id))
             stand(dup_line, ErrorCode.DUPLICATE_ID.value.encode(), outcome)
         while err_line != _NO_LINE:
             stand(err_line, err_code, err_outcome)
