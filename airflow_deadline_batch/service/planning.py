@@ -559,8 +559,10 @@ class _InputScan:
     The scanned ranges (one, or one per process) each wrote their records' numbers, IDs and
     invalid lines' provisional outcomes to files (:class:`_PartWriter`). :meth:`finish` then
     finds the later lines of every ID (:class:`~airflow_deadline_batch.service.spill.DuplicateFinder`):
-    each becomes a ``duplicate_id`` error, whatever it was, the records and the spool are written
-    again without them, and the totals are summed in line order, as the in-memory pass summed them.
+    each becomes a ``duplicate_id`` error, whatever it was, each range's records and outcomes are
+    written again without them (:func:`_rewrite_part`, in the range's own process when there are
+    several), and the ranges' files are joined and the totals summed in line order, as the
+    in-memory pass summed them.
     Memory stays within the budget whatever the input's size. :meth:`close` deletes every file
     but ``spool`` (the ``errored`` outcomes in line order, rewound), which whoever takes the
     scan closes (through :meth:`InputAnalysis.close`).
