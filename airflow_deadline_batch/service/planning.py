@@ -20,6 +20,7 @@ import io
 import itertools
 import math
 import os
+import shutil
 import tempfile
 from array import array
 from collections import Counter
@@ -59,7 +60,7 @@ from airflow_deadline_batch.core.records import (
     iter_line_blocks,
     quick_parse_many,
 )
-from airflow_deadline_batch.core.results import ResultRecord, encode_results
+from airflow_deadline_batch.core.results import encode_line_error
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 from airflow_deadline_batch.exceptions import (
@@ -79,6 +80,7 @@ from airflow_deadline_batch.service.spill import (
     PartitionFiles,
     check_partitions,
     combine,
+    read_duplicates,
 )
 from airflow_deadline_batch.storage import (
     LocalStorage,
@@ -369,10 +371,7 @@ class _PartWriter:
 
     def add_error(self, error: LineError) -> None:
         """Spool one invalid line's provisional ``errored`` outcome."""
-        self._errors.write(
-            b"%d %s " % (error.line, error.code.value.encode())
-            + encode_results([ResultRecord.from_line_error(error)])
-        )
+        self._errors.write(b"%d %s " % (error.line, error.code.value.encode()) + encode_line_error(error))
 
     def close(self, last_line: int, end_offset: int) -> _ScanPart:
         self._spill_records()
@@ -560,8 +559,10 @@ class _InputScan:
     The scanned ranges (one, or one per process) each wrote their records' numbers, IDs and
     invalid lines' provisional outcomes to files (:class:`_PartWriter`). :meth:`finish` then
     finds the later lines of every ID (:class:`~airflow_deadline_batch.service.spill.DuplicateFinder`):
-    each becomes a ``duplicate_id`` error, whatever it was, the records and the spool are written
-    again without them, and the totals are summed in line order, as the in-memory pass summed them.
+    each becomes a ``duplicate_id`` error, whatever it was, each range's records and outcomes are
+    written again without them (:func:`_rewrite_part`, in the range's own process when there are
+    several), and the ranges' files are joined and the totals summed in line order, as the
+    in-memory pass summed them.
     Memory stays within the budget whatever the input's size. :meth:`close` deletes every file
     but ``spool`` (the ``errored`` outcomes in line order, rewound), which whoever takes the
     scan closes (through :meth:`InputAnalysis.close`).
@@ -576,7 +577,6 @@ class _InputScan:
         self.ends = Column(self.directory / "end", "q")
         self.works = Column(self.directory / "work", "d")
         self.invalid_lines = Column(self.directory / "invalid", "q")
-        self._opened: list[Column] = []
         self.records = 0
         self.errors: Counter[str] = Counter()
         self.prompt_tokens = 0
@@ -592,115 +592,58 @@ class _InputScan:
         """Apply the duplicate-ID rule to the scanned ranges (in input order); write the results.
 
         With :attr:`workers` set (the scan's processes, still running), the ID partitions are
-        checked in them, a share each (the memory budget too), and only the later lines they find
-        are merged here.
+        checked in them, a share each (the memory budget too), and each range is then rewritten
+        without its duplicates in the process that scanned it (:func:`_rewrite_part`); here the
+        later lines are only sorted by range and the ranges' files joined.
         """
         processes = self.workers
+        parallel = processes is not None and len(processes) > 1
         self.total_lines, self.file_size = parts[-1].last_line, parts[-1].end_offset
         finder = DuplicateFinder(self.directory / "duplicates", memory_budget=self._memory_budget)
         partitions = combine([part.partitions for part in parts])
-        if processes is not None and len(processes) > 1:
+        if processes is not None and parallel:
             count = len(processes)
             groups = [
                 (partitions[k::count], str(self.directory / f"duplicates-{k}"), self._memory_budget // count)
                 for k in range(count)
             ]
-            runs = processes.map(check_partitions, groups)
-            duplicates = finder.merged([run for group in runs for run in group])
+            runs = [run for group in processes.map(check_partitions, groups) for run in group]
         else:
-            duplicates = finder.duplicates(partitions)
-        duplicate_records = Column(self.directory / "duplicate-records", "q")
-        self._opened.append(duplicate_records)
-        self._merge_errors(parts, duplicates, duplicate_records)
-        self._keep_records(parts, duplicate_records.seal())
+            runs = finder.check(partitions)
+        by_range = finder.merged_by_range(runs, [part.last_line for part in parts])
+        calls = [(part, str(path)) for part, path in zip(parts, by_range, strict=True)]
+        if processes is not None and parallel:
+            kept: list[_KeptPart] = processes.map(_rewrite_part, calls)
+        else:
+            kept = [_rewrite_part(*call) for call in calls]
+        self._join(kept)
         for column in (self.lines, self.ends, self.works, self.invalid_lines):
             column.seal()
         self.spool.seek(0)
 
-    def _provisional_errors(self, parts: Sequence[_ScanPart]) -> Iterator[tuple[int, bytes, bytes]]:
-        for part in parts:
-            with (Path(part.directory) / "errors").open("rb") as file:
-                for entry in file:
-                    line, code, outcome = entry.split(b" ", 2)
-                    yield int(line), code, outcome
-        yield _NO_LINE, b"", b""
-
-    def _merge_errors(
-        self, parts: Sequence[_ScanPart], duplicates: Iterator[tuple[int, str]], duplicate_records: Column
-    ) -> None:
-        """The final spool, in line order: provisional outcomes, duplicates replacing them."""
-        provisional = self._provisional_errors(parts)
-        invalid: array[int] = array("q")
-        dup_records: array[int] = array("q")
-        write = self.spool.write
-        errors = self.errors
-
-        def stand(line: int, code: bytes, outcome: bytes) -> None:
-            invalid.append(line)
-            errors[code.decode()] += 1
-            write(outcome)
-            if len(invalid) >= CHUNK_ROWS:
-                self.invalid_lines.extend(invalid)
-                del invalid[:]
-
-        err_line, err_code, err_outcome = next(provisional)
-        for dup_line, dup_id in duplicates:
-            while err_line < dup_line:  # invalid lines before the duplicate stand as they are
-                stand(err_line, err_code, err_outcome)
-                err_line, err_code, err_outcome = next(provisional)
-            if err_line == dup_line:  # an invalid line repeating an ID: a duplicate_id instead
-                err_line, err_code, err_outcome = next(provisional)
-            else:
-                dup_records.append(dup_line)
-                if len(dup_records) >= CHUNK_ROWS:
-                    duplicate_records.extend(dup_records)
-                    del dup_records[:]
-            outcome = encode_results([ResultRecord.from_line_error(duplicate_error(dup_line, dup_id))])
-            stand(dup_line, ErrorCode.DUPLICATE_ID.value.encode(), outcome)
-        while err_line != _NO_LINE:
-            stand(err_line, err_code, err_outcome)
-            err_line, err_code, err_outcome = next(provisional)
-        self.invalid_lines.extend(invalid)
-        duplicate_records.extend(dup_records)
-
-    def _keep_records(self, parts: Sequence[_ScanPart], duplicates: Column) -> None:
-        """Copy the records that are no duplicate to the final columns; sum the totals in order."""
-        dup_chunks = duplicates.chunks()
-        pending = np.empty(0, dtype=np.int64)
+    def _join(self, kept: Sequence[_KeptPart]) -> None:
+        """Append the rewritten ranges' files in input order; sum the totals (GPU-seconds in line
+        order, as ``total += work`` record by record would)."""
         gpu_seconds = 0.0
-        for part in parts:
-            lines, ends, works, prompts, outputs = columns = [
-                Column(Path(part.directory) / name, code, written=part.records) for name, code in _COLUMNS
-            ]
-            self._opened.extend(columns)
-            start = 0
-            for line_chunk in lines.chunks():
-                stop = start + len(line_chunk)
-                last_line = int(line_chunk[-1])
-                while not len(pending) or pending[-1] <= last_line:
-                    more = next(dup_chunks, None)
-                    if more is None:
-                        break
-                    pending = np.concatenate((pending, more))
-                cut = int(np.searchsorted(pending, last_line, side="right"))
-                here, pending = pending[:cut], pending[cut:]
-                keep = ~np.isin(line_chunk, here, assume_unique=True) if len(here) else slice(None)
-                work = next(works.chunks(start, stop))[keep]
-                self.lines.extend(line_chunk[keep])
-                self.ends.extend(next(ends.chunks(start, stop))[keep])
+        for part in kept:
+            directory = Path(part.directory)
+            self.records += part.records
+            self.prompt_tokens += part.prompt_tokens
+            self.output_tokens += part.output_tokens
+            self.errors.update(part.errors)  # codes first seen in an earlier range stay first
+            self.lines.extend_from_file(directory / "kept-line")
+            self.ends.extend_from_file(directory / "kept-end")
+            self.invalid_lines.extend_from_file(directory / "kept-invalid")
+            works = Column(directory / "kept-work", "d", written=part.records)
+            for work in works.chunks():
                 self.works.extend(work)
-                self.records += len(work)
-                self.prompt_tokens += int(next(prompts.chunks(start, stop))[keep].sum())
-                self.output_tokens += int(next(outputs.chunks(start, stop))[keep].sum())
-                if len(work):
-                    # a running sum in line order, as ``total += work`` record by record would give
-                    # (np.add.accumulate adds sequentially; a plain sum would add pairwise)
-                    work = work.copy()
-                    work[0] += gpu_seconds
-                    gpu_seconds = float(np.add.accumulate(work)[-1])
-                start = stop
-            for column in columns:
-                column.close()
+                # np.add.accumulate adds sequentially; a plain sum would add pairwise
+                work = work.copy()
+                work[0] += gpu_seconds
+                gpu_seconds = float(np.add.accumulate(work)[-1])
+            works.close()
+            with (directory / "kept-spool").open("rb") as spool:
+                shutil.copyfileobj(spool, self.spool)
         self.gpu_seconds = gpu_seconds
 
     def summary(self) -> WorkSummary:
@@ -716,9 +659,128 @@ class _InputScan:
 
     def close(self) -> None:
         """Delete the spill files (``spool`` stays open for its taker)."""
-        for column in (*self._opened, self.lines, self.ends, self.works, self.invalid_lines):
+        for column in (self.lines, self.ends, self.works, self.invalid_lines):
             column.close()
         self._tmp.cleanup()
+
+
+@dataclass(frozen=True)
+class _KeptPart:
+    """One scanned range without its duplicates (:func:`_rewrite_part`): its totals; its files
+    ``kept-line``, ``kept-end``, ``kept-work``, ``kept-invalid`` and ``kept-spool`` are in ``directory``."""
+
+    directory: str
+    records: int
+    errors: Counter[str]
+    prompt_tokens: int
+    output_tokens: int
+
+
+def _rewrite_part(part: _ScanPart, duplicates: str) -> _KeptPart:
+    """Rewrite one scanned range with the duplicate-ID rule applied: ``duplicates`` holds the
+    range's later lines of an ID (from :meth:`DuplicateFinder.merged_by_range`). Run in the process
+    that scanned the range, so the ranges are rewritten at once."""
+    directory = Path(part.directory)
+    lines, ends, works, invalid = kept = [
+        Column(directory / f"kept-{name}", code) for name, code in (*_COLUMNS[:3], ("invalid", "q"))
+    ]
+    dup_records = Column(directory / "duplicate-records", "q")
+    with (directory / "kept-spool").open("wb") as spool:
+        errors = _merge_errors(part, read_duplicates(Path(duplicates)), spool, invalid, dup_records)
+    records, prompt_tokens, output_tokens = _keep_records(part, dup_records.seal(), lines, ends, works)
+    for column in (*kept, dup_records):
+        column.close()
+    return _KeptPart(str(directory), records, errors, prompt_tokens, output_tokens)
+
+
+def _provisional_errors(part: _ScanPart) -> Iterator[tuple[int, bytes, bytes]]:
+    with (Path(part.directory) / "errors").open("rb") as file:
+        for entry in file:
+            line, code, outcome = entry.split(b" ", 2)
+            yield int(line), code, outcome
+    yield _NO_LINE, b"", b""
+
+
+def _merge_errors(
+    part: _ScanPart,
+    duplicates: Iterator[tuple[int, str]],
+    spool: BinaryIO,
+    invalid_lines: Column,
+    duplicate_records: Column,
+) -> Counter[str]:
+    """A range's final outcomes, in line order, to ``spool``: provisional ones, duplicates
+    replacing them; their lines to ``invalid_lines``, the records that are duplicates to
+    ``duplicate_records``. The errors by code."""
+    provisional = _provisional_errors(part)
+    invalid: array[int] = array("q")
+    dup_records: array[int] = array("q")
+    write = spool.write
+    errors: Counter[str] = Counter()
+
+    def stand(line: int, code: bytes, outcome: bytes) -> None:
+        invalid.append(line)
+        errors[code.decode()] += 1
+        write(outcome)
+        if len(invalid) >= CHUNK_ROWS:
+            invalid_lines.extend(invalid)
+            del invalid[:]
+
+    err_line, err_code, err_outcome = next(provisional)
+    for dup_line, dup_id in duplicates:
+        while err_line < dup_line:  # invalid lines before the duplicate stand as they are
+            stand(err_line, err_code, err_outcome)
+            err_line, err_code, err_outcome = next(provisional)
+        if err_line == dup_line:  # an invalid line repeating an ID: a duplicate_id instead
+            err_line, err_code, err_outcome = next(provisional)
+        else:
+            dup_records.append(dup_line)
+            if len(dup_records) >= CHUNK_ROWS:
+                duplicate_records.extend(dup_records)
+                del dup_records[:]
+        outcome = encode_line_error(duplicate_error(dup_line, dup_id))
+        stand(dup_line, ErrorCode.DUPLICATE_ID.value.encode(), outcome)
+    while err_line != _NO_LINE:
+        stand(err_line, err_code, err_outcome)
+        err_line, err_code, err_outcome = next(provisional)
+    invalid_lines.extend(invalid)
+    duplicate_records.extend(dup_records)
+    return errors
+
+
+def _keep_records(
+    part: _ScanPart, duplicates: Column, lines_out: Column, ends_out: Column, works_out: Column
+) -> tuple[int, int, int]:
+    """Copy a range's records that are no duplicate to the ``*_out`` columns; their count and
+    estimated prompt and output tokens."""
+    dup_chunks = duplicates.chunks()
+    pending = np.empty(0, dtype=np.int64)
+    records = prompt_tokens = output_tokens = 0
+    lines, ends, works, prompts, outputs = columns = [
+        Column(Path(part.directory) / name, code, written=part.records) for name, code in _COLUMNS
+    ]
+    start = 0
+    for line_chunk in lines.chunks():
+        stop = start + len(line_chunk)
+        last_line = int(line_chunk[-1])
+        while not len(pending) or pending[-1] <= last_line:
+            more = next(dup_chunks, None)
+            if more is None:
+                break
+            pending = np.concatenate((pending, more))
+        cut = int(np.searchsorted(pending, last_line, side="right"))
+        here, pending = pending[:cut], pending[cut:]
+        keep = ~np.isin(line_chunk, here, assume_unique=True) if len(here) else slice(None)
+        work = next(works.chunks(start, stop))[keep]
+        lines_out.extend(line_chunk[keep])
+        ends_out.extend(next(ends.chunks(start, stop))[keep])
+        works_out.extend(work)
+        records += len(work)
+        prompt_tokens += int(next(prompts.chunks(start, stop))[keep].sum())
+        output_tokens += int(next(outputs.chunks(start, stop))[keep].sum())
+        start = stop
+    for column in columns:
+        column.close()
+    return records, prompt_tokens, output_tokens
 
 
 def _open_input(input_uri: str) -> BinaryIO:

@@ -36,8 +36,9 @@ Call = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 class Processes:
     """``count`` fresh Python processes that stay alive for several rounds of calls (:meth:`map`).
 
-    Planning scans the input's byte ranges in them, then checks the spilled IDs' partitions in
-    the same processes, so the second step costs no start-up. Use as a context manager: leaving
+    Planning scans the input's byte ranges in them, then checks the spilled IDs' partitions and
+    rewrites each range without its duplicates in the same processes, so the later rounds cost
+    no start-up. Use as a context manager: leaving
     it ends the children (killing any still running after a failure).
     """
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import marshal
+import shutil
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +36,7 @@ __all__ = [
     "PartitionFiles",
     "check_partitions",
     "combine",
+    "read_duplicates",
 ]
 
 #: planning's default memory budget for its duplicate check (docs/benchmarks.md)
@@ -78,6 +80,14 @@ class Column:
         else:
             values.tofile(self._file)
         self._len += len(values)
+
+    def extend_from_file(self, path: Path) -> None:
+        """Append the values of a sealed column's file (another writer's, of this typecode)."""
+        if self._file is None:
+            raise RuntimeError(f"column {self.path.name} is sealed")
+        with path.open("rb") as source:
+            shutil.copyfileobj(source, self._file)
+        self._len += path.stat().st_size // self._itemsize
 
     def seal(self) -> Column:
         """Stop writing; reading may begin."""
@@ -313,6 +323,27 @@ class DuplicateFinder:
         for line, key in self._merge(list(runs)):
             yield line, key.decode("utf-8", "surrogatepass")
 
+    def merged_by_range(self, runs: Sequence[Path], last_lines: Sequence[int]) -> list[Path]:
+        """The entries of :meth:`merged`, written to one file per range of lines (range ``k`` ends at
+        ``last_lines[k]``, after range ``k - 1``), so that whoever handles a range reads only its
+        own with :func:`read_duplicates`; each run deleted once read."""
+        outs = [_Partition(self._new_path("range")) for _ in last_lines]
+        batch: list[tuple[int, bytes]] = []
+        k = 0
+        for entry in self._merge(list(runs)):
+            while entry[0] > last_lines[k]:
+                _write_entries(outs[k], batch)
+                batch = []
+                k += 1
+            batch.append(entry)
+            if len(batch) >= 4096:
+                _write_entries(outs[k], batch)
+                batch = []
+        _write_entries(outs[k], batch)
+        for out in outs:
+            out.close()
+        return [out.path for out in outs]
+
     def _check(self, paths: Sequence[Path], count: int, size: int, depth: int) -> None:
         """Find the duplicates of one partition, splitting it first when it is too big."""
         if count * _SET_ENTRY_BYTES + size > self._set_budget and depth < 6:
@@ -398,6 +429,16 @@ def check_partitions(partitions: Sequence[PartitionFiles], directory: str, memor
     """:meth:`DuplicateFinder.check` of some partitions, by a finder of its own in ``directory``
     (run in a worker process: the runs it returns are merged by the caller's finder)."""
     return DuplicateFinder(Path(directory), memory_budget=memory_budget).check(partitions)
+
+
+def read_duplicates(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line, id)`` of a file of :meth:`DuplicateFinder.merged_by_range`, in line order (none if it
+    was never written); the file deleted once read."""
+    if not path.exists():
+        return
+    for line, key in _iter_run(path):
+        yield line, key.decode("utf-8", "surrogatepass")
+    path.unlink()
 
 
 def _read_all(paths: Sequence[Path]) -> Iterator[Entries]:

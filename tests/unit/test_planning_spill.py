@@ -31,7 +31,7 @@ from airflow_deadline_batch.core.records import (
 )
 from airflow_deadline_batch.service import planning
 from airflow_deadline_batch.service.planning import analyze_input
-from airflow_deadline_batch.service.spill import Column, DuplicateFinder, IdSpill, combine
+from airflow_deadline_batch.service.spill import Column, DuplicateFinder, IdSpill, combine, read_duplicates
 from tests.unit.planning_inputs import MAX_LINE_BYTES, ODD_IDS, plan_request, summarize, write_input
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "planning_cut_golden.json").read_text())
@@ -286,6 +286,37 @@ def test_spills_of_consecutive_ranges_combine(tmp_path: Path) -> None:
         spills.append(spill.close())
     finder = DuplicateFinder(tmp_path / "dups", memory_budget=30_000)
     assert list(finder.duplicates(combine(spills))) == reference_duplicates(entries)
+
+
+def test_duplicates_by_range_are_the_duplicates_cut_at_the_ranges_last_lines(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    entries = [(line, rng.choice(ODD_IDS) + str(rng.randrange(500))) for line in range(1, 2001)]
+    spill = IdSpill(tmp_path / "ids", partitions=4, flush_entries=53)
+    for line, record_id in entries:
+        spill.add(line, record_id)
+    finder = DuplicateFinder(tmp_path / "dups", memory_budget=30_000, fan_in=3)
+    last_lines = [0, 700, 700, 1999, 2000]  # empty ranges, and one of a single line
+    paths = finder.merged_by_range(finder.check(spill.close()), last_lines)
+    by_range = [list(read_duplicates(path)) for path in paths]
+    expected = reference_duplicates(entries)
+    assert [e for part in by_range for e in part] == expected
+    for k, part in enumerate(by_range):
+        assert all((last_lines[k - 1] if k else 0) < line <= last_lines[k] for line, _ in part)
+    assert by_range[0] == by_range[2] == []
+    assert list((tmp_path / "dups").iterdir()) == []  # every run and range file is deleted once read
+
+
+def test_a_column_extends_from_another_columns_file(tmp_path: Path) -> None:
+    first, second = Column(tmp_path / "a", "q"), Column(tmp_path / "b", "q")
+    first.extend(array("q", [1, 2, 3]))
+    second.extend(array("q", [4, 5]))
+    second.seal()
+    first.extend_from_file(second.path)
+    first.extend(array("q", [6]))
+    first.seal()
+    assert len(first) == 6 and list(first.values()) == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(RuntimeError, match="sealed"):
+        first.extend_from_file(second.path)
 
 
 def test_a_partition_over_the_budget_is_split_and_stays_exact(tmp_path: Path) -> None:

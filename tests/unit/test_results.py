@@ -6,6 +6,8 @@ import datetime as dt
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from airflow_deadline_batch.core.records import ErrorCode, LineError
@@ -19,6 +21,7 @@ from airflow_deadline_batch.core.results import (
     ResultError,
     ResultRecord,
     Usage,
+    encode_line_error,
     encode_results,
 )
 
@@ -196,3 +199,34 @@ def test_manifest_rejects_inconsistencies(overrides: dict[str, object]) -> None:
 def test_manifest_rejects_bad_checksum() -> None:
     with pytest.raises(ValidationError):
         ManifestShard(shard_id="00000", seq=0, uri="u", sha256="XYZ", records=1, attempt_id="a")
+
+
+# text that orjson can encode (no lone surrogates), control characters and non-ASCII included
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    line=st.integers(min_value=1, max_value=2**62),
+    record_id=st.none() | _TEXT,
+    code=st.sampled_from(list(ErrorCode)),
+    message=_TEXT,
+    shard_id=_TEXT.filter(bool),
+    attempt_id=_TEXT.filter(bool),
+)
+def test_encode_line_error_is_the_pydantic_encoding_byte_for_byte(
+    line: int, record_id: str | None, code: ErrorCode, message: str, shard_id: str, attempt_id: str
+) -> None:
+    error = LineError(line=line, id=record_id, code=code, message=message)
+    assert encode_line_error(error) == encode_results([ResultRecord.from_line_error(error)])
+    assert encode_line_error(error, shard_id=shard_id, attempt_id=attempt_id) == encode_results(
+        [ResultRecord.from_line_error(error, shard_id=shard_id, attempt_id=attempt_id)]
+    )
+
+
+def test_encode_line_error_refuses_a_lone_surrogate_as_the_models_do() -> None:
+    error = LineError(line=3, id="a\ud800", code=ErrorCode.INVALID_JSON, message="m")
+    with pytest.raises(orjson.JSONEncodeError):
+        encode_results([ResultRecord.from_line_error(error)])
+    with pytest.raises(orjson.JSONEncodeError):
+        encode_line_error(error)
