@@ -5,9 +5,9 @@ Each test runs a primary worker and a ``--race`` worker on one shard, attacks on
 ``deadline-batch cancel``), and then checks what must hold after any attack: one commit per
 microbatch, no attempt left running, nothing spent from the shard's budget by the race, and for a
 job that finishes, ``deadline-batch verify`` with one outcome per input line. On PostgreSQL (the
-production store; tests/integration/test_store_race_hostile.py runs both backends), the fencing
-attack on SQLite too, to keep CI time down. The racer's process runs with its own wall clock a
-day ahead (``time.time`` shifted): only the store's clock may decide who holds the shard.
+production store; tests/integration/test_store_race_hostile.py runs both backends). The racer's
+process runs with its own wall clock a day ahead (``time.time`` shifted): only the store's clock
+may decide who holds the shard.
 """
 
 from __future__ import annotations
@@ -79,6 +79,22 @@ def start_worker(
         )
 
 
+def start_primary(url: str, job_id: str, tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """The shard's try on the Spot pool."""
+    return start_worker(url, job_id, tmp_path / "primary.log", "--pool", "local-spot", env=env)
+
+
+def start_racer(url: str, job_id: str, tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Its racer on the on-demand pool, with a wall clock a day ahead."""
+    return start_worker(
+        url, job_id, tmp_path / "racer.log", "--pool", "local-on-demand", "--race", env=env, skewed=True
+    )
+
+
+def wait_first_commit(store: ManifestStore, job_id: str) -> None:
+    wait_for(lambda: store.get_shard(job_id, 0).cursor >= 1, timeout_s=WAIT_S, what="the primary's commit")
+
+
 def attempts_of(store: ManifestStore, job_id: str) -> list[AttemptRow]:
     return [a for a in store.list_attempts(job_id) if a.shard_index == 0]
 
@@ -137,28 +153,10 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
     job_id = plan(store, tmp_path, ttl_s=4.0, lines=36)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "primary.log",
-            "--pool",
-            "local-spot",
-            env={"ADB_ECHO_DELAY_S": "0.3"},
-        )
+        primary = start_primary(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.3"})
         procs.append(primary)
-        wait_for(
-            lambda: store.get_shard(job_id, 0).cursor >= 1, timeout_s=WAIT_S, what="the primary's commit"
-        )
-        racer = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "racer.log",
-            "--pool",
-            "local-on-demand",
-            "--race",
-            env={"ADB_ECHO_DELAY_S": racer_delay},
-            skewed=True,
-        )
+        wait_first_commit(store, job_id)
+        racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": racer_delay})
         procs.append(racer)
         wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
         os.kill(primary.pid, signal.SIGSTOP)
@@ -200,28 +198,10 @@ def test_a_racer_killed_between_write_and_commit_leaves_the_primary_to_finish(
     job_id = plan(store, tmp_path, ttl_s=4.0)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "primary.log",
-            "--pool",
-            "local-spot",
-            env={"ADB_ECHO_DELAY_S": "0.1"},
-        )
+        primary = start_primary(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.1"})
         procs.append(primary)
-        wait_for(
-            lambda: store.get_shard(job_id, 0).cursor >= 1, timeout_s=WAIT_S, what="the primary's commit"
-        )
-        racer = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "racer.log",
-            "--pool",
-            "local-on-demand",
-            "--race",
-            env={"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"},
-            skewed=True,
-        )
+        wait_first_commit(store, job_id)
+        racer = start_racer(store_url, job_id, tmp_path, {"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"})
         procs.append(racer)
         racer_code = racer.wait(timeout=WAIT_S)
         assert racer_code in (-signal.SIGKILL, 0), logs(tmp_path)  # 0: nothing left to race
@@ -243,26 +223,15 @@ def test_a_primary_killed_between_write_and_commit_hands_the_shard_to_its_racer(
     stalled = tmp_path / "stalled"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_worker(
+        primary = start_primary(
             store_url,
             job_id,
-            tmp_path / "primary.log",
-            "--pool",
-            "local-spot",
-            env={"ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled), "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1"},
+            tmp_path,
+            {"ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled), "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1"},
         )
         procs.append(primary)
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
-        racer = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "racer.log",
-            "--pool",
-            "local-on-demand",
-            "--race",
-            env={"ADB_ECHO_DELAY_S": "0.2"},
-            skewed=True,
-        )
+        racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.2"})
         procs.append(racer)
         wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
         os.kill(primary.pid, signal.SIGKILL)  # after its object write, before its commit
@@ -292,28 +261,10 @@ def test_cancel_during_a_race_ends_both_tries_and_commits_nothing_more(
     job_id = plan(store, tmp_path, ttl_s=6.0)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "primary.log",
-            "--pool",
-            "local-spot",
-            env={"ADB_ECHO_DELAY_S": "0.3"},
-        )
+        primary = start_primary(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.3"})
         procs.append(primary)
-        wait_for(
-            lambda: store.get_shard(job_id, 0).cursor >= 1, timeout_s=WAIT_S, what="the primary's commit"
-        )
-        racer = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "racer.log",
-            "--pool",
-            "local-on-demand",
-            "--race",
-            env={"ADB_ECHO_DELAY_S": "0.3"},
-            skewed=True,
-        )
+        wait_first_commit(store, job_id)
+        racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.3"})
         procs.append(racer)
         wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
         cancelled = run_cli("cancel", job_id, "--store", store_url, cwd=tmp_path)
@@ -340,26 +291,15 @@ def test_both_killed_between_write_and_commit_then_a_third_try_takes_over(
     stalled = tmp_path / "stalled"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_worker(
+        primary = start_primary(
             store_url,
             job_id,
-            tmp_path / "primary.log",
-            "--pool",
-            "local-spot",
-            env={"ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled), "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1"},
+            tmp_path,
+            {"ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled), "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1"},
         )
         procs.append(primary)
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
-        racer = start_worker(
-            store_url,
-            job_id,
-            tmp_path / "racer.log",
-            "--pool",
-            "local-on-demand",
-            "--race",
-            env={"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"},
-            skewed=True,
-        )
+        racer = start_racer(store_url, job_id, tmp_path, {"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"})
         procs.append(racer)
         assert racer.wait(timeout=WAIT_S) == -signal.SIGKILL, logs(tmp_path)
         os.kill(primary.pid, signal.SIGKILL)
