@@ -48,6 +48,7 @@ from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.placement import JobSnapshot, od_need_s
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
+    PREEMPTION_OUTCOMES,
     TERMINAL_JOB_STATES,
     UNRUN_ATTEMPT_OUTCOMES,
     AttemptOutcome,
@@ -73,10 +74,8 @@ __all__ = [
     "spot_tries",
 ]
 
-#: how a try ends when its capacity was taken away (or its worker died with it) rather than failing
-PREEMPTED_OUTCOMES = frozenset(
-    {AttemptOutcome.PREEMPTED, AttemptOutcome.ABANDONED, AttemptOutcome.LOST_LEASE}
-)
+#: how a try ends when its capacity was taken away (``core.states.PREEMPTION_OUTCOMES``, the one definition)
+PREEMPTED_OUTCOMES = PREEMPTION_OUTCOMES
 
 
 class JobFields(Protocol):

@@ -16,6 +16,7 @@ from airflow_deadline_batch.exceptions import InvalidTransition
 __all__ = [
     "ATTEMPT_TRANSITIONS",
     "JOB_TRANSITIONS",
+    "PREEMPTION_OUTCOMES",
     "SHARD_TRANSITIONS",
     "TERMINAL_ATTEMPT_OUTCOMES",
     "TERMINAL_JOB_STATES",
@@ -67,6 +68,12 @@ class AttemptOutcome(str, enum.Enum):
     ABANDONED = "abandoned"
     #: one of two racing attempts (the tail race) whose commit the other beat; the winner goes on
     LOST_RACE = "lost_race"
+    #: its worker was alive when it found its lease gone, and said so: it stalled past its TTL
+    #: (SIGSTOP, a GC pause, a network partition, an overloaded node) while another claim took the
+    #: shard, or its job was stopped under it. A retryable end, but not a preemption: the pool did
+    #: not take the capacity away. Written by the worker itself, over ``lost_lease`` when the store
+    #: had already ended the attempt (the one change of an ended attempt, :data:`ATTEMPT_TRANSITIONS`)
+    STALLED = "stalled"
     #: the time a Spot try's pod waited unschedulable for capacity, from its creation (``started_at``)
     #: until the try gave up at its startup timeout (a failed try, failure class ``transient``) or
     #: until the pod was scheduled at last (no failure class; the worker's own attempt follows).
@@ -84,6 +91,16 @@ TERMINAL_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
 )
 #: attempts no worker ran: their time is no GPU time, no cost and no Spot exposure
 UNRUN_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset({AttemptOutcome.UNSCHEDULABLE})
+#: The one definition of a preemption (docs/design.md §4.4): the attempt's capacity was taken away,
+#: or its worker died with it. What the job view learns a pool's preemption rate and storms from,
+#: what later jobs learn of the pool (``store.pool_stats``), and what progress reports, the UI and
+#: the metrics count. ``lost_lease`` is ambiguous (the lease expired and another claim took the
+#: shard; the worker may be dead or merely stalled): it counts until its worker reports back alive,
+#: which turns it into ``stalled``, not counted. ``lost_race``, ``unschedulable`` and the failures
+#: are not preemptions.
+PREEMPTION_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
+    {AttemptOutcome.PREEMPTED, AttemptOutcome.ABANDONED, AttemptOutcome.LOST_LEASE}
+)
 
 _J = JobState
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
@@ -112,12 +129,16 @@ _A = AttemptOutcome
 ATTEMPT_TRANSITIONS: Mapping[AttemptOutcome, frozenset[AttemptOutcome]] = {
     _A.RUNNING: TERMINAL_ATTEMPT_OUTCOMES,
     **{outcome: frozenset() for outcome in TERMINAL_ATTEMPT_OUTCOMES},
+    # the worker of an attempt the store ended as lost_lease reports back alive: it stalled, its
+    # capacity was not taken (the attempt row only; the lease and the shard are not touched)
+    _A.LOST_LEASE: frozenset({_A.STALLED}),
 }
 
 _SHARD_AFTER: Mapping[AttemptOutcome, ShardState] = {
     _A.SUCCEEDED: _S.SUCCEEDED,
     _A.PREEMPTED: _S.RETRYABLE_FAILURE,
     _A.LOST_LEASE: _S.RETRYABLE_FAILURE,
+    _A.STALLED: _S.RETRYABLE_FAILURE,
     _A.FAILED_RETRYABLE: _S.RETRYABLE_FAILURE,
     _A.ABANDONED: _S.RETRYABLE_FAILURE,
     _A.UNSCHEDULABLE: _S.RETRYABLE_FAILURE,
@@ -151,7 +172,10 @@ def check_shard_transition(
 
 
 def check_attempt_transition(src: AttemptOutcome | str, dst: AttemptOutcome | str) -> None:
-    """Raise :class:`InvalidTransition` unless an attempt may end as ``dst`` (only ``running`` may end)."""
+    """Raise :class:`InvalidTransition` unless an attempt may go from ``src`` to ``dst``.
+
+    Only ``running`` ends; of the ended outcomes only ``lost_lease`` changes, to ``stalled``.
+    """
     _check("attempt", ATTEMPT_TRANSITIONS, AttemptOutcome(src), AttemptOutcome(dst))
 
 

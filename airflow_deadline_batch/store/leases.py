@@ -319,8 +319,10 @@ def _claim(name: str, shard_state: sa.ColumnElement[bool], *bookkeeping: Bookkee
 
 #: claim a shard that no attempt holds (never leased, or released after a failure)
 CLAIM = _claim("claim", _NOT_HELD)
-#: claim a shard whose lease has expired, ending the attempt that held it as ``lost_lease``; a
-#: statement of its own so that the common claim does not pay for looking for that attempt
+#: claim a shard whose lease has expired, ending the attempt that held it as ``lost_lease`` (a
+#: preemption until its worker, if alive, reports back and makes it ``stalled``:
+#: ``ManifestStore._report_stalled``); a statement of its own so that the common claim does not
+#: pay for looking for that attempt
 TAKE_OVER = _claim(
     "take_over",
     _LEASE_EXPIRED,

@@ -38,10 +38,12 @@ from airflow_deadline_batch.core.ids import (
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import (
+    PREEMPTION_OUTCOMES,
     TERMINAL_JOB_STATES,
     AttemptOutcome,
     JobState,
     ShardState,
+    check_attempt_transition,
     check_job_transition,
     check_shard_transition,
     shard_state_after,
@@ -98,8 +100,8 @@ MIGRATION_LOCK_KEY = 0x6164625F6D696772
 #: a refused lease operation whose read-only diagnosis finds no reason (the row changed in between)
 #: is tried again, at most this many times in all
 RACE_TRIES = 3
-#: attempt outcomes counted as preemptions in progress reports
-PREEMPTION_OUTCOMES = frozenset({AttemptOutcome.PREEMPTED.value, AttemptOutcome.ABANDONED.value})
+#: attempt outcomes counted as preemptions in progress reports: the one definition, on every pool
+_PREEMPTIONS = frozenset(o.value for o in PREEMPTION_OUTCOMES)
 #: the attempt outcome a failure class ends a try with, unless the caller names another
 OUTCOME_OF_FAILURE: Mapping[FailureClass, AttemptOutcome] = {
     FailureClass.PREEMPTED: AttemptOutcome.PREEMPTED,
@@ -797,6 +799,34 @@ class ManifestStore:
             ).rowcount
         )
 
+    @staticmethod
+    def _report_stalled(conn: Connection, attempt_id: str, epoch: int, error: str | None) -> bool:
+        """The worker of an attempt the store ended ``lost_lease`` reports back alive: ``stalled``.
+
+        Under the attempt's own identity (its ID and epoch, the lease it was granted) and only from
+        ``lost_lease``: the attempt row alone changes (outcome and error, the store's reason kept
+        first; not its end, its failure class or its commits). The shard, its epoch and its lease
+        are not touched, so no lease comes back to life and fencing is as before.
+        """
+        check_attempt_transition(AttemptOutcome.LOST_LEASE, AttemptOutcome.STALLED)
+        said = f"; its worker reported back alive: {error or 'stalled'}"
+        return bool(
+            conn.execute(
+                sa.update(attempts)
+                .where(
+                    attempts.c.attempt_id == attempt_id,
+                    attempts.c.epoch == epoch,
+                    attempts.c.outcome == AttemptOutcome.LOST_LEASE.value,
+                )
+                .values(
+                    outcome=AttemptOutcome.STALLED.value,
+                    error=sa.func.substr(
+                        sa.func.coalesce(attempts.c.error, AttemptOutcome.LOST_LEASE.value) + said, 1, 4000
+                    ),
+                )
+            ).rowcount
+        )
+
     def _end_lease(
         self,
         conn: Connection,
@@ -822,7 +852,9 @@ class ManifestStore:
         stops the whole job (``failed``, the cause as the job's error) in the same transaction.
         """
         shard, now = self._lock_shard(conn, job_id, shard_index)
-        self._end_attempt(conn, attempt_id, outcome, now, error, failure)
+        ended = self._end_attempt(conn, attempt_id, outcome, now, error, failure)
+        if not ended and outcome is AttemptOutcome.STALLED and epoch is not None:
+            self._report_stalled(conn, attempt_id, epoch, error)
         leased = shard.state is ShardState.LEASED and (epoch is None or shard.epoch == epoch)
         holds = leased and shard.lease_attempt_id == attempt_id
         races = leased and shard.race_attempt_id == attempt_id
@@ -1062,7 +1094,7 @@ class ManifestStore:
                 shards_total=len(shard_rows),
                 shards_by_state=by_state,
                 attempts=sum(outcome_counts.values()),
-                preemptions=sum(n for outcome, n in outcome_counts.items() if outcome in PREEMPTION_OUTCOMES),
+                preemptions=sum(n for outcome, n in outcome_counts.items() if outcome in _PREEMPTIONS),
                 committed_work_s=committed_work,
                 remaining_work_s=remaining_work,
                 updated_at=max(stamps),

@@ -26,8 +26,7 @@ from airflow_deadline_batch.core.calibration import PoolHistory, gave_up_waiting
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.ids import new_attempt_id
-from airflow_deadline_batch.core.job_view import PREEMPTED_OUTCOMES
-from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.core.states import PREEMPTION_OUTCOMES, AttemptOutcome
 from airflow_deadline_batch.store.schema import attempts, db_timestamp, jobs
 
 #: how far back earlier jobs' tries count (pools change: a zone fills, a GPU type is retired)
@@ -35,7 +34,8 @@ HISTORY_DAYS = 30.0
 #: the most recent finished attempts read per pool
 HISTORY_LIMIT = 500
 
-_PREEMPTED = {o.value for o in PREEMPTED_OUTCOMES}
+#: a ``stalled`` try (its worker outlived its lease) is Spot time without a preemption
+_PREEMPTED = {o.value for o in PREEMPTION_OUTCOMES}
 _UNSCHEDULABLE = AttemptOutcome.UNSCHEDULABLE.value
 #: the epoch of an attempt that never held a lease (a lease's epoch is >= 1)
 NO_LEASE_EPOCH = -1

@@ -21,6 +21,11 @@ the other's hands, nothing failed and nothing is retried. A worker whose rival c
 shard exits 0 the same way. A racer that finds nothing to race (no live lease, a racer already
 there, every microbatch committed) exits 0 too.
 
+A worker that finds its lease gone while alive (it stalled past its TTL: SIGSTOP, a GC pause, a
+partition; or its job was stopped) ends its attempt as ``stalled``, over the ``lost_lease`` the
+store wrote if another claim took the shard first: not a preemption of its pool (docs/design.md
+§4.4); it exits 75 like any retryable end.
+
 Exit codes: 0 done (also when the shard was already committed), 75 retryable (preempted, lease
 lost or held by another live attempt, transient failure), 1 terminal (bad configuration, model
 digest mismatch, changed input, attempts exhausted).
@@ -471,7 +476,9 @@ class ShardWorker:
         except LeaseLost as exc:
             if self._race_is_over(store, exc):
                 return self._stop_racing(str(exc))
-            return self._finish(store, FailureClass.PREEMPTED, AttemptOutcome.LOST_LEASE, str(exc))
+            # alive, so a stall past the TTL, not a preemption: the store learns it as ``stalled``
+            # (over ``lost_lease`` if another claim already ended the attempt); still retryable
+            return self._finish(store, FailureClass.PREEMPTED, AttemptOutcome.STALLED, str(exc))
         except Exception as exc:
             failure = classify_exception(exc)
             if failure is FailureClass.DETERMINISTIC:

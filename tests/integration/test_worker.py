@@ -449,7 +449,8 @@ def test_a_stopped_worker_is_fenced_after_its_lease_expires(
     assert "lost its lease" in first.log
 
     first_attempt, second_attempt = store.list_attempts(job.job_id)
-    assert first_attempt.outcome is AttemptOutcome.LOST_LEASE
+    # the take-over ended it lost_lease; its worker, alive again, made it stalled (not a preemption)
+    assert first_attempt.outcome is AttemptOutcome.STALLED
     assert second_attempt.outcome is AttemptOutcome.SUCCEEDED
     by_seq = assert_one_commit_per_seq(store, job)
     assert by_seq == {0: first_attempt.attempt_id, 1: second_attempt.attempt_id, 2: second_attempt.attempt_id}

@@ -7,10 +7,12 @@ import pytest
 from airflow_deadline_batch.core.states import (
     ATTEMPT_TRANSITIONS,
     JOB_TRANSITIONS,
+    PREEMPTION_OUTCOMES,
     SHARD_TRANSITIONS,
     TERMINAL_ATTEMPT_OUTCOMES,
     TERMINAL_JOB_STATES,
     TERMINAL_SHARD_STATES,
+    UNRUN_ATTEMPT_OUTCOMES,
     AttemptOutcome,
     JobState,
     ShardState,
@@ -139,10 +141,27 @@ def test_attempts_only_end_once() -> None:
             check_attempt_transition(outcome, A.RUNNING)
 
 
+def test_only_a_lost_lease_changes_once_ended_and_only_to_stalled() -> None:
+    check_attempt_transition(A.LOST_LEASE, A.STALLED)  # its worker reported back alive
+    for src in TERMINAL_ATTEMPT_OUTCOMES:
+        for dst in set(A) - ({A.STALLED} if src is A.LOST_LEASE else set()):
+            with pytest.raises(InvalidTransition):
+                check_attempt_transition(src, dst)
+    with pytest.raises(InvalidTransition, match="from stalled to lost_lease"):
+        check_attempt_transition(A.STALLED, A.LOST_LEASE)
+
+
+def test_a_preemption_is_capacity_taken_away_and_a_stall_is_not() -> None:
+    assert {A.PREEMPTED, A.ABANDONED, A.LOST_LEASE} == PREEMPTION_OUTCOMES
+    assert A.STALLED not in PREEMPTION_OUTCOMES and A.LOST_RACE not in PREEMPTION_OUTCOMES
+    assert PREEMPTION_OUTCOMES <= TERMINAL_ATTEMPT_OUTCOMES - UNRUN_ATTEMPT_OUTCOMES
+
+
 def test_shard_state_after_attempt() -> None:
     assert shard_state_after(A.SUCCEEDED) is S.SUCCEEDED
     assert shard_state_after("preempted") is S.RETRYABLE_FAILURE
     assert shard_state_after(A.LOST_LEASE) is S.RETRYABLE_FAILURE
+    assert shard_state_after("stalled") is S.RETRYABLE_FAILURE  # retryable for the job's progress
     assert shard_state_after(A.FAILED_TERMINAL) is S.TERMINAL_FAILURE
     # the loser of a tail race leaves the shard leased by the winner
     assert shard_state_after("lost_race") is S.LEASED
