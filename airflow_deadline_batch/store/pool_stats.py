@@ -2,8 +2,9 @@
 never ran.
 
 :func:`spot_history` folds the finished attempts of other jobs on each named pool into a
-:class:`core.calibration.PoolHistory`: the tries that ran (tries, preemptions, seconds on the
-pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts, the seconds
+:class:`core.calibration.PoolHistory`: the tries that ran (tries, preemptions by
+:data:`core.states.PREEMPTION_OUTCOMES` — a ``stalled`` try is Spot time without one —, seconds on
+the pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts, the seconds
 they waited), which ``operators.placement`` turns into the prior of the job's own Spot tries
 (:func:`core.calibration.spot_prior`) and of the pool's availability
 (:func:`core.calibration.availability_prior`). No schema of its own: it reads ``adb_attempts``.
@@ -34,7 +35,6 @@ HISTORY_DAYS = 30.0
 #: the most recent finished attempts read per pool
 HISTORY_LIMIT = 500
 
-#: a ``stalled`` try (its worker outlived its lease) is Spot time without a preemption
 _PREEMPTED = {o.value for o in PREEMPTION_OUTCOMES}
 _UNSCHEDULABLE = AttemptOutcome.UNSCHEDULABLE.value
 #: the epoch of an attempt that never held a lease (a lease's epoch is >= 1)
