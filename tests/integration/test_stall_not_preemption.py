@@ -7,7 +7,8 @@ what a later job learns of the pool (``pool_history``) counts. The same stall wh
 reports back (SIGKILLed while stopped) stays ``lost_lease``, a preemption; so does a SIGTERM
 notice (``preempted``). In every case the progress report counts what the job view counts. Then
 the store's side of the rule: reporting a stall changes the attempt row only, under its own ID
-and epoch, and never gives a lease back.
+and epoch, and never gives a lease back; and the tail race's case, a primary that wakes after its
+lease lapsed beside a live racer (which is promoted and finishes), is no preemption either.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.store import Lease, ManifestStore
-from tests.integration.test_store_race import claim, commit, new_job
+from tests.integration.test_store_race import claim, commit, new_job, race
 from tests.integration.test_worker import (
     EXIT_DONE,
     EXIT_RETRYABLE,
@@ -193,3 +194,29 @@ def test_a_stalled_worker_whose_lease_nobody_took_ends_stalled_and_frees_the_sha
     assert (shard.state, shard.failures, shard.lease_attempt_id) == (ShardState.RETRYABLE_FAILURE, 0, None)
     assert [a.outcome for a in store.list_attempts(job.job_id)] == [AttemptOutcome.STALLED]
     assert store.progress(job.job_id).preemptions == 0
+
+
+def test_a_primary_stalled_past_its_lease_beside_its_racer_is_not_a_preemption(store: ManifestStore) -> None:
+    """The tail race's case: the primary wakes after its lease lapsed, the racer is promoted and finishes."""
+    pools = [PoolSpec(name="spot", kind=PoolKind.SPOT), PoolSpec(name="on-demand", kind=PoolKind.ON_DEMAND)]
+    job = new_job(store, microbatches=2, config={"pools": [p.to_dict() for p in pools]})
+    primary = claim(store, job, ttl_s=0.3)  # on "spot"
+    racer = race(store, job)
+    wait_until(lambda: store.db_time() > primary.expires_at, "the primary's lease to lapse")
+    woke = store.fail_attempt(
+        primary, FailureClass.PREEMPTED, "lost its lease", outcome=AttemptOutcome.STALLED
+    )
+    assert woke is ShardState.LEASED  # the racer holds the shard now
+    assert store.get_shard(job.job_id, 0).lease_attempt_id == racer.attempt_id
+    commit(store, racer, 0)
+    commit(store, racer, 1)
+    store.complete_shard(racer)
+    rows = {a.attempt_id: a.outcome for a in store.list_attempts(job.job_id)}
+    assert rows == {primary.attempt_id: AttemptOutcome.STALLED, racer.attempt_id: AttemptOutcome.SUCCEEDED}
+    view = read_job_view(store, job.job_id, now=dt.datetime.now(dt.timezone.utc))
+    assert (view.spot_tries.tries, view.spot_tries.preemptions, store.progress(job.job_id).preemptions) == (
+        1,
+        0,
+        0,
+    )
+    assert store.pool_history(["spot"])["spot"].preemptions == 0
