@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.job_view import (
-    PREEMPTED_OUTCOMES,
     AttemptFields,
     CommitFields,
     JobView,
     pool_named,
 )
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.core.states import UNRUN_ATTEMPT_OUTCOMES, AttemptOutcome
+from airflow_deadline_batch.core.states import REDONE_WORK_OUTCOMES, UNRUN_ATTEMPT_OUTCOMES, AttemptOutcome
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.operators.placement import TryDecision
@@ -115,8 +114,9 @@ class AttemptTotals:
 
     #: sum over tries of wall seconds × the pool's ``price_per_gpu_hour`` / 3600
     cost: float
-    #: GPU-seconds of tries that ended preempted, abandoned or with a lost lease, less the
-    #: generation time of the microbatches they committed: work done again by another try
+    #: GPU-seconds of tries that ended preempted, abandoned, with a lost lease or stalled
+    #: (``core.states.REDONE_WORK_OUTCOMES``), less the generation time of the microbatches they
+    #: committed: work done again by another try
     redone_work_s: float
 
 
@@ -136,7 +136,7 @@ def attempt_totals(
         pool = pool_named(attempt.pool, view.pools)
         if pool is not None:
             cost += ran_s * pool.price_per_gpu_hour / 3600.0
-        if attempt.ended_at is not None and AttemptOutcome(attempt.outcome) in PREEMPTED_OUTCOMES:
+        if attempt.ended_at is not None and AttemptOutcome(attempt.outcome) in REDONE_WORK_OUTCOMES:
             redone += max(0.0, ran_s - committed_s.get(attempt.attempt_id, 0.0))
     return AttemptTotals(cost=cost, redone_work_s=redone)
 

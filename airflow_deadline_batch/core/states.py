@@ -17,6 +17,7 @@ __all__ = [
     "ATTEMPT_TRANSITIONS",
     "JOB_TRANSITIONS",
     "PREEMPTION_OUTCOMES",
+    "REDONE_WORK_OUTCOMES",
     "SHARD_TRANSITIONS",
     "TERMINAL_ATTEMPT_OUTCOMES",
     "TERMINAL_JOB_STATES",
@@ -101,6 +102,9 @@ UNRUN_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset({AttemptOutcome.UN
 PREEMPTION_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
     {AttemptOutcome.PREEMPTED, AttemptOutcome.ABANDONED, AttemptOutcome.LOST_LEASE}
 )
+#: tries whose uncommitted work another try does again: the preemptions and the stalls (a stalled
+#: worker's lease went to another claim, which redoes what the staller had not committed)
+REDONE_WORK_OUTCOMES: frozenset[AttemptOutcome] = PREEMPTION_OUTCOMES | {AttemptOutcome.STALLED}
 
 _J = JobState
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {

@@ -75,6 +75,15 @@ def test_attempt_totals_price_each_try_and_count_uncommitted_preempted_time():
     assert totals.cost == pytest.approx(360 * 1.0 / 3600 + 720 * 3.0 / 3600)
 
 
+def test_a_stalled_try_s_uncommitted_time_is_redone_work_but_no_preemption():
+    view, attempts, commits = view_and_rows()
+    # the same try, but its worker reported back alive after its lease went to another claim
+    stalled = [attempt("a1", 0, SPOT, 0, 360, AttemptOutcome.STALLED), attempts[1]]
+    assert metrics.attempt_totals(view, stalled, commits).redone_work_s == 300.0
+    lost_race = [attempt("a1", 0, SPOT, 0, 360, AttemptOutcome.LOST_RACE), attempts[1]]
+    assert metrics.attempt_totals(view, lost_race, commits).redone_work_s == 0.0
+
+
 def test_job_metrics_read_the_view():
     view, attempts, commits = view_and_rows()
     values = metrics.job_metrics(view, metrics.attempt_totals(view, attempts, commits))
