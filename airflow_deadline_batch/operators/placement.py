@@ -34,7 +34,7 @@ import dataclasses
 import datetime as dt
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_deadline_batch.core.calibration import (
     PoolAvailability,
@@ -48,6 +48,8 @@ from airflow_deadline_batch.core.calibration import (
 )
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.job_view import (
+    AttemptFields,
+    CommitFields,
     FinishedSpotTry,
     JobView,
     as_utc,
@@ -77,6 +79,17 @@ if TYPE_CHECKING:
 LABEL_PREFIX = "deadline-batch.io"
 #: capacity-type values as Karpenter spells them
 CAPACITY_VALUES = {PoolKind.SPOT: "spot", PoolKind.ON_DEMAND: "on-demand"}
+
+
+class TryFields(AttemptFields, Protocol):
+    """The attempt fields the placement view reads (``store.AttemptRow`` and the store's
+    ``placement_rows`` have them): :class:`~core.job_view.AttemptFields` and what the pools'
+    availability reads."""
+
+    @property
+    def heartbeat_at(self) -> dt.datetime | None: ...
+    @property
+    def failure_class(self) -> str | None: ...
 
 
 class TryAction(str, enum.Enum):
@@ -164,7 +177,8 @@ def read_job_view(
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
     parallelism: int | None = None,
 ) -> JobView:
-    """The job's :class:`JobView` from the store: its row, shards, commits and attempts.
+    """The job's :class:`JobView` from the store: its row, shards, commits and attempts, read in one
+    transaction, only the columns the view reads (:meth:`~ManifestStore.placement_rows`).
 
     The attempts tell the placement what Spot did to this job (docs/design.md §5, *Observed
     preemptions*): the observed preemption rate and the Spot tries preempted before any commit.
@@ -173,19 +187,18 @@ def read_job_view(
     are what :func:`decide_for_try` places with; earlier jobs' tries on the job's Spot pools (the
     store's bounded :meth:`~ManifestStore.pool_history`) are the prior of each pool's learned rate.
     """
-    job = store.get_job(job_id)
-    parsed = parse_pools(pools, job.config)
-    spot_names = [p.name for p in parsed if p.kind is PoolKind.SPOT]
-    history = store.pool_history(spot_names, exclude_job=job_id) if spot_names else {}
+    # the operator's pools name the Spot pools without the job's row; else the job's config does
+    spot_names = [p.name for p in parse_pools(pools) if p.kind is PoolKind.SPOT] if pools else None
+    rows = store.placement_rows(job_id, spot_pools=spot_names)
     return _placement_view(
-        job,
-        store.list_shards(job_id),
-        store.list_commits(job_id),
-        store.list_attempts(job_id),
+        rows.job,
+        rows.shards,
+        rows.commits,
+        rows.attempts,
         now=now,
-        pools=parsed,
+        pools=parse_pools(pools, rows.job.config),
         parallelism=parallelism,
-        history=history,
+        history=rows.history,
     )
 
 
@@ -219,8 +232,8 @@ def job_view_of(
 def _placement_view(
     job: JobRow,
     shards: Sequence[ShardRow],
-    commits: Sequence[CommitRow],
-    attempts: Sequence[AttemptRow],
+    commits: Sequence[CommitFields],
+    attempts: Sequence[TryFields],
     *,
     now: dt.datetime,
     pools: tuple[PoolSpec, ...],
@@ -253,7 +266,7 @@ def _placement_view(
 
 
 def leased_workers(
-    shards: Sequence[ShardRow], attempts: Sequence[AttemptRow], pools: Sequence[PoolSpec]
+    shards: Sequence[ShardRow], attempts: Sequence[TryFields], pools: Sequence[PoolSpec]
 ) -> tuple[frozenset[int], frozenset[int]]:
     """The shards with a worker on on-demand now and those with one on Spot, racers included.
 
@@ -294,8 +307,8 @@ class PlacementView(JobView):
 
 def pool_spot_tries(
     pools: Sequence[PoolSpec],
-    attempts: Sequence[AttemptRow],
-    commits: Sequence[CommitRow],
+    attempts: Sequence[TryFields],
+    commits: Sequence[CommitFields],
     history: Mapping[str, PoolHistory],
     *,
     finished: Sequence[FinishedSpotTry] | None = None,
@@ -320,7 +333,7 @@ def pool_spot_tries(
 
 def pool_spot_availability(
     pools: Sequence[PoolSpec],
-    attempts: Sequence[AttemptRow],
+    attempts: Sequence[TryFields],
     history: Mapping[str, PoolHistory],
     *,
     now: dt.datetime,
