@@ -129,11 +129,39 @@ class Calibration:
         return Calibration({**self.pools, sample.pool: updated})
 
     def observe_all(self, samples: Iterable[RateSample]) -> Calibration:
-        """Fold samples in order (oldest first)."""
-        calibration = self
+        """Fold samples in order (oldest first): :meth:`observe_rate`'s arithmetic, step by step, on
+        plain numbers, with one :class:`PoolEstimate` per pool at the end (the job view folds every
+        commit of the job on every decision)."""
+        state: dict[str, list[float]] = {}
         for sample in samples:
-            calibration = calibration.observe_rate(sample)
-        return calibration
+            tokens = sample.prompt_tokens + sample.completion_tokens
+            if sample.elapsed_s <= 0 or tokens <= 0:
+                continue
+            now = state.get(sample.pool)
+            if now is None:
+                est = self.estimate(sample.pool)
+                now = state[sample.pool] = [est.tokens_per_s, est.evidence_tokens, est.samples, est.busy_s]
+            rate, evidence = now[0], now[1]
+            measured = tokens / sample.elapsed_s
+            measured = min(max(measured, rate / MAX_STEP_RATIO), rate * MAX_STEP_RATIO)
+            weight = tokens / (evidence + tokens)
+            seconds_per_token = (1 - weight) / rate + weight / measured
+            now[0] = 1.0 / seconds_per_token
+            now[1] = min(evidence + tokens, 2 * PRIOR_TOKENS)
+            now[2] += 1
+            now[3] += sample.elapsed_s
+        if not state:
+            return self
+        pools = dict(self.pools)
+        for name, (rate, evidence, samples_seen, busy) in state.items():
+            pools[name] = replace(
+                pools[name],
+                tokens_per_s=rate,
+                evidence_tokens=evidence,
+                samples=int(samples_seen),
+                busy_s=busy,
+            )
+        return Calibration(pools)
 
 
 def calibrate(specs: Iterable[PoolSpec], samples: Iterable[RateSample]) -> Calibration:
@@ -213,6 +241,10 @@ class AvailabilityEstimate:
         return (self.weighted_sum + self.prior * self.prior_hours) / (self.weight + self.prior_hours)
 
 
+#: one finished Spot try as :meth:`SpotTries.observe` takes it: (ended_s, duration_s, preempted, commits)
+SpotTry = tuple[float, float, bool, int]
+
+
 @dataclass(frozen=True)
 class SpotTries:
     """The job's finished Spot tries, folded oldest first: observed preemption rate and progress.
@@ -250,6 +282,30 @@ class SpotTries:
             tries=self.tries + 1,
             preemptions=self.preemptions + (1 if preempted else 0),
             spot_s=self.spot_s + max(0.0, duration_s),
+            fruitless=fruitless,
+            fruitless_end_s=end,
+        )
+
+    def observe_all(self, tries: Iterable[SpotTry]) -> SpotTries:
+        """Fold finished tries in order (oldest end first): :meth:`observe` on each, on plain numbers."""
+        count, preemptions, spot_s = self.tries, self.preemptions, self.spot_s
+        fruitless, end = self.fruitless, self.fruitless_end_s
+        for ended_s, duration_s, preempted, commits in tries:
+            if commits > 0:
+                fruitless, end = 0, None
+            elif preempted:
+                fruitless, end = fruitless + 1, ended_s if end is None else max(end, ended_s)
+            count += 1
+            preemptions += 1 if preempted else 0
+            spot_s += max(0.0, duration_s)
+        if count == self.tries:
+            return self
+        return SpotTries(
+            prior_per_hour=self.prior_per_hour,
+            prior_hours=self.prior_hours,
+            tries=count,
+            preemptions=preemptions,
+            spot_s=spot_s,
             fruitless=fruitless,
             fruitless_end_s=end,
         )
@@ -334,6 +390,10 @@ CAPACITY_MISSING_S = 900.0
 MAX_OBSERVED_S = 1e10
 
 
+#: one try as :meth:`PoolAvailability.observe` takes it: (present_s, absent_s, started_s, gave_up_s)
+PoolTry = tuple[float, float, float | None, float | None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class PoolAvailability:
     """How often a Spot pool had capacity when tries asked for it: a Beta-like posterior.
@@ -377,6 +437,31 @@ class PoolAvailability:
             absent_s=self.absent_s + _observed_s(absent_s),
             last_start_s=_latest(self.last_start_s, _finite(started_s)),
             last_unschedulable_s=_latest(self.last_unschedulable_s, _finite(gave_up_s)),
+        )
+
+    def observe_all(self, tries: Iterable[PoolTry]) -> PoolAvailability:
+        """Fold tries in order: :meth:`observe` on each, on plain numbers."""
+        present, absent = self.present_s, self.absent_s
+        last_start, last_gave_up = self.last_start_s, self.last_unschedulable_s
+        seen = False
+        for present_s, absent_s, started_s, gave_up_s in tries:
+            seen = True
+            if present_s:  # adding a zero changes nothing
+                present += _observed_s(present_s)
+            if absent_s:
+                absent += _observed_s(absent_s)
+            if started_s is not None:
+                last_start = _latest(last_start, _finite(started_s))
+            if gave_up_s is not None:
+                last_gave_up = _latest(last_gave_up, _finite(gave_up_s))
+        if not seen:
+            return self
+        return replace(
+            self,
+            present_s=present,
+            absent_s=absent,
+            last_start_s=last_start,
+            last_unschedulable_s=last_gave_up,
         )
 
     @property

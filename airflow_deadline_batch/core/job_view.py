@@ -33,18 +33,20 @@ different quantity: the margin a plan that has not run yet must keep, with its r
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from airflow_deadline_batch.core.calibration import (
     Calibration,
     PoolEstimate,
     RateSample,
     SpotTries,
+    SpotTry,
     calibrate,
 )
-from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.clock import UTC, ensure_aware
 from airflow_deadline_batch.core.placement import JobSnapshot, od_need_s
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
@@ -61,13 +63,18 @@ __all__ = [
     "PREEMPTED_OUTCOMES",
     "AttemptFields",
     "CommitFields",
+    "FinishedSpotTry",
     "JobFields",
     "JobView",
     "PoolRate",
     "ShardFields",
+    "as_utc",
     "build_job_view",
     "changeover_s",
+    "finished_spot_tries",
     "is_stopped",
+    "job_view_fields",
+    "pool_index",
     "pool_named",
     "reference_pool",
     "shard_done_fraction",
@@ -328,10 +335,29 @@ def _work_scale(calibration: Calibration, pools: Sequence[PoolSpec]) -> float:
     return max(measured, key=lambda e: e.busy_s).slowdown
 
 
-def _samples(commits: Iterable[CommitFields], pools: Sequence[PoolSpec]) -> list[RateSample]:
+def pool_index(pools: Sequence[PoolSpec]) -> dict[str, PoolSpec]:
+    """:func:`pool_named` as one dictionary lookup: each name, then each kind's value, to its first pool.
+
+    ``pool_index(pools).get(name) if name else None`` is ``pool_named(name, pools)``; the view
+    resolves every shard's, commit's and attempt's pool through it.
+    """
+    index: dict[str, PoolSpec] = {}
+    for pool in reversed(pools):
+        index[pool.kind.value] = pool
+    for pool in reversed(pools):
+        index[pool.name] = pool
+    return index
+
+
+def as_utc(value: dt.datetime, name: str) -> dt.datetime:
+    """:func:`ensure_aware`, without the conversion for a value in UTC already (every store row's)."""
+    return value if value.tzinfo is UTC else ensure_aware(value, name)
+
+
+def _samples(commits: Iterable[CommitFields], index: Mapping[str, PoolSpec]) -> list[RateSample]:
     out = []
     for commit in sorted(commits, key=lambda c: c.committed_at):
-        pool = pool_named(commit.pool, pools)
+        pool = index.get(commit.pool) if commit.pool else None
         if pool is None:
             continue  # the validation object, or a pool the job no longer has: nothing to learn
         out.append(
@@ -346,44 +372,101 @@ def _samples(commits: Iterable[CommitFields], pools: Sequence[PoolSpec]) -> list
     return out
 
 
-def spot_tries(
+class FinishedSpotTry(NamedTuple):
+    """One finished try of the job on a Spot pool, as :meth:`SpotTries.observe` folds it."""
+
+    shard_index: int
+    #: the Spot pool's name (the attempt's pool resolved by :func:`pool_named`)
+    pool: str
+    #: (ended_s, duration_s, preempted, commits)
+    fold: SpotTry
+
+
+def finished_spot_tries(
     attempts: Iterable[AttemptFields],
     commits: Iterable[CommitFields],
     pools: Sequence[PoolSpec],
-) -> tuple[SpotTries, dict[int, SpotTries]]:
-    """The job's and each shard's finished Spot tries folded into :class:`SpotTries` (oldest end first).
+) -> list[FinishedSpotTry]:
+    """The job's finished tries on its Spot pools that ran a worker, oldest end first.
 
     A try is on Spot when its pool (by name or kind) is a Spot pool of the job; its progress is
-    the number of commits recorded under its attempt ID. The declared rate of the job's Spot pools
-    is the prior of the observed rate.
+    the number of commits recorded under its attempt ID.
     """
-    declared = max((p.preemptions_per_hour for p in pools if p.kind is PoolKind.SPOT), default=0.0)
-    job = SpotTries(prior_per_hour=declared)
-    shards: dict[int, SpotTries] = {}
+    index = pool_index(pools)
     finished = []
     for attempt in attempts:
-        pool = pool_named(attempt.pool, pools)
+        pool = index.get(attempt.pool) if attempt.pool else None
         if attempt.ended_at is None or pool is None or pool.kind is not PoolKind.SPOT:
             continue
         if attempt.outcome in UNRUN_ATTEMPT_OUTCOMES:
             continue  # no worker ran: no Spot time, no preemption (availability evidence only)
-        finished.append(attempt)
+        finished.append((as_utc(attempt.ended_at, "ended_at"), attempt, pool.name))
     if not finished:
-        return job, shards
-    per_attempt: dict[str, int] = {}
-    for commit in commits:
-        per_attempt[commit.attempt_id] = per_attempt.get(commit.attempt_id, 0) + 1
-    for attempt in sorted(finished, key=lambda a: ensure_aware(a.ended_at or a.started_at, "ended_at")):
-        ended = ensure_aware(attempt.ended_at or attempt.started_at, "ended_at")
-        duration = (ended - ensure_aware(attempt.started_at, "started_at")).total_seconds()
-        preempted = AttemptOutcome(attempt.outcome) in PREEMPTED_OUTCOMES
-        done = per_attempt.get(attempt.attempt_id, 0)
-        job = job.observe(ended_s=ended.timestamp(), duration_s=duration, preempted=preempted, commits=done)
-        before = shards.get(attempt.shard_index, SpotTries(prior_per_hour=declared))
-        shards[attempt.shard_index] = before.observe(
-            ended_s=ended.timestamp(), duration_s=duration, preempted=preempted, commits=done
+        return []
+    per_attempt = Counter(commit.attempt_id for commit in commits)
+    finished.sort(key=lambda item: item[0])
+    return [
+        FinishedSpotTry(
+            attempt.shard_index,
+            pool_name,
+            (
+                ended.timestamp(),
+                (ended - as_utc(attempt.started_at, "started_at")).total_seconds(),
+                AttemptOutcome(attempt.outcome) in PREEMPTED_OUTCOMES,
+                per_attempt[attempt.attempt_id],
+            ),
         )
-    return job, shards
+        for ended, attempt, pool_name in finished
+    ]
+
+
+def spot_tries(
+    attempts: Iterable[AttemptFields],
+    commits: Iterable[CommitFields],
+    pools: Sequence[PoolSpec],
+    *,
+    finished: Sequence[FinishedSpotTry] | None = None,
+) -> tuple[SpotTries, Mapping[int, SpotTries]]:
+    """The job's and each shard's finished Spot tries folded into :class:`SpotTries` (oldest end first).
+
+    The tries are :func:`finished_spot_tries` (``finished``: those, read already). The declared
+    rate of the job's Spot pools is the prior of the observed rate.
+    """
+    declared = max((p.preemptions_per_hour for p in pools if p.kind is PoolKind.SPOT), default=0.0)
+    prior = SpotTries(prior_per_hour=declared)
+    if finished is None:
+        finished = finished_spot_tries(attempts, commits, pools)
+    by_shard: dict[int, list[SpotTry]] = {}
+    for one in finished:
+        by_shard.setdefault(one.shard_index, []).append(one.fold)
+    return prior.observe_all(one.fold for one in finished), _ShardSpotTries(prior, by_shard)
+
+
+class _ShardSpotTries(Mapping[int, SpotTries]):
+    """Each shard's finished Spot tries by shard index, folded when first read (a decision reads
+    one shard's; folding every shard's on every decision grew with the job's shards)."""
+
+    __slots__ = ("_folded", "_prior", "_tries")
+
+    def __init__(self, prior: SpotTries, tries: dict[int, list[SpotTry]]) -> None:
+        self._prior = prior
+        self._tries = tries
+        self._folded: dict[int, SpotTries] = {}
+
+    def __getitem__(self, index: int) -> SpotTries:
+        folded = self._folded.get(index)
+        if folded is None:
+            folded = self._folded[index] = self._prior.observe_all(self._tries[index])
+        return folded
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tries)
+
+    def __len__(self) -> int:
+        return len(self._tries)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 def build_job_view(
@@ -403,13 +486,42 @@ def build_job_view(
     without ``attempts`` nothing is known of preemptions but the pools' declared rates. ``tenant``
     is the job row's (the protocol leaves it out so that rows of older fakes still fit).
     """
+    return JobView(
+        **job_view_fields(
+            job,
+            shards,
+            commits,
+            now=now,
+            pools=pools,
+            parallelism=parallelism,
+            attempts=attempts,
+            tenant=tenant,
+        )
+    )
+
+
+def job_view_fields(
+    job: JobFields,
+    shards: Iterable[ShardFields],
+    commits: Iterable[CommitFields],
+    *,
+    now: dt.datetime,
+    pools: Sequence[PoolSpec] | None = None,
+    parallelism: int | None = None,
+    attempts: Iterable[AttemptFields] = (),
+    tenant: str = DEFAULT_TENANT,
+    finished: Sequence[FinishedSpotTry] | None = None,
+) -> dict[str, Any]:
+    """:func:`build_job_view`'s fields by name, for a view that extends :class:`JobView`
+    (``finished``: the job's :func:`finished_spot_tries`, read already)."""
     if pools is None:
         pools = tuple(PoolSpec.from_dict(p) for p in job.config.get("pools") or ())
     pools = tuple(pools)
     if not pools:
         raise ValueError(f"job {job.job_id} has no pools: plan it with pools or pass them")
+    index = pool_index(pools)
     commits = list(commits)
-    calibration = calibrate(pools, _samples(commits, pools))
+    calibration = calibrate(pools, _samples(commits, index))
     scale = _work_scale(calibration, pools)
     shard_work: dict[int, float] = {}
     last_kinds: dict[int, PoolKind | None] = {}
@@ -422,12 +534,12 @@ def build_job_view(
         committed += work * done
         if done < 1.0:
             shard_work[shard.shard_index] = work * (1.0 - done)
-        last = pool_named(shard.last_pool, pools)
+        last = index.get(shard.last_pool) if shard.last_pool else None
         last_kinds[shard.shard_index] = last.kind if last is not None else None
         if shard.state is ShardState.LEASED and last is not None:
             (on_demand if last.kind is PoolKind.ON_DEMAND else on_spot).add(shard.shard_index)
-    job_tries, shard_tries = spot_tries(attempts, commits, pools)
-    return JobView(
+    job_tries, shard_tries = spot_tries(attempts, commits, pools, finished=finished)
+    return dict(
         job_id=job.job_id,
         state=JobState(job.state),
         now=ensure_aware(now, "now"),

@@ -34,23 +34,30 @@ import dataclasses
 import datetime as dt
 import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_deadline_batch.core.calibration import (
     PoolAvailability,
     PoolHistory,
+    PoolTry,
     SpotTries,
+    SpotTry,
     availability_prior,
     gave_up_waiting,
     spot_prior,
 )
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.job_view import (
+    AttemptFields,
+    CommitFields,
+    FinishedSpotTry,
     JobView,
-    build_job_view,
+    as_utc,
+    finished_spot_tries,
+    job_view_fields,
+    pool_index,
     pool_named,
     reference_pool,
-    spot_tries,
 )
 from airflow_deadline_batch.core.placement import (
     DEFAULT_POLICY,
@@ -72,6 +79,17 @@ if TYPE_CHECKING:
 LABEL_PREFIX = "deadline-batch.io"
 #: capacity-type values as Karpenter spells them
 CAPACITY_VALUES = {PoolKind.SPOT: "spot", PoolKind.ON_DEMAND: "on-demand"}
+
+
+class TryFields(AttemptFields, Protocol):
+    """The attempt fields the placement view reads (``store.AttemptRow`` and the store's
+    ``placement_rows`` have them): :class:`~core.job_view.AttemptFields` and what the pools'
+    availability reads."""
+
+    @property
+    def heartbeat_at(self) -> dt.datetime | None: ...
+    @property
+    def failure_class(self) -> str | None: ...
 
 
 class TryAction(str, enum.Enum):
@@ -159,7 +177,8 @@ def read_job_view(
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None = None,
     parallelism: int | None = None,
 ) -> JobView:
-    """The job's :class:`JobView` from the store: its row, shards, commits and attempts.
+    """The job's :class:`JobView` from the store: its row, shards, commits and attempts, read in one
+    transaction, only the columns the view reads (:meth:`~ManifestStore.placement_rows`).
 
     The attempts tell the placement what Spot did to this job (docs/design.md §5, *Observed
     preemptions*): the observed preemption rate and the Spot tries preempted before any commit.
@@ -168,19 +187,18 @@ def read_job_view(
     are what :func:`decide_for_try` places with; earlier jobs' tries on the job's Spot pools (the
     store's bounded :meth:`~ManifestStore.pool_history`) are the prior of each pool's learned rate.
     """
-    job = store.get_job(job_id)
-    parsed = parse_pools(pools, job.config)
-    spot_names = [p.name for p in parsed if p.kind is PoolKind.SPOT]
-    history = store.pool_history(spot_names, exclude_job=job_id) if spot_names else {}
-    return job_view_of(
-        job,
-        store.list_shards(job_id),
-        store.list_commits(job_id),
-        store.list_attempts(job_id),
+    # the operator's pools name the Spot pools without the job's row; else the job's config does
+    spot_names = [p.name for p in parse_pools(pools) if p.kind is PoolKind.SPOT] if pools else None
+    rows = store.placement_rows(job_id, spot_pools=spot_names)
+    return _placement_view(
+        rows.job,
+        rows.shards,
+        rows.commits,
+        rows.attempts,
         now=now,
-        pools=parsed,
+        pools=parse_pools(pools, rows.job.config),
         parallelism=parallelism,
-        history=history,
+        history=rows.history,
     )
 
 
@@ -199,30 +217,56 @@ def job_view_of(
 
     ``history``: earlier jobs' tries by pool name (none: each pool's declaration is the prior).
     """
+    return _placement_view(
+        job,
+        shards,
+        commits,
+        attempts,
+        now=now,
+        pools=parse_pools(pools, job.config),
+        parallelism=parallelism,
+        history=history or {},
+    )
+
+
+def _placement_view(
+    job: JobRow,
+    shards: Sequence[ShardRow],
+    commits: Sequence[CommitFields],
+    attempts: Sequence[TryFields],
+    *,
+    now: dt.datetime,
+    pools: tuple[PoolSpec, ...],
+    parallelism: int | None,
+    history: Mapping[str, PoolHistory],
+) -> PlacementView:
+    """:func:`job_view_of` over the pools :func:`parse_pools` gave (each row read once: the Spot
+    tries are found once for the job's, each shard's and each pool's folds)."""
     attempts = list(attempts)
     commits = list(commits)
     shards = list(shards)
-    view = build_job_view(
+    finished = finished_spot_tries(attempts, commits, pools)
+    fields = job_view_fields(
         job,
         shards,
         commits,
         now=now,
-        pools=parse_pools(pools, job.config),
+        pools=pools,
         parallelism=parallelism,
         attempts=attempts,
         tenant=job.tenant,
+        finished=finished,
     )
-    fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(JobView)}
-    fields["on_demand_shards"], fields["spot_shards"] = leased_workers(shards, attempts, view.pools)
+    fields["on_demand_shards"], fields["spot_shards"] = leased_workers(shards, attempts, pools)
     return PlacementView(
         **fields,
-        pool_tries=pool_spot_tries(view.pools, attempts, commits, history or {}),
-        pool_availability=pool_spot_availability(view.pools, attempts, history or {}, now=now),
+        pool_tries=pool_spot_tries(pools, attempts, commits, history, finished=finished),
+        pool_availability=pool_spot_availability(pools, attempts, history, now=now),
     )
 
 
 def leased_workers(
-    shards: Sequence[ShardRow], attempts: Sequence[AttemptRow], pools: Sequence[PoolSpec]
+    shards: Sequence[ShardRow], attempts: Sequence[TryFields], pools: Sequence[PoolSpec]
 ) -> tuple[frozenset[int], frozenset[int]]:
     """The shards with a worker on on-demand now and those with one on Spot, racers included.
 
@@ -234,17 +278,18 @@ def leased_workers(
     its attempt's pool here either way: it no longer counts as a Spot worker blocking a storm
     probe, ``core.placement.in_storm``, or charging a Spot worker's waste to the cost cap.)
     """
-    pool_of = {a.attempt_id: a.pool for a in attempts}
+    leased = [shard for shard in shards if shard.state is ShardState.LEASED]
+    holders = {shard.lease_attempt_id for shard in leased} | {shard.race_attempt_id for shard in leased}
+    pool_of = {a.attempt_id: a.pool for a in attempts if a.attempt_id in holders}
+    index = pool_index(pools)
     on_demand: set[int] = set()
     on_spot: set[int] = set()
-    for shard in shards:
-        if shard.state is not ShardState.LEASED:
-            continue
-        holders = [pool_of.get(shard.lease_attempt_id or "", shard.last_pool)]
+    for shard in leased:
+        names = [pool_of.get(shard.lease_attempt_id or "", shard.last_pool)]
         if shard.race_attempt_id is not None:
-            holders.append(pool_of.get(shard.race_attempt_id))
-        for name in holders:
-            pool = pool_named(name, pools)
+            names.append(pool_of.get(shard.race_attempt_id))
+        for name in names:
+            pool = index.get(name) if name else None
             if pool is not None:
                 (on_demand if pool.kind is PoolKind.ON_DEMAND else on_spot).add(shard.shard_index)
     return frozenset(on_demand), frozenset(on_spot)
@@ -262,32 +307,33 @@ class PlacementView(JobView):
 
 def pool_spot_tries(
     pools: Sequence[PoolSpec],
-    attempts: Sequence[AttemptRow],
-    commits: Sequence[CommitRow],
+    attempts: Sequence[TryFields],
+    commits: Sequence[CommitFields],
     history: Mapping[str, PoolHistory],
+    *,
+    finished: Sequence[FinishedSpotTry] | None = None,
 ) -> dict[str, SpotTries]:
-    """Each Spot pool's finished tries of the job, folded over its declaration and earlier jobs' history."""
-    by_pool: dict[str, list[AttemptRow]] = {p.name: [] for p in pools if p.kind is PoolKind.SPOT}
-    for attempt in attempts:
-        pool_of = pool_named(attempt.pool, pools)
-        if pool_of is not None and attempt.ended_at is not None and pool_of.name in by_pool:
-            by_pool[pool_of.name].append(attempt)
+    """Each Spot pool's finished tries of the job, folded over its declaration and earlier jobs' history.
+
+    ``finished``: the job's :func:`core.job_view.finished_spot_tries`, read already.
+    """
+    if finished is None:
+        finished = finished_spot_tries(attempts, commits, pools)
+    by_pool: dict[str, list[SpotTry]] = {}
+    for one in finished:
+        by_pool.setdefault(one.pool, []).append(one.fold)
     out: dict[str, SpotTries] = {}
     for pool in pools:
-        if pool.kind is not PoolKind.SPOT:
-            continue
-        mine = by_pool[pool.name]
-        seen = spot_tries(mine, commits, [pool])[0] if mine else SpotTries()
-        prior = spot_prior(pool.preemptions_per_hour, history.get(pool.name))
-        out[pool.name] = dataclasses.replace(
-            seen, prior_per_hour=prior.prior_per_hour, prior_hours=prior.prior_hours
-        )
+        if pool.kind is PoolKind.SPOT:
+            out[pool.name] = spot_prior(pool.preemptions_per_hour, history.get(pool.name)).observe_all(
+                by_pool.get(pool.name, ())
+            )
     return out
 
 
 def pool_spot_availability(
     pools: Sequence[PoolSpec],
-    attempts: Sequence[AttemptRow],
+    attempts: Sequence[TryFields],
     history: Mapping[str, PoolHistory],
     *,
     now: dt.datetime,
@@ -300,27 +346,29 @@ def pool_spot_availability(
     the pool as out of capacity for a while). The prior is the default policy's
     ``availability_prior``; :func:`placement_snapshot` applies the deciding policy's own.
     """
-    out = {
-        p.name: availability_prior(DEFAULT_POLICY.availability_prior, history.get(p.name))
-        for p in pools
-        if p.kind is PoolKind.SPOT
-    }
+    seen: dict[str, list[PoolTry]] = {p.name: [] for p in pools if p.kind is PoolKind.SPOT}
+    tries_of = {name: seen[pool.name] for name, pool in pool_index(pools).items() if pool.name in seen}
+    now = ensure_aware(now, "now")
+    unschedulable = AttemptOutcome.UNSCHEDULABLE
     for attempt in attempts:
-        pool = pool_named(attempt.pool, pools)
-        if pool is None or pool.name not in out:
+        tries = tries_of.get(attempt.pool) if attempt.pool else None
+        if tries is None:
             continue
-        started = ensure_aware(attempt.started_at, "started_at")
+        started = as_utc(attempt.started_at, "started_at")
         if attempt.ended_at is not None:
-            ended = ensure_aware(attempt.ended_at, "ended_at")
+            ended = as_utc(attempt.ended_at, "ended_at")
         else:  # running: up to its last heartbeat, the store's clock (a deciding clock ahead adds nothing)
-            ended = min(now, ensure_aware(attempt.heartbeat_at or attempt.started_at, "heartbeat_at"))
+            ended = min(now, as_utc(attempt.heartbeat_at or attempt.started_at, "heartbeat_at"))
         span = (ended - started).total_seconds()
-        if attempt.outcome == AttemptOutcome.UNSCHEDULABLE:
+        if attempt.outcome == unschedulable:
             gave_up = ended.timestamp() if gave_up_waiting(attempt.failure_class) else None
-            out[pool.name] = out[pool.name].observe(absent_s=span, gave_up_s=gave_up)
+            tries.append((0.0, span, None, gave_up))
         else:
-            out[pool.name] = out[pool.name].observe(present_s=span, started_s=started.timestamp())
-    return out
+            tries.append((span, 0.0, started.timestamp(), None))
+    return {
+        name: availability_prior(DEFAULT_POLICY.availability_prior, history.get(name)).observe_all(tries)
+        for name, tries in seen.items()
+    }
 
 
 def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | None = None) -> TryDecision:

@@ -36,7 +36,7 @@ from airflow_deadline_batch.core.ids import (
     shard_id,
 )
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
-from airflow_deadline_batch.core.pools import PoolSpec
+from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
     PREEMPTION_OUTCOMES,
     TERMINAL_JOB_STATES,
@@ -64,6 +64,7 @@ from airflow_deadline_batch.store.engine import (
     run_with_retry,
 )
 from airflow_deadline_batch.store.leases import ACTIVE_JOB_STATES
+from airflow_deadline_batch.store.placement_rows import PlacementRows, read_placement_rows
 from airflow_deadline_batch.store.rows import (
     DEFAULT_MAX_ATTEMPTS,
     VALIDATION_ATTEMPT_ID,
@@ -1195,6 +1196,25 @@ class ManifestStore:
         def read(conn: Connection) -> dict[str, PoolHistory]:
             since = _ts(self._now(conn) - days * 86400.0)
             return pool_stats.spot_history(conn, pools, since=since, exclude_job=exclude_job, limit=limit)
+
+        return self._tx(read, write=False)
+
+    def placement_rows(self, job_id: str, *, spot_pools: Sequence[str] | None = None) -> PlacementRows:
+        """The job's row, shards, commits and attempts and its Spot pools' history, for one placement
+        decision, in one read transaction (:mod:`store.placement_rows`; JobNotFound if no such job).
+
+        ``spot_pools``: the Spot pools whose earlier jobs' tries to read (:meth:`pool_history`);
+        None: the Spot pools of the job's config.
+        """
+
+        def read(conn: Connection) -> PlacementRows:
+            job = self._job(conn, job_id)
+            names = spot_pools
+            if names is None:
+                specs = (PoolSpec.from_dict(p) for p in job.config.get("pools") or ())
+                names = [p.name for p in specs if p.kind is PoolKind.SPOT]
+            since = _ts(self._now(conn) - pool_stats.HISTORY_DAYS * 86400.0)
+            return read_placement_rows(conn, job, names, since=since)
 
         return self._tx(read, write=False)
 
