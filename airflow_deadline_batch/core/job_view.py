@@ -60,7 +60,6 @@ from airflow_deadline_batch.core.states import (
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT
 
 __all__ = [
-    "PREEMPTED_OUTCOMES",
     "AttemptFields",
     "CommitFields",
     "FinishedSpotTry",
@@ -80,9 +79,6 @@ __all__ = [
     "shard_done_fraction",
     "spot_tries",
 ]
-
-#: how a try ends when its capacity was taken away (``core.states.PREEMPTION_OUTCOMES``, the one definition)
-PREEMPTED_OUTCOMES = PREEMPTION_OUTCOMES
 
 
 class JobFields(Protocol):
@@ -412,7 +408,7 @@ def finished_spot_tries(
             (
                 ended.timestamp(),
                 (ended - as_utc(attempt.started_at, "started_at")).total_seconds(),
-                AttemptOutcome(attempt.outcome) in PREEMPTED_OUTCOMES,
+                AttemptOutcome(attempt.outcome) in PREEMPTION_OUTCOMES,
                 per_attempt[attempt.attempt_id],
             ),
         )

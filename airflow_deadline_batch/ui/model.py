@@ -34,14 +34,18 @@ from typing import TYPE_CHECKING, Any
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.ids import submitted_key
 from airflow_deadline_batch.core.job_view import (
-    PREEMPTED_OUTCOMES,
     JobView,
     build_job_view,
     pool_named,
     reference_pool,
 )
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.core.states import UNRUN_ATTEMPT_OUTCOMES, JobState, ShardState
+from airflow_deadline_batch.core.states import (
+    PREEMPTION_OUTCOMES,
+    UNRUN_ATTEMPT_OUTCOMES,
+    JobState,
+    ShardState,
+)
 from airflow_deadline_batch.metrics import attempt_totals
 from airflow_deadline_batch.operators.placement import job_view_of
 
@@ -332,7 +336,7 @@ def finish_spread(view: JobView, history: Sequence[HistoryPoint]) -> tuple[dt.da
 def shard_lines(
     view: JobView, shards: Sequence[ShardRow], attempts: Sequence[AttemptRow]
 ) -> tuple[ShardLine, ...]:
-    preempted = Counter(a.shard_index for a in attempts if a.outcome in PREEMPTED_OUTCOMES)
+    preempted = Counter(a.shard_index for a in attempts if a.outcome in PREEMPTION_OUTCOMES)
     pool_of = {a.attempt_id: a.pool for a in attempts}
     out = []
     for shard in sorted(shards, key=lambda s: s.shard_index):

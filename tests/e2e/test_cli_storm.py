@@ -11,8 +11,8 @@ from pathlib import Path
 
 import orjson
 
-from airflow_deadline_batch.core.job_view import PREEMPTED_OUTCOMES
 from airflow_deadline_batch.core.pools import PoolKind
+from airflow_deadline_batch.core.states import PREEMPTION_OUTCOMES
 from airflow_deadline_batch.local.runner import PreemptionInjector
 from airflow_deadline_batch.store import ManifestStore
 from tests.e2e.conftest import run_cli
@@ -67,7 +67,7 @@ def test_a_preemption_storm_escalates_to_on_demand_and_meets_the_deadline(tmp_pa
     # nothing was committed on Spot: every commit came from an on-demand try
     committed_by = {c.attempt_id for c in commits if c.shard_index >= 0}
     assert committed_by and not committed_by & {a.attempt_id for a in spot}
-    assert all(a.outcome in PREEMPTED_OUTCOMES for a in spot)
+    assert all(a.outcome in PREEMPTION_OUTCOMES for a in spot)
     # the storm was noticed from the store, and before any shard's attempt budget ran out
     assert spot, "no Spot try ever claimed its shard: nothing to learn the storm from"
     per_shard: dict[int, int] = {}

@@ -33,7 +33,6 @@ from airflow_deadline_batch.core.calibration import (
 )
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.job_view import (
-    PREEMPTED_OUTCOMES,
     JobView,
     _work_scale,
     pool_named,
@@ -41,7 +40,13 @@ from airflow_deadline_batch.core.job_view import (
 )
 from airflow_deadline_batch.core.placement import DEFAULT_POLICY
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
-from airflow_deadline_batch.core.states import UNRUN_ATTEMPT_OUTCOMES, AttemptOutcome, JobState, ShardState
+from airflow_deadline_batch.core.states import (
+    PREEMPTION_OUTCOMES,
+    UNRUN_ATTEMPT_OUTCOMES,
+    AttemptOutcome,
+    JobState,
+    ShardState,
+)
 from airflow_deadline_batch.operators.placement import (
     PlacementView,
     decide_for_try,
@@ -125,7 +130,7 @@ def reference_spot_tries(
     for attempt in sorted(finished, key=lambda a: ensure_aware(a.ended_at or a.started_at)):
         ended = ensure_aware(attempt.ended_at or attempt.started_at)
         duration = (ended - ensure_aware(attempt.started_at)).total_seconds()
-        preempted = AttemptOutcome(attempt.outcome) in PREEMPTED_OUTCOMES
+        preempted = AttemptOutcome(attempt.outcome) in PREEMPTION_OUTCOMES
         done = per_attempt.get(attempt.attempt_id, 0)
         job = job.observe(ended_s=ended.timestamp(), duration_s=duration, preempted=preempted, commits=done)
         before = shards.get(attempt.shard_index, SpotTries(prior_per_hour=declared))
