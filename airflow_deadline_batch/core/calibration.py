@@ -111,27 +111,12 @@ class Calibration:
 
     def observe_rate(self, sample: RateSample) -> Calibration:
         """Fold one committed microbatch into its pool's tokens/s (size-weighted, clipped)."""
-        if sample.elapsed_s <= 0 or sample.tokens <= 0:
-            return self
-        est = self.estimate(sample.pool)
-        measured = sample.tokens / sample.elapsed_s
-        measured = min(max(measured, est.tokens_per_s / MAX_STEP_RATIO), est.tokens_per_s * MAX_STEP_RATIO)
-        weight = sample.tokens / (est.evidence_tokens + sample.tokens)
-        # Average time per token (not rate) so that slow and fast samples weigh by the time they took.
-        seconds_per_token = (1 - weight) / est.tokens_per_s + weight / measured
-        updated = replace(
-            est,
-            tokens_per_s=1.0 / seconds_per_token,
-            evidence_tokens=min(est.evidence_tokens + sample.tokens, 2 * PRIOR_TOKENS),
-            samples=est.samples + 1,
-            busy_s=est.busy_s + sample.elapsed_s,
-        )
-        return Calibration({**self.pools, sample.pool: updated})
+        return self.observe_all((sample,))
 
     def observe_all(self, samples: Iterable[RateSample]) -> Calibration:
-        """Fold samples in order (oldest first): :meth:`observe_rate`'s arithmetic, step by step, on
-        plain numbers, with one :class:`PoolEstimate` per pool at the end (the job view folds every
-        commit of the job on every decision)."""
+        """Fold samples in order (oldest first), each into its pool's tokens/s (size-weighted, clipped),
+        on plain numbers, with one :class:`PoolEstimate` per pool at the end (the job view folds
+        every commit of the job on every decision)."""
         state: dict[str, list[float]] = {}
         for sample in samples:
             tokens = sample.prompt_tokens + sample.completion_tokens
@@ -145,6 +130,7 @@ class Calibration:
             measured = tokens / sample.elapsed_s
             measured = min(max(measured, rate / MAX_STEP_RATIO), rate * MAX_STEP_RATIO)
             weight = tokens / (evidence + tokens)
+            # Average time per token (not rate) so that slow and fast samples weigh by the time they took.
             seconds_per_token = (1 - weight) / rate + weight / measured
             now[0] = 1.0 / seconds_per_token
             now[1] = min(evidence + tokens, 2 * PRIOR_TOKENS)
@@ -272,22 +258,11 @@ class SpotTries:
 
     def observe(self, *, ended_s: float, duration_s: float, preempted: bool, commits: int) -> SpotTries:
         """Fold one finished Spot try: how long it ran, whether it was preempted, what it committed."""
-        fruitless, end = self.fruitless, self.fruitless_end_s
-        if commits > 0:
-            fruitless, end = 0, None
-        elif preempted:
-            fruitless, end = fruitless + 1, ended_s if end is None else max(end, ended_s)
-        return replace(
-            self,
-            tries=self.tries + 1,
-            preemptions=self.preemptions + (1 if preempted else 0),
-            spot_s=self.spot_s + max(0.0, duration_s),
-            fruitless=fruitless,
-            fruitless_end_s=end,
-        )
+        return self.observe_all(((ended_s, duration_s, preempted, commits),))
 
     def observe_all(self, tries: Iterable[SpotTry]) -> SpotTries:
-        """Fold finished tries in order (oldest end first): :meth:`observe` on each, on plain numbers."""
+        """Fold finished tries in order (oldest end first), on plain numbers: a try that committed
+        ends a run of fruitless ones, a preempted try without a commit extends it."""
         count, preemptions, spot_s = self.tries, self.preemptions, self.spot_s
         fruitless, end = self.fruitless, self.fruitless_end_s
         for ended_s, duration_s, preempted, commits in tries:
@@ -431,16 +406,10 @@ class PoolAvailability:
         gave_up_s: float | None = None,
     ) -> PoolAvailability:
         """Fold one try: the seconds it ran (``started_s``: when), or waited in vain (``gave_up_s``)."""
-        return replace(
-            self,
-            present_s=self.present_s + _observed_s(present_s),
-            absent_s=self.absent_s + _observed_s(absent_s),
-            last_start_s=_latest(self.last_start_s, _finite(started_s)),
-            last_unschedulable_s=_latest(self.last_unschedulable_s, _finite(gave_up_s)),
-        )
+        return self.observe_all(((present_s, absent_s, started_s, gave_up_s),))
 
     def observe_all(self, tries: Iterable[PoolTry]) -> PoolAvailability:
-        """Fold tries in order: :meth:`observe` on each, on plain numbers."""
+        """Fold tries in order, on plain numbers (times clamped and NaN dropped as evidence)."""
         present, absent = self.present_s, self.absent_s
         last_start, last_gave_up = self.last_start_s, self.last_unschedulable_s
         seen = False
