@@ -1027,6 +1027,7 @@ _BODY_ENCODER = msgspec.json.Encoder()
 #: check_params verdicts by (engine, endpoint, the body's re-encoded members without its text)
 _PARAMS_VERDICTS: dict[tuple[str | None, str, bytes], tuple[bytes, ...] | None] = {}
 _PARAMS_VERDICTS_MAX = 4096
+_UNKNOWN: Any = object()
 #: orjson refuses JSON nested deeper than 1024; raw bytes with this many brackets are left to it
 _MAX_RAW_BRACKETS = 256
 
@@ -1109,6 +1110,8 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
     decode_error = msgspec.DecodeError
     native_type = _FastNative
     openai_start = _OPENAI_START
+    verdicts = _PARAMS_VERDICTS  # cleared in place when full, never replaced
+    contents = _contents
     try:
         long_lines = max(map(len, datas), default=0) > max_bytes  # type: ignore[arg-type]
     except TypeError:  # a None item: check each line
@@ -1144,7 +1147,10 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 append(None)
                 continue
             else:
-                texts = _contents(messages)
+                # two messages (a system prompt and a question) without the function call
+                texts = (
+                    (messages[0].content, messages[1].content) if len(messages) == 2 else contents(messages)
+                )
             record_id = line.id
         else:
             assert type(line) is _FastOpenAI
@@ -1165,7 +1171,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 if chat is unset or body.prompt is not unset:
                     append(None)
                     continue
-                texts = _contents(chat)
+                texts = (chat[0].content,) if len(chat) == 1 else contents(chat)
                 body.messages = unset
                 kind = "chat"
             else:
@@ -1177,7 +1183,10 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 body.prompt = unset
                 kind = "completion"
             # the rest of the body (model, limits, parameters) as bytes: one verdict per distinct one
-            names = _params_names(encode(body), kind, engine)
+            key = encode(body)
+            names = verdicts.get((engine, kind, key), _UNKNOWN)  # a hit without the function call
+            if names is _UNKNOWN:
+                names = _params_names(key, kind, engine)
             if names is None:
                 append(None)
                 continue
