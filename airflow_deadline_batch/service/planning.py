@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_
 from airflow_deadline_batch.core.records import (
     ErrorCode,
     LineError,
+    QuickRecord,
     RawLine,
     Record,
     ValidationLimits,
@@ -468,11 +469,12 @@ def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
             continue
         # the common case skips building Record objects (same numbers: see quick_parse)
         keep = [True] * count
+        rows = cast("list[QuickRecord | tuple[None, None, None]]", quicks)  # once the Nones are replaced
         for i in slow_lines:
             keep[i] = False
-            quicks[i] = _NOT_QUICK
-        ids: list[str | None] = list(map(first_item, quicks))
-        fast = list(itertools.compress(quicks, keep))
+            rows[i] = _NOT_QUICK
+        ids: list[str | None] = list(map(first_item, rows))
+        fast = list(itertools.compress(rows, keep))
         rec_lines = list(itertools.compress(range(first, line + 1), keep))
         rec_ends = list(itertools.compress(ends, keep))
         prompts: list[int] = []
