@@ -932,6 +932,8 @@ def quick_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) ->
 # is checked by orjson itself on those bytes: body parameters once per distinct byte string
 # (cached with their check_params verdict); a line where a raw member may be repeated (only
 # the last occurrence would be checked) declines. ``metadata`` is decoded flat, not kept raw.
+# The usual body parameters (numbers, flags, strings, ``stop``) are typed instead of raw: msgspec
+# checks every occurrence of their key as orjson would, so a line needs no repeated-key search.
 
 _Role = Literal["system", "user", "assistant", "developer", "tool"]  # ALLOWED_ROLES (a test holds them equal)
 _NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
@@ -943,9 +945,34 @@ class _FastMessage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 _FastMessages = Annotated[list[_FastMessage], msgspec.Meta(min_length=1)]
-#: a flat ``metadata`` value, decoded (so checked) at every occurrence of the key; integers within
-#: int64 (orjson turns larger ones into floats and refuses those beyond a double); nested → declined
-_FlatValue = str | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | float | bool | None
+#: integers within int64 (orjson turns those beyond 64 bits into floats)
+_Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+#: a flat ``metadata`` value, decoded (so checked) at every occurrence of the key; nested → declined
+_FlatValue = str | _Int64 | float | bool | None
+#: a JSON number as orjson reads it: an integer literal an int, any other a float (msgspec refuses
+#: one beyond a double, as orjson does)
+_Number = _Int64 | float | None
+#: body parameters decoded with their JSON type (one of another type declines; check_params still
+#: gives the verdict, on the re-encoded values); every other parameter of PARAMETERS stays raw
+_TYPED_PARAMS: Mapping[str, Any] = {
+    **dict.fromkeys(("temperature", "top_p", "presence_penalty", "frequency_penalty"), _Number),
+    **dict.fromkeys(("seed", "n", "best_of", "top_logprobs"), _Int64 | None),
+    "logprobs": bool | _Int64 | None,
+    **dict.fromkeys(("stream", "echo", "store", "parallel_tool_calls"), bool | None),
+    **dict.fromkeys(
+        (
+            "user",
+            "suffix",
+            "service_tier",
+            "reasoning_effort",
+            "verbosity",
+            "prompt_cache_key",
+            "safety_identifier",
+        ),
+        str | None,
+    ),
+    "stop": str | list[str] | None,
+}
 
 
 class _FastNative(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -972,11 +999,11 @@ class _FastBodyBase(msgspec.Struct, forbid_unknown_fields=True, gc=False, omit_d
 
 if TYPE_CHECKING:
     _FastBody = _FastBodyBase
-else:  # every known parameter as raw JSON bytes (an unknown name declines: check_params refuses it)
+else:  # every known parameter typed or as raw JSON bytes (an unknown name declines: check_params refuses it)
     _FastBody = msgspec.defstruct(
         "_FastBody",
         [
-            (name, msgspec.Raw | msgspec.UnsetType, msgspec.UNSET)
+            (name, _TYPED_PARAMS.get(name, msgspec.Raw) | msgspec.UnsetType, msgspec.UNSET)
             for name in PARAMETERS
             if name not in _FastBodyBase.__struct_fields__
         ],
@@ -1000,6 +1027,7 @@ _BODY_ENCODER = msgspec.json.Encoder()
 #: check_params verdicts by (engine, endpoint, the body's re-encoded members without its text)
 _PARAMS_VERDICTS: dict[tuple[str | None, str, bytes], tuple[bytes, ...] | None] = {}
 _PARAMS_VERDICTS_MAX = 4096
+_UNKNOWN: Any = object()
 #: orjson refuses JSON nested deeper than 1024; raw bytes with this many brackets are left to it
 _MAX_RAW_BRACKETS = 256
 
@@ -1017,8 +1045,9 @@ def _raw_loads(data: bytes) -> tuple[bool, Any]:
 def _params_names(
     key: bytes, kind: Literal["chat", "completion"], engine: str | None
 ) -> tuple[bytes, ...] | None:
-    """The quoted names of the parameters among the body members re-encoded as ``key``, or None
-    when one of them cannot run on ``engine`` (check_params, once per distinct ``key``)."""
+    """The quoted names of the raw parameters among the body members re-encoded as ``key`` (the
+    typed ones need no repeated-key search), or None when one of the parameters cannot run on
+    ``engine`` (check_params, once per distinct ``key``)."""
     cache_key = (engine, kind, key)
     try:
         return _PARAMS_VERDICTS[cache_key]
@@ -1030,7 +1059,7 @@ def _params_names(
         reserved = REQUEST_KEYS[kind]
         params = {k: v for k, v in members.items() if k not in reserved}
         if not params or check_params(params, kind, engine) is None:
-            names = tuple(b'"%s"' % name.encode() for name in params)
+            names = tuple(b'"%s"' % name.encode() for name in params if name not in _TYPED_PARAMS)
     if len(_PARAMS_VERDICTS) >= _PARAMS_VERDICTS_MAX:
         _PARAMS_VERDICTS.clear()
     _PARAMS_VERDICTS[cache_key] = names
@@ -1081,6 +1110,8 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
     decode_error = msgspec.DecodeError
     native_type = _FastNative
     openai_start = _OPENAI_START
+    verdicts = _PARAMS_VERDICTS  # cleared in place when full, never replaced
+    contents = _contents
     try:
         long_lines = max(map(len, datas), default=0) > max_bytes  # type: ignore[arg-type]
     except TypeError:  # a None item: check each line
@@ -1116,7 +1147,10 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 append(None)
                 continue
             else:
-                texts = _contents(messages)
+                # two messages (a system prompt and a question) without the function call
+                texts = (
+                    (messages[0].content, messages[1].content) if len(messages) == 2 else contents(messages)
+                )
             record_id = line.id
         else:
             assert type(line) is _FastOpenAI
@@ -1137,7 +1171,7 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 if chat is unset or body.prompt is not unset:
                     append(None)
                     continue
-                texts = _contents(chat)
+                texts = (chat[0].content,) if len(chat) == 1 else contents(chat)
                 body.messages = unset
                 kind = "chat"
             else:
@@ -1149,7 +1183,10 @@ def fast_parse_many(datas: Sequence[bytes | None], limits: ValidationLimits) -> 
                 body.prompt = unset
                 kind = "completion"
             # the rest of the body (model, limits, parameters) as bytes: one verdict per distinct one
-            names = _params_names(encode(body), kind, engine)
+            key = encode(body)
+            names = verdicts.get((engine, kind, key), _UNKNOWN)  # a hit without the function call
+            if names is _UNKNOWN:
+                names = _params_names(key, kind, engine)
             if names is None:
                 append(None)
                 continue

@@ -19,6 +19,7 @@ import hashlib
 import io
 import itertools
 import math
+import operator
 import os
 import shutil
 import tempfile
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from airflow_deadline_batch.core.pools import PoolKind, PoolSpec, default_local_
 from airflow_deadline_batch.core.records import (
     ErrorCode,
     LineError,
+    QuickRecord,
     RawLine,
     Record,
     ValidationLimits,
@@ -412,12 +414,21 @@ def _texts_tokens(all_texts: Sequence[str | tuple[str, ...]]) -> list[int]:
     return tokens
 
 
+#: bytes the scan reads and splits at a time (about 500 lines of the reference input): the steps
+#: paid once a block (the columns, the ID spill, the list building) spread over more lines
+SCAN_BLOCK_BYTES = 1 << 18
+#: a line the fast paths declined, in a block's tuples while the reference judges it: no ID, no record
+_NOT_QUICK: tuple[None, None, None] = (None, None, None)
+
+
 def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
     """The validating pass over one range: every line once, in order, judged on its own.
 
     Lines come in blocks (:func:`iter_line_blocks`); a block's ordinary lines are checked by one
-    :func:`quick_parse_many` call and the rest one by one by :meth:`Validator.feed` (the reference);
-    the block's records, IDs and errors are then written in line order.
+    :func:`fast_parse_many` call (what it declines by :func:`quick_parse_many`), the rest one by
+    one by :meth:`Validator.feed` (the reference); the block's records, IDs and errors are then
+    written in line order. Only the reference's lines take a Python step each: the ordinary
+    records become columns through ``zip``, ``compress`` and ``map``.
     """
     limits = job.limits
     default_max = job.default_max_tokens
@@ -425,65 +436,81 @@ def _scan_lines(stream: BinaryIO, job: _PartJob) -> _ScanPart:
     validator = Validator(limits, check_duplicates=False)
     out = _PartWriter(Path(job.directory), job.work_model)
     add_ids = out.ids.add_many
+    first_item = operator.itemgetter(0)
     line, end_offset = job.first_line - 1, job.byte_start
     for first, start, datas, ends, heads in iter_line_blocks(
-        stream, start_line=job.first_line, start_offset=job.byte_start, max_line_bytes=limits.max_line_bytes
+        stream,
+        start_line=job.first_line,
+        start_offset=job.byte_start,
+        max_line_bytes=limits.max_line_bytes,
+        block_bytes=SCAN_BLOCK_BYTES,
     ):
+        count = len(datas)
+        line, end_offset = first + count - 1, ends[-1]
         quicks = fast_parse_many(datas, limits)
+        slow_lines: list[int] = []
         if None in quicks:  # unusual shapes and invalid lines: the orjson path, then the reference
-            declined = [i for i, q in enumerate(quicks) if q is None]
+            declined = list(
+                itertools.compress(range(count), map(operator.is_, quicks, itertools.repeat(None)))
+            )
             for i, quick in zip(
                 declined, quick_parse_many([datas[i] for i in declined], limits), strict=True
             ):
                 quicks[i] = quick
-        line, end_offset = first + len(datas) - 1, ends[-1]
-        if None not in quicks:  # every line an ordinary record: columns by transposing, no step per line
+            slow_lines = [i for i in declined if quicks[i] is None]
+        if not slow_lines:  # every line an ordinary record: columns by transposing, no step per line
             ids_all, texts_all, limits_all = zip(*quicks, strict=True)
             add_ids(first, ids_all)
             # a valid max_tokens is >= 1, as expected_output_tokens says
             outputs_all = [limit or default_max for limit in limits_all]
             out.add_records(range(first, line + 1), ends, _texts_tokens(texts_all), outputs_all)
-            validator.lines += len(datas)
-            validator.records += len(datas)
+            validator.lines += count
+            validator.records += count
             continue
         # the common case skips building Record objects (same numbers: see quick_parse)
-        fast = [i for i, q in enumerate(quicks) if q is not None]
-        ids: list[str | None] = [q[0] if q is not None else None for q in quicks]
-        rec_index = fast
-        prompts = _texts_tokens([quicks[i][1] for i in fast])  # type: ignore[index]
-        # a valid max_tokens is >= 1, as expected_output_tokens says
-        outputs = [quicks[i][2] or default_max for i in fast]  # type: ignore[index]
-        if len(fast) < len(quicks):
-            slow: list[tuple[int, int, int]] = []
-            for i, quick in enumerate(quicks):
-                if quick is not None:
-                    continue
-                offset = ends[i - 1] if i else start
-                outcome = validator.feed(
-                    RawLine(first + i, offset, ends[i], datas[i], heads[i] if heads else None)
+        keep = [True] * count
+        rows = cast("list[QuickRecord | tuple[None, None, None]]", quicks)  # once the Nones are replaced
+        for i in slow_lines:
+            keep[i] = False
+            rows[i] = _NOT_QUICK
+        ids: list[str | None] = list(map(first_item, rows))
+        fast = list(itertools.compress(rows, keep))
+        rec_lines = list(itertools.compress(range(first, line + 1), keep))
+        rec_ends = list(itertools.compress(ends, keep))
+        prompts: list[int] = []
+        outputs: list[int] = []
+        if fast:
+            _, texts_fast, limits_fast = zip(*fast, strict=True)
+            prompts = _texts_tokens(texts_fast)
+            outputs = [limit or default_max for limit in limits_fast]
+        slow: list[tuple[int, int, int, int]] = []
+        for i in slow_lines:
+            outcome = validator.feed(
+                RawLine(
+                    first + i, ends[i - 1] if i else start, ends[i], datas[i], heads[i] if heads else None
                 )
-                if outcome is None:
-                    continue
-                ids[i] = outcome.id  # the first line of an ID owns it, even an invalid one
-                if isinstance(outcome, Record):
-                    slow.append(
-                        (
-                            i,
-                            estimate_prompt_tokens(outcome.request),
-                            expected_output_tokens(outcome.request, default_max_tokens=default_max),
-                        )
+            )
+            if outcome is None:
+                continue
+            ids[i] = outcome.id  # the first line of an ID owns it, even an invalid one
+            if isinstance(outcome, Record):
+                slow.append(
+                    (
+                        first + i,
+                        ends[i],
+                        estimate_prompt_tokens(outcome.request),
+                        expected_output_tokens(outcome.request, default_max_tokens=default_max),
                     )
-                else:
-                    out.add_error(outcome)
-            if slow:  # records of unusual shapes: back into line order
-                merged = sorted([*zip(fast, prompts, outputs, strict=True), *slow])
-                rec_index = [row[0] for row in merged]
-                prompts = [row[1] for row in merged]
-                outputs = [row[2] for row in merged]
+                )
+            else:
+                out.add_error(outcome)
+        if slow:  # records of unusual shapes: back into line order
+            merged = sorted([*zip(rec_lines, rec_ends, prompts, outputs, strict=True), *slow])
+            rec_lines, rec_ends, prompts, outputs = (list(column) for column in zip(*merged, strict=True))
         validator.lines += len(fast)
         validator.records += len(fast)
         add_ids(first, ids)
-        out.add_records([first + i for i in rec_index], [ends[i] for i in rec_index], prompts, outputs)
+        out.add_records(rec_lines, rec_ends, prompts, outputs)
     return out.close(line, end_offset)
 
 

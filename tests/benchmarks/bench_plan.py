@@ -15,6 +15,12 @@ Three measurements, each in its own subprocess so that its peak RSS is its own (
   (``service.planning._scan_part``: split, validate, estimate, spill); its CPU per line is what
   two cores must share (``scan_cpu_us_per_line``, timed inside the child, imports excluded).
 
+``--instructions`` instead counts the scan's machine instructions per line under ``valgrind
+--tool=callgrind`` (the difference between scans of the first 5,000 and 25,000 lines, so the
+imports cancel out; hash seed fixed). The count does not depend on the machine's load, which on
+a shared machine moves CPU times by 20-50 %: it is the number to compare two versions by
+(about 50 s a version; it ignores cache misses, so confirm a gain in time).
+
 Issue 2's targets: plan at most 3x the bare pass's wall time and at most 300 MB peak RSS; issue
 14's, at ten million records: at most 1.0x the bare single-core pass's wall time on 2 cores and
 at most 512 MB (planning validates a large local input in one process per core: the planner's
@@ -358,6 +364,24 @@ def child_main(name: str, args: Sequence[str]) -> None:
     sys.stdout.write(json.dumps(result) + "\n")
 
 
+def scan_instructions(seed: int, record_bytes: int, small: int = 5_000, large: int = 25_000) -> float:
+    """Instructions per line of the scan (``child_scan``), lines ``small + 1`` to ``large``, by callgrind."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind on PATH; install it (apt-get install valgrind)")
+    counts = []
+    with tempfile.TemporaryDirectory(prefix="bench-plan-ir-") as tmp:
+        for records in (small, large):
+            path = ensure_input(records, seed=seed, record_bytes=record_bytes)
+            argv = [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
+            argv += [str(Path(__file__).resolve()), "--child", "scan", str(path), f"{tmp}/{records}"]
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
+            done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+            collected = [line for line in done.stderr.splitlines() if "Collected :" in line]
+            counts.append(int(collected[-1].split()[-1]))
+    return (counts[1] - counts[0]) / (large - small)
+
+
 # --------------------------------------------------------------------------------------------
 # Driver
 
@@ -426,11 +450,20 @@ def main() -> None:
         action="store_true",
         help="time plan_job's steps (wall and CPU s; the CPU of steps on threads overlaps the others')",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="only count the scan's instructions per line under valgrind (independent of the load)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child_main(args.child[0], args.child[1:])
+        return
+    if args.instructions:
+        per_line = scan_instructions(args.seed, args.record_bytes)
+        print(f"scan: {per_line:,.0f} instructions per line (callgrind, lines 5,001-25,000)")
         return
     path = ensure_input(args.records, seed=args.seed, record_bytes=args.record_bytes)
     names = ["bare", *[n for n in ("plan-cli", "plan-job") if not args.only or n in args.only]]

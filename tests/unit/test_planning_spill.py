@@ -392,3 +392,39 @@ def test_an_empty_column(tmp_path: Path) -> None:
     column = Column(tmp_path / "c", "q").seal()
     assert list(column.values()) == [] and column.read_list(0, 5) == []
     column.close()
+
+
+def test_records_only_the_reference_accepts_keep_their_place_in_a_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # messages with text parts decline both fast paths but are valid: the reference's records are
+    # merged back among the block's ordinary ones by line number
+    rng = random.Random(5)
+    odd = [
+        orjson.dumps(
+            {"id": f"t{i}", "messages": [{"role": "user", "content": [{"type": "text", "text": "w " * i}]}]}
+        )
+        for i in range(1, 40)
+    ]
+    lines = []
+    for i in range(3000):
+        roll = rng.random()
+        lines.append(
+            rng.choice(odd) if roll < 0.1 else orjson.dumps({"id": f"r{i}", "prompt": "x" * (i % 97 + 1)})
+        )
+        if roll > 0.97:
+            lines.append(orjson.dumps({"id": f"bad{i}", "prompt": " "}))
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    analyses = {}
+    default = planning.SCAN_BLOCK_BYTES
+    for block_bytes in (default, 1):  # one line a block: nothing to merge
+        monkeypatch.setattr(planning, "SCAN_BLOCK_BYTES", block_bytes)
+        analysis = analyze_input(plan_request(path))
+        try:
+            analyses[block_bytes] = summarize(analysis)
+        finally:
+            analysis.close()
+    assert analyses[1]["records"] > 3000 * 0.9
+    assert len(analyses[1]["cuts"]) > 8
+    assert analyses[default] == analyses[1]

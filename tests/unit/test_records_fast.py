@@ -108,6 +108,10 @@ _ACCEPTED = [
     + b"}}",
     _COMPLETION + b'{"prompt": "hi", "temperature": 0.5, "top_p": 1, "n": 1, "logprobs": false}}',
     b'{"body": {"prompt": "hi"}, "url": "/v1/completions", "method": "POST", "custom_id": "r1"}',
+    # typed parameters repeated or spelt with escapes: msgspec checks every occurrence, the last wins
+    _COMPLETION + b'{"prompt": "hi", "temperature": 7, "temperature": 0.5, "seed": -1, "seed": 3}}',
+    _CHAT + b'{"t\\u0065mperature": 1, "stop": "x", "stop": ["a"], "user": "u", "messages": ' + _MSGS + b"}}",
+    _COMPLETION + b'{"prompt": "hi", "n": 1, "logprobs": 2, "echo": false, "stream": null, "suffix": ""}}',
 ]
 
 
@@ -138,6 +142,10 @@ _DECLINED = [
     _COMPLETION + b'{"prompt": "hi", "temperature": 1e400, "temperature": 0}}',
     _COMPLETION + b'{"prompt": "hi", "stop": "\xff", "st\\u006fp": "x"}}',
     _COMPLETION + b'{"prompt": "hi", "temperature": 5}}',  # invalid value
+    _COMPLETION + b'{"prompt": "hi", "temperature": 0, "temperature": 2.0000000000000004}}',
+    _COMPLETION + b'{"prompt": "hi", "seed": 1.0}}',  # a typed parameter of another type
+    _COMPLETION + b'{"prompt": "hi", "seed": 9223372036854775808}}',
+    _COMPLETION + b'{"prompt": "hi", "n": 1, "n": "1"}}',
     _COMPLETION + b'{"prompt": "hi", "wibble": 1}}',  # unknown parameter
     _COMPLETION + b'{"prompt": "hi", "messages": null}}',  # a parameter for parse_line
     _CHAT + b'{"prompt": null, "messages": ' + _MSGS + b"}}",
@@ -201,3 +209,69 @@ def test_over_long_lines_are_declined() -> None:
     data = b'{"id": "r1", "prompt": "' + b"x" * 30 + b'"}'
     assert fast_parse_many([data], ValidationLimits(max_line_bytes=len(data) - 1)) == [None]
     assert fast_parse_many([data], ValidationLimits(max_line_bytes=len(data)))[0] is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Random body parameters: typed and raw ones, repeated keys, numbers at the decoders' edges
+
+#: a parameter's value as JSON text, including spellings orjson and msgspec might read apart
+_PARAM_TEXTS = st.one_of(
+    st.builds(
+        orjson.dumps,
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.floats(allow_nan=False, allow_infinity=False),
+            st.sampled_from([0, 1, 2, 0.5, 1.0, 2.0, -0.0, 5, 20, 21, 128, 129, 1e308]),
+            st.text(max_size=4),
+            st.lists(st.text(max_size=3), max_size=2),
+            st.sampled_from([{}, {"type": "text"}, {"5": 1}, [1], ["text"], "none"]),
+        ),
+    ),
+    st.integers(-(2**66), 2**66).map(lambda i: str(i).encode()),
+    st.sampled_from(
+        [b"1E400", b"-1e400", b"1e2", b"-0", b"2.0000000000000001", b"0.50", b'"\\ud800"', b'"\xff"']
+    ),
+)
+
+_NUMBERS = st.one_of(st.floats(-3, 3), st.integers(-3, 3), st.sampled_from([0.0, 2.0, 1e-400, -0.0])).map(
+    orjson.dumps
+) | st.sampled_from([b"-0", b"1e0", b"2.0000000000000001", b"2.0000000000000004"])
+_USUAL_PARAMS: dict[str, st.SearchStrategy[bytes]] = {
+    "temperature": _NUMBERS,
+    "top_p": _NUMBERS,
+    "presence_penalty": _NUMBERS,
+    "frequency_penalty": _NUMBERS,
+    "seed": st.integers(-(2**64), 2**64).map(lambda i: str(i).encode()),
+    "n": st.sampled_from([b"1", b"1.0", b"2", b"null"]),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2)).map(orjson.dumps),
+    "user": st.text(max_size=4).map(orjson.dumps),
+    "logit_bias": st.sampled_from([b"{}", b'{"5": 1}', b'{"5": 1e400}', b'{"x": 1}']),
+    "response_format": st.sampled_from([b'{"type": "text"}', b'{"type": "json_object"}', b'{"type": 1}']),
+}
+
+
+@st.composite
+def _openai_line_with_params(draw: Any) -> bytes:
+    chat = draw(st.booleans())
+    members = [b'"model": "m"', b'"messages": ' + _MSGS if chat else b'"prompt": "hi"']
+    for _ in range(draw(st.integers(0, 4))):
+        if draw(st.booleans()):  # any parameter, any value: mostly declined
+            name, value = draw(st.sampled_from(sorted(records.PARAMETERS))), draw(_PARAM_TEXTS)
+        else:  # one most engines accept, with a value near its valid range
+            name, value = draw(st.sampled_from(sorted(_USUAL_PARAMS.items())))
+            value = draw(st.one_of(value, _PARAM_TEXTS)) if draw(st.integers(0, 3)) == 0 else draw(value)
+        members.append(orjson.dumps(name) + b": " + value)
+    body = b"{" + b", ".join(draw(st.permutations(members))) + b"}}"
+    return (_CHAT if chat else _COMPLETION) + body
+
+
+@settings(max_examples=1500, deadline=None)
+@given(data=_openai_line_with_params(), engine=st.sampled_from(ENGINES))
+def test_random_parameters_agree_with_parse_line(data: bytes, engine: str | None) -> None:
+    limits = ValidationLimits(max_line_bytes=400, max_prompt_chars=40, max_tokens_limit=100, engine=engine)
+    _assert_agrees(data, limits)
+
+
+def test_typed_parameters_are_parameters() -> None:
+    assert set(records._TYPED_PARAMS) <= set(records.PARAMETERS)
