@@ -47,11 +47,13 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.cncf.kubernetes.operators.pod import POD_IDENTIFIER_STATE_KEY, KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
+from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
 from airflow.providers.cncf.kubernetes.utils.pod_manager import PodLaunchTimeoutException
 from airflow.sdk import BaseOperator
 from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
@@ -94,6 +96,7 @@ from airflow_deadline_batch.operators.placement import (
     read_job_view,
     tail_has_room,
 )
+from airflow_deadline_batch.triggers.pod import ShardPodTrigger
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
 PREEMPTION_REASONS = frozenset(
@@ -516,6 +519,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self._raced = False
         self._race_stop: threading.Event | None = None
         self._race_store: Any = None
+        #: whether this try's failure was classified and settled (by :meth:`cleanup`)
+        self._settled = False
         self.kueue = kueue
         self.tenant = DEFAULT_TENANT
         # no XCom sidecar: it would be one more image to pull on every fresh Spot node, and the
@@ -588,12 +593,111 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             raise
         self.record_capacity_wait(pod)
 
+    def defer(
+        self,
+        *,
+        trigger: Any,
+        method_name: str,
+        kwargs: dict[str, Any] | None = None,
+        timeout: dt.timedelta | float | None = None,
+    ) -> Any:
+        """Defer to :class:`~triggers.pod.ShardPodTrigger` where the provider defers to its own
+        pod trigger: the same watch, its event held until ``MIN_RESUME_DELAY_S`` after now."""
+        if type(trigger) is KubernetesPodTrigger:
+            trigger = ShardPodTrigger.adopt(trigger, resume_after=time.time() + MIN_RESUME_DELAY_S)
+        super().defer(trigger=trigger, method_name=method_name, kwargs=kwargs, timeout=timeout)
+
     def trigger_reentry(self, context: Any, event: dict[str, Any]) -> Any:
         # deferrable: the trigger gave up waiting for the start ("timeout"), or the pod ran
         self.record_capacity_wait(
             k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
         )
-        return super().trigger_reentry(context, event)
+        self._settled = False
+        try:
+            return super().trigger_reentry(context, event)
+        except AirflowException as exc:
+            if self._settled or isinstance(exc, AirflowSkipException):
+                raise
+            # the provider failed the try without its cleanup (hence without :meth:`cleanup`'s
+            # classification): the pod was gone when read (``PodNotFoundException``, an evicted
+            # pod garbage-collected with its node), or vanished while awaited
+            self.settle_unread_pod(event, exc)
+            raise
+
+    def settle_unread_pod(self, event: dict[str, Any], exc: AirflowException) -> None:
+        """Classify and settle a deferred try whose pod the provider could not clean up."""
+        try:
+            remote = self.hook.get_pod(event["name"], event["namespace"])
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            remote = None
+        found = classify_pod(remote, self.base_container_name)
+        self.log.warning(
+            "shard %s of job %s: pod %s %s (%s)",
+            self.shard_index,
+            self.job_id,
+            event["name"],
+            found.outcome.value,
+            found.reason,
+        )
+        failure = failure_class_of(found) or FailureClass.TRANSIENT
+        shard_failed = found.failure is not None and found.failure.shard_failed
+        try:
+            self.settle_failure(failure, found.reason, shard_failed=shard_failed)
+        except AirflowException as settled:
+            raise settled from exc
+
+    def get_or_create_pod(self, pod_request_obj: k8s.V1Pod, context: Any) -> k8s.V1Pod:
+        if self.reattach_on_restart:
+            self.retire_ended_pods(pod_request_obj.metadata.namespace, context)
+        pod: k8s.V1Pod = super().get_or_create_pod(pod_request_obj, context)
+        return pod
+
+    def retire_ended_pods(self, namespace: str, context: Any) -> None:
+        """Mark the pods that earlier tries of this task left behind, ended, ``already_checked``
+        (deleting them where ``on_finish_action`` says), so that this try launches its own pod.
+
+        The provider (10.25, ``get_or_create_pod``) reattaches a try to the pod whose identity it
+        persisted in the task state store (``_get_pod_from_task_state_store``), else to one its
+        labels find (``find_pod``), unless that pod is labelled checked, which only the try that
+        awaited its end does (``cleanup``). Meant for a pod still running when its worker died, it
+        also reattached a try to the pod of a try that never resumed (Airflow failed it, or its
+        worker died): an evicted pod, whose end it then read again in place of this try's own
+        decision and pod. A pod still running, or still terminating under an eviction, is
+        reattached as before: its worker holds the shard's lease, and a second pod's claim would be
+        refused until it lets go.
+        """
+        pods: dict[str, k8s.V1Pod] = {}
+        state = context.get("task_state_store") if context is not None else None
+        stored = state.get(POD_IDENTIFIER_STATE_KEY) if state is not None else None
+        if isinstance(stored, dict) and isinstance(stored.get("name"), str):
+            try:
+                pod = self.client.read_namespaced_pod(stored["name"], stored.get("namespace") or namespace)
+                pods[pod.metadata.name] = pod
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        selector = self._build_find_pod_label_selector(context)
+        for pod in self.client.list_namespaced_pod(namespace, label_selector=selector).items:
+            pods[pod.metadata.name] = pod
+        for pod in pods.values():
+            phase = pod.status.phase if pod.status is not None else None
+            if (
+                phase not in FINISHED_PHASES
+                or (pod.metadata.labels or {}).get(self.POD_CHECKED_KEY) == "True"
+            ):
+                continue
+            found = classify_pod(pod, self.base_container_name)
+            self.log.info(
+                "pod %s of try %s ended (%s: %s): not reattached, this try launches its own",
+                pod.metadata.name,
+                (pod.metadata.labels or {}).get("try_number", "?"),
+                found.outcome.value,
+                found.reason,
+            )
+            self.patch_already_checked(pod, reraise=False)
+            self.process_pod_deletion(pod, reraise=False)
 
     def record_capacity_wait(self, pod: k8s.V1Pod) -> None:
         """Record how long this try's Spot pod waited for capacity, as an ``unschedulable`` attempt.
@@ -892,6 +996,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             if self.await_racer():
                 self.log.info("shard %s of job %s: done by its racer", self.shard_index, self.job_id)
                 return
+            self._settled = True  # what trigger_reentry raises from here on is this classification's
             failure = failure_class_of(found) or FailureClass.TRANSIENT
             shard_failed = found.failure is not None and found.failure.shard_failed
             try:
