@@ -11,10 +11,16 @@ task state store, where the provider persists the pod's identity across tries (A
   fails a try that resumes before the scheduler processed the deferral's exit: the spent try);
 * a later try never reattaches to an earlier try's evicted pod: it launches its own;
 * an evicted pod that is gone (garbage-collected) when the try resumes still reschedules.
+
+And the tail race of a deferred try (docs/kubernetes.md, *The tail race of a deferred try*), with
+the synchronous race tests' job, pools and stalls (``test_k8s_loopback_race``): the trigger hands
+the try back while its Spot pod runs, the resumed task launches the racer at the tail, the racer or
+the Spot pod wins, and no pod is left; a kill while deferred deletes both pods.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +31,10 @@ from airflow.sdk.exceptions import AirflowException, AirflowRescheduleException,
 
 from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
-from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator
+from airflow_deadline_batch.operators.shard import RACE_LABEL, DeadlineShardPodOperator
 from airflow_deadline_batch.store import ManifestStore
-from airflow_deadline_batch.triggers.pod import ShardPodTrigger
+from airflow_deadline_batch.triggers.pod import RACE_KEY, ShardPodTrigger
+from tests.e2e.conftest import wait_for
 from tests.integration.test_k8s_loopback_operator import (
     JOB_LABEL,
     PlannedJob,
@@ -39,6 +46,18 @@ from tests.integration.test_k8s_loopback_operator import (
     store_secret,
 )
 from tests.integration.test_k8s_loopback_operator import planned as planned  # noqa: F401 - a fixture
+from tests.integration.test_k8s_loopback_race import (
+    ON_DEMAND_NODES,
+    PAUSE,
+    PAUSE_SEQ,
+    SPOT_NODES,
+    RacingShardPodOperator,
+    Tail,
+    assert_done_once,
+    assert_racer_spec,
+    attempts_by_kind,
+)
+from tests.integration.test_k8s_loopback_race import tail as tail  # noqa: F401 - a fixture
 from tests.k8s.fixtures import LoopbackCluster, loopback_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -187,3 +206,156 @@ def test_an_evicted_pod_gone_when_its_try_resumes_reschedules(
         resume(operator(loopback_k8s, planned), deferred, ctx, event)
     assert isinstance(raised.value, AirflowRescheduleException), repr(raised.value)
     assert attempts(planned) == [AttemptOutcome.PREEMPTED]
+
+
+# -- the tail race in deferrable mode (docs/kubernetes.md "The tail race") --------------------------
+
+
+@pytest.fixture()
+def racing_k8s(tmp_path: Path) -> Iterator[LoopbackCluster]:
+    with loopback_cluster(tmp_path) as cluster:
+        # one node of each pool: a pod lands only where its node selector says
+        cluster.api.set_capacity(*SPOT_NODES, pods=1)
+        cluster.api.set_capacity(*ON_DEMAND_NODES, pods=1)
+        yield cluster
+
+
+def deferred_racing_operator(
+    cluster: LoopbackCluster, tail: Tail, stalled: Path, racer_env: dict[str, str]
+) -> RacingShardPodOperator:
+    """The real operator, deferrable, looking at its running Spot pod every 0.5 s; the Spot pod's
+    worker stalls before committing microbatch 1 (the racer's fault hooks are ``racer_env``)."""
+    operator = shard_operator(
+        cluster,
+        tail.job,
+        operator_class=RacingShardPodOperator,
+        pools=tail.pools,
+        clock=tail.clock,
+        race_check_interval_s=0.5,
+        env_vars={PAUSE: str(stalled), PAUSE_SEQ: "1"},
+        deferrable=True,
+        poll_interval=0.5,
+    )
+    assert isinstance(operator, RacingShardPodOperator)
+    operator.racer_env = racer_env
+    return operator
+
+
+def step(deferred: TaskDeferred, ctx: dict[str, Any], operator: DeadlineShardPodOperator) -> Any:
+    """The trigger's event, handed to a fresh operator instance: the next deferral, or the try's end
+    (its result; raised exceptions propagate)."""
+    event = first_trigger_event(deferred)
+    try:
+        return event, resume(operator, deferred, ctx, event)
+    except TaskDeferred as again:
+        return event, again
+
+
+def race_state(deferred: TaskDeferred) -> dict[str, Any]:
+    assert isinstance(deferred.trigger, ShardPodTrigger)
+    state: dict[str, Any] = deferred.trigger.trigger_kwargs[RACE_KEY]
+    return state
+
+
+def start_race(cluster: LoopbackCluster, tail: Tail, stalled: Path, racer_env: dict[str, str]) -> Any:
+    """Defer the Spot try, look once before the tail (no racer), move the job's clock to its tail:
+    the next look launches the racer. Returns the context, the deferral and the racer pod."""
+    api, ns = cluster.api, cluster.namespace
+
+    def fresh() -> DeadlineShardPodOperator:
+        return deferred_racing_operator(cluster, tail, stalled, racer_env)
+
+    ctx = context(try_number=1)
+    deferred = defer(fresh(), ctx)
+    assert race_state(deferred) == {"pool": "local-spot", "racer": None}
+    assert deferred.trigger.race_check_interval_s == 0.5
+    wait_for(stalled.exists, timeout_s=WAIT_S, what="the Spot pod's worker to stall before microbatch 1")
+    event, deferred = step(deferred, ctx, fresh())
+    assert event["status"] == "running" and isinstance(deferred, TaskDeferred), (event, deferred)
+    assert api.pods(ns, labels=RACE_LABEL) == [] and race_state(deferred)["racer"] is None  # slack ample
+    tail.clock.set(tail.tail)
+    event, deferred = step(deferred, ctx, fresh())
+    assert event["status"] == "running" and isinstance(deferred, TaskDeferred), (event, deferred)
+    racer = api.wait_for_pod(ns, labels=f"{RACE_LABEL}=true", timeout_s=WAIT_S)
+    assert race_state(deferred) == {"pool": "local-spot", "racer": racer["metadata"]["name"]}
+    [spot_pod] = [p for p in api.created_pods if p["metadata"]["name"] != racer["metadata"]["name"]]
+    assert_racer_spec(racer, spot_pod)
+    assert racer["metadata"]["name"] == f"{spot_pod['metadata']['name']}-race"
+    return ctx, deferred, racer, fresh
+
+
+def run_to_the_end(deferred: TaskDeferred, ctx: dict[str, Any], fresh: Any) -> tuple[Any, list[str]]:
+    """Resume and defer until the try ends; its result and the events' statuses."""
+    statuses: list[str] = []
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert time.monotonic() < deadline, f"the try did not end: {statuses}"
+        event, outcome = step(deferred, ctx, fresh())
+        statuses.append(event["status"])
+        if not isinstance(outcome, TaskDeferred):
+            return outcome, statuses
+        deferred = outcome
+
+
+def test_a_deferred_racer_wins_and_the_stalled_spot_pod_is_deleted(
+    racing_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    api, ns = racing_k8s.api, racing_k8s.namespace
+    store_secret(racing_k8s, tail.job.store_url)
+    stalled = tmp_path / "stalled"
+    ctx, deferred, racer, fresh = start_race(racing_k8s, tail, stalled, racer_env={})
+    result, statuses = run_to_the_end(deferred, ctx, fresh)
+    assert result is None and set(statuses) == {"running"}, statuses  # done at a look: the Spot pod lost
+    for pod in api.created_pods:
+        api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
+    assert len(api.created_pods) == 2 and api.pods(ns) == []  # one racer, and no pod left
+    assert not stalled.with_name("stalled.resume").exists()  # the Spot pod was never let go
+    store = ManifestStore.open(tail.job.store_url)
+    try:
+        spot, raced = attempts_by_kind(store, tail.job.job_id)
+        assert (spot.outcome, raced.outcome) == (AttemptOutcome.LOST_RACE, AttemptOutcome.SUCCEEDED)
+        by_seq = assert_done_once(store, tail, tmp_path)
+        assert {by_seq[s] for s in by_seq if s > 0} == {raced.attempt_id}
+    finally:
+        store.close()
+
+
+def test_a_deferred_spot_pod_wins_and_the_racer_pod_is_deleted(
+    racing_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    api, ns = racing_k8s.api, racing_k8s.namespace
+    store_secret(racing_k8s, tail.job.store_url)
+    stalled, racer_stalled = tmp_path / "stalled", tmp_path / "racer-stalled"
+    racer_env = {PAUSE: str(racer_stalled), PAUSE_SEQ: "1"}  # the racer stalls on the same microbatch
+    ctx, deferred, racer, fresh = start_race(racing_k8s, tail, stalled, racer_env)
+    wait_for(racer_stalled.exists, timeout_s=WAIT_S, what="the racer to stall before microbatch 1")
+    stalled.with_name("stalled.resume").touch()  # the Spot pod goes on: it wins microbatch 1
+    result, statuses = run_to_the_end(deferred, ctx, fresh)
+    assert result is None, statuses
+    api.wait_for_deletion(ns, racer["metadata"]["name"], timeout_s=WAIT_S)
+    for pod in api.created_pods:
+        api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
+    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    store = ManifestStore.open(tail.job.store_url)
+    try:
+        spot, raced = attempts_by_kind(store, tail.job.job_id)
+        assert (spot.outcome, raced.outcome) == (AttemptOutcome.SUCCEEDED, AttemptOutcome.LOST_RACE)
+        assert set(assert_done_once(store, tail, tmp_path).values()) == {spot.attempt_id}
+    finally:
+        store.close()
+
+
+def test_killing_a_deferred_racing_try_deletes_both_its_pods(
+    racing_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    """Marked failed while deferred: the triggerer calls the trigger's ``on_kill`` (Airflow 3.3),
+    which deletes the racer pod with the Spot pod, no task instance being there to do it."""
+    api, ns = racing_k8s.api, racing_k8s.namespace
+    store_secret(racing_k8s, tail.job.store_url)
+    _, deferred, racer, _ = start_race(racing_k8s, tail, tmp_path / "stalled", racer_env={})
+    trigger = ShardPodTrigger(**deferred.trigger.serialize()[1])  # as the triggerer rebuilt it
+    asyncio.run(trigger.on_kill())
+    for pod in api.created_pods:
+        api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
+    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    assert racer["metadata"]["name"] in {p["metadata"]["name"] for p in api.created_pods}
