@@ -15,7 +15,8 @@ task state store, where the provider persists the pod's identity across tries (A
 And the tail race of a deferred try (docs/kubernetes.md, *The tail race of a deferred try*), with
 the synchronous race tests' job, pools and stalls (``test_k8s_loopback_race``): the trigger hands
 the try back while its Spot pod runs, the resumed task launches the racer at the tail, the racer or
-the Spot pod wins, and no pod is left; a kill while deferred deletes both pods.
+the Spot pod wins, or the Spot pod is reclaimed and the try waits for its racer in the
+triggerer, and no pod is left; a kill while deferred deletes both pods.
 """
 
 from __future__ import annotations
@@ -359,3 +360,40 @@ def test_killing_a_deferred_racing_try_deletes_both_its_pods(
         api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
     assert len(api.created_pods) == 2 and api.pods(ns) == []
     assert racer["metadata"]["name"] in {p["metadata"]["name"] for p in api.created_pods}
+
+
+def test_a_deferred_try_whose_spot_pod_is_reclaimed_waits_for_its_racer_in_the_triggerer(
+    racing_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    """The Spot node is reclaimed while the racer runs: the try defers on its racer (no worker slot
+    held, no reschedule, no third pod) and succeeds once the racer has finished the shard."""
+    api, ns = racing_k8s.api, racing_k8s.namespace
+    store_secret(racing_k8s, tail.job.store_url)
+    stalled, racer_stalled = tmp_path / "stalled", tmp_path / "racer-stalled"
+    racer_env = {PAUSE: str(racer_stalled), PAUSE_SEQ: "1"}
+    ctx, deferred, racer, fresh = start_race(racing_k8s, tail, stalled, racer_env)
+    racer_name = racer["metadata"]["name"]
+    wait_for(racer_stalled.exists, timeout_s=WAIT_S, what="the racer to stall before microbatch 1")
+    [spot_pod] = api.pods(ns, labels="deadline-batch.io/capacity=spot")
+    api.evict(ns, spot_pod["metadata"]["name"])  # the Spot reclaim: SIGTERM, grace, SIGKILL
+    deadline = time.monotonic() + WAIT_S
+    while deferred.trigger.pod_name != racer_name:  # a look may come before the Spot pod's end
+        assert time.monotonic() < deadline, "the try never deferred on its racer"
+        event, outcome = step(deferred, ctx, fresh())
+        assert isinstance(outcome, TaskDeferred), (event, outcome)
+        deferred = outcome
+    assert race_state(deferred) == {"pool": "local-spot", "racer": racer_name, "promoted": True}
+    assert deferred.trigger.race_check_interval_s is None  # the race is over: only the racer's end
+    api.wait_for_deletion(ns, spot_pod["metadata"]["name"], timeout_s=WAIT_S)  # on_finish_action
+    racer_stalled.with_name("racer-stalled.resume").touch()
+    result, statuses = run_to_the_end(deferred, ctx, fresh)
+    assert result is None and statuses == ["success"], statuses
+    api.wait_for_deletion(ns, racer_name, timeout_s=WAIT_S)
+    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    store = ManifestStore.open(tail.job.store_url)
+    try:
+        _, raced = attempts_by_kind(store, tail.job.job_id)
+        assert raced.outcome is AttemptOutcome.SUCCEEDED
+        assert_done_once(store, tail, tmp_path)
+    finally:
+        store.close()
