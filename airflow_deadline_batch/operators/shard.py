@@ -366,6 +366,8 @@ class _ShardTryMixin:
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None
     clock: Clock | None
     log: Any  # the operator's task logger (Airflow's, structured)
+    #: whether this try's failure was classified and settled (:meth:`settle_failure` raised)
+    _settled: bool = False
 
     def store_hook(self) -> ManifestStoreHook:
         """The store: this task's own ``store_url``/``store_conn_id``, else the plan's connection."""
@@ -392,6 +394,7 @@ class _ShardTryMixin:
 
     def settle_failure(self, failure: FailureClass, reason: str, *, shard_failed: bool = False) -> None:
         """Raise what Airflow should do with a failed try of this class (see the module doc)."""
+        self._settled = True
         where = f"shard {self.shard_index} of job {self.job_id}"
         if failure is FailureClass.CONFIGURATION or shard_failed:
             raise AirflowFailException(f"{where}: {failure.value}: {reason}")
@@ -529,8 +532,6 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self._raced = False
         self._race_stop: threading.Event | None = None
         self._race_store: Any = None
-        #: whether this try's failure was classified and settled (by :meth:`cleanup`)
-        self._settled = False
         self.kueue = kueue
         self.tenant = DEFAULT_TENANT
         # no XCom sidecar: it would be one more image to pull on every fresh Spot node, and the
@@ -767,23 +768,27 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
 
     def get_or_create_pod(self, pod_request_obj: k8s.V1Pod, context: Any) -> k8s.V1Pod:
         if self.reattach_on_restart:
-            self.retire_ended_pods(pod_request_obj.metadata.namespace, context)
+            pool = (pod_request_obj.metadata.labels or {}).get(f"{LABEL_PREFIX}/pool")
+            self.retire_stale_pods(pod_request_obj.metadata.namespace, context, pool=pool)
         pod: k8s.V1Pod = super().get_or_create_pod(pod_request_obj, context)
         return pod
 
-    def retire_ended_pods(self, namespace: str, context: Any) -> None:
-        """Mark the pods that earlier tries of this task left behind, ended, ``already_checked``
-        (deleting them where ``on_finish_action`` says), so that this try launches its own pod.
+    def retire_stale_pods(self, namespace: str, context: Any, *, pool: str | None) -> None:
+        """Retire the pods that earlier runs of this task left behind and this try must not
+        reattach to, so that it launches its own pod: one that ended (marked ``already_checked``,
+        deleted where ``on_finish_action`` says), and one still ``Pending`` on another pool than
+        this try's decision (deleted: it never started a worker, so it holds no lease).
 
         The provider (10.25, ``get_or_create_pod``) reattaches a try to the pod whose identity it
         persisted in the task state store (``_get_pod_from_task_state_store``), else to one its
         labels find (``find_pod``), unless that pod is labelled checked, which only the try that
         awaited its end does (``cleanup``). Meant for a pod still running when its worker died, it
-        also reattached a try to the pod of a try that never resumed (Airflow failed it, or its
-        worker died): an evicted pod, whose end it then read again in place of this try's own
-        decision and pod. A pod still running, or still terminating under an eviction, is
-        reattached as before: its worker holds the shard's lease, and a second pod's claim would be
-        refused until it lets go.
+        also reattached a try to the pod of a run that never resumed (Airflow failed it, or the
+        resume failed to start): an evicted pod, whose end it then read again in place of this
+        try's own decision and pod; or a Spot pod still waiting for capacity after the decision
+        had escalated to on-demand, so that the try waited for Spot past its last safe start. A pod
+        running, or terminating under an eviction, is reattached as before: its worker holds the
+        shard's lease, and a second pod's claim would be refused until it lets go.
         """
         pods: dict[str, k8s.V1Pod] = {}
         state = context.get("task_state_store") if context is not None else None
@@ -799,22 +804,31 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         for pod in self.client.list_namespaced_pod(namespace, label_selector=selector).items:
             pods[pod.metadata.name] = pod
         for pod in pods.values():
+            labels = pod.metadata.labels or {}
             phase = pod.status.phase if pod.status is not None else None
-            if (
-                phase not in FINISHED_PHASES
-                or (pod.metadata.labels or {}).get(self.POD_CHECKED_KEY) == "True"
-            ):
+            if labels.get(self.POD_CHECKED_KEY) == "True" or pod.metadata.deletion_timestamp is not None:
                 continue
-            found = classify_pod(pod, self.base_container_name)
+            if phase in FINISHED_PHASES:
+                found = classify_pod(pod, self.base_container_name)
+                why = f"ended ({found.outcome.value}: {found.reason})"
+            elif phase == "Pending" and pool is not None and labels.get(f"{LABEL_PREFIX}/pool") != pool:
+                why = f"still pending on pool {labels.get(f'{LABEL_PREFIX}/pool')}, this try's is {pool}"
+            else:
+                continue
             self.log.info(
-                "pod %s of try %s ended (%s: %s): not reattached, this try launches its own",
+                "pod %s of try %s %s: not reattached, this try launches its own",
                 pod.metadata.name,
-                (pod.metadata.labels or {}).get("try_number", "?"),
-                found.outcome.value,
-                found.reason,
+                labels.get("try_number", "?"),
+                why,
             )
             self.patch_already_checked(pod, reraise=False)
-            self.process_pod_deletion(pod, reraise=False)
+            if phase == "Pending":
+                try:
+                    self.delete_pod(pod, why="a stale pod of an earlier run of this try")
+                except ApiException:  # labelled checked: never reattached; its worker would be refused
+                    self.log.warning("could not delete pod %s", pod.metadata.name, exc_info=True)
+            else:
+                self.process_pod_deletion(pod, reraise=False)
 
     def record_capacity_wait(self, pod: k8s.V1Pod) -> None:
         """Record how long this try's Spot pod waited for capacity, as an ``unschedulable`` attempt.
@@ -1119,7 +1133,6 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             if self.await_racer():
                 self.log.info("shard %s of job %s: done by its racer", self.shard_index, self.job_id)
                 return
-            self._settled = True  # what trigger_reentry raises from here on is this classification's
             failure = failure_class_of(found) or FailureClass.TRANSIENT
             shard_failed = found.failure is not None and found.failure.shard_failed
             try:

@@ -10,7 +10,8 @@ task state store, where the provider persists the pod's identity across tries (A
 * the trigger's event never comes back within ``MIN_RESUME_DELAY_S`` of the deferral (Airflow 3.3
   fails a try that resumes before the scheduler processed the deferral's exit: the spent try);
 * a later try never reattaches to an earlier try's evicted pod: it launches its own;
-* an evicted pod that is gone (garbage-collected) when the try resumes still reschedules.
+* an evicted pod that is gone (garbage-collected) when the try resumes still reschedules;
+* a run escalated to on-demand does not reattach to its try's Spot pod still pending for capacity.
 
 And the tail race of a deferred try (docs/kubernetes.md, *The tail race of a deferred try*), with
 the synchronous race tests' job, pools and stalls (``test_k8s_loopback_race``): the trigger hands
@@ -397,3 +398,37 @@ def test_a_deferred_try_whose_spot_pod_is_reclaimed_waits_for_its_racer_in_the_t
         assert_done_once(store, tail, tmp_path)
     finally:
         store.close()
+
+
+def test_a_run_escalated_to_on_demand_does_not_reattach_to_the_spot_pod_still_pending(
+    racing_k8s: LoopbackCluster, tail: Tail
+) -> None:
+    """Seen on the deployment: a deferred try's Spot pod waited for capacity; its resume failed to
+    start (the DAG did not parse in time) and was rescheduled; the next run of the same try decided
+    on-demand, yet the provider reattached it to the Spot pod, which waited on past its last safe
+    start. That run now deletes the pending Spot pod (it holds no lease) and launches its own."""
+    api, ns = racing_k8s.api, racing_k8s.namespace
+    store_secret(racing_k8s, tail.job.store_url)
+    api.set_capacity(*SPOT_NODES, pods=0)  # no room on Spot: its pod waits to be scheduled
+    state = TaskStateStore()
+
+    def fresh() -> DeadlineShardPodOperator:
+        return shard_operator(racing_k8s, tail.job, pools=tail.pools, clock=tail.clock, race=False, **EXAMPLE)
+
+    first = defer(fresh(), try_context(1, state))
+    [spot] = api.created_pods
+    assert spot["metadata"]["labels"]["deadline-batch.io/capacity"] == "spot"
+    assert first.trigger.pod_name == spot["metadata"]["name"]
+    tail.clock.set(tail.tail)  # the run that comes back decides at the tail: on-demand
+    ctx = try_context(1, state)
+    second = defer(fresh(), ctx)
+    assert ctx["ti"].xcoms["placement"]["capacity"] == "on_demand"
+    assert second.trigger.pod_name != spot["metadata"]["name"], "reattached to the pending Spot pod"
+    [_, mine] = api.created_pods
+    assert mine["metadata"]["labels"]["deadline-batch.io/capacity"] == "on-demand"
+    api.wait_for_deletion(ns, spot["metadata"]["name"], timeout_s=WAIT_S)
+    event = first_trigger_event(second)
+    assert event["status"] == "success", event
+    assert resume(fresh(), second, ctx, event) is None
+    assert shard_state(tail.job) is ShardState.SUCCEEDED
+    assert api.pods(ns) == []
