@@ -23,6 +23,7 @@ triggerer, and no pod is left; a kill while deferred deletes both pods.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -432,3 +433,46 @@ def test_a_run_escalated_to_on_demand_does_not_reattach_to_the_spot_pod_still_pe
     assert resume(fresh(), second, ctx, event) is None
     assert shard_state(tail.job) is ShardState.SUCCEEDED
     assert api.pods(ns) == []
+
+
+def test_the_shard_pod_trigger_serializes_to_plain_values() -> None:
+    """What the triggerer stores and rebuilds the trigger from: the provider's arguments, unchanged,
+    plus the hold and the race's look interval."""
+    started = dt.datetime(2026, 12, 1, 6, 0, tzinfo=dt.timezone.utc)
+    trigger = ShardPodTrigger(
+        pod_name="deadline-batch-shard-abc",
+        pod_namespace="deadline-batch",
+        trigger_start_time=started,
+        base_container_name="base",
+        poll_interval=30,
+        trigger_kwargs={RACE_KEY: {"pool": "l4-spot", "racer": None}},
+        resume_after=1796104805.5,
+        race_check_interval_s=300,
+    )
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "airflow_deadline_batch.triggers.pod.ShardPodTrigger"
+    assert kwargs == {
+        "pod_name": "deadline-batch-shard-abc",
+        "pod_namespace": "deadline-batch",
+        "base_container_name": "base",
+        "kubernetes_conn_id": None,
+        "connection_extras": None,
+        "poll_interval": 30,
+        "cluster_context": None,
+        "config_dict": None,
+        "in_cluster": None,
+        "get_logs": True,
+        "startup_timeout": 120,
+        "startup_check_interval": 5,
+        "schedule_timeout": 120,
+        "trigger_start_time": started,
+        "on_finish_action": "delete_pod",
+        "on_kill_action": "delete_pod",
+        "termination_grace_period": None,
+        "last_log_time": None,
+        "logging_interval": None,
+        "trigger_kwargs": {RACE_KEY: {"pool": "l4-spot", "racer": None}},
+        "resume_after": 1796104805.5,
+        "race_check_interval_s": 300.0,
+    }
+    assert ShardPodTrigger(**kwargs).serialize() == (classpath, kwargs)
