@@ -657,17 +657,22 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         says so (as the synchronous watch does), end the try once the shard is done (the Spot
         pod, the race's loser, is deleted), and otherwise defer again."""
         spot = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
-        if self._racer is None:
-            decision = self.racer_decision()
-            if decision is not None:
-                self.prepare_racer(context, decision, spot)
-                self.launch_racer(decision)
-                assert self._racer is not None
-                race = {**race, "racer": self._racer.metadata.name}
-        elif self.shard_done():
-            self.delete_pod(spot, why="the shard is done; this Spot pod lost the race")
-            self.log.info("shard %s of job %s is done; the try succeeds", self.shard_index, self.job_id)
-            return None
+        try:
+            if self._racer is None:
+                decision = self.racer_decision()
+                if decision is not None:
+                    self.prepare_racer(context, decision, spot)
+                    self.launch_racer(decision)
+                    assert self._racer is not None
+                    race = {**race, "racer": self._racer.metadata.name}
+            elif self.shard_done():
+                self.delete_pod(spot, why="the shard is done; this Spot pod lost the race")
+                self.log.info("shard %s of job %s is done; the try succeeds", self.shard_index, self.job_id)
+                return None
+        except Exception:  # as the synchronous watch: a failed look is not a failed try
+            self.log.warning("tail race check of shard %s failed", self.shard_index, exc_info=True)
+            if self._racer is not None:
+                race = {**race, "racer": self._racer.metadata.name}  # created or not: deleted at the end
         last_log_time = event.get("last_log_time")
         self.defer_on(context, event["name"], event["namespace"], race, last_log_time=last_log_time)
         return None  # the pod ended just now: invoke_defer_method resumed this try in line
