@@ -34,6 +34,9 @@ pod on the on-demand pool, the same pod with the racer's placement and ``worker 
 store's fencing decides the winner; once the shard is done the other pod is deleted, and the try
 succeeds whoever finished it. A racer that outlives its Spot pod finishes the shard in the same
 try; a later try finds a live racer holding the shard and reschedules instead of launching a pod.
+A deferred try races too: its trigger (``triggers.pod.ShardPodTrigger``) hands it back every
+``race_check_interval_s`` while the Spot pod runs, and the resumed task decides with the same rule,
+the race's state travelling in the trigger's kwargs (:meth:`DeadlineShardPodOperator.race_step`).
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from airflow.providers.cncf.kubernetes.operators.pod import POD_IDENTIFIER_STATE_KEY, KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
+from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
 from airflow.providers.cncf.kubernetes.utils.pod_manager import PodLaunchTimeoutException
 from airflow.sdk import BaseOperator
 from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
@@ -60,6 +65,7 @@ from airflow.sdk.exceptions import (
     AirflowFailException,
     AirflowRescheduleException,
     AirflowSkipException,
+    TaskDeferred,
 )
 from kubernetes.client import models as k8s
 from kubernetes.client.exceptions import ApiException
@@ -94,6 +100,7 @@ from airflow_deadline_batch.operators.placement import (
     read_job_view,
     tail_has_room,
 )
+from airflow_deadline_batch.triggers.pod import RACE_KEY, RUNNING, ShardPodTrigger
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
 PREEMPTION_REASONS = frozenset(
@@ -115,6 +122,10 @@ PREEMPTION_REASONS = frozenset(
 
 #: how often a shard pod operator looks at its running Spot try for the tail race (``race_check_interval_s``)
 RACE_CHECK_S = 30.0
+#: the same for a deferred try: each look resumes the task, which takes a worker slot for a few
+#: seconds (a task start, a store read, a re-deferral), so 10 shards cost 2 task starts a minute;
+#: a shard's tail lasts hours, and a racer 5 minutes late loses little of its gain
+DEFERRED_RACE_CHECK_S = 300.0
 #: how often, once a racer runs, the operator looks whether the shard is done (at most)
 RACE_POLL_S = 2.0
 #: seconds of grace of a race's pod deleted once the shard is done: its attempt is over (the store
@@ -355,6 +366,8 @@ class _ShardTryMixin:
     pools: Sequence[PoolSpec | Mapping[str, Any]] | None
     clock: Clock | None
     log: Any  # the operator's task logger (Airflow's, structured)
+    #: whether this try's failure was classified and settled (:meth:`settle_failure` raised)
+    _settled: bool = False
 
     def store_hook(self) -> ManifestStoreHook:
         """The store: this task's own ``store_url``/``store_conn_id``, else the plan's connection."""
@@ -381,6 +394,7 @@ class _ShardTryMixin:
 
     def settle_failure(self, failure: FailureClass, reason: str, *, shard_failed: bool = False) -> None:
         """Raise what Airflow should do with a failed try of this class (see the module doc)."""
+        self._settled = True
         where = f"shard {self.shard_index} of job {self.job_id}"
         if failure is FailureClass.CONFIGURATION or shard_failed:
             raise AirflowFailException(f"{where}: {failure.value}: {reason}")
@@ -460,9 +474,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     :param race: the tail race (docs/kubernetes.md "The tail race"): a Spot try at the job's tail
         that the safety rule would escalate races one on-demand pod. ``None`` (default): on where
         the job's pools have a Spot and an on-demand pool; ``False``: off; ``True``: on, and a job
-        without both kinds of pool is a configuration error. Synchronous mode only: a deferred
-        try does not race.
-    :param race_check_interval_s: how often a running Spot try is looked at for the race.
+        without both kinds of pool is a configuration error. A deferred try races too: its
+        trigger hands it back every ``race_check_interval_s`` while the pod runs.
+    :param race_check_interval_s: how often a running Spot try is looked at for the race (default:
+        30 s, and 300 s for a deferred try, whose every look resumes the task).
 
     GPU defaults: ``do_xcom_push=False`` (no XCom sidecar), ``retries=5``, and mapped with
     ``.partial(...).expand_kwargs(plan.output)`` at most the plan's ``workers`` pods at once
@@ -501,17 +516,18 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         reschedule_retryable: bool = True,
         kueue: bool = False,
         race: bool | None = None,
-        race_check_interval_s: float = RACE_CHECK_S,
+        race_check_interval_s: float | None = None,
         **kwargs: Any,
     ) -> None:
-        if not race_check_interval_s > 0:
+        if race_check_interval_s is not None and not race_check_interval_s > 0:
             raise ValueError(f"race_check_interval_s must be > 0 seconds, got {race_check_interval_s!r}")
         kwargs.setdefault("retries", SHARD_RETRIES)
         kwargs.setdefault("name", "deadline-batch-shard")
         self.race = race
-        self.race_check_interval_s = float(race_check_interval_s)
         # the race of one try (threads and pods: set by execute, never serialized with the task)
         self._race_from: TryDecision | None = None
+        #: the Spot pool of the racing try (a deferred try's resume reads it from the event)
+        self._race_pool: str | None = None
         self._racer: k8s.V1Pod | None = None
         self._raced = False
         self._race_stop: threading.Event | None = None
@@ -527,6 +543,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                 limits={"nvidia.com/gpu": str(gpus_per_pod)}
             )
         super().__init__(image=image, **kwargs)
+        default_interval = DEFERRED_RACE_CHECK_S if self.deferrable else RACE_CHECK_S
+        self.race_check_interval_s = float(race_check_interval_s or default_interval)
         self.job_id = job_id
         self.shard_index = shard_index
         self.store_url = store_url
@@ -588,12 +606,234 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             raise
         self.record_capacity_wait(pod)
 
+    def defer(
+        self,
+        *,
+        trigger: Any,
+        method_name: str,
+        kwargs: dict[str, Any] | None = None,
+        timeout: dt.timedelta | float | None = None,
+    ) -> Any:
+        """Defer to :class:`~triggers.pod.ShardPodTrigger` where the provider defers to its own
+        pod trigger: the same watch, its event held until ``MIN_RESUME_DELAY_S`` after now."""
+        if type(trigger) is KubernetesPodTrigger:
+            race = (trigger.trigger_kwargs or {}).get(RACE_KEY)
+            racing = isinstance(race, dict) and not race.get("promoted")
+            trigger = ShardPodTrigger.adopt(
+                trigger,
+                resume_after=time.time() + MIN_RESUME_DELAY_S,
+                race_check_interval_s=self.race_check_interval_s if racing else None,
+            )
+        super().defer(trigger=trigger, method_name=method_name, kwargs=kwargs, timeout=timeout)
+
     def trigger_reentry(self, context: Any, event: dict[str, Any]) -> Any:
+        race = event.get(RACE_KEY)
+        if not isinstance(race, dict):
+            return self.pod_ended(context, event)
+        # a racing try (docs/kubernetes.md "The tail race"): its state is the event's
+        store = self.store_hook().get_store()
+        self._race_store, self._race_pool = store, str(race["pool"])
+        racer = race.get("racer")
+        if racer and racer != event["name"]:  # once promoted, the racer is the try's own pod
+            self._racer = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=racer, namespace=event["namespace"]))
+        deferring = False
+        try:
+            if event["status"] == RUNNING:
+                return self.race_step(context, event, race)
+            if self._racer is not None and self.racer_running():
+                return self.watch_racer_instead(context, event, race)
+            return self.pod_ended(context, event)
+        except TaskDeferred:
+            deferring = True  # the racer lives on with the deferral
+            raise
+        finally:
+            if not deferring:
+                self.delete_racer()
+            self._race_store = None
+            store.close()
+
+    def race_step(self, context: Any, event: dict[str, Any], race: dict[str, Any]) -> Any:
+        """A deferred racing try's look at its running Spot pod: launch the racer when the race rule
+        says so (as the synchronous watch does), end the try once the shard is done (the Spot
+        pod, the race's loser, is deleted), and otherwise defer again."""
+        spot = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
+        try:
+            if self._racer is None:
+                decision = self.racer_decision()
+                if decision is not None:
+                    self.prepare_racer(context, decision, spot)
+                    self.launch_racer(decision)
+                    assert self._racer is not None
+                    race = {**race, "racer": self._racer.metadata.name}
+            elif self.shard_done():
+                self.delete_pod(spot, why="the shard is done; this Spot pod lost the race")
+                self.log.info("shard %s of job %s is done; the try succeeds", self.shard_index, self.job_id)
+                return None
+        except Exception:  # as the synchronous watch: a failed look is not a failed try
+            self.log.warning("tail race check of shard %s failed", self.shard_index, exc_info=True)
+            if self._racer is not None:
+                race = {**race, "racer": self._racer.metadata.name}  # created or not: deleted at the end
+        last_log_time = event.get("last_log_time")
+        self.defer_on(context, event["name"], event["namespace"], race, last_log_time=last_log_time)
+        return None  # the pod ended just now: invoke_defer_method resumed this try in line
+
+    def prepare_racer(self, context: Any, decision: TryDecision, spot: k8s.V1Pod) -> None:
+        """A resumed try built no pod: build the racer's request as a try on its pool would."""
+        self.apply_decision(decision)
+        self._race_from = decision
+        self.pod_request_obj = self.build_pod_request_obj(context)
+        self.pod = spot  # the racer is named after it
+
+    def racer_running(self) -> bool:
+        """Whether this try's racer pod runs with the shard not done (the try waits for it)."""
+        assert self._racer is not None
+        try:
+            racer = self.pod_manager.read_pod(self._racer)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return False
+        return bool(racer.status and racer.status.phase == "Running") and not self.shard_done()
+
+    def watch_racer_instead(self, context: Any, event: dict[str, Any], race: dict[str, Any]) -> None:
+        """The Spot pod ended while its racer runs: defer on the racer, now this try's pod (the
+        synchronous path waits for it in :meth:`await_racer`, which here would hold a worker slot)."""
+        spot = self.read_pod_or_none(event["name"], event["namespace"])
+        found = classify_pod(spot, self.base_container_name)
+        assert self._racer is not None
+        racer, self._racer = self._racer, None
+        self.log.warning(
+            "shard %s of job %s: Spot pod %s %s (%s) while its racer %s runs: the try waits for the racer",
+            self.shard_index,
+            self.job_id,
+            event["name"],
+            found.outcome.value,
+            found.reason,
+            racer.metadata.name,
+        )
+        if spot is not None:
+            self.patch_already_checked(spot, reraise=False)
+            self.process_pod_deletion(spot, reraise=False)
+        promoted = {**race, "racer": racer.metadata.name, "promoted": True}
+        self.defer_on(context, racer.metadata.name, event["namespace"], promoted)  # or resumed in line
+
+    def defer_on(
+        self, context: Any, name: str, namespace: str, race: dict[str, Any], *, last_log_time: Any = None
+    ) -> None:
+        """Defer (again) on pod ``name``, the race's state in the trigger's kwargs."""
+        self.trigger_kwargs = {**(self.trigger_kwargs or {}), RACE_KEY: race}
+        self.pod = self.hook.get_pod(name, namespace)
+        self.invoke_defer_method(last_log_time=last_log_time, context=context)
+
+    def read_pod_or_none(self, name: str, namespace: str) -> k8s.V1Pod | None:
+        try:
+            pod: k8s.V1Pod = self.hook.get_pod(name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
+        return pod
+
+    def pod_ended(self, context: Any, event: dict[str, Any]) -> Any:
+        """The provider's resume with the pod's end: its cleanup classifies and settles the try."""
         # deferrable: the trigger gave up waiting for the start ("timeout"), or the pod ran
         self.record_capacity_wait(
             k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
         )
-        return super().trigger_reentry(context, event)
+        self._settled = False
+        try:
+            return super().trigger_reentry(context, event)
+        except AirflowException as exc:
+            if self._settled or isinstance(exc, AirflowSkipException):
+                raise
+            # the provider failed the try without its cleanup (hence without :meth:`cleanup`'s
+            # classification): the pod was gone when read (``PodNotFoundException``, an evicted
+            # pod garbage-collected with its node), or vanished while awaited
+            self.settle_unread_pod(event, exc)
+            raise
+
+    def settle_unread_pod(self, event: dict[str, Any], exc: AirflowException) -> None:
+        """Classify and settle a deferred try whose pod the provider could not clean up."""
+        remote = self.read_pod_or_none(event["name"], event["namespace"])
+        found = classify_pod(remote, self.base_container_name)
+        self.log.warning(
+            "shard %s of job %s: pod %s %s (%s)",
+            self.shard_index,
+            self.job_id,
+            event["name"],
+            found.outcome.value,
+            found.reason,
+        )
+        failure = failure_class_of(found) or FailureClass.TRANSIENT
+        shard_failed = found.failure is not None and found.failure.shard_failed
+        try:
+            self.settle_failure(failure, found.reason, shard_failed=shard_failed)
+        except AirflowException as settled:
+            raise settled from exc
+
+    def get_or_create_pod(self, pod_request_obj: k8s.V1Pod, context: Any) -> k8s.V1Pod:
+        if self.reattach_on_restart:
+            pool = (pod_request_obj.metadata.labels or {}).get(f"{LABEL_PREFIX}/pool")
+            self.retire_stale_pods(pod_request_obj.metadata.namespace, context, pool=pool)
+        pod: k8s.V1Pod = super().get_or_create_pod(pod_request_obj, context)
+        return pod
+
+    def retire_stale_pods(self, namespace: str, context: Any, *, pool: str | None) -> None:
+        """Retire the pods that earlier runs of this task left behind and this try must not
+        reattach to, so that it launches its own pod: one that ended (marked ``already_checked``,
+        deleted where ``on_finish_action`` says), and one still ``Pending`` on another pool than
+        this try's decision (deleted: it never started a worker, so it holds no lease).
+
+        The provider (10.25, ``get_or_create_pod``) reattaches a try to the pod whose identity it
+        persisted in the task state store (``_get_pod_from_task_state_store``), else to one its
+        labels find (``find_pod``), unless that pod is labelled checked, which only the try that
+        awaited its end does (``cleanup``). Meant for a pod still running when its worker died, it
+        also reattached a try to the pod of a run that never resumed (Airflow failed it, or the
+        resume failed to start): an evicted pod, whose end it then read again in place of this
+        try's own decision and pod; or a Spot pod still waiting for capacity after the decision
+        had escalated to on-demand, so that the try waited for Spot past its last safe start. A pod
+        running, or terminating under an eviction, is reattached as before: its worker holds the
+        shard's lease, and a second pod's claim would be refused until it lets go.
+        """
+        pods: dict[str, k8s.V1Pod] = {}
+        state = context.get("task_state_store") if context is not None else None
+        stored = state.get(POD_IDENTIFIER_STATE_KEY) if state is not None else None
+        if isinstance(stored, dict) and isinstance(stored.get("name"), str):
+            try:
+                pod = self.client.read_namespaced_pod(stored["name"], stored.get("namespace") or namespace)
+                pods[pod.metadata.name] = pod
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+        selector = self._build_find_pod_label_selector(context)
+        for pod in self.client.list_namespaced_pod(namespace, label_selector=selector).items:
+            pods[pod.metadata.name] = pod
+        for pod in pods.values():
+            labels = pod.metadata.labels or {}
+            phase = pod.status.phase if pod.status is not None else None
+            if labels.get(self.POD_CHECKED_KEY) == "True" or pod.metadata.deletion_timestamp is not None:
+                continue
+            if phase in FINISHED_PHASES:
+                found = classify_pod(pod, self.base_container_name)
+                why = f"ended ({found.outcome.value}: {found.reason})"
+            elif phase == "Pending" and pool is not None and labels.get(f"{LABEL_PREFIX}/pool") != pool:
+                why = f"still pending on pool {labels.get(f'{LABEL_PREFIX}/pool')}, this try's is {pool}"
+            else:
+                continue
+            self.log.info(
+                "pod %s of try %s %s: not reattached, this try launches its own",
+                pod.metadata.name,
+                labels.get("try_number", "?"),
+                why,
+            )
+            self.patch_already_checked(pod, reraise=False)
+            if phase == "Pending":
+                try:
+                    self.delete_pod(pod, why="a stale pod of an earlier run of this try")
+                except ApiException:  # labelled checked: never reattached; its worker would be refused
+                    self.log.warning("could not delete pod %s", pod.metadata.name, exc_info=True)
+            else:
+                self.process_pod_deletion(pod, reraise=False)
 
     def record_capacity_wait(self, pod: k8s.V1Pod) -> None:
         """Record how long this try's Spot pod waited for capacity, as an ``unschedulable`` attempt.
@@ -653,7 +893,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                     self.log.info("%s", decision.reason)
                     return None
             self._race_from = decision if self.races(store, decision) else None
+            self._race_pool = decision.pool.name if self._race_from and decision.pool else None
             self._race_store, self._raced = store, False
+            if self.deferrable:  # the trigger carries the race's state (none: this try does not race)
+                kept = {k: v for k, v in (self.trigger_kwargs or {}).items() if k != RACE_KEY}
+                race = {RACE_KEY: {"pool": self._race_pool, "racer": None}} if self._race_pool else {}
+                self.trigger_kwargs = {**kept, **race}
             try:
                 return super().execute(context)
             except Exception:
@@ -667,13 +912,13 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             if self._race_stop is not None:
                 self._race_stop.set()
             self.delete_racer()
-            self._race_from, self._race_store = None, None
+            self._race_from, self._race_pool, self._race_store = None, None, None
             store.close()
 
     # -- the tail race (docs/kubernetes.md "The tail race") ----------------------------------------
 
     def races(self, store: Any, decision: TryDecision) -> bool:
-        """Whether this try may race: a Spot try, in sync mode, with ``race`` not off and the pools for it."""
+        """Whether this try may race: a Spot try, with ``race`` not off and the pools for it."""
         if self.race is False or decision.pool is None or decision.pool.kind is not PoolKind.SPOT:
             return False
         kinds = {p.kind for p in parse_pools(self.pools, store.get_job(self.job_id).config)}
@@ -684,8 +929,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                     "add an on-demand pool, or pass race=False"
                 )
             return False
-        # deferrable: the wait is the triggerer's, no thread of this task watches the tail
-        return not self.deferrable
+        return True
 
     def racer_holding(self, store: Any) -> float | None:
         """Seconds a live racer still holds this shard for (its racing lease, or the primary lease it
@@ -760,14 +1004,15 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
 
     def racer_decision(self) -> TryDecision | None:
         """The racer's decision when the job is at its tail and the race rule says so, else None."""
-        assert self._race_from is not None and self._race_from.pool is not None
+        assert self._race_pool is not None
         store = self._race_store
         view = read_job_view(store, self.job_id, now=(self.clock or SystemClock()).now(), pools=self.pools)
+        self.tenant = view.tenant  # the racer's Kueue queue, on a resumed (deferred) try too
         shards = store.list_shards(self.job_id)
         if not tail_has_room(shards, view.parallelism):
             return None
         shard = next(s for s in shards if s.shard_index == int(self.shard_index))
-        return race_decision(view, shard, self._race_from.pool.name)
+        return race_decision(view, shard, self._race_pool)
 
     def racer_pod(self, decision: TryDecision) -> k8s.V1Pod:
         """This try's pod as the racer: the racer's placement, ``worker --race``, a pod name of its own."""
@@ -781,7 +1026,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         pod.metadata.labels = {**labels, **placement.labels, RACE_LABEL: "true"}
         annotations = {k: v for k, v in (pod.metadata.annotations or {}).items() if k not in mine.annotations}
         pod.metadata.annotations = {**annotations, **placement.annotations}
-        pod.metadata.name = f"{pod.metadata.name}-race"[:253]
+        # named after this try's pod (a reattached one's name is not the request's)
+        pod.metadata.name = f"{(self.pod or pod).metadata.name}-race"[:253]
         pod.spec.node_selector = {**node_selector, **placement.node_selector}
         pod.spec.tolerations = [*tolerations, *(k8s.V1Toleration(**t) for t in placement.tolerations)]
         pod.spec.termination_grace_period_seconds = placement.grace_period_s
