@@ -27,11 +27,20 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
 from airflow.triggers.base import TriggerEvent
 
+from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S
+
 #: key of the tail race's state in the trigger's ``trigger_kwargs`` (echoed in every event):
 #: ``{"pool": <the Spot pool>, "racer": <racer pod name or None>, "promoted": <watching the racer>}``
 RACE_KEY = "deadline_batch_race"
 #: status of the event a racing try's trigger yields while its pod still runs
 RUNNING = "running"
+
+
+def resume_hold_s(resume_after: float, now: float) -> float:
+    """Seconds to hold the event at the triggerer's ``now``: what is left to ``resume_after`` (the
+    deferring worker's clock), never more than :data:`MIN_RESUME_DELAY_S` — a worker whose clock
+    runs a day ahead of the triggerer's must not hold its pod's end for a day."""
+    return min(max(resume_after - now, 0.0), MIN_RESUME_DELAY_S)
 
 
 class ShardPodTrigger(KubernetesPodTrigger):
@@ -81,7 +90,7 @@ class ShardPodTrigger(KubernetesPodTrigger):
                     await watch.aclose()
         # the task's resume waits until the scheduler has seen the deferral's exit, or it fails
         # the resumed try (the Airflow 3.3 resume race)
-        if (hold := self.resume_after - time.time()) > 0:
+        if (hold := resume_hold_s(self.resume_after, time.time())) > 0:
             self.log.info("resuming the task in %.1f s", hold)
             await asyncio.sleep(hold)
         yield event
