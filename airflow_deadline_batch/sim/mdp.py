@@ -42,151 +42,204 @@ from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.sim.engine import Choice, Mode, SimConfig, View
 from airflow_deadline_batch.sim.policies import EPOCH, SlackAware
 
-#: modes of the table's state (the running try)
+#: the running try's mode in the table's state, and the actions (IDLE = wait)
 IDLE, SPOT, OD = 0, 1, 2
-#: the most time steps and work units of one table (cost of a solve ∝ their product)
+#: what waiting a step costs on top of nothing: a tie goes to the choice that makes progress
+TIE = 1e-6
+#: the most time steps and committed-shard levels of one table (a solve costs ∝ their product)
 MAX_STEPS = 160
-MAX_UNITS = 320
+MAX_SHARDS = 200
 
 
 @dataclass(frozen=True)
 class Grid:
-    """The table's step (hours), work unit (hours) and sizes, fixed per job."""
+    """The table's step, its shard (a multiple of the job's when a worker has more than
+    ``MAX_SHARDS``), its time unit (a fraction of the shard) and its sizes, fixed per job."""
 
     step_h: float
+    shard_h: float
     unit_h: float
+    per_step: int  # units of a step
+    shard_units: int
+    changeover_units: int
     steps: int
-    units: int
+    shards: int  # committed-shard levels of one worker, 0 included: shards + 1 rows
+    merge: int  # job shards per table shard
 
     @classmethod
     def for_job(cls, config: SimConfig, gap_h: float) -> Grid:
         ticks = max(1, math.ceil(config.deadline_h / gap_h - 1e-9))
         step = gap_h * max(1, math.ceil(ticks / MAX_STEPS))
-        per_worker = config.work_h / config.workers + config.shard_size_h + 2 * config.changeover_h
-        per_step = max(1, min(8, math.floor(MAX_UNITS * step / per_worker)))
-        unit = step / per_step
-        return cls(step, unit, math.ceil(config.deadline_h / step - 1e-9), math.ceil(per_worker / unit) + 1)
+        per_worker = math.ceil(config.shards / config.workers)
+        merge = max(1, math.ceil(per_worker / MAX_SHARDS))
+        shard = config.shard_size_h * merge
+
+        def misfit(length: float, k: int) -> float:
+            x = length * k / shard
+            return abs(x - max(1, round(x))) / max(x, 1.0)
+
+        # the unit: the whole fraction of the shard that fits the step and the changeover best
+        split = min(
+            range(1, 13),
+            key=lambda k: (round(misfit(step, k) + misfit(config.changeover_h, k), 2), k),
+        )
+        unit = shard / split
+        return cls(
+            step_h=step,
+            shard_h=shard,
+            unit_h=unit,
+            per_step=max(1, round(step / unit)),
+            shard_units=split,
+            changeover_units=round(config.changeover_h / unit),
+            steps=math.ceil(config.deadline_h / step - 1e-9),
+            shards=math.ceil(per_worker / merge),
+            merge=merge,
+        )
+
+    def shards_left(self, remaining_h: float, config: SimConfig) -> int:
+        """A worker's committed-shard level: the job's shards left, list-scheduled, merged."""
+        left = round(remaining_h / config.shard_size_h)
+        return min(self.shards, math.ceil(math.ceil(left / config.workers) / self.merge))
 
 
 @dataclass(frozen=True)
 class Rates:
-    """The Markov chain of one worker's Spot over one step: P(there next | there / missing now)."""
+    """The two-state chain of one worker's Spot: spells end at ``end_rate`` and return at
+    ``return_rate`` per hour; over a step, P(there next | missing / there now)."""
 
-    availability: float
-    run_h: float
-    up_up: float
+    end_rate: float
+    return_rate: float
     down_up: float
+    up_up: float
 
     @classmethod
-    def of(cls, availability: float, run_h: float, step_h: float) -> Rates:
+    def of(cls, end_rate: float, return_rate: float, step_h: float) -> Rates:
+        decay = math.exp(-(end_rate + return_rate) * step_h)
+        share = return_rate / (end_rate + return_rate)
+        return cls(end_rate, return_rate, share * (1.0 - decay), share + (1.0 - share) * decay)
+
+    @staticmethod
+    def key(availability: float, run_h: float, change: float) -> tuple[int, int]:
+        """The learned estimate's rates, each rounded to a relative ``change`` (log scale)."""
         a = min(max(availability, 0.01), 0.99)
-        mu = 1.0 / max(run_h, 1e-3)
-        lam = mu * a / (1.0 - a)
-        decay = math.exp(-(lam + mu) * step_h)
-        return cls(a, run_h, a + (1.0 - a) * decay, a * (1.0 - decay))
+        end = 1.0 / max(run_h, 1e-3)
+        step = math.log1p(change)
+        return round(math.log(end) / step), round(math.log(end * a / (1.0 - a)) / step)
+
+    @classmethod
+    def at(cls, key: tuple[int, int], change: float, step_h: float) -> Rates:
+        step = math.log1p(change)
+        return cls.of(math.exp(key[0] * step), math.exp(key[1] * step), step_h)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Values and best actions with ``t`` steps left: idle ``[s, r]``; running ``[mode, s, r, j]``
+    (mode 0 Spot, 1 on-demand; ``j`` = progress in the shard + the changeover, in units)."""
+
+    idle: np.ndarray
+    running: np.ndarray
+    idle_action: np.ndarray | None
+    running_action: np.ndarray | None
 
 
 class Table:
-    """``V[t, s, m, r]``: expected cost-to-go with ``t`` steps left (see the module docstring).
+    """``V[t]``: the expected cost-to-go with ``t`` steps left, by backward induction.
 
-    The changeover and the loss of a stop are whole units in the recursion (index shifts, so a
-    solve is a few array operations per step); the decision itself interpolates the actual state.
+    State: Spot there ``s``, committed shards left ``r`` (one worker's, list-scheduled) and, for a
+    running try, its progress in the current shard ``p`` (negative while its changeover runs), so
+    that a preemption or a stop loses exactly the uncommitted part, as in the engine.
     """
 
     def __init__(self, grid: Grid, config: SimConfig, rates: Rates, steps: int) -> None:
-        self.grid, self.rates = grid, rates
-        u = grid.unit_h
-        self.per_step = round(grid.step_h / u)
-        self.changeover = config.changeover_h / u
-        self.loss = config.shard_size_h / 2 / u
-        self.k = config.price_ratio
+        self.grid, self.rates, self.k = grid, rates, config.price_ratio
         self.p_up = np.array([rates.down_up, rates.up_up])
-        n = grid.units
-        r = np.arange(n)
-        c, loss, per, k = round(self.changeover), round(self.loss), self.per_step, self.k
-        big = 10.0 * self.k * (config.work_h / config.workers + 10 * config.changeover_h + 10 * grid.step_h)
-        v = np.empty((steps + 1, 2, 3, n))
-        v[0] = big + k * (r + self.changeover) * u
-        v[0][..., 0] = 0.0
-
-        # shifts as slices of arrays padded with their edge values (index r + offset, clipped)
-        pad = per + 1
-        top = loss + c + 1
-
-        def at(offset: int) -> slice:
-            return slice(pad + offset, pad + offset + n)
-
-        # per current mode (idle, Spot, on-demand): what leaving it adds, and where a Spot /
-        # on-demand try starts from (keep it, or leave it and pay the changeover)
-        leave = (0, loss, loss)
-        start_spot = (c, 0, loss + c)
-        start_od = (c, loss + c, 0)
-        done_spot = [(r + o) <= per for o in start_spot]
-        done_od = [(r + o) <= per for o in start_od]
-        cost_spot = [(r + o) * u for o in start_spot]
-        cost_od = [k * (r + o) * u for o in start_od]
-        step_h = grid.step_h
-        p1 = rates.up_up
-        p_up = self.p_up[:, None]
-        nxt = np.empty((2, 3, pad + n + top))
+        c, size, per = grid.changeover_units, grid.shard_units, grid.per_step
+        width = c + size
+        r = np.arange(grid.shards + 1)[:, None]
+        p = np.arange(width)[None, :] - c
+        after = p + per
+        commits = np.where(after >= 0, after // size, 0)
+        left_units = r * size - p  # units still to run (changeover left included)
+        self.done = left_units <= per
+        self.done_h = left_units * grid.unit_h
+        r_next = np.clip(r - commits, 0, grid.shards)
+        j_next = np.clip(after - commits * size + c, 0, width - 1)
+        self.next_flat = r_next * width + j_next
+        self.next_r = r_next
+        self.width = width
+        # waiting or Spot only while on-demand from the next step still fits, counted as the
+        # fallback rule counts it (``od_need_s``: changeover, work per worker, list imbalance)
+        n = config.workers
+        imbalance = config.shard_size_h * (n - 1) / n
+        self.safe_h = config.changeover_h + np.arange(grid.shards + 1) * grid.shard_h + imbalance
+        big = 10.0 * self.k * (config.deadline_h + config.changeover_h)
+        idle = np.empty((steps + 1, 2, grid.shards + 1))
+        idle[0] = big + self.k * self.safe_h
+        idle[0][:, 0] = 0.0
+        running = np.empty((steps + 1, 2, 2, grid.shards + 1, width))
+        running[0] = idle[0][None, :, :, None]
         for t in range(1, steps + 1):
-            nxt[..., pad : pad + n] = v[t - 1]
-            nxt[..., :pad] = v[t - 1][..., :1]
-            nxt[..., pad + n :] = v[t - 1][..., -1:]
-            e_idle = p_up * nxt[1, IDLE] + (1 - p_up) * nxt[0, IDLE]
-            e_od = p_up * nxt[1, OD] + (1 - p_up) * nxt[0, OD]
-            spot_next = p1 * nxt[1, SPOT]
-            spot_lost = (1 - p1) * nxt[0, IDLE]
-            for m in (IDLE, SPOT, OD):
-                safe = (t - 1) * step_h >= (r + leave[m] + c) * u - 1e-9
-                od = np.where(done_od[m], cost_od[m], k * step_h + e_od[:, at(start_od[m] - per)])
-                wait = np.where(safe, e_idle[:, at(leave[m])], np.inf)
-                best = np.minimum(od, wait)
-                spot = step_h + spot_next[at(start_spot[m] - per)] + spot_lost[at(start_spot[m] - per + loss)]
-                spot = np.where(safe, np.where(done_spot[m], cost_spot[m], spot), np.inf)
-                best[1] = np.minimum(best[1], spot)
-                v[t, :, m] = best
-            v[t][..., 0] = 0.0
-        self.v = v
+            layer = self.layer(idle[t - 1], running[t - 1], t)
+            idle[t], running[t] = layer.idle, layer.running
+        self.idle, self.running = idle, running
 
-    @staticmethod
-    def _value(row: np.ndarray, r: float) -> float:
-        """``row`` at fractional unit ``r`` (linear between units, clipped to the grid)."""
-        top = len(row) - 1
-        r = min(max(r, 0.0), float(top))
-        i = min(int(r), top - 1)
-        f = r - i
-        return float(row[i] * (1 - f) + row[i + 1] * f)
+    def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int, actions: bool = False) -> Layer:
+        """One step of backward induction: the values and actions with ``t`` steps left."""
+        step, k, p_up, p1 = self.grid.step_h, self.k, self.p_up[:, None], self.rates.up_up
+        inf = np.inf
+        safe = (t - 1) * step >= self.safe_h - 1e-9
+        wait = np.where(safe, p_up * nxt_idle[1] + (1 - p_up) * nxt_idle[0] + TIE, inf)  # [s, r]
+        od_next = nxt_running[1].reshape(2, -1)
+        od_go = (
+            p_up[:, :, None] * od_next[1][self.next_flat]
+            + (1 - p_up)[:, :, None] * od_next[0][self.next_flat]
+        )
+        od = np.where(self.done, k * self.done_h, k * step + od_go)  # [s, r, j]
+        spot_go = p1 * nxt_running[0, 1].reshape(-1)[self.next_flat] + (1 - p1) * nxt_idle[0][self.next_r]
+        spot = np.where(safe[:, None], np.where(self.done, self.done_h, step + spot_go), inf)  # [r, j]
+        spots = np.stack([np.full_like(spot, inf), spot])  # [s, r, j]
+        if not actions:
+            idle_v = np.minimum(np.minimum(wait, spots[:, :, 0]), od[:, :, 0])
+            run_v = np.stack(
+                [
+                    np.minimum(np.minimum(wait[:, :, None], spots), od[:, :, :1]),
+                    np.minimum(np.minimum(wait[:, :, None], spots[:, :, :1]), od),
+                ]
+            )
+            idle_v[:, 0] = 0.0
+            run_v[:, :, 0, :] = 0.0
+            return Layer(idle_v, run_v, None, None)
+        # idle: wait, start Spot (j = 0: its changeover ahead), start on-demand
+        idle_choices = np.stack([wait, spots[:, :, 0], od[:, :, 0]])
+        # running try of mode x: wait (stop it), Spot (keep or start), on-demand (keep or start)
+        shape = od.shape
+        stop = np.broadcast_to(wait[:, :, None], shape)
+        run_spot = np.stack([stop, spots, np.broadcast_to(od[:, :, :1], shape)])
+        run_od = np.stack([stop, np.broadcast_to(spots[:, :, :1], shape), od])
+        idle_v = idle_choices.min(axis=0)
+        run_v = np.stack([run_spot.min(axis=0), run_od.min(axis=0)])
+        return Layer(
+            idle_v,
+            run_v,
+            idle_choices.argmin(axis=0),
+            np.stack([run_spot.argmin(axis=0), run_od.argmin(axis=0)]),
+        )
 
-    def action(self, t: int, s: int, m: int, keep_h: float, leave_h: float) -> int:
-        """The table's choice (IDLE = wait, SPOT, OD) at the actual state: work left if the try is
-        kept / left, in hours, with ``t`` steps left."""
-        t = min(t, len(self.v) - 1)
+    def action(self, t: int, s: int, m: int, r: int, j: int) -> int:
+        """The best action (IDLE = wait, SPOT, OD) with ``t`` steps left at the given state."""
+        t = min(t, len(self.idle) - 1)
         if t < 1:
             return OD
-        nxt = self.v[t - 1]
-        u, step, per, k = self.grid.unit_h, self.grid.step_h, self.per_step, self.k
-        keep, leave = keep_h / u, leave_h / u
-        p = self.p_up[s]
+        if self._cached is None or self._cached[0] != t:
+            self._cached = (t, self.layer(self.idle[t - 1], self.running[t - 1], t, actions=True))
+        layer = self._cached[1]
+        assert layer.idle_action is not None and layer.running_action is not None
+        if m == IDLE:
+            return int(layer.idle_action[s, r])
+        return int(layer.running_action[0 if m == SPOT else 1, s, r, j])
 
-        def expect(mode: int, r: float) -> float:
-            return p * self._value(nxt[1, mode], r) + (1 - p) * self._value(nxt[0, mode], r)
-
-        r_od = keep if m == OD else leave + self.changeover
-        od = k * r_od * u if r_od <= per else k * step + expect(OD, r_od - per)
-        # waiting and Spot are safe here: the caller's rule (slack against the risk) admitted them
-        values = [expect(IDLE, leave), math.inf, od]
-        if s == 1:
-            r_sp = keep if m == SPOT else leave + self.changeover
-            p1 = self.p_up[1]
-            values[SPOT] = (
-                r_sp * u
-                if r_sp <= per
-                else step
-                + p1 * self._value(nxt[1, SPOT], r_sp - per)
-                + (1 - p1) * self._value(nxt[0, IDLE], r_sp - per + self.loss)
-            )
-        return int(np.argmin(values))
+    _cached: tuple[int, Layer] | None = None
 
 
 class MarkovDecision(SlackAware):
@@ -194,29 +247,26 @@ class MarkovDecision(SlackAware):
 
     name = "mdp"
 
-    #: the step's transition probabilities are rounded to this for the table (a new table when
-    #: the learned rates move by more)
-    resolve_change = 0.025
+    #: the learned rates (spell end, spell return) are rounded to this relative change for the
+    #: table: a new table only when one of them moves by more
+    resolve_change = 0.25
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
         super().reset(config, gap_h)
         self.grid = Grid.for_job(config, gap_h)
-        #: tables solved for this job, by the step's transition probabilities rounded to
-        #: ``resolve_change`` (a later, shorter horizon is always covered by an earlier table)
+        #: tables solved for this job, by the rates rounded to ``resolve_change`` (a later, shorter horizon is always covered by an earlier table)
         self.tables: dict[tuple[int, int], Table] = {}
         self.solves = 0
         self.decisions = 0
         self.seconds = 0.0
 
     def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
-        rates = Rates.of(availability, run_h, self.grid.step_h)
-        q = self.resolve_change
-        key = (round(rates.up_up / q), round(rates.down_up / q))
+        key = Rates.key(availability, run_h, self.resolve_change)
         table = self.tables.get(key)
         if table is None:
             steps = min(self.grid.steps, math.ceil(time_left_h / self.grid.step_h - 1e-9) + 1)
-            centre = Rates(rates.availability, rates.run_h, key[0] * q, key[1] * q)
-            table = self.tables[key] = Table(self.grid, config, centre, max(1, steps))
+            rates = Rates.at(key, self.resolve_change, self.grid.step_h)
+            table = self.tables[key] = Table(self.grid, config, rates, max(1, steps))
             self.solves += 1
         return table
 
@@ -240,7 +290,8 @@ class MarkovDecision(SlackAware):
         now = EPOCH + dt.timedelta(hours=view.t_h)
         free = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
         steps_left = round(view.time_left_h / self.grid.step_h)
-        per_worker = view.remaining_h / n
+        grid = self.grid
+        shards = grid.shards_left(view.remaining_h, cfg)
         modes: list[Choice] = []
         for slot in view.slots:
             running = slot.mode is not Mode.NONE
@@ -262,8 +313,9 @@ class MarkovDecision(SlackAware):
                 modes.append(Mode.ON_DEMAND)  # the safety rule: slack no longer covers the risk
                 continue
             m = {Mode.NONE: IDLE, Mode.SPOT: SPOT, Mode.ON_DEMAND: OD}[slot.mode]
-            keep = per_worker + (slot.changeover_left_h - slot.progress_h if running else 0.0)
-            act = table.action(steps_left, int(has_spot), m, max(keep, 0.0), per_worker)
+            units = (slot.progress_h - slot.changeover_left_h) / grid.unit_h if running else 0.0
+            j = min(max(round(units), -grid.changeover_units), grid.shard_units - 1) + grid.changeover_units
+            act = table.action(steps_left, int(has_spot), m, shards, j)
             interval = self.run_params.decision_interval_s or 0.0
             if act == IDLE and has_spot and slack_s < interval:
                 act = SPOT  # idling burns the whole tick, a Spot try with capacity less (the rule's risk)
