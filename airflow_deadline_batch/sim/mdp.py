@@ -132,17 +132,6 @@ class Rates:
         return cls.of(math.exp(key[0] * step), math.exp(key[1] * step), step_h)
 
 
-@dataclass(frozen=True)
-class Layer:
-    """Values and best actions with ``t`` steps left: idle ``[s, r]``; running ``[mode, s, r, j]``
-    (mode 0 Spot, 1 on-demand; ``j`` = progress in the shard + the changeover, in units)."""
-
-    idle: np.ndarray
-    running: np.ndarray
-    idle_action: np.ndarray | None
-    running_action: np.ndarray | None
-
-
 class Table:
     """``V[t]``: the expected cost-to-go with ``t`` steps left, by backward induction.
 
@@ -163,6 +152,7 @@ class Table:
         left_units = r * size - p  # units still to run (changeover left included)
         self.done = left_units <= per
         self.done_h = left_units * grid.unit_h
+        self.done_od = self.k * self.done_h
         r_next = np.clip(r - commits, 0, grid.shards)
         j_next = np.clip(after - commits * size + c, 0, width - 1)
         self.next_flat = r_next * width + j_next
@@ -180,66 +170,64 @@ class Table:
         running = np.empty((steps + 1, 2, 2, grid.shards + 1, width))
         running[0] = idle[0][None, :, :, None]
         for t in range(1, steps + 1):
-            layer = self.layer(idle[t - 1], running[t - 1], t)
-            idle[t], running[t] = layer.idle, layer.running
+            idle[t], running[t] = self.layer(idle[t - 1], running[t - 1], t)
         self.idle, self.running = idle, running
 
-    def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int, actions: bool = False) -> Layer:
-        """One step of backward induction: the values and actions with ``t`` steps left."""
+    def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """One step of backward induction: the values with ``t`` steps left, idle ``[s, r]`` and
+        running ``[mode, s, r, j]`` (mode 0 Spot, 1 on-demand; ``j``: progress in the shard plus
+        the changeover, in units). Waiting and Spot are admitted for ``r`` below ``unsafe``."""
         step, k, p_up, p1 = self.grid.step_h, self.k, self.p_up[:, None], self.rates.up_up
-        inf = np.inf
-        safe = (t - 1) * step >= self.safe_h - 1e-9
-        wait = np.where(safe, p_up * nxt_idle[1] + (1 - p_up) * nxt_idle[0] + TIE, inf)  # [s, r]
+        unsafe = int(np.searchsorted(self.safe_h, (t - 1) * step + 1e-9, side="right"))
+        wait = p_up * nxt_idle[1] + (1 - p_up) * nxt_idle[0] + TIE  # [s, r]
+        wait[:, unsafe:] = np.inf
         od_next = nxt_running[1].reshape(2, -1)
-        od_go = (
-            p_up[:, :, None] * od_next[1][self.next_flat]
-            + (1 - p_up)[:, :, None] * od_next[0][self.next_flat]
-        )
-        od = np.where(self.done, k * self.done_h, k * step + od_go)  # [s, r, j]
-        spot_go = p1 * nxt_running[0, 1].reshape(-1)[self.next_flat] + (1 - p1) * nxt_idle[0][self.next_r]
-        spot = np.where(safe[:, None], np.where(self.done, self.done_h, step + spot_go), inf)  # [r, j]
-        spots = np.stack([np.full_like(spot, inf), spot])  # [s, r, j]
-        if not actions:
-            idle_v = np.minimum(np.minimum(wait, spots[:, :, 0]), od[:, :, 0])
-            run_v = np.stack(
-                [
-                    np.minimum(np.minimum(wait[:, :, None], spots), od[:, :, :1]),
-                    np.minimum(np.minimum(wait[:, :, None], spots[:, :, :1]), od),
-                ]
-            )
-            idle_v[:, 0] = 0.0
-            run_v[:, :, 0, :] = 0.0
-            return Layer(idle_v, run_v, None, None)
-        # idle: wait, start Spot (j = 0: its changeover ahead), start on-demand
-        idle_choices = np.stack([wait, spots[:, :, 0], od[:, :, 0]])
-        # running try of mode x: wait (stop it), Spot (keep or start), on-demand (keep or start)
-        shape = od.shape
-        stop = np.broadcast_to(wait[:, :, None], shape)
-        run_spot = np.stack([stop, spots, np.broadcast_to(od[:, :, :1], shape)])
-        run_od = np.stack([stop, np.broadcast_to(spots[:, :, :1], shape), od])
-        idle_v = idle_choices.min(axis=0)
-        run_v = np.stack([run_spot.min(axis=0), run_od.min(axis=0)])
-        return Layer(
-            idle_v,
-            run_v,
-            idle_choices.argmin(axis=0),
-            np.stack([run_spot.argmin(axis=0), run_od.argmin(axis=0)]),
-        )
+        od = (p_up * od_next[1] + (1 - p_up) * od_next[0])[:, self.next_flat]  # [s, r, j]
+        od += k * step
+        np.copyto(od, self.done_od, where=self.done)
+        spot = p1 * nxt_running[0, 1].reshape(-1)[self.next_flat] + (1 - p1) * nxt_idle[0][self.next_r]
+        spot += step
+        np.copyto(spot, self.done_h, where=self.done)
+        spot[unsafe:] = np.inf  # [r, j], Spot there only
+        idle = np.minimum(wait, od[:, :, 0])
+        np.minimum(idle[1], spot[:, 0], out=idle[1])
+        running = np.empty((2,) + od.shape)
+        stop = wait[:, :, None]
+        np.minimum(stop, od[:, :, :1], out=running[0])  # a Spot try: stop, or on-demand instead
+        np.minimum(running[0, 1], spot, out=running[0, 1])  # ... or keep it (Spot there)
+        np.minimum(stop, od, out=running[1])  # an on-demand try: stop, or keep it
+        np.minimum(running[1, 1], spot[:, :1], out=running[1, 1])  # ... or start Spot
+        idle[:, 0] = 0.0
+        running[:, :, 0, :] = 0.0
+        return idle, running
 
     def action(self, t: int, s: int, m: int, r: int, j: int) -> int:
-        """The best action (IDLE = wait, SPOT, OD) with ``t`` steps left at the given state."""
+        """The best action (IDLE = wait, SPOT, OD) with ``t`` steps left at one state: the same
+        choice as :meth:`layer`, for that state alone."""
         t = min(t, len(self.idle) - 1)
-        if t < 1:
+        if t < 1 or r < 1:
             return OD
-        if self._cached is None or self._cached[0] != t:
-            self._cached = (t, self.layer(self.idle[t - 1], self.running[t - 1], t, actions=True))
-        layer = self._cached[1]
-        assert layer.idle_action is not None and layer.running_action is not None
-        if m == IDLE:
-            return int(layer.idle_action[s, r])
-        return int(layer.running_action[0 if m == SPOT else 1, s, r, j])
+        nxt_idle, nxt_run = self.idle[t - 1], self.running[t - 1]
+        step, p, p1 = self.grid.step_h, float(self.p_up[s]), self.rates.up_up
+        safe = (t - 1) * step >= self.safe_h[r] - 1e-9
+        wait = p * nxt_idle[1, r] + (1 - p) * nxt_idle[0, r] + TIE if safe else math.inf
 
-    _cached: tuple[int, Layer] | None = None
+        def on_demand(jj: int) -> float:
+            if self.done[r, jj]:
+                return float(self.k * self.done_h[r, jj])
+            at = self.next_flat[r, jj]
+            return float(self.k * step + p * nxt_run[1, 1].flat[at] + (1 - p) * nxt_run[1, 0].flat[at])
+
+        def spot(jj: int) -> float:
+            if s == 0 or not safe:
+                return math.inf
+            if self.done[r, jj]:
+                return float(self.done_h[r, jj])
+            at = self.next_flat[r, jj]
+            return float(step + p1 * nxt_run[0, 1].flat[at] + (1 - p1) * nxt_idle[0, self.next_r[r, jj]])
+
+        values = [wait, spot(j if m == SPOT else 0), on_demand(j if m == OD else 0)]
+        return min(range(3), key=values.__getitem__)
 
 
 class MarkovDecision(SlackAware):
@@ -249,7 +237,7 @@ class MarkovDecision(SlackAware):
 
     #: the learned rates (spell end, spell return) are rounded to this relative change for the
     #: table: a new table only when one of them moves by more
-    resolve_change = 0.25
+    resolve_change = 0.5
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
         super().reset(config, gap_h)
