@@ -242,7 +242,8 @@ class MarkovDecision(SlackAware):
     def reset(self, config: SimConfig, gap_h: float) -> None:
         super().reset(config, gap_h)
         self.grid = Grid.for_job(config, gap_h)
-        #: tables solved for this job, by the rates rounded to ``resolve_change`` (a later, shorter horizon is always covered by an earlier table)
+        #: tables solved for this job, by the rates rounded to ``resolve_change`` (a table solved
+        #: earlier covers every later, shorter horizon)
         self.tables: dict[tuple[int, int], Table] = {}
         self.solves = 0
         self.decisions = 0
