@@ -47,7 +47,7 @@ IDLE, SPOT, OD = 0, 1, 2
 #: what waiting a step costs on top of nothing: a tie goes to the choice that makes progress
 TIE = 1e-6
 #: the most time steps and committed-shard levels of one table (a solve costs ∝ their product)
-MAX_STEPS = 160
+MAX_STEPS = 400
 MAX_SHARDS = 200
 
 
