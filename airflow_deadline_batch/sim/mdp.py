@@ -5,17 +5,17 @@ availability as a continuous-time two-state Markov chain (there / missing) whose
 the same online estimate ``slack_aware`` learns (``core.calibration.AvailabilityEstimate``, with
 its prior and the persisted history): a spell ends at rate ``μ = 1 / run_hours`` and, with the
 availability ``a``, returns at rate ``λ = μ · a / (1 − a)``. The expected cost-to-go
-``V[t, s, m, r]`` over (steps left ``t``, Spot there ``s``, running mode ``m``: none / Spot /
-on-demand, work left ``r`` incl. the running try's changeover) is solved by backward induction
-over steps of at least one tick, on a grid of work units that divides the step:
+``V[t, s, m, r, p]`` over (steps left ``t``, Spot there ``s``, running try ``m``: none / Spot /
+on-demand, committed shards left ``r``, the try's progress ``p`` in its shard, negative while its
+changeover runs) is solved by backward induction over steps of one tick (several when the
+deadline is more than ``MAX_STEPS`` ticks away), in time units that divide the shard:
 
-* waiting costs nothing; a try pays its changeover on (re)start (as work it must run), Spot 1 and
-  on-demand ``k`` per hour; a try finishing inside a step pays only what it runs;
-* a Spot try whose capacity goes at the next step loses half a shard (the expected uncommitted
-  part) and is idle; leaving a running try loses the same in the table (the actual loss at the
-  decision itself);
-* the table only waits or takes Spot where on-demand still fits after a step of the worst
-  case; a state still unfinished at the deadline costs a large penalty.
+* waiting costs nothing; a try pays its changeover on every (re)start, Spot 1 and on-demand
+  ``k`` per hour, and only until the job's last shard commits;
+* a Spot try whose capacity is gone at the next step is preempted, and a stopped try (to wait
+  or to switch) loses its uncommitted progress, exactly as in the engine;
+* waiting or Spot only where on-demand from the next step still fits, counted as the fallback
+  rule counts it (``od_need_s``); a state unfinished at the deadline costs a large penalty.
 
 The deadline is enforced outside the table by the very rule ``slack_aware`` uses
 (``core.placement``: ``slack = time left − od_need_s``; Spot or waiting only while
@@ -23,9 +23,10 @@ The deadline is enforced outside the table by the very rule ``slack_aware`` uses
 the table only chooses among the options the rule leaves.
 
 ``N > 1``: the workers act independently on one shared table, solved for one worker with the
-job's work per worker (a worker's Spot "there" means a free Spot GPU for it, and the estimate's
-availability is the share of the workers Spot could hold). One Spot pool (pool 0 of a multi-pool
-run). The table is re-solved only when the learned rates move by more than ``resolve_change``.
+job's shards per worker (list-scheduled); a worker's Spot "there" means a free Spot GPU for it,
+and the estimate's availability is the share of the workers Spot could hold. One Spot pool (pool
+0 of a multi-pool run). A job solves a new table only when the learned rates, rounded to
+``resolve_change``, reach values it has no table for.
 """
 
 from __future__ import annotations
