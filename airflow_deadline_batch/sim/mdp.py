@@ -246,7 +246,9 @@ class MarkovDecision(SlackAware):
         #: tables solved for this job, by the rates rounded to ``resolve_change`` (a table solved
         #: earlier covers every later, shorter horizon)
         self.tables: dict[tuple[int, int], Table] = {}
+        #: tables solved, decisions taken (one per tick, every worker), and seconds spent in both
         self.solves = 0
+        self.solve_seconds = 0.0
         self.decisions = 0
         self.seconds = 0.0
 
@@ -256,7 +258,9 @@ class MarkovDecision(SlackAware):
         if table is None:
             steps = min(self.grid.steps, math.ceil(time_left_h / self.grid.step_h - 1e-9) + 1)
             rates = Rates.at(key, self.resolve_change, self.grid.step_h)
+            began = time.perf_counter()
             table = self.tables[key] = Table(self.grid, config, rates, max(1, steps))
+            self.solve_seconds += time.perf_counter() - began
             self.solves += 1
         return table
 
