@@ -334,6 +334,8 @@ POLICIES: dict[str, type] = {
 }
 #: every name ``--policy`` accepts (``omniscient`` is the offline bound)
 POLICY_NAMES = ("on_demand", "greedy", "uniform_progress", "omniscient", "slack_aware")
+#: research policies ``make_policy`` also builds (not in ``all``: docs/simulator.md, *Fourth round*)
+RESEARCH_POLICIES = ("mdp",)
 
 
 #: hours of a pool's capacity before a job's start that earlier jobs saw and persisted (the
@@ -380,5 +382,9 @@ def slack_aware_at(
 
 
 def make_policy(name: str) -> Policy:
+    if name == "mdp":  # imported here: sim.mdp builds on SlackAware from this module
+        from airflow_deadline_batch.sim.mdp import MarkovDecision
+
+        return MarkovDecision()
     policy: Policy = POLICIES[name]()
     return policy

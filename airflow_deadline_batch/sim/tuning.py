@@ -7,7 +7,9 @@ single run. ``--gap '<json>'`` instead splits slack_aware's excess over the exac
 ``N = 1`` cases into Spot and on-demand hours, changeovers, lost work, and on-demand hours taken
 while Spot was there or missing (docs/simulator.md, *Third round*). ``--multi-gpu '<json>' ...``
 scores candidates on the study's unseen multi-GPU rows (evaluation, never tuning). The shared
-trace files are never read here: they are for evaluation.
+trace files are never read here: they are for evaluation. ``--policy mdp`` (anywhere in the
+arguments) scores the research policy of :mod:`.mdp` in place of slack_aware (its ``PolicyParams``
+set the safety rule's interval and the estimate's prior), and ``--jobs N`` sets the processes.
 """
 
 from __future__ import annotations
@@ -18,12 +20,25 @@ from concurrent.futures import ProcessPoolExecutor
 
 from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim import traces
-from airflow_deadline_batch.sim.engine import Mode, RunResult, SimConfig, simulate
+from airflow_deadline_batch.sim.engine import Mode, Policy, RunResult, SimConfig, simulate
+from airflow_deadline_batch.sim.mdp import MarkovDecision
 from airflow_deadline_batch.sim.omniscient import omniscient
-from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress, slack_aware_at
+from airflow_deadline_batch.sim.policies import OnDemand, SlackAware, UniformProgress, pool_priors
 from airflow_deadline_batch.sim.runner import start_ticks
 
 Case = tuple[traces.Trace, SimConfig, int]
+#: the online policies this module scores (``--policy``)
+TUNED = ("slack_aware", "mdp")
+
+
+def online_at(policy: str, trace: traces.Trace, start: int, workers: int, params: PolicyParams) -> Policy:
+    """``policy`` (slack_aware or mdp) for a job starting at ``start``, with the pool's persisted prior."""
+    if policy not in TUNED:
+        raise ValueError(f"unknown --policy {policy!r}; use one of {', '.join(TUNED)}")
+    priors = pool_priors([trace], start, workers, params=params)
+    return MarkovDecision(params, priors) if policy == "mdp" else SlackAware(params, priors)
+
+
 Score = tuple[str, int, float, float, float, int, float, float]
 
 
@@ -43,13 +58,13 @@ def cases(seed: int = 500, starts: int = 8) -> list[Case]:
     return out
 
 
-def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> Score:
+def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str]) -> Score:
     """slack_aware ÷ uniform_progress (summed cost over the starts), its misses, and its mean and
     worst run ÷ on-demand only for one case."""
-    trace, cfg, starts, params = args
+    trace, cfg, starts, params, policy = args
     ticks = start_ticks(trace, cfg, starts=starts, seed=7)
     up = sum(simulate(trace, t, cfg, UniformProgress()).cost for t in ticks)
-    runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params)) for t in ticks]
+    runs = [simulate(trace, t, cfg, online_at(policy, trace, t, cfg.workers, params)) for t in ticks]
     misses = sum(r.missed for r in runs) - (0 if cfg.on_demand_feasible() else len(ticks))
     on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
     cost = sum(r.cost for r in runs)
@@ -66,9 +81,9 @@ def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> Score:
     )
 
 
-def evaluate(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
+def evaluate(params: PolicyParams, jobs: int = 2, policy: str = "slack_aware") -> dict[str, float]:
     with ProcessPoolExecutor(jobs) as pool:
-        rows = list(pool.map(score, [(t, c, s, params) for t, c, s in cases()]))
+        rows = list(pool.map(score, [(t, c, s, params, policy) for t, c, s in cases()]))
 
     def stats(ratios: list[float]) -> tuple[float, float]:
         return sum(ratios) / len(ratios), max(ratios)
@@ -118,12 +133,13 @@ GAP_KEYS: tuple[str, ...] = ("sa", "up", "opt", "sa_spot_h", "sa_od_h", "sa_chan
 GAP_KEYS += ("opt_spot_h", "opt_od_h", "sa_od_h_spot_there", "sa_od_h_spot_missing")
 
 
-def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> list[tuple[float, ...]]:
-    """Per start: slack_aware, UP and the exact optimum's cost, and slack_aware's hours (GAP_KEYS)."""
-    trace, cfg, starts, params = args
+def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str]) -> list[tuple[float, ...]]:
+    """Per start: slack_aware (or ``policy``), UP and the exact optimum's cost, and the policy's
+    hours (GAP_KEYS)."""
+    trace, cfg, starts, params, policy = args
     out: list[tuple[float, ...]] = []
     for t in start_ticks(trace, cfg, starts=starts, seed=7):
-        run = simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params), record=True)
+        run = simulate(trace, t, cfg, online_at(policy, trace, t, cfg.workers, params), record=True)
         best = omniscient(trace, t, cfg)
         up = simulate(trace, t, cfg, UniformProgress()).cost
         there, missing = on_demand_hours_by_spot(trace, t, run)
@@ -134,9 +150,9 @@ def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams]) -> list[tu
     return out
 
 
-def gap(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
+def gap(params: PolicyParams, jobs: int = 2, policy: str = "slack_aware") -> dict[str, float]:
     """Means per run over the ``N = 1`` cases (the optimum is exact there), keyed by GAP_KEYS."""
-    work = [(t, c, s, params) for t, c, s in cases() if c.workers == 1]
+    work = [(t, c, s, params, policy) for t, c, s in cases() if c.workers == 1]
     with ProcessPoolExecutor(jobs) as pool:
         runs = [r for rows in pool.map(gap_case, work) for r in rows]
     out: dict[str, float] = {"runs": len(runs)}
@@ -145,30 +161,34 @@ def gap(params: PolicyParams, jobs: int = 2) -> dict[str, float]:
 
 
 def multi_gpu_row(
-    args: tuple[traces.Trace, SimConfig, int, tuple[PolicyParams, ...]],
+    args: tuple[traces.Trace, SimConfig, int, tuple[PolicyParams, ...], str],
 ) -> list[tuple[float, ...]]:
     """Per candidate on one multi-GPU row: slack_aware ÷ UP (summed over the starts), its worst run
     and its mean ÷ on-demand only, and its misses."""
-    trace, cfg, starts, candidates = args
+    trace, cfg, starts, candidates, policy = args
     ticks = start_ticks(trace, cfg, starts=starts, seed=1)
     on_demand = simulate(trace, ticks[0], cfg, OnDemand()).cost
     up = sum(simulate(trace, t, cfg, UniformProgress()).cost for t in ticks)
     out: list[tuple[float, ...]] = []
     for params in candidates:
-        runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params)) for t in ticks]
+        runs = [simulate(trace, t, cfg, online_at(policy, trace, t, cfg.workers, params)) for t in ticks]
         cost = sum(r.cost for r in runs)
         worst = max(r.cost for r in runs)
         out.append((cost / up, worst / on_demand, cost / len(runs) / on_demand, sum(r.missed for r in runs)))
     return out
 
 
-def multi_gpu(candidates: list[PolicyParams], jobs: int = 2) -> list[dict[str, float]]:
+def multi_gpu(
+    candidates: list[PolicyParams], jobs: int = 2, policy: str = "slack_aware", starts: int | None = None
+) -> list[dict[str, float]]:
     """Candidates on the study's unseen multi-GPU rows (``study --multi-gpu``: ``N = 8``, 24 rows,
     40 starts, seed 1), UP run once per row: evaluation, not tuning (docs/simulator.md)."""
     from airflow_deadline_batch.sim.study import multi_gpu_settings, multi_gpu_traces
 
     work = [
-        (t, s.config(), s.starts, tuple(candidates)) for s in multi_gpu_settings() for t in multi_gpu_traces()
+        (t, s.config(), starts or s.starts, tuple(candidates), policy)
+        for s in multi_gpu_settings()
+        for t in multi_gpu_traces()
     ]
     with ProcessPoolExecutor(jobs) as pool:
         rows = list(pool.map(multi_gpu_row, work))
@@ -190,11 +210,28 @@ def multi_gpu(candidates: list[PolicyParams], jobs: int = 2) -> list[dict[str, f
     return out
 
 
+def _option(args: list[str], name: str, default: str) -> tuple[list[str], str]:
+    """``args`` without ``name VALUE``, and VALUE (``default`` when absent)."""
+    if name not in args:
+        return args, default
+    i = args.index(name)
+    if i + 1 >= len(args):
+        raise SystemExit(f"{name} needs a value, e.g. {name} {default}")
+    return args[:i] + args[i + 2 :], args[i + 1]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    args, policy = _option(args, "--policy", "slack_aware")
+    args, jobs_text = _option(args, "--jobs", "2")
+    args, starts_text = _option(args, "--starts", "0")
+    if policy not in TUNED:
+        raise SystemExit(f"unknown --policy {policy!r}; use one of {', '.join(TUNED)}")
+    jobs = int(jobs_text)
     if args and args[0] == "--multi-gpu":
         candidates = [PolicyParams(**json.loads(a)) for a in args[1:]] or [PolicyParams()]
-        for text, row in zip(args[1:] or ["{}"], multi_gpu(candidates), strict=True):
+        rows = multi_gpu(candidates, jobs, policy, int(starts_text) or None)
+        for text, row in zip(args[1:] or ["{}"], rows, strict=True):
             print(
                 text, " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
             )
@@ -202,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     split = bool(args) and args[0] == "--gap"
     args = args[1:] if split else args
     params = PolicyParams(**json.loads(args[0])) if args else PolicyParams()
-    result = gap(params) if split else evaluate(params)
+    result = gap(params, jobs, policy) if split else evaluate(params, jobs, policy)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return 0
 

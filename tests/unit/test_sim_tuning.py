@@ -33,8 +33,17 @@ def test_the_multi_gpu_score_rows_each_candidate_against_up_and_on_demand() -> N
     # two candidates on one small flapping row: the default and a zero cost cap (never dearer)
     trace = Trace("flap", 600.0, (2, 2, 0, 0, 0, 2, 0, 2, 2, 2, 0, 0) * 4)
     cfg = SimConfig(work_h=4.0, deadline_h=4.0, workers=2, changeover_h=0.1, shard_h=0.25)
-    rows = multi_gpu_row((trace, cfg, 3, (PolicyParams(), PolicyParams(cost_cap=0.0))))
+    rows = multi_gpu_row((trace, cfg, 3, (PolicyParams(), PolicyParams(cost_cap=0.0)), "slack_aware"))
     assert len(rows) == 2
     for over_up, worst_over_od, mean_over_od, misses in rows:
         assert over_up > 0 and mean_over_od <= worst_over_od and misses == 0
     assert rows[1][1] <= 1.0 + 1e-9  # the zero cap: no run dearer than on-demand only
+
+
+def test_the_multi_gpu_score_takes_the_research_policy_by_name() -> None:
+    trace = Trace("flap", 600.0, (2, 2, 0, 0, 0, 2, 0, 2, 2, 2, 0, 0) * 4)
+    cfg = SimConfig(work_h=4.0, deadline_h=4.0, workers=2, changeover_h=0.1, shard_h=0.25)
+    ((over_up, worst_over_od, mean_over_od, misses),) = multi_gpu_row(
+        (trace, cfg, 3, (PolicyParams(),), "mdp")
+    )
+    assert over_up > 0 and mean_over_od <= worst_over_od and misses == 0

@@ -1,0 +1,332 @@
+"""``mdp``: wait / Spot / on-demand chosen by backward induction over a Markov model of Spot.
+
+Research policy for issue 13 (docs/simulator.md, *Fourth round*). Each worker models its Spot
+availability as a continuous-time two-state Markov chain (there / missing) whose rates come from
+the same online estimate ``slack_aware`` learns (``core.calibration.AvailabilityEstimate``, with
+its prior and the persisted history): a spell ends at rate ``μ = 1 / run_hours`` and, with the
+availability ``a``, returns at rate ``λ = μ · a / (1 − a)``. The expected cost-to-go
+``V[t, s, m, r, p]`` over (steps left ``t``, Spot there ``s``, running try ``m``: none / Spot /
+on-demand, committed shards left ``r``, the try's progress ``p`` in its shard, negative while its
+changeover runs) is solved by backward induction over steps of one tick (several when the
+deadline is more than ``MAX_STEPS`` ticks away), in time units that divide the shard:
+
+* waiting costs nothing; a try pays its changeover on every (re)start, Spot 1 and on-demand
+  ``k`` per hour, and only until the job's last shard commits;
+* a Spot try whose capacity is gone at the next step is preempted, and a stopped try (to wait
+  or to switch) loses its uncommitted progress, exactly as in the engine;
+* waiting or Spot only where on-demand from the next step still fits, counted as the fallback
+  rule counts it (``od_need_s``); a state unfinished at the deadline costs a large penalty.
+
+The deadline is enforced outside the table by the very rule ``slack_aware`` uses
+(``core.placement``: ``slack = time left − od_need_s``; Spot or waiting only while
+``slack ≥ spot_risk_s``), so the no-miss argument of docs/simulator.md carries over unchanged:
+the table only chooses among the options the rule leaves.
+
+``N > 1``: the workers act independently on one shared table, solved for one worker with the
+job's shards per worker (list-scheduled); a worker's Spot "there" means a free Spot GPU for it,
+and the estimate's availability is the share of the workers Spot could hold. One Spot pool (pool
+0 of a multi-pool run). A job solves a new table only when the learned rates, rounded to
+``resolve_change``, reach values it has no table for.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, od_need_s, spot_risk_s
+from airflow_deadline_batch.core.pools import PoolKind
+from airflow_deadline_batch.sim.engine import Choice, Mode, SimConfig, View
+from airflow_deadline_batch.sim.policies import EPOCH, SlackAware
+
+#: the running try's mode in the table's state, and the actions (IDLE = wait)
+IDLE, SPOT, OD = 0, 1, 2
+#: what waiting a step costs on top of nothing: a tie goes to the choice that makes progress
+TIE = 1e-6
+#: the most time steps and committed-shard levels of one table (a solve costs ∝ their product)
+MAX_STEPS = 400
+MAX_SHARDS = 200
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The table's step, its shard (a multiple of the job's when a worker has more than
+    ``MAX_SHARDS``), its time unit (a fraction of the shard) and its sizes, fixed per job."""
+
+    step_h: float
+    shard_h: float
+    unit_h: float
+    per_step: int  # units of a step
+    shard_units: int
+    changeover_units: int
+    steps: int
+    shards: int  # committed-shard levels of one worker, 0 included: shards + 1 rows
+    merge: int  # job shards per table shard
+
+    @classmethod
+    def for_job(cls, config: SimConfig, gap_h: float) -> Grid:
+        ticks = max(1, math.ceil(config.deadline_h / gap_h - 1e-9))
+        step = gap_h * max(1, math.ceil(ticks / MAX_STEPS))
+        per_worker = math.ceil(config.shards / config.workers)
+        merge = max(1, math.ceil(per_worker / MAX_SHARDS))
+        shard = config.shard_size_h * merge
+
+        def misfit(length: float, k: int) -> float:
+            x = length * k / shard
+            return abs(x - max(1, round(x))) / max(x, 1.0)
+
+        # the unit: the whole fraction of the shard that fits the step and the changeover best
+        split = min(
+            range(1, 13),
+            key=lambda k: (round(misfit(step, k) + misfit(config.changeover_h, k), 2), k),
+        )
+        unit = shard / split
+        return cls(
+            step_h=step,
+            shard_h=shard,
+            unit_h=unit,
+            per_step=max(1, round(step / unit)),
+            shard_units=split,
+            changeover_units=round(config.changeover_h / unit),
+            steps=math.ceil(config.deadline_h / step - 1e-9),
+            shards=math.ceil(per_worker / merge),
+            merge=merge,
+        )
+
+    def shards_left(self, remaining_h: float, config: SimConfig) -> int:
+        """A worker's committed-shard level: the job's shards left, list-scheduled, merged."""
+        left = round(remaining_h / config.shard_size_h)
+        return min(self.shards, math.ceil(math.ceil(left / config.workers) / self.merge))
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The two-state chain of one worker's Spot: spells end at ``end_rate`` and return at
+    ``return_rate`` per hour; over a step, P(there next | missing / there now)."""
+
+    end_rate: float
+    return_rate: float
+    down_up: float
+    up_up: float
+
+    @classmethod
+    def of(cls, end_rate: float, return_rate: float, step_h: float) -> Rates:
+        decay = math.exp(-(end_rate + return_rate) * step_h)
+        share = return_rate / (end_rate + return_rate)
+        return cls(end_rate, return_rate, share * (1.0 - decay), share + (1.0 - share) * decay)
+
+    @staticmethod
+    def key(availability: float, run_h: float, change: float) -> tuple[int, int]:
+        """The learned estimate's rates, each rounded to a relative ``change`` (log scale)."""
+        a = min(max(availability, 0.01), 0.99)
+        end = 1.0 / max(run_h, 1e-3)
+        step = math.log1p(change)
+        return round(math.log(end) / step), round(math.log(end * a / (1.0 - a)) / step)
+
+    @classmethod
+    def at(cls, key: tuple[int, int], change: float, step_h: float) -> Rates:
+        step = math.log1p(change)
+        return cls.of(math.exp(key[0] * step), math.exp(key[1] * step), step_h)
+
+
+class Table:
+    """``V[t]``: the expected cost-to-go with ``t`` steps left, by backward induction.
+
+    State: Spot there ``s``, committed shards left ``r`` (one worker's, list-scheduled) and, for a
+    running try, its progress in the current shard ``p`` (negative while its changeover runs), so
+    that a preemption or a stop loses exactly the uncommitted part, as in the engine.
+    """
+
+    def __init__(self, grid: Grid, config: SimConfig, rates: Rates, steps: int) -> None:
+        self.grid, self.rates, self.k = grid, rates, config.price_ratio
+        self.p_up = np.array([rates.down_up, rates.up_up])
+        c, size, per = grid.changeover_units, grid.shard_units, grid.per_step
+        width = c + size
+        r = np.arange(grid.shards + 1)[:, None]
+        p = np.arange(width)[None, :] - c
+        after = p + per
+        commits = np.where(after >= 0, after // size, 0)
+        left_units = r * size - p  # units still to run (changeover left included)
+        self.done = left_units <= per
+        self.done_h = left_units * grid.unit_h
+        self.done_od = self.k * self.done_h
+        r_next = np.clip(r - commits, 0, grid.shards)
+        j_next = np.clip(after - commits * size + c, 0, width - 1)
+        self.next_flat = r_next * width + j_next
+        self.next_r = r_next
+        self.width = width
+        # waiting or Spot only while on-demand from the next step still fits, counted as the
+        # fallback rule counts it (``od_need_s``: changeover, work per worker, list imbalance)
+        n = config.workers
+        imbalance = config.shard_size_h * (n - 1) / n
+        self.safe_h = config.changeover_h + np.arange(grid.shards + 1) * grid.shard_h + imbalance
+        big = 10.0 * self.k * (config.deadline_h + config.changeover_h)
+        idle = np.empty((steps + 1, 2, grid.shards + 1))
+        idle[0] = big + self.k * self.safe_h
+        idle[0][:, 0] = 0.0
+        running = np.empty((steps + 1, 2, 2, grid.shards + 1, width))
+        running[0] = idle[0][None, :, :, None]
+        for t in range(1, steps + 1):
+            idle[t], running[t] = self.layer(idle[t - 1], running[t - 1], t)
+        self.idle, self.running = idle, running
+
+    def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """One step of backward induction: the values with ``t`` steps left, idle ``[s, r]`` and
+        running ``[mode, s, r, j]`` (mode 0 Spot, 1 on-demand; ``j``: progress in the shard plus
+        the changeover, in units). Waiting and Spot are admitted for ``r`` below ``unsafe``."""
+        step, k, p_up, p1 = self.grid.step_h, self.k, self.p_up[:, None], self.rates.up_up
+        unsafe = int(np.searchsorted(self.safe_h, (t - 1) * step + 1e-9, side="right"))
+        wait = p_up * nxt_idle[1] + (1 - p_up) * nxt_idle[0] + TIE  # [s, r]
+        wait[:, unsafe:] = np.inf
+        od_next = nxt_running[1].reshape(2, -1)
+        od = (p_up * od_next[1] + (1 - p_up) * od_next[0])[:, self.next_flat]  # [s, r, j]
+        od += k * step
+        np.copyto(od, self.done_od, where=self.done)
+        spot = p1 * nxt_running[0, 1].reshape(-1)[self.next_flat] + (1 - p1) * nxt_idle[0][self.next_r]
+        spot += step
+        np.copyto(spot, self.done_h, where=self.done)
+        spot[unsafe:] = np.inf  # [r, j], Spot there only
+        idle = np.minimum(wait, od[:, :, 0])
+        np.minimum(idle[1], spot[:, 0], out=idle[1])
+        running = np.empty((2,) + od.shape)
+        stop = wait[:, :, None]
+        np.minimum(stop, od[:, :, :1], out=running[0])  # a Spot try: stop, or on-demand instead
+        np.minimum(running[0, 1], spot, out=running[0, 1])  # ... or keep it (Spot there)
+        np.minimum(stop, od, out=running[1])  # an on-demand try: stop, or keep it
+        np.minimum(running[1, 1], spot[:, :1], out=running[1, 1])  # ... or start Spot
+        idle[:, 0] = 0.0
+        running[:, :, 0, :] = 0.0
+        return idle, running
+
+    def action(self, t: int, s: int, m: int, r: int, j: int) -> int:
+        """The best action (IDLE = wait, SPOT, OD) with ``t`` steps left at one state: the same
+        choice as :meth:`layer`, for that state alone."""
+        t = min(t, len(self.idle) - 1)
+        if t < 1 or r < 1:
+            return OD
+        nxt_idle, nxt_run = self.idle[t - 1], self.running[t - 1]
+        step, p, p1 = self.grid.step_h, float(self.p_up[s]), self.rates.up_up
+        safe = (t - 1) * step >= self.safe_h[r] - 1e-9
+        wait = p * nxt_idle[1, r] + (1 - p) * nxt_idle[0, r] + TIE if safe else math.inf
+
+        def on_demand(jj: int) -> float:
+            if self.done[r, jj]:
+                return float(self.k * self.done_h[r, jj])
+            at = self.next_flat[r, jj]
+            return float(self.k * step + p * nxt_run[1, 1].flat[at] + (1 - p) * nxt_run[1, 0].flat[at])
+
+        def spot(jj: int) -> float:
+            if s == 0 or not safe:
+                return math.inf
+            if self.done[r, jj]:
+                return float(self.done_h[r, jj])
+            at = self.next_flat[r, jj]
+            return float(step + p1 * nxt_run[0, 1].flat[at] + (1 - p1) * nxt_idle[0, self.next_r[r, jj]])
+
+        values = [wait, spot(j if m == SPOT else 0), on_demand(j if m == OD else 0)]
+        return min(range(3), key=values.__getitem__)
+
+
+class MarkovDecision(SlackAware):
+    """``mdp``: the table's choice per worker above ``slack_aware``'s safety rule (module docstring)."""
+
+    name = "mdp"
+
+    #: the learned rates (spell end, spell return) are rounded to this relative change for the
+    #: table: a new table only when one of them moves by more
+    resolve_change = 0.5
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        super().reset(config, gap_h)
+        self.grid = Grid.for_job(config, gap_h)
+        #: tables solved for this job, by the rates rounded to ``resolve_change`` (a table solved
+        #: earlier covers every later, shorter horizon)
+        self.tables: dict[tuple[int, int], Table] = {}
+        #: tables solved, decisions taken (one per tick, every worker), and seconds spent in both
+        self.solves = 0
+        self.solve_seconds = 0.0
+        self.decisions = 0
+        self.seconds = 0.0
+
+    def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
+        key = Rates.key(availability, run_h, self.resolve_change)
+        table = self.tables.get(key)
+        if table is None:
+            steps = min(self.grid.steps, math.ceil(time_left_h / self.grid.step_h - 1e-9) + 1)
+            rates = Rates.at(key, self.resolve_change, self.grid.step_h)
+            began = time.perf_counter()
+            table = self.tables[key] = Table(self.grid, config, rates, max(1, steps))
+            self.solve_seconds += time.perf_counter() - began
+            self.solves += 1
+        return table
+
+    def decide(self, view: View) -> list[Choice]:
+        began = time.perf_counter()
+        try:
+            return self._decide(view)
+        finally:
+            self.seconds += time.perf_counter() - began
+            self.decisions += 1
+
+    def _decide(self, view: View) -> list[Choice]:
+        cfg = view.config
+        availability = self.availability.value
+        run_h = self.availability.run_hours
+        self.availability = self.availability.observe(view.capacity, cfg.workers, view.gap_h)
+        if view.pending_shards == 0 and not any(s.busy for s in view.slots):
+            return [Mode.NONE] * len(view.slots)
+        table = self._table(cfg, availability, run_h, view.time_left_h)
+        n = cfg.workers
+        now = EPOCH + dt.timedelta(hours=view.t_h)
+        free = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        steps_left = round(view.time_left_h / self.grid.step_h)
+        grid = self.grid
+        shards = grid.shards_left(view.remaining_h, cfg)
+        modes: list[Choice] = []
+        for slot in view.slots:
+            running = slot.mode is not Mode.NONE
+            has_spot = slot.mode is Mode.SPOT or free > 0
+            snapshot = JobSnapshot(
+                now=now,
+                deadline=self.deadline,
+                remaining_work_s=view.remaining_h * 3600,
+                shard_work_s=cfg.shard_size_h * 3600,
+                parallelism=n,
+                changeover_s=cfg.changeover_h * 3600,
+                spot_available=has_spot,
+                previous_pool=None if not running else PoolKind(slot.mode.value),
+                running=running,
+                changeover_left_s=slot.changeover_left_h * 3600 if running else None,
+            )
+            slack_s = view.time_left_h * 3600 - od_need_s(snapshot)
+            if slack_s < spot_risk_s(snapshot, self.run_params):
+                modes.append(Mode.ON_DEMAND)  # the safety rule: slack no longer covers the risk
+                continue
+            m = {Mode.NONE: IDLE, Mode.SPOT: SPOT, Mode.ON_DEMAND: OD}[slot.mode]
+            units = (slot.progress_h - slot.changeover_left_h) / grid.unit_h if running else 0.0
+            j = min(max(round(units), -grid.changeover_units), grid.shard_units - 1) + grid.changeover_units
+            act = table.action(steps_left, int(has_spot), m, shards, j)
+            interval = self.run_params.decision_interval_s or 0.0
+            if act == IDLE and has_spot and slack_s < interval:
+                act = SPOT  # idling burns the whole tick, a Spot try with capacity less (the rule's risk)
+            if act == SPOT:
+                if slot.mode is not Mode.SPOT:
+                    free -= 1
+                modes.append(Mode.SPOT)
+            elif act == OD:
+                modes.append(Mode.ON_DEMAND)
+            else:
+                modes.append(Mode.NONE)
+        return modes
+
+    @property
+    def decision_s(self) -> float:
+        """Mean seconds per decision (every worker's choice at one tick), solves included."""
+        return self.seconds / max(1, self.decisions)
+
+
+__all__ = ["MarkovDecision", "PolicyParams"]
