@@ -62,6 +62,8 @@ COST = f"{PREFIX}.cost"
 # counters, one per shard try's decision
 DECISIONS = f"{PREFIX}.decisions"
 ESCALATIONS = f"{PREFIX}.escalations"
+#: one per racer pod a shard try launches at the job's tail (the tail race)
+RACES = f"{PREFIX}.races"
 
 #: the gauges :func:`job_metrics` computes, in documentation order
 GAUGES = (
@@ -201,6 +203,14 @@ def is_escalation(view: JobView, decision: TryDecision) -> bool:
     """An on-demand decision for a job that has a Spot pool: the slack no longer covers Spot."""
     has_spot = any(p.kind is PoolKind.SPOT for p in view.pools)
     return has_spot and decision.pool is not None and decision.pool.kind is PoolKind.ON_DEMAND
+
+
+def emit_race(job_id: str, pool: str, *, dag_id: str | None) -> None:
+    """One racer launched for a shard of ``job_id`` on ``pool`` (counted; never raises)."""
+    try:
+        _stats().incr(RACES, tags={**tags(job_id, dag_id), "pool": pool})
+    except Exception:
+        log.warning("sending the deadline_batch race metric for job %s failed", job_id, exc_info=True)
 
 
 def emit_decision(view: JobView, decision: TryDecision, *, dag_id: str | None) -> None:

@@ -87,7 +87,7 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
-from airflow_deadline_batch.metrics import dag_id_of, emit_decision
+from airflow_deadline_batch.metrics import dag_id_of, emit_decision, emit_race
 from airflow_deadline_batch.operators.placement import (
     CAPACITY_VALUES,
     LABEL_PREFIX,
@@ -1046,15 +1046,17 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         """Create the racer pod (:meth:`racer_pod`); remembered first, so that a kill deletes it."""
         pod = self.racer_pod(decision)
         self._racer, self._raced = pod, True  # before it exists: a kill from now on deletes it
+        pool = decision.pool.name if decision.pool else "?"
         self.log.warning(
             "shard %s of job %s: racing its Spot try with pod %s on %s (%s)",
             self.shard_index,
             self.job_id,
             pod.metadata.name,
-            decision.pool.name if decision.pool else "?",
+            pool,
             decision.reason,
         )
         self.pod_manager.create_pod(pod)
+        emit_race(self.job_id, pool, dag_id=self.dag_id if self.has_dag() else None)
 
     def shard_done(self) -> bool:
         """Whether this try's shard is committed (read from the store of the try's race)."""

@@ -1,8 +1,8 @@
 """Metrics through Airflow's own ``Stats``, received by real listeners on loopback.
 
 A child process with Airflow's metrics configured by environment (as a deployment would) runs
-the three emitting code paths against a real SQLite store: the sensor's poke, the trigger's poll
-and a shard task's placement decision. The test then reads what arrived:
+the emitting code paths against a real SQLite store: the sensor's poke, the trigger's poll,
+a shard task's placement decision and a racer launch. The test then reads what arrived:
 
 * OpenTelemetry: Airflow's OTLP/HTTP exporter posts to an HTTP server in this process; the
   protobuf request is decoded and each ``airflow.deadline_batch.*`` data point is checked (name,
@@ -126,6 +126,7 @@ def child(store_url: str, job_id: str) -> None:
     assert events[0].payload["status"] == "timeout", events
     ti = SimpleNamespace(dag_id=DAG_ID, xcom_push=lambda **_: None)
     decision = shard.decide({"ti": ti})
+    metrics.emit_race(job_id, "local-on-demand", dag_id=DAG_ID)  # as a shard pod operator's racer launch
     print(json.dumps({"pool": decision.pool.name if decision.pool else None}))
 
 
@@ -173,6 +174,7 @@ def check(points: Points, job_id: str, decided: dict[str, Any]) -> None:
     assert decided["pool"] == "local-on-demand"
     assert last(metrics.DECISIONS, batch_job=job_id, dag_id=DAG_ID, action="run", capacity="on_demand") == 1
     assert last(metrics.ESCALATIONS, batch_job=job_id, dag_id=DAG_ID) == 1
+    assert last(metrics.RACES, batch_job=job_id, dag_id=DAG_ID, pool="local-on-demand") == 1
 
 
 class _Collector(http.server.BaseHTTPRequestHandler):

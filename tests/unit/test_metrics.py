@@ -99,7 +99,7 @@ def test_job_metrics_read_the_view():
 
 
 def test_names_share_one_prefix_and_tags_avoid_airflows_disabled_job_id():
-    names = [*metrics.GAUGES, metrics.DECISIONS, metrics.ESCALATIONS]
+    names = [*metrics.GAUGES, metrics.DECISIONS, metrics.ESCALATIONS, metrics.RACES]
     assert len(set(names)) == len(names)
     assert all(n.startswith(metrics.PREFIX + ".") for n in names)
     assert "job_id" not in metrics.JOB_TAG
