@@ -151,15 +151,29 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
     store_url = pg_store_url
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=4.0, lines=36)
+    stalled = tmp_path / "stalled"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_primary(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.3"})
+        # the primary commits microbatch 0, then holds microbatch 1 between its write and its commit
+        # (so it cannot win microbatch 1 before the stop: the racer would lose it and exit, and no
+        # one would commit while the primary is stopped)
+        primary = start_primary(
+            store_url,
+            job_id,
+            tmp_path,
+            {
+                "ADB_ECHO_DELAY_S": "0.3",
+                "ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled),
+                "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1",
+            },
+        )
         procs.append(primary)
-        wait_first_commit(store, job_id)
+        wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": racer_delay})
         procs.append(racer)
         wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
         os.kill(primary.pid, signal.SIGSTOP)
+        Path(f"{stalled}.resume").touch()  # once resumed (SIGCONT), it goes on to commit microbatch 1
         [mine] = [a for a in attempts_of(store, job_id) if not a.speculative]
         shard = store.get_shard(job_id, 0)
         if shard.lease_attempt_id == mine.attempt_id and shard.state is ShardState.LEASED:
