@@ -49,7 +49,8 @@ from airflow_deadline_batch.core.placement import (  # noqa: E402
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec  # noqa: E402
 from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState  # noqa: E402
 from airflow_deadline_batch.operators.placement import decide_for_try, job_view_of, read_job_view  # noqa: E402
-from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard  # noqa: E402
+from airflow_deadline_batch.store import ManifestStore, NewJob  # noqa: E402
+from tests.helpers.shards import uniform_shards  # noqa: E402
 
 NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 H = 3600.0
@@ -196,20 +197,7 @@ def fill_store(store: ManifestStore, *, shards: int, attempts: int, history: int
                 output_uri=f"/out/{name}",
                 config=config,
             ),
-            [
-                NewShard(
-                    shard_index=i,
-                    byte_start=i * 1000,
-                    byte_end=(i + 1) * 1000,
-                    first_line=i * 100 + 1,
-                    line_count=100,
-                    records=100,
-                    num_microbatches=10,
-                    input_sha256="0" * 64,
-                    est_work_s=900.0,
-                )
-                for i in range(count)
-            ],
+            uniform_shards(count, microbatches=10, est_work_s=900.0, lines=100),
             None,
         )
         return row.job_id

@@ -12,7 +12,8 @@ import datetime as dt
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.operators.placement import TryAction, decide_for_try, read_job_view
-from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+from airflow_deadline_batch.store import ManifestStore, NewJob
+from tests.helpers.shards import uniform_shards
 
 UTC = dt.timezone.utc
 ON_DEMAND = PoolSpec(name="gpu-on-demand", kind=PoolKind.ON_DEMAND, price_per_gpu_hour=3.0)
@@ -33,20 +34,7 @@ def make_job(store: ManifestStore, pools: list[PoolSpec], key: str) -> str:
             output_uri=f"/data/{key}",
             config={"workers": 2, "engine": "echo", "pools": [p.to_dict() for p in pools]},
         ),
-        [
-            NewShard(
-                shard_index=i,
-                byte_start=i * 100,
-                byte_end=(i + 1) * 100,
-                first_line=i * 10 + 1,
-                line_count=10,
-                records=10,
-                num_microbatches=5,
-                input_sha256="0" * 64,
-                est_work_s=1800.0,
-            )
-            for i in range(6)
-        ],
+        uniform_shards(6, microbatches=5, est_work_s=1800.0),
         None,
     )
     return job.job_id

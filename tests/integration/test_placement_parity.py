@@ -12,7 +12,8 @@ from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.local.runner import LocalRun, RunOptions
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, LocalShardOperator
-from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+from airflow_deadline_batch.store import ManifestStore, NewJob
+from tests.helpers.shards import uniform_shards
 
 T0 = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
 SPOT = PoolSpec(
@@ -53,20 +54,7 @@ def job_id(store_url: str) -> str:
             output_uri="/data/out",
             config={"workers": WORKERS, "engine": "echo", "pools": [SPOT.to_dict(), ON_DEMAND.to_dict()]},
         ),
-        [
-            NewShard(
-                shard_index=i,
-                byte_start=i * 100,
-                byte_end=(i + 1) * 100,
-                first_line=i * 10 + 1,
-                line_count=10,
-                records=10,
-                num_microbatches=5,
-                input_sha256="0" * 64,
-                est_work_s=1800.0,
-            )
-            for i in range(6)
-        ],
+        uniform_shards(6, microbatches=5, est_work_s=1800.0),
         None,
     )
     return job.job_id

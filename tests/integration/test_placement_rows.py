@@ -14,8 +14,9 @@ from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.exceptions import JobNotFound
 from airflow_deadline_batch.operators.placement import decide_for_try, job_view_of, read_job_view
-from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+from airflow_deadline_batch.store import ManifestStore, NewJob
 from airflow_deadline_batch.store.placement_rows import AttemptFacts, CommitFacts
+from tests.helpers.shards import uniform_shards
 
 UTC = dt.timezone.utc
 POOLS = (
@@ -36,20 +37,7 @@ def make_job(store: ManifestStore, name: str, shards: int = 6) -> str:
             output_uri=f"/out/{name}",
             config={"workers": 3, "max_attempts": 100, "pools": [p.to_dict() for p in POOLS]},
         ),
-        [
-            NewShard(
-                shard_index=i,
-                byte_start=i * 100,
-                byte_end=(i + 1) * 100,
-                first_line=i * 10 + 1,
-                line_count=10,
-                records=10,
-                num_microbatches=4,
-                input_sha256="0" * 64,
-                est_work_s=1200.0,
-            )
-            for i in range(shards)
-        ],
+        uniform_shards(shards, microbatches=4, est_work_s=1200.0),
         None,
     )
     return job.job_id

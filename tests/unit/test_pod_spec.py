@@ -15,7 +15,8 @@ from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.operators.placement import TryAction
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, PodOutcome, classify_pod
-from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+from airflow_deadline_batch.store import ManifestStore, NewJob
+from tests.helpers.shards import uniform_shards
 
 T0 = dt.datetime(2026, 3, 1, 0, 0, tzinfo=dt.timezone.utc)
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -63,20 +64,7 @@ def job_id(store_url: str) -> str:
             config={"workers": 2, "engine": "echo", "pools": [SPOT.to_dict(), ON_DEMAND.to_dict()]},
             idempotency_key="pod-spec-test",
         ),
-        [
-            NewShard(
-                shard_index=i,
-                byte_start=i * 100,
-                byte_end=(i + 1) * 100,
-                first_line=i * 10 + 1,
-                line_count=10,
-                records=10,
-                num_microbatches=3,
-                input_sha256="0" * 64,
-                est_work_s=600.0,
-            )
-            for i in range(4)
-        ],
+        uniform_shards(4, microbatches=3, est_work_s=600.0),
         None,
     )
     return job.job_id

@@ -15,7 +15,8 @@ from airflow_deadline_batch.core.tenants import (
     priority_class_for_slack,
 )
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator
-from airflow_deadline_batch.store import ManifestStore, NewShard
+from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.shards import uniform_shards
 from tests.unit.test_pod_spec import ON_DEMAND, SPOT, T0
 
 NEW_JOB_FIELDS = {
@@ -37,20 +38,7 @@ def job(tmp_path) -> tuple[str, str]:
     store = ManifestStore.open(url)
     job, _ = store.create_job(
         NewJob(**NEW_JOB_FIELDS, tenant="ads"),  # type: ignore[arg-type]
-        [
-            NewShard(
-                shard_index=i,
-                byte_start=i * 100,
-                byte_end=(i + 1) * 100,
-                first_line=i * 10 + 1,
-                line_count=10,
-                records=10,
-                num_microbatches=3,
-                input_sha256="0" * 64,
-                est_work_s=600.0,
-            )
-            for i in range(4)
-        ],
+        uniform_shards(4, microbatches=3, est_work_s=600.0),
     )
     store.close()
     return url, job.job_id
