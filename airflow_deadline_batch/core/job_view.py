@@ -72,7 +72,6 @@ __all__ = [
     "changeover_s",
     "finished_spot_tries",
     "is_stopped",
-    "job_view_fields",
     "pool_index",
     "pool_named",
     "reference_pool",
@@ -475,41 +474,15 @@ def build_job_view(
     parallelism: int | None = None,
     attempts: Iterable[AttemptFields] = (),
     tenant: str = DEFAULT_TENANT,
+    finished: Sequence[FinishedSpotTry] | None = None,
 ) -> JobView:
     """The :class:`JobView` of ``job`` at ``now`` from its shards, commits and attempts (pure).
 
     ``pools`` default to the pools the job was planned with, ``parallelism`` to its ``workers``;
     without ``attempts`` nothing is known of preemptions but the pools' declared rates. ``tenant``
     is the job row's (the protocol leaves it out so that rows of older fakes still fit).
+    ``finished``: the job's :func:`finished_spot_tries`, where the caller has found them already.
     """
-    return JobView(
-        **job_view_fields(
-            job,
-            shards,
-            commits,
-            now=now,
-            pools=pools,
-            parallelism=parallelism,
-            attempts=attempts,
-            tenant=tenant,
-        )
-    )
-
-
-def job_view_fields(
-    job: JobFields,
-    shards: Iterable[ShardFields],
-    commits: Iterable[CommitFields],
-    *,
-    now: dt.datetime,
-    pools: Sequence[PoolSpec] | None = None,
-    parallelism: int | None = None,
-    attempts: Iterable[AttemptFields] = (),
-    tenant: str = DEFAULT_TENANT,
-    finished: Sequence[FinishedSpotTry] | None = None,
-) -> dict[str, Any]:
-    """:func:`build_job_view`'s fields by name, for a view that extends :class:`JobView`
-    (``finished``: the job's :func:`finished_spot_tries`, read already)."""
     if pools is None:
         pools = tuple(PoolSpec.from_dict(p) for p in job.config.get("pools") or ())
     pools = tuple(pools)
@@ -535,7 +508,7 @@ def job_view_fields(
         if shard.state is ShardState.LEASED and last is not None:
             (on_demand if last.kind is PoolKind.ON_DEMAND else on_spot).add(shard.shard_index)
     job_tries, shard_tries = spot_tries(attempts, commits, pools, finished=finished)
-    return dict(
+    return JobView(
         job_id=job.job_id,
         state=JobState(job.state),
         now=ensure_aware(now, "now"),

@@ -53,8 +53,8 @@ from airflow_deadline_batch.core.job_view import (
     FinishedSpotTry,
     JobView,
     as_utc,
+    build_job_view,
     finished_spot_tries,
-    job_view_fields,
     pool_index,
     pool_named,
     reference_pool,
@@ -246,7 +246,7 @@ def _placement_view(
     commits = list(commits)
     shards = list(shards)
     finished = finished_spot_tries(attempts, commits, pools)
-    fields = job_view_fields(
+    view = build_job_view(
         job,
         shards,
         commits,
@@ -257,6 +257,7 @@ def _placement_view(
         tenant=job.tenant,
         finished=finished,
     )
+    fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(JobView)}
     fields["on_demand_shards"], fields["spot_shards"] = leased_workers(shards, attempts, pools)
     return PlacementView(
         **fields,

@@ -764,6 +764,11 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             found.outcome.value,
             found.reason,
         )
+        self.settle_pod(found, exc)
+
+    def settle_pod(self, found: PodClassification, exc: AirflowException) -> None:
+        """Raise what Airflow should do with a try whose pod ended as ``found`` (the provider
+        failed it with ``exc``): :meth:`settle_failure` of the pod's failure class."""
         failure = failure_class_of(found) or FailureClass.TRANSIENT
         shard_failed = found.failure is not None and found.failure.shard_failed
         try:
@@ -1140,12 +1145,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             if self.await_racer():
                 self.log.info("shard %s of job %s: done by its racer", self.shard_index, self.job_id)
                 return
-            failure = failure_class_of(found) or FailureClass.TRANSIENT
-            shard_failed = found.failure is not None and found.failure.shard_failed
-            try:
-                self.settle_failure(failure, found.reason, shard_failed=shard_failed)
-            except AirflowException as settled:
-                raise settled from exc
+            self.settle_pod(found, exc)
         else:
             if self._racer is not None and not self.await_racer():
                 # this pod lost the race (exit 0, lost_race) and the racer ended before the shard was done
