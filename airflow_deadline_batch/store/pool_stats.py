@@ -4,9 +4,9 @@ never ran.
 :func:`spot_history` folds the finished attempts of other jobs on each named pool into a
 :class:`core.calibration.PoolHistory`: the tries that ran (tries, preemptions by
 :func:`core.states.is_preemption` — a ``stalled`` or crashed try is Spot time without one —,
-seconds on the pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts, the seconds
-they waited), which ``operators.placement`` turns into the prior of the job's own Spot tries
-(:func:`core.calibration.spot_prior`) and of the pool's availability
+seconds on the pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts,
+the seconds they waited), which ``operators.placement`` turns into the prior of the job's own Spot
+tries (:func:`core.calibration.spot_prior`) and of the pool's availability
 (:func:`core.calibration.availability_prior`). No schema of its own: it reads ``adb_attempts``.
 The read is bounded twice, by age (``since``) and by the ``limit`` most recent attempts per pool,
 so its cost does not grow with the store's history; it runs once per placement decision.
