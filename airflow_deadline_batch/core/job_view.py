@@ -20,8 +20,9 @@ the deadline-risk notifier all read a job through it, so they agree on every num
 * **Observed preemptions** (docs/design.md §5): the finished attempts on Spot pools, oldest end
   first, folded into :class:`core.calibration.SpotTries` for the job and for each shard: the
   preemption rate per Spot-hour (shrunk to the declared rate) gives the expected Spot run, and the
-  tries preempted (``preempted``, ``abandoned``, ``lost_lease``) without a commit of their own make
-  the preemption storm the placement escalates on.
+  tries preempted (:func:`core.states.is_preemption`: ``preempted``, ``abandoned``, ``lost_lease``,
+  unless their class says they crashed) without a commit of their own make the preemption storm
+  the placement escalates on. A crashed Spot try is Spot time without a preemption.
 
 **Efficiency factor: 1.0 on calibrated rates.** A measured rate is end to end already (a
 microbatch's elapsed time includes everything its worker did for it), so discounting it again
@@ -50,12 +51,12 @@ from airflow_deadline_batch.core.clock import UTC, ensure_aware
 from airflow_deadline_batch.core.placement import JobSnapshot, od_need_s
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
-    PREEMPTION_OUTCOMES,
     TERMINAL_JOB_STATES,
     UNRUN_ATTEMPT_OUTCOMES,
     AttemptOutcome,
     JobState,
     ShardState,
+    is_preemption,
 )
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT
 
@@ -150,6 +151,8 @@ class AttemptFields(Protocol):
     def ended_at(self) -> dt.datetime | None: ...
     @property
     def outcome(self) -> AttemptOutcome: ...
+    @property
+    def failure_class(self) -> str | None: ...
 
 
 def is_stopped(state: JobState | str) -> bool:
@@ -407,7 +410,7 @@ def finished_spot_tries(
             (
                 ended.timestamp(),
                 (ended - as_utc(attempt.started_at, "started_at")).total_seconds(),
-                AttemptOutcome(attempt.outcome) in PREEMPTION_OUTCOMES,
+                is_preemption(attempt.outcome, attempt.failure_class),
                 per_attempt[attempt.attempt_id],
             ),
         )

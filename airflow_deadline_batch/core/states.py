@@ -11,10 +11,12 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.exceptions import InvalidTransition
 
 __all__ = [
     "ATTEMPT_TRANSITIONS",
+    "CRASH_FAILURE_CLASSES",
     "JOB_TRANSITIONS",
     "PREEMPTION_OUTCOMES",
     "REDONE_WORK_OUTCOMES",
@@ -29,6 +31,7 @@ __all__ = [
     "check_attempt_transition",
     "check_job_transition",
     "check_shard_transition",
+    "is_preemption",
     "shard_state_after",
 ]
 
@@ -92,19 +95,38 @@ TERMINAL_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
 )
 #: attempts no worker ran: their time is no GPU time, no cost and no Spot exposure
 UNRUN_ATTEMPT_OUTCOMES: frozenset[AttemptOutcome] = frozenset({AttemptOutcome.UNSCHEDULABLE})
-#: The one definition of a preemption (docs/design.md §4.4): the attempt's capacity was taken away,
-#: or its worker died with it. What the job view learns a pool's preemption rate and storms from,
-#: what later jobs learn of the pool (``store.pool_stats``), and what progress reports, the UI and
-#: the metrics count. ``lost_lease`` is ambiguous (the lease expired and another claim took the
-#: shard; the worker may be dead or merely stalled): it counts until its worker reports back alive,
-#: which turns it into ``stalled``, not counted. ``lost_race``, ``unschedulable`` and the failures
-#: are not preemptions.
+#: The outcomes of a try that may have been preempted: its capacity was taken away, or its worker
+#: died with it. :func:`is_preemption` is the one definition of a preemption (docs/design.md §4.4):
+#: one of these outcomes, unless the try's recorded class says it crashed. ``lost_lease`` is
+#: ambiguous (the lease expired and another claim took the shard; the worker may be dead or merely
+#: stalled): it counts until its worker reports back alive, which turns it into ``stalled``, not
+#: counted. ``lost_race``, ``unschedulable`` and the failures are not preemptions.
 PREEMPTION_OUTCOMES: frozenset[AttemptOutcome] = frozenset(
     {AttemptOutcome.PREEMPTED, AttemptOutcome.ABANDONED, AttemptOutcome.LOST_LEASE}
 )
-#: tries whose uncommitted work another try does again: the preemptions and the stalls (a stalled
-#: worker's lease went to another claim, which redoes what the staller had not committed)
+#: failure classes (``adb_attempts.failure_class`` values) of a try that died by itself: a crash
+#: (a segfault, the OOM killer, a bad model: ``deterministic``) or a configuration error. The
+#: launcher records one on an ``abandoned`` try whose death it did not cause; the pool kept the
+#: capacity, so such a try is no preemption
+CRASH_FAILURE_CLASSES: frozenset[str] = frozenset(
+    {FailureClass.DETERMINISTIC.value, FailureClass.CONFIGURATION.value}
+)
+#: tries whose uncommitted work another try does again, by outcome alone: the preemption outcomes,
+#: crashes included (a crashed try's uncommitted microbatch is lost as a preempted one's is), and
+#: the stalls (a stalled worker's lease went to another claim, which redoes what it had not committed)
 REDONE_WORK_OUTCOMES: frozenset[AttemptOutcome] = PREEMPTION_OUTCOMES | {AttemptOutcome.STALLED}
+
+
+def is_preemption(outcome: AttemptOutcome | str, failure_class: str | None) -> bool:
+    """Whether a finished try was a preemption: an outcome of :data:`PREEMPTION_OUTCOMES` whose
+    recorded class is no crash (:data:`CRASH_FAILURE_CLASSES`; none recorded counts as a preemption).
+
+    The one rule of the job view (learned Spot rate, storms), ``store.pool_stats`` (what later jobs
+    learn of a pool), the progress report, the UI and the metrics: a crash loop on Spot is not a
+    Spot storm. A crashed Spot try is still Spot time (the pool was there) and redone work.
+    """
+    return AttemptOutcome(outcome) in PREEMPTION_OUTCOMES and failure_class not in CRASH_FAILURE_CLASSES
+
 
 _J = JobState
 JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {

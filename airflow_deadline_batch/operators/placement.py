@@ -88,8 +88,6 @@ class TryFields(AttemptFields, Protocol):
 
     @property
     def heartbeat_at(self) -> dt.datetime | None: ...
-    @property
-    def failure_class(self) -> str | None: ...
 
 
 class TryAction(str, enum.Enum):

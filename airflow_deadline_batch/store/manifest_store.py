@@ -38,7 +38,6 @@ from airflow_deadline_batch.core.ids import (
 from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
-    PREEMPTION_OUTCOMES,
     TERMINAL_JOB_STATES,
     AttemptOutcome,
     JobState,
@@ -46,6 +45,7 @@ from airflow_deadline_batch.core.states import (
     check_attempt_transition,
     check_job_transition,
     check_shard_transition,
+    is_preemption,
     shard_state_after,
 )
 from airflow_deadline_batch.exceptions import (
@@ -101,8 +101,6 @@ MIGRATION_LOCK_KEY = 0x6164625F6D696772
 #: a refused lease operation whose read-only diagnosis finds no reason (the row changed in between)
 #: is tried again, at most this many times in all
 RACE_TRIES = 3
-#: attempt outcomes counted as preemptions in progress reports: the one definition, on every pool
-_PREEMPTIONS = frozenset(o.value for o in PREEMPTION_OUTCOMES)
 #: the attempt outcome a failure class ends a try with, unless the caller names another
 OUTCOME_OF_FAILURE: Mapping[FailureClass, AttemptOutcome] = {
     FailureClass.PREEMPTED: AttemptOutcome.PREEMPTED,
@@ -1006,7 +1004,8 @@ class ManifestStore:
         """The launcher saw the attempt's process die: end it ``abandoned``, make the shard claimable now.
 
         ``failure`` is the launcher's class for the death: ``preempted`` when it sent the kill
-        itself, ``deterministic`` for a crash (which spends the budget if nothing was committed).
+        itself, ``deterministic`` for a crash (which spends the budget if nothing was committed,
+        and is no preemption of the pool: :func:`core.states.is_preemption`).
         """
         cls = FailureClass(failure) if failure is not None else None
         return (
@@ -1064,14 +1063,12 @@ class ManifestStore:
                     commits.c.job_id == job_id
                 )
             ).all()
-            outcome_counts: dict[str, int] = {
-                str(outcome): int(count)
-                for outcome, count in conn.execute(
-                    sa.select(attempts.c.outcome, sa.func.count())
-                    .where(attempts.c.job_id == job_id)
-                    .group_by(attempts.c.outcome)
-                )
-            }
+            # by outcome and class: a preemption is told by both (core.states.is_preemption)
+            tried = conn.execute(
+                sa.select(attempts.c.outcome, attempts.c.failure_class, sa.func.count())
+                .where(attempts.c.job_id == job_id)
+                .group_by(attempts.c.outcome, attempts.c.failure_class)
+            ).all()
             by_state: dict[str, int] = {}
             committed_work = remaining_work = 0.0
             for shard in shard_rows:
@@ -1094,8 +1091,8 @@ class ManifestStore:
                 errored=sum(int((c.counts or {}).get("errored", 0)) for c in commit_rows),
                 shards_total=len(shard_rows),
                 shards_by_state=by_state,
-                attempts=sum(outcome_counts.values()),
-                preemptions=sum(n for outcome, n in outcome_counts.items() if outcome in _PREEMPTIONS),
+                attempts=sum(int(n) for _, _, n in tried),
+                preemptions=sum(int(n) for outcome, cls, n in tried if is_preemption(outcome, cls)),
                 committed_work_s=committed_work,
                 remaining_work_s=remaining_work,
                 updated_at=max(stamps),

@@ -3,10 +3,10 @@ never ran.
 
 :func:`spot_history` folds the finished attempts of other jobs on each named pool into a
 :class:`core.calibration.PoolHistory`: the tries that ran (tries, preemptions by
-:data:`core.states.PREEMPTION_OUTCOMES` — a ``stalled`` try is Spot time without one —, seconds on
-the pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts, the seconds
-they waited), which ``operators.placement`` turns into the prior of the job's own Spot tries
-(:func:`core.calibration.spot_prior`) and of the pool's availability
+:func:`core.states.is_preemption` — a ``stalled`` or crashed try is Spot time without one —,
+seconds on the pool) and those whose pod waited for capacity in vain (``unschedulable`` attempts,
+the seconds they waited), which ``operators.placement`` turns into the prior of the job's own Spot
+tries (:func:`core.calibration.spot_prior`) and of the pool's availability
 (:func:`core.calibration.availability_prior`). No schema of its own: it reads ``adb_attempts``.
 The read is bounded twice, by age (``since``) and by the ``limit`` most recent attempts per pool,
 so its cost does not grow with the store's history; it runs once per placement decision.
@@ -27,7 +27,7 @@ from airflow_deadline_batch.core.calibration import PoolHistory, gave_up_waiting
 from airflow_deadline_batch.core.clock import ensure_aware
 from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.ids import new_attempt_id
-from airflow_deadline_batch.core.states import PREEMPTION_OUTCOMES, AttemptOutcome
+from airflow_deadline_batch.core.states import AttemptOutcome, is_preemption
 from airflow_deadline_batch.store.schema import attempts, db_timestamp, jobs
 
 #: how far back earlier jobs' tries count (pools change: a zone fills, a GPU type is retired)
@@ -35,7 +35,6 @@ HISTORY_DAYS = 30.0
 #: the most recent finished attempts read per pool
 HISTORY_LIMIT = 500
 
-_PREEMPTED = {o.value for o in PREEMPTION_OUTCOMES}
 _UNSCHEDULABLE = AttemptOutcome.UNSCHEDULABLE.value
 #: the epoch of an attempt that never held a lease (a lease's epoch is >= 1)
 NO_LEASE_EPOCH = -1
@@ -86,7 +85,7 @@ def spot_history(
                 continue
             tries += 1
             started_last = started if started_last is None else max(started_last, started)
-            preemptions += outcome in _PREEMPTED
+            preemptions += is_preemption(outcome, failure_class)
             seconds += span
         out[pool] = PoolHistory(
             pool=pool,

@@ -332,6 +332,7 @@ class Progress:
     shards_total: int
     shards_by_state: Mapping[str, int]
     attempts: int
+    #: the tries that were preemptions (:func:`core.states.is_preemption`: not the crashes)
     preemptions: int
     committed_work_s: float
     remaining_work_s: float

@@ -41,10 +41,10 @@ from airflow_deadline_batch.core.job_view import (
 )
 from airflow_deadline_batch.core.pools import PoolKind
 from airflow_deadline_batch.core.states import (
-    PREEMPTION_OUTCOMES,
     UNRUN_ATTEMPT_OUTCOMES,
     JobState,
     ShardState,
+    is_preemption,
 )
 from airflow_deadline_batch.metrics import attempt_totals
 from airflow_deadline_batch.operators.placement import job_view_of
@@ -336,7 +336,7 @@ def finish_spread(view: JobView, history: Sequence[HistoryPoint]) -> tuple[dt.da
 def shard_lines(
     view: JobView, shards: Sequence[ShardRow], attempts: Sequence[AttemptRow]
 ) -> tuple[ShardLine, ...]:
-    preempted = Counter(a.shard_index for a in attempts if a.outcome in PREEMPTION_OUTCOMES)
+    preempted = Counter(a.shard_index for a in attempts if is_preemption(a.outcome, a.failure_class))
     pool_of = {a.attempt_id: a.pool for a in attempts}
     out = []
     for shard in sorted(shards, key=lambda s: s.shard_index):

@@ -134,6 +134,7 @@ class _Attempt:
     started_at: dt.datetime
     ended_at: dt.datetime
     outcome: AttemptOutcome = AttemptOutcome.PREEMPTED
+    failure_class: str | None = None
 
 
 def production_rows() -> tuple[_Job, list[_Shard], list[_Attempt], dict[str, PoolHistory]]:

@@ -32,6 +32,7 @@ from airflow_deadline_batch.core.calibration import (
     spot_prior,
 )
 from airflow_deadline_batch.core.clock import ensure_aware
+from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.job_view import (
     JobView,
     _work_scale,
@@ -130,7 +131,9 @@ def reference_spot_tries(
     for attempt in sorted(finished, key=lambda a: ensure_aware(a.ended_at or a.started_at)):
         ended = ensure_aware(attempt.ended_at or attempt.started_at)
         duration = (ended - ensure_aware(attempt.started_at)).total_seconds()
-        preempted = AttemptOutcome(attempt.outcome) in PREEMPTION_OUTCOMES
+        # a crash (the launcher's class for a death it did not cause) is no preemption
+        crashed = attempt.failure_class in ("deterministic", "configuration")
+        preempted = AttemptOutcome(attempt.outcome) in PREEMPTION_OUTCOMES and not crashed
         done = per_attempt.get(attempt.attempt_id, 0)
         job = job.observe(ended_s=ended.timestamp(), duration_s=duration, preempted=preempted, commits=done)
         before = shards.get(attempt.shard_index, SpotTries(prior_per_hour=declared))
@@ -307,7 +310,7 @@ def jobs(draw: st.DrawFn) -> tuple[Job, list[Shard], list[Commit], list[Attempt]
                 ended_at=ended,
                 outcome=AttemptOutcome.RUNNING if running else draw(st.sampled_from(list(AttemptOutcome))),
                 heartbeat_at=draw(st.none() | moments(NOW)),
-                failure_class=draw(st.sampled_from((None, "transient"))),
+                failure_class=draw(st.sampled_from((None, *(c.value for c in FailureClass)))),
             )
         )
     ids = [a.attempt_id for a in attempts] or ["plan"]

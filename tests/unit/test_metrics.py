@@ -25,6 +25,7 @@ def attempt(aid: str, index: int, pool: str, start_s: float, end_s: float | None
         started_at=T0 + dt.timedelta(seconds=start_s),
         ended_at=None if end_s is None else T0 + dt.timedelta(seconds=end_s),
         outcome=outcome,
+        failure_class=None,
     )
 
 

@@ -62,6 +62,7 @@ class Attempt:
     ended_at: dt.datetime
     shard_index: int = 0
     outcome: AttemptOutcome = AttemptOutcome.PREEMPTED
+    failure_class: str | None = None
 
 
 def decide(

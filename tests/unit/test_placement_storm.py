@@ -192,6 +192,7 @@ class Attempt:
     ended_s: float | None
     outcome: AttemptOutcome = AttemptOutcome.PREEMPTED
     pool: str | None = "gpu-spot"
+    failure_class: str | None = None
 
     @property
     def started_at(self) -> dt.datetime:
@@ -243,6 +244,34 @@ def test_abandoned_and_lost_leases_count_a_commit_ends_the_storm_and_other_pools
     # without attempt rows nothing is observed: the declared rate stands
     plain = view_at(100.0, []).snapshot(0)
     assert plain.spot_fruitless_tries == 0 and plain.spot_preemptions_per_hour == pytest.approx(0.5)
+
+
+def test_a_crash_loop_on_spot_is_spot_time_not_a_storm() -> None:
+    """Tries the launcher saw die of a crash (``abandoned``, class ``deterministic``) are no
+    preemptions: no storm, no learned rate above the declared one; the launcher's kills are."""
+    crashes = [
+        dataclasses.replace(a, failure_class="deterministic")
+        for a in fruitless(7, outcome=AttemptOutcome.ABANDONED)
+    ]
+    view = view_at(100.0, crashes)
+    assert (view.spot_tries.tries, view.spot_tries.preemptions) == (7, 0)
+    assert view.spot_tries.spot_s == pytest.approx(7.0)  # their Spot time still counts
+    snap = view.snapshot(0)
+    assert snap.spot_fruitless_tries == 0 and snap.spot_preemptions_per_hour < 0.5
+    assert choose_pool(snap).pool is PoolKind.SPOT
+    kills = [
+        dataclasses.replace(a, failure_class="preempted")
+        for a in fruitless(7, outcome=AttemptOutcome.ABANDONED)
+    ]
+    killed = view_at(100.0, kills).snapshot(0)
+    assert killed.spot_fruitless_tries == 7 and choose_pool(killed).pool is PoolKind.ON_DEMAND
+    # a crash between two preemptions neither extends nor ends their run of fruitless tries
+    mixed = [
+        *fruitless(3),
+        dataclasses.replace(crashes[0], attempt_id="crash", ended_s=9.0),
+        *fruitless(3, start=10.0),
+    ]
+    assert view_at(100.0, mixed).spot_tries.fruitless == 6
 
 
 def test_a_shard_whose_own_spot_tries_never_commit_escalates_although_others_progress() -> None:

@@ -65,6 +65,7 @@ class Attempt:
     started_at: dt.datetime
     ended_at: dt.datetime | None
     outcome: AttemptOutcome
+    failure_class: str | None = None
 
 
 def view(slack_s: float, *, state: JobState = JobState.RUNNING, **job: Any) -> JobView:

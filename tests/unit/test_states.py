@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.states import (
     ATTEMPT_TRANSITIONS,
+    CRASH_FAILURE_CLASSES,
     JOB_TRANSITIONS,
     PREEMPTION_OUTCOMES,
     SHARD_TRANSITIONS,
@@ -19,6 +21,7 @@ from airflow_deadline_batch.core.states import (
     check_attempt_transition,
     check_job_transition,
     check_shard_transition,
+    is_preemption,
     shard_state_after,
 )
 from airflow_deadline_batch.exceptions import InvalidTransition, StoreError
@@ -155,6 +158,29 @@ def test_a_preemption_is_capacity_taken_away_and_a_stall_is_not() -> None:
     assert {A.PREEMPTED, A.ABANDONED, A.LOST_LEASE} == PREEMPTION_OUTCOMES
     assert A.STALLED not in PREEMPTION_OUTCOMES and A.LOST_RACE not in PREEMPTION_OUTCOMES
     assert PREEMPTION_OUTCOMES <= TERMINAL_ATTEMPT_OUTCOMES - UNRUN_ATTEMPT_OUTCOMES
+
+
+@pytest.mark.parametrize("cls", [None, *FailureClass])
+@pytest.mark.parametrize("outcome", list(A))
+def test_a_preemption_is_a_preemption_outcome_whose_class_is_no_crash(
+    outcome: AttemptOutcome, cls: FailureClass | None
+) -> None:
+    crashed = cls in (FailureClass.DETERMINISTIC, FailureClass.CONFIGURATION)
+    expected = outcome in (A.PREEMPTED, A.ABANDONED, A.LOST_LEASE) and not crashed
+    value = None if cls is None else cls.value
+    assert is_preemption(outcome, value) is expected
+    assert is_preemption(outcome.value, value) is expected  # as a SQL row gives it
+
+
+def test_a_crash_the_launcher_saw_is_no_preemption_and_its_kill_is_one() -> None:
+    assert not is_preemption(A.ABANDONED, "deterministic")  # a segfault, the OOM killer
+    assert is_preemption(A.ABANDONED, "preempted")  # the launcher sent the kill
+    assert is_preemption(A.ABANDONED, None)  # no class recorded: as before, a preemption
+    assert is_preemption(A.LOST_LEASE, None) and not is_preemption(A.STALLED, "preempted")
+    assert {FailureClass(c) for c in CRASH_FAILURE_CLASSES} == {
+        FailureClass.DETERMINISTIC,
+        FailureClass.CONFIGURATION,
+    }
 
 
 def test_shard_state_after_attempt() -> None:
