@@ -29,7 +29,7 @@ from airflow.sdk import BaseNotifier
 
 from airflow_deadline_batch.core.job_view import AttemptFields, JobView
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.core.states import PREEMPTION_OUTCOMES, AttemptOutcome, is_preemption
 from airflow_deadline_batch.links.progress import airflow_base_url, progress_url
 from airflow_deadline_batch.triggers.completeness import plain
 
@@ -48,6 +48,15 @@ DEFAULT_MESSAGE = (
 THROUGHPUT_DROP = 1.25
 #: failed tries (not preemptions) that count as a cause
 FAILED_OUTCOMES = frozenset({AttemptOutcome.FAILED_RETRYABLE, AttemptOutcome.FAILED_TERMINAL})
+
+
+def failed_try(attempt: AttemptFields) -> bool:
+    """A try that failed rather than was preempted: a failed outcome, or a crash that ended it
+    with a preemption outcome (the launcher saw the worker die of a crash)."""
+    outcome = AttemptOutcome(attempt.outcome)
+    if outcome in FAILED_OUTCOMES:
+        return True
+    return outcome in PREEMPTION_OUTCOMES and not is_preemption(outcome, attempt.failure_class)
 
 
 class RiskLevel(str, enum.Enum):
@@ -88,7 +97,8 @@ def risk_causes(view: JobView, attempts: Sequence[AttemptFields] = ()) -> tuple[
       committing (the view's storm count), or every worker runs on on-demand now;
     * **throughput drop**: the measured rate is :data:`THROUGHPUT_DROP` times slower than planned
       (the view's ``work_scale``);
-    * **failures**: tries that failed (not preempted).
+    * **failures**: tries that failed (not preempted), a crash the launcher saw included
+      (an ``abandoned`` try of a crash class: :func:`~core.states.is_preemption`).
     """
     causes = []
     has_spot = any(p.kind is PoolKind.SPOT for p in view.pools)
@@ -100,7 +110,7 @@ def risk_causes(view: JobView, attempts: Sequence[AttemptFields] = ()) -> tuple[
         causes.append(f"Spot gone: all {len(view.on_demand_shards)} running worker(s) are on on-demand")
     if view.work_scale >= THROUGHPUT_DROP:
         causes.append(f"throughput drop: measured throughput is {view.work_scale:.1f}x slower than planned")
-    failed = [a for a in attempts if AttemptOutcome(a.outcome) in FAILED_OUTCOMES]
+    failed = [a for a in attempts if failed_try(a)]
     if failed:
         causes.append(
             f"failures: {len(failed)} failed tries on {len({a.shard_index for a in failed})} shard(s)"

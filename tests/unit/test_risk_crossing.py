@@ -270,3 +270,25 @@ def test_a_failing_watch_never_ends_the_wait(store):
     # the job view could not be read this poll: no risk event, the trigger polls on
     assert trigger._watch_risk(_Poll({}, None, ())) is None
     assert watch(trigger, store) is not None
+
+
+def test_a_crash_on_spot_is_a_failure_not_spot_gone():
+    """A crash loop on Spot (``abandoned`` tries the launcher classed ``deterministic``) names
+    failures as the cause, not Spot gone; the launcher's own kill stays a preemption."""
+    pools = [SPOT.to_dict(), OD.to_dict()]
+    crashes = [
+        Attempt(
+            f"c{i}",
+            i,
+            "spot",
+            NOW - dt.timedelta(minutes=10 - i),
+            NOW - dt.timedelta(minutes=9 - i),
+            AttemptOutcome.ABANDONED,
+            "deterministic",
+        )
+        for i in range(3)
+    ]
+    view = build_job_view(Job(config={"pools": pools}), [Shard(5000)], [], now=NOW, attempts=crashes)
+    assert risk_causes(view, crashes) == ("failures: 3 failed tries on 3 shard(s)",)
+    killed = dataclasses.replace(crashes[0], failure_class="preempted")
+    assert risk_causes(view, [killed]) == ()
