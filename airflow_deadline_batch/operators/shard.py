@@ -385,6 +385,8 @@ class _ShardTryMixin:
     _holding: bool = False
     #: set by ``on_kill``: Airflow is ending this try (set per run by :meth:`run_try`)
     _ending: threading.Event | None = None
+    #: the shard's spent budget and cursor when this run decided (:meth:`store_counted_run`)
+    _seen: tuple[int, int] | None = None
 
     def run_try(self, context: Any, body: Callable[[], Any]) -> Any:
         """Run ``body`` (this run of the try) with the try's bookkeeping around it.
@@ -445,9 +447,6 @@ class _ShardTryMixin:
     def wait_in_slot(self, until: dt.datetime) -> None:
         """Wait in this try until ``until`` (a kill ends the wait, and the try)."""
         delay = (until - dt.datetime.now(dt.timezone.utc)).total_seconds()
-        self.log.info(
-            "shard %s of job %s: running again in %.0f s, in this try", self.shard_index, self.job_id, delay
-        )
         assert self._ending is not None
         if self._ending.wait(max(0.0, delay)):
             raise AirflowException(f"shard {self.shard_index} of job {self.job_id}: killed while it waited")
@@ -523,7 +522,9 @@ class _ShardTryMixin:
         now = (self.clock or SystemClock()).now()
         view = read_job_view(store, self.job_id, now=now, pools=self.pools)
         self.tenant = view.tenant  # the pod's Kueue queue (DeadlineShardPodOperator with kueue=True)
-        decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
+        shard = store.get_shard(self.job_id, int(self.shard_index))
+        self._seen = (int(shard.failures), int(shard.cursor))
+        decision = decide_for_try(view, shard)
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
         emit_decision(view, decision, dag_id=dag_id_of(context))
         if context is not None:
@@ -531,20 +532,18 @@ class _ShardTryMixin:
             DeadlineBatchProgressLink.persist(context, self.job_id)
         return decision
 
-    def settle_failure(
-        self, failure: FailureClass, reason: str, *, shard_failed: bool = False, counted: bool = False
-    ) -> None:
+    def settle_failure(self, failure: FailureClass, reason: str, *, shard_failed: bool = False) -> None:
         """Raise what Airflow should do with a failed try of this class (see the module doc).
 
-        ``counted``: the store counted the try (its worker claimed the shard), so a deterministic
-        failure spent the shard's budget where it should: on the try that :meth:`holds_slot` it
-        runs again in the same try, and the budget, not Airflow's last retry, decides.
+        On the try that :meth:`holds_slot`, a deterministic failure that the store counted (it
+        spent a unit of the shard's budget, or the run committed) runs again in the same try: the
+        budget, not Airflow's last retry, decides. One the store never saw fails the task as before.
         """
         self._settled = True
         where = f"shard {self.shard_index} of job {self.job_id}"
         if failure is FailureClass.CONFIGURATION or shard_failed:
             raise AirflowFailException(f"{where}: {failure.value}: {reason}")
-        again = self._holding and counted
+        again = self._holding and failure is FailureClass.DETERMINISTIC and self.store_counted_run()
         if (failure is FailureClass.DETERMINISTIC and not again) or not self.reschedules():
             raise AirflowException(
                 f"{where} {failure.value}: {reason}; the next try re-decides its pool from the slack left"
@@ -584,6 +583,16 @@ class _ShardTryMixin:
                 break
             n += 1
         return max(1, n)
+
+    def store_counted_run(self) -> bool:
+        """Whether the shard's budget or cursor moved since this run decided (the store saw the run)."""
+        if self._seen is None:
+            return False
+        try:
+            shard = self._store().get_shard(self.job_id, int(self.shard_index))
+        except Exception:
+            return False
+        return (int(shard.failures), int(shard.cursor)) != self._seen
 
     def budget_spent(self) -> int:
         """Units of the shard's ``max_attempts`` spent (the backoff's exponent, deterministic failures)."""
@@ -934,9 +943,8 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         failed it with ``exc``): :meth:`settle_failure` of the pod's failure class."""
         failure = failure_class_of(found) or FailureClass.TRANSIENT
         shard_failed = found.failure is not None and found.failure.shard_failed
-        counted = found.failure is not None and found.failure.claimed
         try:
-            self.settle_failure(failure, found.reason, shard_failed=shard_failed, counted=counted)
+            self.settle_failure(failure, found.reason, shard_failed=shard_failed)
         except AirflowException as settled:
             raise settled from exc
 
@@ -1129,13 +1137,13 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
 
     def wait_out_racer(self, store: Any) -> bool:
         """A racer of an earlier try still holds the shard: reschedule (no retry spent, no pod
-        launched: its claim would be refused), or without ``reschedule_retryable`` wait here until
-        it lets go. Returns True when it waited (decide again)."""
+        launched: its claim would be refused), or without ``reschedule_retryable`` (or on the try
+        that :meth:`holds_slot`) wait here until it lets go. Returns True when it waited (decide again)."""
         left = self.racer_holding(store)
         if left is None:
             return False
         where = f"shard {self.shard_index} of job {self.job_id}"
-        if self.reschedules():
+        if self.reschedules() and not self._holding:
             delay = max(self.resume_delay_s(), min(left, self.race_check_interval_s))
             self.log.info(
                 "%s is held by a live racer for %.0f s more: rescheduled in %.0f s", where, left, delay
@@ -1472,10 +1480,5 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         self.log.warning(
             "shard %s of job %s %s (worker exit %s): %s", self.shard_index, self.job_id, kind, code, reason
         )
-        self.settle_failure(
-            failure,
-            reason,
-            shard_failed=bool(said and said.shard_failed),
-            counted=bool(said and said.claimed),
-        )
+        self.settle_failure(failure, reason, shard_failed=bool(said and said.shard_failed))
         raise AssertionError("settle_failure always raises")  # pragma: no cover
