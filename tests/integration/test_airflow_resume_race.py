@@ -78,8 +78,11 @@ def late_scheduler(context):
     raise RuntimeError("Server indicated the task shouldn't be running anymore")
 
 
-with DAG(dag_id="resume_race", schedule=None, start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)) as dag:
-    common = dict(shard_index=0, store_url=STORE, retries=1, retry_delay=dt.timedelta(0), pre_execute=late_scheduler)
+START = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+with DAG(dag_id="resume_race", schedule=None, start_date=START) as dag:
+    common = dict(
+        shard_index=0, store_url=STORE, retries=1, retry_delay=dt.timedelta(0), pre_execute=late_scheduler
+    )
     LocalShardOperator(
         task_id="shard_ok", job_id=JOBS["ok"], preempt_tries=[1, 2], preempt_after_s=0.0,
         reschedule_retryable=True, **common,
