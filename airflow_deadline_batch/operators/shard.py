@@ -20,6 +20,14 @@ operator do with each class:
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
 
+Airflow 3.3 can fail a try that resumes too soon after handing its slot back (the resume race,
+docs/airflow.md *Resuming tasks*), spending a retry the operator never spent. Every try therefore
+runs under :meth:`_ShardTryMixin.run_try`: it records the try in a ledger in Airflow's task state
+store and logs (and counts) the earlier tries Airflow ended without the operator; and Airflow's
+last try never hands its slot back (no reschedule, no deferral): it waits in the try and runs
+again, deterministic failures the store counted included, so the store's ``max_attempts`` decides.
+The resume delay is ``[deadline_batch] min_resume_delay_s`` (default 5 s).
+
 A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
 pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
 from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)

@@ -21,7 +21,7 @@ Two shard tasks with ``retries=1``:
   shard fails after exactly ``max_attempts`` counted failures, never on Airflow's retries.
 
 Runs in a subprocess with its own ``AIRFLOW_HOME`` (Airflow reads its configuration at import
-time); most of its ~40 s is migrating a fresh metadata database.
+time); most of its ~45 s is migrating a fresh metadata database (one run serves all three tests).
 """
 
 from __future__ import annotations

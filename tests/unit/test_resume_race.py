@@ -74,7 +74,11 @@ def test_the_pod_triggers_hold_is_capped_at_the_delay_the_task_deferred_with(
 ) -> None:
     now = 1_800_000_000.0
     assert resume_hold_s(now + 86_400.0, now, cap_s=30.0) == 30.0
-    pod = {"pod_name": "p", "pod_namespace": "n", "trigger_start_time": dt.datetime.now(dt.timezone.utc)}
+    pod: dict[str, Any] = {
+        "pod_name": "p",
+        "pod_namespace": "n",
+        "trigger_start_time": dt.datetime.now(dt.timezone.utc),
+    }
     trigger = ShardPodTrigger(**pod, base_container_name="base", resume_after=now, resume_delay_s=30.0)
     monkeypatch.setenv(ENV, "7")
     assert trigger.hold_cap_s() == 30.0  # the task's, not the triggerer's
