@@ -9,7 +9,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowRescheduleException
+from airflow.sdk.bases.operator import TRIGGER_FAIL_REPR
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowFailException,
+    AirflowRescheduleException,
+    TaskDeferralError,
+)
 
 from airflow_deadline_batch.core.failures import (
     MIN_RESUME_DELAY_S,
@@ -18,7 +24,11 @@ from airflow_deadline_batch.core.failures import (
     parse_resume_delay,
 )
 from airflow_deadline_batch.exceptions import ConfigurationError
-from airflow_deadline_batch.operators.shard import TRY_LEDGER_KEY, LocalShardOperator
+from airflow_deadline_batch.operators.shard import (
+    TRY_LEDGER_KEY,
+    DeadlineShardPodOperator,
+    LocalShardOperator,
+)
 from airflow_deadline_batch.triggers.pod import ShardPodTrigger, min_resume_delay_s, resume_hold_s
 
 ENV = "AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S"
@@ -185,3 +195,12 @@ def test_without_a_task_state_store_the_try_runs_as_before() -> None:
     ti = SimpleNamespace(try_number=1, xcom_push=lambda **_: None)  # no max_tries: never holds its slot
     with pytest.raises(AirflowRescheduleException):
         _operator().run_try({"ti": ti}, lambda: _operator().settle_failure(FailureClass.PREEMPTED, "x"))
+
+
+def test_a_resumed_deferred_try_keeps_the_ledger_too() -> None:
+    # Airflow's task runner resumes a deferred try through resume_execution; a trigger failure ends it
+    op = DeadlineShardPodOperator(task_id="shard", job_id="j-x", shard_index=0, image="w", deferrable=True)
+    state = TaskStateStore({TRY_LEDGER_KEY: {"started": [1, 2], "ended": [1], "handed_back": [2]}})
+    with pytest.raises(TaskDeferralError):
+        op.resume_execution(TRIGGER_FAIL_REPR, {"error": "the triggerer lost the pod"}, _context(2, 5, state))
+    assert state[TRY_LEDGER_KEY]["ended"] == [1, 2] and state[TRY_LEDGER_KEY]["lost"] == []
