@@ -506,7 +506,8 @@ class _ShardTryMixin:
                 else "its task process was killed, or the task was cleared",
             )
         emit_resume_races(self.job_id, len(races), dag_id=dag_id_of(context))
-        self.note_try(context, started=[try_number], lost=lost)
+        if lost or try_number not in ledger.started:  # a resumed run has nothing new to record
+            self.note_try(context, started=[try_number], lost=lost)
 
     def resume_delay_s(self) -> float:
         """``[deadline_batch] min_resume_delay_s`` (a bad value fails the task, naming the fix)."""
