@@ -1421,7 +1421,8 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         with tempfile.TemporaryDirectory(prefix="adb-try-") as tmp:
             message_path = os.path.join(tmp, "termination.json")
             env = {**aws, **(self.env or {}), "ADB_TERMINATION_LOG": message_path}
-            # injected once per run of the try: a try that holds its slot runs again in-process
+            # injected once per operator instance (Airflow builds one per run): a try that holds
+            # its slot and runs again in-process is not preempted again
             preempted = try_number in self.preempt_tries and not self._injected
             self._injected = self._injected or preempted
             if preempted:
