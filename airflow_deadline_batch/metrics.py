@@ -6,9 +6,10 @@ lists them. Airflow decides where they go (``[metrics] statsd_on`` / ``otel_on``
 ``statsd_prefix``, allow and block lists); every metric carries the tags ``batch_job`` and ``dag_id``
 (StatsD shows them with ``statsd_influxdb_enabled``, DogStatsD and OpenTelemetry always).
 
-Emitters: the sensor's pokes and the trigger's polls (:func:`emit_job`), and each shard try's
-placement decision (:func:`emit_decision`). Sending a metric never fails a task or a trigger: an
-error is logged and dropped.
+Emitters: the sensor's pokes and the trigger's polls (:func:`emit_job`), each shard try's
+placement decision (:func:`emit_decision`), a racer's launch (:func:`emit_race`), and the tries a
+shard task lost to the resume race (:func:`emit_resume_races`). Sending a metric never fails a task
+or a trigger: an error is logged and dropped.
 
 Airflow initialises the Task SDK's ``Stats`` in task processes; the triggerer initialises only
 its own copy, so :func:`_stats` initialises the SDK's from Airflow's configuration where nobody
@@ -64,6 +65,9 @@ DECISIONS = f"{PREFIX}.decisions"
 ESCALATIONS = f"{PREFIX}.escalations"
 #: one per racer pod a shard try launches at the job's tail (the tail race)
 RACES = f"{PREFIX}.races"
+#: one per Airflow try of a shard task that Airflow ended after it resumed, without its operator
+#: ending it: a try lost to Airflow 3.3's resume race (docs/airflow.md, *Resuming tasks*)
+RESUME_RACES = f"{PREFIX}.resume_races"
 
 #: the gauges :func:`job_metrics` computes, in documentation order
 GAUGES = (
@@ -211,6 +215,16 @@ def emit_race(job_id: str, pool: str, *, dag_id: str | None) -> None:
         _stats().incr(RACES, tags={**tags(job_id, dag_id), "pool": pool})
     except Exception:
         log.warning("sending the deadline_batch race metric for job %s failed", job_id, exc_info=True)
+
+
+def emit_resume_races(job_id: str, count: int, *, dag_id: str | None) -> None:
+    """``count`` tries of a shard task of ``job_id`` lost to the resume race (counted; never raises)."""
+    if count <= 0:
+        return
+    try:
+        _stats().incr(RESUME_RACES, count, tags=tags(job_id, dag_id))
+    except Exception:
+        log.warning("sending the deadline_batch resume race metric for job %s failed", job_id, exc_info=True)
 
 
 def emit_decision(view: JobView, decision: TryDecision, *, dag_id: str | None) -> None:

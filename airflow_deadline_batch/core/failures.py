@@ -22,24 +22,31 @@ module imports no driver.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import errno
+import math
 import random
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
+from airflow_deadline_batch.exceptions import ConfigurationError
 
 __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_CAP_S",
+    "MIN_RESUME_DELAY_S",
+    "RESUME_DELAY_OPTION",
     "FailureClass",
     "TryFailure",
+    "TryLedger",
     "backoff_s",
     "classify_exception",
     "classify_exit",
     "exit_code_for",
+    "parse_resume_delay",
     "spends_budget",
 ]
 
@@ -57,10 +64,34 @@ class FailureClass(str, enum.Enum):
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 30.0
 #: The least delay between a try handing its slot back (a reschedule, a deferral) and the task's
-#: next start. Airflow 3.3's scheduler fails a task that starts again before it has processed the
-#: executor's report of the previous exit (docs/airflow.md, *Resuming tasks*); a scheduler loop
-#: takes about a second, several on a loaded machine.
+#: next start, by default. Airflow 3.3's scheduler fails a task that starts again before it has
+#: processed the executor's report of the previous exit (docs/airflow.md, *Resuming tasks*); a
+#: scheduler loop takes about a second, several on a loaded machine. :data:`RESUME_DELAY_OPTION`
+#: overrides it.
 MIN_RESUME_DELAY_S = 5.0
+#: the Airflow option that sets the resume delay (env ``AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S``)
+RESUME_DELAY_OPTION = "[deadline_batch] min_resume_delay_s"
+
+
+def parse_resume_delay(value: str | float | None) -> float:
+    """The resume delay an option's value sets, in seconds (unset or blank: :data:`MIN_RESUME_DELAY_S`).
+
+    A value that is not a finite number of seconds >= 0 raises ``ConfigurationError`` naming the
+    option to fix.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return MIN_RESUME_DELAY_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigurationError(
+            f"{RESUME_DELAY_OPTION} must be a number of seconds >= 0, got {value!r}: set it (or "
+            f"AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S) to e.g. {MIN_RESUME_DELAY_S:g}, or unset it"
+        )
+    return seconds
+
 
 #: our own exception classes (by name: core imports no exception module it does not need)
 _CONFIGURATION_TYPES = frozenset(
@@ -362,3 +393,50 @@ class TryFailure:
             shard_failed=bool(data.get("shard_failed", False)),
             refused=str(refused) if refused is not None else None,
         )
+
+
+@dataclass(frozen=True)
+class TryLedger:
+    """What a shard task's operator did with each Airflow try of one task instance.
+
+    Kept in Airflow's task state store (one task instance's keys, shared by its tries): the
+    tries whose operator ran, the tries it ended itself (returned, skipped or failed them), the
+    tries that handed their worker slot back at least once (a reschedule, a deferral), and the
+    tries already found lost. A try before the current one that its operator did not end was ended
+    by Airflow from outside: the resume race (docs/airflow.md, *Resuming tasks*) when it had
+    handed its slot back, else a killed task process or a clear.
+    """
+
+    started: frozenset[int] = frozenset()
+    ended: frozenset[int] = frozenset()
+    handed_back: frozenset[int] = frozenset()
+    lost: frozenset[int] = frozenset()
+
+    def newly_lost(self, try_number: int) -> tuple[int, ...]:
+        """The tries before ``try_number`` that nobody ended here and nobody found lost yet."""
+        return tuple(k for k in range(1, try_number) if k not in self.ended and k not in self.lost)
+
+    def resume_races(self, lost: Sequence[int]) -> tuple[int, ...]:
+        """Of ``lost``, the tries that had handed their slot back: resumed, then ended by Airflow."""
+        return tuple(k for k in lost if k in self.handed_back)
+
+    def with_(self, **tries: Iterable[int]) -> TryLedger:
+        """This ledger with ``tries`` added to the named sets (``started=[3]``, ``lost=[1, 2]``)."""
+        return dataclasses.replace(
+            self, **{name: getattr(self, name) | frozenset(numbers) for name, numbers in tries.items()}
+        )
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {field.name: sorted(getattr(self, field.name)) for field in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> TryLedger:
+        """The ledger a task state store value holds (anything else: an empty ledger)."""
+        if not isinstance(data, dict):
+            return cls()
+        sets = {}
+        for field in dataclasses.fields(cls):
+            numbers = data.get(field.name)
+            if isinstance(numbers, list):
+                sets[field.name] = frozenset(int(n) for n in numbers if isinstance(n, int))
+        return cls(**sets)

@@ -20,6 +20,14 @@ operator do with each class:
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
 
+Airflow 3.3 can fail a try that resumes too soon after handing its slot back (the resume race,
+docs/airflow.md *Resuming tasks*), spending a retry the operator never spent. Every try therefore
+runs under :meth:`_ShardTryMixin.run_try`: it records the try in a ledger in Airflow's task state
+store and logs (and counts) the earlier tries Airflow ended without the operator; and Airflow's
+last try never hands its slot back (no reschedule, no deferral): it waits in the try and runs
+again, deterministic failures the store counted included, so the store's ``max_attempts`` decides.
+The resume delay is ``[deadline_batch] min_resume_delay_s`` (default 5 s).
+
 A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
 pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
 from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)
@@ -51,7 +59,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import POD_IDENTIFIER_STATE_KEY, KubernetesPodOperator
@@ -73,9 +81,9 @@ from kubernetes.client.exceptions import ApiException
 from airflow_deadline_batch.core.clock import Clock, SystemClock
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
 from airflow_deadline_batch.core.failures import (
-    MIN_RESUME_DELAY_S,
     FailureClass,
     TryFailure,
+    TryLedger,
     backoff_s,
     classify_exit,
 )
@@ -87,7 +95,7 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
 from airflow_deadline_batch.links.progress import DeadlineBatchProgressLink
-from airflow_deadline_batch.metrics import dag_id_of, emit_decision, emit_race
+from airflow_deadline_batch.metrics import dag_id_of, emit_decision, emit_race, emit_resume_races
 from airflow_deadline_batch.operators.placement import (
     CAPACITY_VALUES,
     LABEL_PREFIX,
@@ -100,7 +108,7 @@ from airflow_deadline_batch.operators.placement import (
     read_job_view,
     tail_has_room,
 )
-from airflow_deadline_batch.triggers.pod import RACE_KEY, RUNNING, ShardPodTrigger
+from airflow_deadline_batch.triggers.pod import RACE_KEY, RUNNING, ShardPodTrigger, min_resume_delay_s
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
 PREEMPTION_REASONS = frozenset(
@@ -139,6 +147,8 @@ FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 
 #: a shard task's default retries (its preempted and transient tries reschedule without spending one)
 SHARD_RETRIES = 5
+#: key of the shard task's :class:`~core.failures.TryLedger` in Airflow's task state store
+TRY_LEDGER_KEY = "deadline_batch_tries"
 #: ``weight_rule`` for shard tasks: earliest deadline first (``plugins.priority``, registered by the
 #: provider's plugin); the class path, so a DAG file need not import Airflow's scheduler side
 DEADLINE_WEIGHT_RULE = "airflow_deadline_batch.plugins.priority.DeadlineWeightStrategy"
@@ -355,8 +365,19 @@ class ShardPartial(OperatorPartial):
         return mapped
 
 
+def _try_number(context: Any) -> int:
+    return int(getattr(context["ti"], "try_number", 1) or 1)
+
+
+def _max_tries(context: Any) -> int | None:
+    """The task instance's ``max_tries`` (the try numbers after which Airflow retries no more)."""
+    max_tries = getattr(context["ti"], "max_tries", None)
+    return max_tries if isinstance(max_tries, int) else None
+
+
 class _ShardTryMixin:
-    """What both shard operators share: open the store, decide the try, record the decision."""
+    """What both shard operators share: open the store, decide the try, record the decision, keep
+    the try's ledger (:meth:`run_try`)."""
 
     job_id: str
     shard_index: int
@@ -368,6 +389,132 @@ class _ShardTryMixin:
     log: Any  # the operator's task logger (Airflow's, structured)
     #: whether this try's failure was classified and settled (:meth:`settle_failure` raised)
     _settled: bool = False
+    #: this try is Airflow's last and keeps its worker slot to the end (:meth:`holds_slot`)
+    _holding: bool = False
+    #: set by ``on_kill``: Airflow is ending this try (set per run by :meth:`run_try`)
+    _ending: threading.Event | None = None
+    #: the shard's spent budget and cursor when this run decided (:meth:`store_counted_run`)
+    _seen: tuple[int, int] | None = None
+
+    def run_try(self, context: Any, body: Callable[[], Any]) -> Any:
+        """Run ``body`` (this run of the try) with the try's bookkeeping around it.
+
+        First, the tries before this one that Airflow ended without this operator ending them are
+        found in the task's :class:`~core.failures.TryLedger` (:meth:`note_lost_tries`). Then, on
+        the try that :meth:`holds_slot`, a reschedule never hands the slot back: the try waits here
+        and runs ``body`` again, so no resume (and no resume race) can end Airflow's last try
+        while the store's budget still allows another (docs/airflow.md, *Resuming tasks*).
+        """
+        try_number = _try_number(context)
+        self._ending = threading.Event()
+        self.note_lost_tries(context, try_number)
+        self._holding = self.holds_slot(context)
+        if self._holding:
+            self.log.warning(
+                "shard %s of job %s: try %d is Airflow's last (max_tries=%s): it keeps its worker slot "
+                "and waits here instead of rescheduling or deferring, until the shard is done or the "
+                "store's budget is spent",
+                self.shard_index,
+                self.job_id,
+                try_number,
+                _max_tries(context),
+            )
+            self.keep_slot()
+        while True:
+            try:
+                result = body()
+            except AirflowRescheduleException as exc:
+                if not self._holding:
+                    self.note_try(context, handed_back=[try_number])
+                    raise
+                self.wait_in_slot(exc.reschedule_date)
+                continue
+            except TaskDeferred:
+                self.note_try(context, handed_back=[try_number])
+                raise
+            except BaseException:
+                if not self._ending.is_set():  # a try Airflow kills is Airflow's to end, not ours
+                    self.note_try(context, ended=[try_number])
+                raise
+            self.note_try(context, ended=[try_number])
+            return result
+
+    def holds_slot(self, context: Any) -> bool:
+        """Whether this try is Airflow's last (no retry after it) of an operator that reschedules.
+
+        Such a try does not hand its worker slot back (no reschedule, no deferral), and a
+        deterministic failure the store counted runs again in it: Airflow's retries are spent, so
+        the store's ``max_attempts`` decides (docs/airflow.md, *Resuming tasks*).
+        """
+        max_tries = _max_tries(context)
+        return self.reschedules() and max_tries is not None and _try_number(context) > max_tries
+
+    def keep_slot(self) -> None:
+        """Make this try keep its worker slot (a deferrable operator stops deferring)."""
+
+    def wait_in_slot(self, until: dt.datetime) -> None:
+        """Wait in this try until ``until`` (a kill ends the wait, and the try)."""
+        delay = (until - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        assert self._ending is not None
+        if self._ending.wait(max(0.0, delay)):
+            raise AirflowException(f"shard {self.shard_index} of job {self.job_id}: killed while it waited")
+
+    def on_kill(self) -> None:
+        if self._ending is not None:
+            self._ending.set()
+        super().on_kill()  # type: ignore[misc]  # BaseOperator's, or the KubernetesPodOperator's
+
+    def read_ledger(self, context: Any) -> TryLedger | None:
+        """This task instance's ledger (None: no task state store here, or it cannot be read)."""
+        state = context.get("task_state_store") if hasattr(context, "get") else None
+        if state is None:
+            return None
+        try:
+            return TryLedger.from_dict(state.get(TRY_LEDGER_KEY))
+        except Exception:
+            self.log.warning("could not read the try ledger of shard %s", self.shard_index, exc_info=True)
+            return None
+
+    def note_try(self, context: Any, **tries: Sequence[int]) -> None:
+        """Add ``tries`` to the ledger (best effort: a failure is logged, the try goes on)."""
+        ledger = self.read_ledger(context)
+        if ledger is None:
+            return
+        try:
+            context["task_state_store"].set(TRY_LEDGER_KEY, ledger.with_(**tries).to_dict())
+        except Exception:
+            self.log.warning("could not write the try ledger of shard %s", self.shard_index, exc_info=True)
+
+    def note_lost_tries(self, context: Any, try_number: int) -> None:
+        """Log (and count as ``deadline_batch.resume_races``) the earlier tries Airflow ended
+        without this operator ending them; record this try's start."""
+        ledger = self.read_ledger(context)
+        if ledger is None:
+            return
+        lost = ledger.newly_lost(try_number)
+        races = ledger.resume_races(lost)
+        for number in lost:
+            self.log.warning(
+                "shard %s of job %s: try %d was ended by Airflow, not by this operator (%s); it spent "
+                "one of the task's retries, none of the shard's max_attempts",
+                self.shard_index,
+                self.job_id,
+                number,
+                "failed after it resumed: the resume race, see docs/airflow.md, Resuming tasks; "
+                "consider raising [deadline_batch] min_resume_delay_s"
+                if number in races
+                else "its task process was killed, or the task was cleared",
+            )
+        emit_resume_races(self.job_id, len(races), dag_id=dag_id_of(context))
+        if lost or try_number not in ledger.started:  # a resumed run has nothing new to record
+            self.note_try(context, started=[try_number], lost=lost)
+
+    def resume_delay_s(self) -> float:
+        """``[deadline_batch] min_resume_delay_s`` (a bad value fails the task, naming the fix)."""
+        try:
+            return min_resume_delay_s()
+        except ConfigurationError as exc:
+            raise AirflowFailException(str(exc)) from exc
 
     def store_hook(self) -> ManifestStoreHook:
         """The store: this task's own ``store_url``/``store_conn_id``, else the plan's connection."""
@@ -384,7 +531,9 @@ class _ShardTryMixin:
         now = (self.clock or SystemClock()).now()
         view = read_job_view(store, self.job_id, now=now, pools=self.pools)
         self.tenant = view.tenant  # the pod's Kueue queue (DeadlineShardPodOperator with kueue=True)
-        decision = decide_for_try(view, store.get_shard(self.job_id, int(self.shard_index)))
+        shard = store.get_shard(self.job_id, int(self.shard_index))
+        self._seen = (int(shard.failures), int(shard.cursor))
+        decision = decide_for_try(view, shard)
         self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
         emit_decision(view, decision, dag_id=dag_id_of(context))
         if context is not None:
@@ -393,20 +542,33 @@ class _ShardTryMixin:
         return decision
 
     def settle_failure(self, failure: FailureClass, reason: str, *, shard_failed: bool = False) -> None:
-        """Raise what Airflow should do with a failed try of this class (see the module doc)."""
+        """Raise what Airflow should do with a failed try of this class (see the module doc).
+
+        On the try that :meth:`holds_slot`, a deterministic failure that the store counted (it
+        spent a unit of the shard's budget, or the run committed) runs again in the same try: the
+        budget, not Airflow's last retry, decides. One the store never saw fails the task as before.
+        """
         self._settled = True
         where = f"shard {self.shard_index} of job {self.job_id}"
         if failure is FailureClass.CONFIGURATION or shard_failed:
             raise AirflowFailException(f"{where}: {failure.value}: {reason}")
-        if failure is FailureClass.DETERMINISTIC or not self.reschedules():
+        again = self._holding and failure is FailureClass.DETERMINISTIC and self.store_counted_run()
+        if (failure is FailureClass.DETERMINISTIC and not again) or not self.reschedules():
             raise AirflowException(
                 f"{where} {failure.value}: {reason}; the next try re-decides its pool from the slack left"
             )
-        delay = MIN_RESUME_DELAY_S
+        delay = self.resume_delay_s()
         if failure is FailureClass.TRANSIENT:
             delay = max(delay, backoff_s(self.transient_in_a_row(), slack_s=self.slack_s()))
+        elif failure is FailureClass.DETERMINISTIC:
+            delay = max(delay, backoff_s(self.budget_spent(), slack_s=self.slack_s()))
         self.log.warning(
-            "%s %s (%s): rescheduled in %.0f s, no retry spent", where, failure.value, reason, delay
+            "%s %s (%s): %s in %.0f s, no retry spent",
+            where,
+            failure.value,
+            reason,
+            "runs again in this try" if self._holding else "rescheduled",
+            delay,
         )
         raise AirflowRescheduleException(dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay))
 
@@ -430,6 +592,23 @@ class _ShardTryMixin:
                 break
             n += 1
         return max(1, n)
+
+    def store_counted_run(self) -> bool:
+        """Whether the shard's budget or cursor moved since this run decided (the store saw the run)."""
+        if self._seen is None:
+            return False
+        try:
+            shard = self._store().get_shard(self.job_id, int(self.shard_index))
+        except Exception:
+            return False
+        return (int(shard.failures), int(shard.cursor)) != self._seen
+
+    def budget_spent(self) -> int:
+        """Units of the shard's ``max_attempts`` spent (the backoff's exponent, deterministic failures)."""
+        try:
+            return int(self._store().get_shard(self.job_id, int(self.shard_index)).failures)
+        except Exception:
+            return 1
 
     def slack_s(self) -> float | None:
         try:
@@ -615,13 +794,15 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         timeout: dt.timedelta | float | None = None,
     ) -> Any:
         """Defer to :class:`~triggers.pod.ShardPodTrigger` where the provider defers to its own
-        pod trigger: the same watch, its event held until ``MIN_RESUME_DELAY_S`` after now."""
+        pod trigger: the same watch, its event held until the resume delay after now."""
         if type(trigger) is KubernetesPodTrigger:
             race = (trigger.trigger_kwargs or {}).get(RACE_KEY)
             racing = isinstance(race, dict) and not race.get("promoted")
+            delay = self.resume_delay_s()
             trigger = ShardPodTrigger.adopt(
                 trigger,
-                resume_after=time.time() + MIN_RESUME_DELAY_S,
+                resume_after=time.time() + delay,
+                resume_delay_s=delay,
                 race_check_interval_s=self.race_check_interval_s if racing else None,
             )
         super().defer(trigger=trigger, method_name=method_name, kwargs=kwargs, timeout=timeout)
@@ -886,6 +1067,17 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         return decision
 
     def execute(self, context: Any) -> Any:
+        return self.run_try(context, lambda: self.execute_once(context))
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any) -> Any:
+        resume = super().resume_execution
+        return self.run_try(context, lambda: resume(next_method, next_kwargs, context))
+
+    def keep_slot(self) -> None:
+        self.deferrable = False  # waits for its pod in this worker slot, as a synchronous try
+
+    def execute_once(self, context: Any) -> Any:
+        """One run of this try: decide, then launch and await the pod (or defer on it)."""
         decision = self.prepare_try(context)
         if self.settle_without_running(decision):
             self.log.info("%s", decision.reason)
@@ -954,14 +1146,14 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
 
     def wait_out_racer(self, store: Any) -> bool:
         """A racer of an earlier try still holds the shard: reschedule (no retry spent, no pod
-        launched: its claim would be refused), or without ``reschedule_retryable`` wait here until
-        it lets go. Returns True when it waited (decide again)."""
+        launched: its claim would be refused), or without ``reschedule_retryable`` (or on the try
+        that :meth:`holds_slot`) wait here until it lets go. Returns True when it waited (decide again)."""
         left = self.racer_holding(store)
         if left is None:
             return False
         where = f"shard {self.shard_index} of job {self.job_id}"
-        if self.reschedules():
-            delay = max(MIN_RESUME_DELAY_S, min(left, self.race_check_interval_s))
+        if self.reschedules() and not self._holding:
+            delay = max(self.resume_delay_s(), min(left, self.race_check_interval_s))
             self.log.info(
                 "%s is held by a live racer for %.0f s more: rescheduled in %.0f s", where, left, delay
             )
@@ -1208,8 +1400,13 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         self.preempt_tries = tuple(int(t) for t in preempt_tries)
         self.preempt_after_s = preempt_after_s
         self.clock = clock
+        self._injected = False
 
     def execute(self, context: Any) -> Any:
+        return self.run_try(context, lambda: self.execute_once(context))
+
+    def execute_once(self, context: Any) -> Any:
+        """One run of this try: decide, then run the worker subprocess and settle its exit."""
         decision = self.decide(context)
         if self.settle_without_running(decision):
             self.log.info("%s", decision.reason)
@@ -1224,7 +1421,10 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         with tempfile.TemporaryDirectory(prefix="adb-try-") as tmp:
             message_path = os.path.join(tmp, "termination.json")
             env = {**aws, **(self.env or {}), "ADB_TERMINATION_LOG": message_path}
-            preempted = try_number in self.preempt_tries
+            # injected once per operator instance (Airflow builds one per run): a try that holds
+            # its slot and runs again in-process is not preempted again
+            preempted = try_number in self.preempt_tries and not self._injected
+            self._injected = self._injected or preempted
             if preempted:
                 code = self._run_with_preemption(store_url, decision.pool.name, grace, env)
             else:

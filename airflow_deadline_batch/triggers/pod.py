@@ -7,7 +7,8 @@ that starts again (same try number) before it has processed the executor's repor
 its first read sees the pod finished: a Spot pod reclaimed within a scheduler loop of its deferral
 came back as a failed try, spending a retry, and the next try reattached to the dead pod
 (docs/kubernetes.md, *Deferrable shard pods*). This subclass watches the pod exactly as the
-provider's does and holds the event until ``resume_after`` (the deferral plus
+provider's does and holds the event until ``resume_after`` (the deferral plus the resume delay,
+:func:`min_resume_delay_s`: ``[deadline_batch] min_resume_delay_s``, default
 ``core.failures.MIN_RESUME_DELAY_S``).
 
 The tail race in deferrable mode (docs/kubernetes.md, *The tail race*): with
@@ -27,7 +28,7 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
 from airflow.triggers.base import TriggerEvent
 
-from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S
+from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S, parse_resume_delay
 
 #: key of the tail race's state in the trigger's ``trigger_kwargs`` (echoed in every event):
 #: ``{"pool": <the Spot pool>, "racer": <racer pod name or None>, "promoted": <watching the racer>}``
@@ -36,42 +37,71 @@ RACE_KEY = "deadline_batch_race"
 RUNNING = "running"
 
 
-def resume_hold_s(resume_after: float, now: float) -> float:
+def min_resume_delay_s() -> float:
+    """The resume delay where this runs: ``[deadline_batch] min_resume_delay_s`` from Airflow's
+    configuration (env ``AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S``), default
+    :data:`~core.failures.MIN_RESUME_DELAY_S`. A bad value raises ``ConfigurationError`` naming it."""
+    from airflow.sdk.configuration import conf
+
+    return parse_resume_delay(conf.get("deadline_batch", "min_resume_delay_s", fallback=None))
+
+
+def resume_hold_s(resume_after: float, now: float, cap_s: float = MIN_RESUME_DELAY_S) -> float:
     """Seconds to hold the event at the triggerer's ``now``: what is left to ``resume_after`` (the
-    deferring worker's clock), never more than :data:`MIN_RESUME_DELAY_S` — a worker whose clock
-    runs a day ahead of the triggerer's must not hold its pod's end for a day."""
-    return min(max(resume_after - now, 0.0), MIN_RESUME_DELAY_S)
+    deferring worker's clock), never more than ``cap_s`` (the resume delay the worker deferred
+    with) — a worker whose clock runs a day ahead of the triggerer's must not hold its pod's end
+    for a day."""
+    return min(max(resume_after - now, 0.0), cap_s)
 
 
 class ShardPodTrigger(KubernetesPodTrigger):
     """The provider's pod trigger whose event comes no sooner than ``resume_after``.
 
     :param resume_after: Unix time before which the event is held (the pod is still polled).
+    :param resume_delay_s: the resume delay the task deferred with: the most the event is held
+        (default: :func:`min_resume_delay_s` in the triggerer).
     :param race_check_interval_s: when set, a ``running`` event once the pod has been running for
         this long (a pod still ``Pending`` keeps its startup timeout: no event).
     Every other argument is :class:`KubernetesPodTrigger`'s.
     """
 
     def __init__(
-        self, *, resume_after: float = 0.0, race_check_interval_s: float | None = None, **kwargs: Any
+        self,
+        *,
+        resume_after: float = 0.0,
+        resume_delay_s: float | None = None,
+        race_check_interval_s: float | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.resume_after = float(resume_after)
+        self.resume_delay_s = None if resume_delay_s is None else float(resume_delay_s)
         self.race_check_interval_s = None if race_check_interval_s is None else float(race_check_interval_s)
 
     @classmethod
     def adopt(
-        cls, trigger: KubernetesPodTrigger, *, resume_after: float, race_check_interval_s: float | None = None
+        cls,
+        trigger: KubernetesPodTrigger,
+        *,
+        resume_after: float,
+        resume_delay_s: float | None = None,
+        race_check_interval_s: float | None = None,
     ) -> ShardPodTrigger:
         """This trigger with the arguments the provider's operator built ``trigger`` with."""
         _, kwargs = trigger.serialize()
-        return cls(**kwargs, resume_after=resume_after, race_check_interval_s=race_check_interval_s)
+        return cls(
+            **kwargs,
+            resume_after=resume_after,
+            resume_delay_s=resume_delay_s,
+            race_check_interval_s=race_check_interval_s,
+        )
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         _, kwargs = super().serialize()
         return f"{type(self).__module__}.{type(self).__qualname__}", {
             **kwargs,
             "resume_after": self.resume_after,
+            "resume_delay_s": self.resume_delay_s,
             "race_check_interval_s": self.race_check_interval_s,
         }
 
@@ -90,10 +120,21 @@ class ShardPodTrigger(KubernetesPodTrigger):
                     await watch.aclose()
         # the task's resume waits until the scheduler has seen the deferral's exit, or it fails
         # the resumed try (the Airflow 3.3 resume race)
-        if (hold := resume_hold_s(self.resume_after, time.time())) > 0:
+        if (hold := resume_hold_s(self.resume_after, time.time(), self.hold_cap_s())) > 0:
             self.log.info("resuming the task in %.1f s", hold)
             await asyncio.sleep(hold)
         yield event
+
+    def hold_cap_s(self) -> float:
+        """The most the event is held: the task's resume delay, else the triggerer's (never raises:
+        a bad option here is logged, and the default holds; the task's own read names it)."""
+        if self.resume_delay_s is not None:
+            return self.resume_delay_s
+        try:
+            return min_resume_delay_s()
+        except Exception:
+            self.log.warning("using the default resume delay", exc_info=True)
+            return MIN_RESUME_DELAY_S
 
     async def _pod_end_or_running(self, ended: asyncio.Future[TriggerEvent]) -> TriggerEvent:
         """The provider's event, or a ``running`` one once the pod has run ``race_check_interval_s``."""

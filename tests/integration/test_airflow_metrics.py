@@ -105,10 +105,11 @@ def make_job(url: str) -> str:
 
 
 def child(store_url: str, job_id: str) -> None:
-    """Run in the child process: the sensor's poke, the trigger's poll, one shard decision."""
+    """Run in the child process: the sensor's poke, the trigger's poll, one shard decision, a racer's
+    launch and a shard try's look back at a try lost to the resume race."""
     from airflow.sdk import DAG
 
-    from airflow_deadline_batch.operators.shard import LocalShardOperator
+    from airflow_deadline_batch.operators.shard import TRY_LEDGER_KEY, LocalShardOperator
     from airflow_deadline_batch.sensors.completeness import CompletenessSensor
     from airflow_deadline_batch.triggers.completeness import CompletenessTrigger
 
@@ -127,6 +128,11 @@ def child(store_url: str, job_id: str) -> None:
     ti = SimpleNamespace(dag_id=DAG_ID, xcom_push=lambda **_: None)
     decision = shard.decide({"ti": ti})
     metrics.emit_race(job_id, "local-on-demand", dag_id=DAG_ID)  # as a shard pod operator's racer launch
+    # try 2 of the shard task finds try 1 resumed and ended by Airflow (the resume race)
+    ledger: dict[str, Any] = {TRY_LEDGER_KEY: {"started": [1], "handed_back": [1]}}
+    state = SimpleNamespace(get=ledger.get, set=ledger.__setitem__)
+    shard.note_lost_tries({"ti": SimpleNamespace(dag_id=DAG_ID, try_number=2), "task_state_store": state}, 2)
+    assert ledger[TRY_LEDGER_KEY]["lost"] == [1], ledger
     print(json.dumps({"pool": decision.pool.name if decision.pool else None}))
 
 
@@ -175,6 +181,7 @@ def check(points: Points, job_id: str, decided: dict[str, Any]) -> None:
     assert last(metrics.DECISIONS, batch_job=job_id, dag_id=DAG_ID, action="run", capacity="on_demand") == 1
     assert last(metrics.ESCALATIONS, batch_job=job_id, dag_id=DAG_ID) == 1
     assert last(metrics.RACES, batch_job=job_id, dag_id=DAG_ID, pool="local-on-demand") == 1
+    assert last(metrics.RESUME_RACES, batch_job=job_id, dag_id=DAG_ID) == 1
 
 
 class _Collector(http.server.BaseHTTPRequestHandler):

@@ -149,6 +149,7 @@ def test_a_deferred_try_resumes_no_sooner_than_the_resume_delay(
     classpath, kwargs = deferred.trigger.serialize()
     assert classpath == "airflow_deadline_batch.triggers.pod.ShardPodTrigger"
     assert before + MIN_RESUME_DELAY_S <= kwargs["resume_after"] <= after + MIN_RESUME_DELAY_S
+    assert kwargs["resume_delay_s"] == MIN_RESUME_DELAY_S  # the hold's cap: the delay it deferred with
     assert kwargs["pod_name"] == loopback_k8s.api.created_pods[0]["metadata"]["name"]
     assert ShardPodTrigger(**kwargs).serialize() == (classpath, kwargs)  # the triggerer rebuilds it
 
@@ -437,7 +438,7 @@ def test_a_run_escalated_to_on_demand_does_not_reattach_to_the_spot_pod_still_pe
 
 def test_the_shard_pod_trigger_serializes_to_plain_values() -> None:
     """What the triggerer stores and rebuilds the trigger from: the provider's arguments, unchanged,
-    plus the hold and the race's look interval."""
+    plus the hold, its cap and the race's look interval."""
     started = dt.datetime(2026, 12, 1, 6, 0, tzinfo=dt.timezone.utc)
     trigger = ShardPodTrigger(
         pod_name="deadline-batch-shard-abc",
@@ -447,6 +448,7 @@ def test_the_shard_pod_trigger_serializes_to_plain_values() -> None:
         poll_interval=30,
         trigger_kwargs={RACE_KEY: {"pool": "l4-spot", "racer": None}},
         resume_after=1796104805.5,
+        resume_delay_s=30,
         race_check_interval_s=300,
     )
     classpath, kwargs = trigger.serialize()
@@ -473,6 +475,7 @@ def test_the_shard_pod_trigger_serializes_to_plain_values() -> None:
         "logging_interval": None,
         "trigger_kwargs": {RACE_KEY: {"pool": "l4-spot", "racer": None}},
         "resume_after": 1796104805.5,
+        "resume_delay_s": 30.0,
         "race_check_interval_s": 300.0,
     }
     assert ShardPodTrigger(**kwargs).serialize() == (classpath, kwargs)
