@@ -116,15 +116,22 @@ def exact_grid(config: SimConfig, gap_h: float) -> Grid:
     )
 
 
-@functools.lru_cache(maxsize=2)
-def oracle_table(config: SimConfig, grid: Grid, fit: MarkovFit) -> Table:
-    """The table for the true rates over the whole horizon (shared by every start of a row)."""
+@functools.lru_cache(maxsize=4)
+def oracle_table(config: SimConfig, grid: Grid, fit: MarkovFit, credit_commits: bool = True) -> Table:
+    """The table for the true rates over the whole horizon (shared by every start of a row).
+
+    ``credit_commits``: Spot is safe while on-demand still fits after a preemption at the next
+    step, the commits of this step kept (exact); else counted from the shards left now, as
+    ``mdp`` and slack_aware's safety rule count it.
+    """
     rates = Rates.of(fit.up_to_down, fit.down_to_up, grid.step_h)
-    return Table(grid, config, rates, grid.steps, credit_commits=True)
+    return Table(grid, config, rates, grid.steps, credit_commits=credit_commits)
 
 
 class OracleRates(MarkovDecision):
-    """``mdp`` with the trace's true rates instead of learned ones, on the exact grid (``exact``)."""
+    """``mdp`` with the trace's true rates instead of learned ones, on the exact grid (``exact``):
+    its table counts the fallback as slack_aware's safety rule above it does (the rule and the
+    table agree, so the rule should seldom override it)."""
 
     name = "mdp_oracle_rates"
 
@@ -140,12 +147,13 @@ class OracleRates(MarkovDecision):
     def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
         if config.workers != 1:
             raise ValueError("the oracle-rates table is for one worker; run it with workers=1")
-        return oracle_table(config, self.grid, self.fit)
+        return oracle_table(config, self.grid, self.fit, credit_commits=not self.safety_rule)
 
 
 class TableAlone(OracleRates):
-    """The oracle table alone: only its own constraint (waiting or Spot only while on-demand from
-    the next step fits) and the penalty for a state unfinished at the deadline."""
+    """The Bayes-optimal online policy: the oracle table alone, with only its own, exact constraint
+    (waiting or Spot only while on-demand still fits after Spot is gone at the next step, the
+    commits of this step kept) and the penalty for a state unfinished at the deadline."""
 
     name = "mdp_oracle_table"
     safety_rule = False
