@@ -24,6 +24,7 @@ from airflow_deadline_batch.sim.online_bound import (
     oracle_table,
 )
 from airflow_deadline_batch.sim.policies import OnDemand
+from airflow_deadline_batch.sim.study import Setting, extra_targets, run_row
 from airflow_deadline_batch.sim.traces import markov
 from tests.unit.test_sim_no_miss import slack_h, worst_burn_h
 
@@ -125,3 +126,13 @@ def test_exact_grid_refuses_fractional_seconds() -> None:
     cfg = SimConfig(work_h=1.0, deadline_h=2.0, changeover_h=0.1, shard_h=0.25)
     with pytest.raises(ValueError, match="whole seconds"):
         exact_grid(cfg, 1.5 / 3600)
+
+
+def test_study_adds_mdp_only_when_asked() -> None:
+    trace = markov(0.5, 1.0, hours=100.0, gap_s=600.0, seed=5)
+    setting = Setting(1, 4.0, 6.0, 0.1, starts=2)
+    assert "mdp" not in run_row(trace, setting)
+    row = run_row(trace, setting, extra=("mdp",))
+    line = extra_targets([(trace.name, setting, row)], "mdp")
+    assert row["mdp"].starts == 2 and line["mdp_misses_where_omniscient_meets"] == 0
+    assert line["mean_mdp_over_exact_optimum_n1"] >= 1.0 - 1e-9  # the exact optimum is a floor
