@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -309,12 +310,14 @@ def run_row(args: tuple[Trace, MarkovFit, Setting]) -> Row:
     return Row(trace.name, fit, setting, frozen, misses, overrides, decisions)
 
 
-def measure(traces: Sequence[Trace], starts: int = 20, jobs: int = 1, hours: float = 1000.0) -> list[Row]:
+def measure(
+    traces: Sequence[Trace], starts: int = 20, jobs: int = 1, hours: float = 1000.0, seed: int = 1
+) -> list[Row]:
     """Every single-node trace's twin × the study's ``N = 1`` settings, ``starts`` starts each."""
     work = []
     for trace in traces:
         fit = fit_markov(trace)
-        double = twin(trace, fit, hours)
+        double = twin(trace, fit, hours, seed)
         work += [(double, fit, s) for s in settings(starts_n1=starts) if s.workers == 1]
     if jobs == 1:
         return [run_row(w) for w in work]
@@ -326,9 +329,19 @@ def ratios(rows: Sequence[Row], name: str) -> tuple[float, float]:
     """``name``'s cost over the exact optimum: the ratio of the mean costs, and the mean per-start ratio."""
     mine = [c for r in rows for c in r.costs[name]]
     exact = [c for r in rows for c in r.costs["exact"]]
-    return math.fsum(mine) / math.fsum(exact), math.fsum(
-        a / b for a, b in zip(mine, exact, strict=True)
-    ) / len(mine)
+    per_start = math.fsum(a / b for a, b in zip(mine, exact, strict=True)) / len(mine)
+    return math.fsum(mine) / math.fsum(exact), per_start
+
+
+def standard_error(rows: Sequence[Row], name: str) -> float:
+    """The ratio of means' standard error (delta method, starts taken as independent draws)."""
+    mine = [c for r in rows for c in r.costs[name]]
+    exact = [c for r in rows for c in r.costs["exact"]]
+    n, ratio = len(mine), math.fsum(mine) / math.fsum(exact)
+    residual = [a - ratio * b for a, b in zip(mine, exact, strict=True)]
+    mean = math.fsum(residual) / n
+    variance = math.fsum((x - mean) ** 2 for x in residual) / max(1, n - 1)
+    return math.sqrt(variance / n) / (math.fsum(exact) / n)
 
 
 def markdown(rows: Sequence[Row]) -> str:
@@ -344,6 +357,10 @@ def markdown(rows: Sequence[Row]) -> str:
         avail = f"{fit.availability:.3f}" if name != "**all**" else ""
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
         lines.append(f"| {name.removeprefix('twin:')} | {spells} | {avail} | " + " | ".join(cells) + " |")
+    for key in sorted({(r.setting.deadline_h, r.setting.changeover_h) for r in rows}):
+        group = [r for r in rows if (r.setting.deadline_h, r.setting.changeover_h) == key]
+        cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
+        lines.append(f"| all, D = {key[0]:g} h, d = {key[1]:g} h | | | " + " | ".join(cells) + " |")
     return head + "\n".join(lines)
 
 
@@ -351,7 +368,7 @@ def summary(rows: Sequence[Row]) -> str:
     parts = [f"rows={len(rows)} starts={sum(len(r.costs['exact']) for r in rows)}"]
     for name in POLICIES[1:]:
         a, b = ratios(rows, name)
-        parts.append(f"{name}={a:.4f}/{b:.4f}")
+        parts.append(f"{name}={a:.4f}/{b:.4f}±{standard_error(rows, name):.4f}")
     decisions = sum(r.decisions for r in rows)
     parts.append(f"oracle_overrides={sum(r.overrides for r in rows)}/{decisions}")
     parts.append("misses=" + ",".join(f"{n}:{sum(r.misses[n] for r in rows)}" for n in POLICIES[1:]))
@@ -364,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts", type=int, default=20, help="starts per twin and setting")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--hours", type=float, default=1000.0, help="length of each twin")
+    parser.add_argument("--twin-seed", type=int, default=1, help="the twins' draw")
     parser.add_argument("--check", action="store_true", help="brute force against the oracle on tiny jobs")
+    parser.add_argument("--out", type=Path, help="also write every start's costs here (JSON lines)")
     args = parser.parse_args(argv)
     if args.check:
         for line in check():
@@ -373,9 +392,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.traces:
         parser.error("pass --traces DIR (the shared spot-traces folder) or --check")
     traces = [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
-    rows = measure(traces, args.starts, args.jobs, args.hours)
+    rows = measure(traces, args.starts, args.jobs, args.hours, args.twin_seed)
     print(markdown(rows))
     print(summary(rows))
+    if args.out:
+        with args.out.open("w") as out:
+            for r in rows:
+                fields = {
+                    "trace": r.trace,
+                    "deadline_h": r.setting.deadline_h,
+                    "changeover_h": r.setting.changeover_h,
+                }
+                print(
+                    json.dumps({**fields, "costs": r.costs, "misses": r.misses, "overrides": r.overrides}),
+                    file=out,
+                )
     return 0
 
 
