@@ -141,7 +141,9 @@ class Table:
     that a preemption or a stop loses exactly the uncommitted part, as in the engine.
     """
 
-    def __init__(self, grid: Grid, config: SimConfig, rates: Rates, steps: int) -> None:
+    def __init__(
+        self, grid: Grid, config: SimConfig, rates: Rates, steps: int, *, credit_commits: bool = False
+    ) -> None:
         self.grid, self.rates, self.k = grid, rates, config.price_ratio
         self.p_up = np.array([rates.down_up, rates.up_up])
         c, size, per = grid.changeover_units, grid.shard_units, grid.per_step
@@ -158,6 +160,9 @@ class Table:
         j_next = np.clip(after - commits * size + c, 0, width - 1)
         self.next_flat = r_next * width + j_next
         self.next_r = r_next
+        # the shards left that decide whether Spot is safe: now, or (``credit_commits``, exact) after
+        # the step's commits, which a try preempted at the next step keeps (-1: it finishes)
+        self.spot_r = np.where(self.done, -1, r_next) if credit_commits else np.broadcast_to(r, r_next.shape)
         self.width = width
         # waiting or Spot only while on-demand from the next step still fits, counted as the
         # fallback rule counts it (``od_need_s``: changeover, work per worker, list imbalance)
@@ -189,7 +194,7 @@ class Table:
         spot = p1 * nxt_running[0, 1].reshape(-1)[self.next_flat] + (1 - p1) * nxt_idle[0][self.next_r]
         spot += step
         np.copyto(spot, self.done_h, where=self.done)
-        spot[unsafe:] = np.inf  # [r, j], Spot there only
+        spot[self.spot_r >= unsafe] = np.inf  # [r, j], Spot there only
         idle = np.minimum(wait, od[:, :, 0])
         np.minimum(idle[1], spot[:, 0], out=idle[1])
         running = np.empty((2,) + od.shape)
@@ -220,7 +225,8 @@ class Table:
             return float(self.k * step + p * nxt_run[1, 1].flat[at] + (1 - p) * nxt_run[1, 0].flat[at])
 
         def spot(jj: int) -> float:
-            if s == 0 or not safe:
+            left = int(self.spot_r[r, jj])
+            if s == 0 or (left >= 0 and (t - 1) * step < self.safe_h[left] - 1e-9):
                 return math.inf
             if self.done[r, jj]:
                 return float(self.done_h[r, jj])
@@ -239,6 +245,8 @@ class MarkovDecision(SlackAware):
     #: the learned rates (spell end, spell return) are rounded to this relative change for the
     #: table: a new table only when one of them moves by more
     resolve_change = 0.5
+    #: ``False``: the table alone, only its own fallback constraint (docs/simulator.md, *Fifth round*)
+    safety_rule = True
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
         super().reset(config, gap_h)
@@ -251,6 +259,7 @@ class MarkovDecision(SlackAware):
         self.solve_seconds = 0.0
         self.decisions = 0
         self.seconds = 0.0
+        self.overrides = 0  # worker choices where the safety rule changed the table's action
 
     def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
         key = Rates.key(availability, run_h, self.resolve_change)
@@ -303,16 +312,17 @@ class MarkovDecision(SlackAware):
                 changeover_left_s=slot.changeover_left_h * 3600 if running else None,
             )
             slack_s = view.time_left_h * 3600 - od_need_s(snapshot)
-            if slack_s < spot_risk_s(snapshot, self.run_params):
-                modes.append(Mode.ON_DEMAND)  # the safety rule: slack no longer covers the risk
-                continue
             m = {Mode.NONE: IDLE, Mode.SPOT: SPOT, Mode.ON_DEMAND: OD}[slot.mode]
             units = (slot.progress_h - slot.changeover_left_h) / grid.unit_h if running else 0.0
             j = min(max(round(units), -grid.changeover_units), grid.shard_units - 1) + grid.changeover_units
             act = table.action(steps_left, int(has_spot), m, shards, j)
+            # the safety rule: on-demand when slack no longer covers the risk
+            rule = OD if slack_s < spot_risk_s(snapshot, self.run_params) else act
             interval = self.run_params.decision_interval_s or 0.0
-            if act == IDLE and has_spot and slack_s < interval:
-                act = SPOT  # idling burns the whole tick, a Spot try with capacity less (the rule's risk)
+            if rule == IDLE and has_spot and slack_s < interval:
+                rule = SPOT  # idling burns the whole tick, a Spot try with capacity less (the rule's risk)
+            self.overrides += rule != act
+            act = rule if self.safety_rule else act
             if act == SPOT:
                 if slot.mode is not Mode.SPOT:
                     free -= 1

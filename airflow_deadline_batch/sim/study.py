@@ -8,6 +8,8 @@ plus the paper-setting ordering check, prints the Markdown table and the target 
 D = 30/40 h``, 40 starts) on unseen synthetic 8- and 16-GPU traces (:func:`multi_gpu_traces`).
 The ``omniscient`` column is the exact optimum for ``N = 1`` rows and a proven lower bound,
 :func:`~.omniscient.tightest_bound`, for ``N > 1`` rows (so their ``sa / omniscient`` is pessimistic).
+``--extra-policy mdp`` adds the research policy of :mod:`.mdp` (with the persisted prior, as
+slack_aware) and its target line; ``--n1-only`` keeps the ``N = 1`` rows.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
-from airflow_deadline_batch.sim.policies import OnDemand, slack_aware_at
-from airflow_deadline_batch.sim.runner import Summary, compare, start_ticks
+from airflow_deadline_batch.sim.mdp import MarkovDecision
+from airflow_deadline_batch.sim.policies import OnDemand, pool_priors, slack_aware_at
+from airflow_deadline_batch.sim.runner import Summary, compare, start_ticks, summarise
 from airflow_deadline_batch.sim.traces import Trace, load_trace, multi_gpu_suite, synthetic_suite
 
 ORDER = ("on_demand", "greedy", "uniform_progress", "omniscient")
+#: research policies a run may add (``--extra-policy``; docs/simulator.md, *Fourth round*)
+EXTRA = ("mdp",)
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,17 @@ def multi_gpu_traces(seed: int = 900) -> list[Trace]:
     return multi_gpu_suite(seed, capacity=8) + multi_gpu_suite(seed, capacity=16)
 
 
-def run_row(trace: Trace, setting: Setting, seed: int = 1) -> dict[str, Summary]:
+def run_row(trace: Trace, setting: Setting, seed: int = 1, extra: Sequence[str] = ()) -> dict[str, Summary]:
     cfg = setting.config()
     ticks = start_ticks(trace, cfg, starts=setting.starts, seed=seed)
-    return {s.policy: s for s in compare(trace, cfg, ticks)}
+    row = {s.policy: s for s in compare(trace, cfg, ticks)}
+    if "mdp" in extra:  # with the persisted prior, as slack_aware (and as sim.tuning scores it)
+        runs = [
+            simulate(trace, t, cfg, MarkovDecision(priors=pool_priors([trace], t, cfg.workers)))
+            for t in ticks
+        ]
+        row["mdp"] = summarise(trace, cfg, "mdp", runs)
+    return row
 
 
 def worst_run(args: tuple[Trace, Setting]) -> float:
@@ -82,15 +94,15 @@ def worst_run(args: tuple[Trace, Setting]) -> float:
     )
 
 
-def _job(args: tuple[Trace, Setting]) -> tuple[str, Setting, dict[str, Summary]]:
-    trace, setting = args
-    return trace.name, setting, run_row(trace, setting)
+def _job(args: tuple[Trace, Setting, tuple[str, ...]]) -> tuple[str, Setting, dict[str, Summary]]:
+    trace, setting, extra = args
+    return trace.name, setting, run_row(trace, setting, extra=extra)
 
 
 def run_all(
-    traces: Sequence[Trace], grid: Sequence[Setting], jobs: int = 2
+    traces: Sequence[Trace], grid: Sequence[Setting], jobs: int = 2, extra: Sequence[str] = ()
 ) -> list[tuple[str, Setting, dict[str, Summary]]]:
-    work = [(t, s) for s in grid for t in traces if s.workers <= max(t.capacity) or True]
+    work = [(t, s, tuple(extra)) for s in grid for t in traces if s.workers <= max(t.capacity) or True]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_job, work))
 
@@ -118,6 +130,27 @@ def targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]]) -> dict[str
         "rows_over_1.01_on_demand": sum(1 for x in od if x > 1.01 + 1e-12),
         "sa_misses_where_omniscient_meets": misses,
         "paper_order_holds": order,
+    }
+
+
+def extra_targets(rows: Sequence[tuple[str, Setting, dict[str, Summary]]], name: str) -> dict[str, float]:
+    """An added policy's line: its cost over UP, omniscient (the exact optimum for ``N = 1``) and
+    slack_aware, rows above 1.01 × UP, and misses where omniscient meets the deadline."""
+    up = [r[name].mean_cost / r["uniform_progress"].mean_cost for _, _, r in rows]
+    om = [r[name].mean_cost / r["omniscient"].mean_cost for _, _, r in rows]
+    om1 = [r[name].mean_cost / r["omniscient"].mean_cost for _, s, r in rows if s.workers == 1]
+    sa = [r[name].mean_cost / r["slack_aware"].mean_cost for _, _, r in rows]
+    return {
+        "rows": len(rows),
+        f"mean_{name}_over_up": sum(up) / len(up),
+        f"max_{name}_over_up": max(up),
+        "rows_over_1.01_up": sum(1 for x in up if x > 1.01 + 1e-12),
+        f"mean_{name}_over_omniscient": sum(om) / len(om),
+        f"mean_{name}_over_exact_optimum_n1": sum(om1) / len(om1) if om1 else math.nan,
+        f"mean_{name}_over_sa": sum(sa) / len(sa),
+        f"{name}_misses_where_omniscient_meets": sum(
+            1 for _, _, r in rows if r[name].miss_rate > r["omniscient"].miss_rate + 1e-12
+        ),
     }
 
 
@@ -151,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--starts-n1", type=int, default=30)
     parser.add_argument("--starts-n4", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--extra-policy", action="append", choices=EXTRA, default=[], help="add a research policy's line"
+    )
+    parser.add_argument("--n1-only", action="store_true", help="only the N = 1 settings")
     parser.add_argument("--table", action="store_true", help="print the Markdown table")
     parser.add_argument(
         "--worst-run", action="store_true", help="also slack_aware's dearest start ÷ on-demand (reruns it)"
@@ -166,19 +203,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("pass --traces DIR or --synthetic")
     base = multi_gpu_settings(args.starts) if args.multi_gpu else settings(args.starts_n1, args.starts_n4)
     grid = [
-        Setting(s.workers, s.work_h, s.deadline_h, s.changeover_h, s.starts, args.shard_hours) for s in base
+        Setting(s.workers, s.work_h, s.deadline_h, s.changeover_h, s.starts, args.shard_hours)
+        for s in base
+        if s.workers == 1 or not args.n1_only
     ]
     if args.synthetic:  # N = 1 settings on 1-GPU traces, N = 4 on 4-GPU traces
         rows = [
             row
-            for row in run_all(traces, grid, args.jobs)
+            for row in run_all(traces, grid, args.jobs, args.extra_policy)
             if (row[1].workers == 1) == ("-" in row[0] and max(_cap(traces, row[0])) == 1)
         ]
     else:
-        rows = run_all(traces, grid, args.jobs)
+        rows = run_all(traces, grid, args.jobs, args.extra_policy)
     if args.table:
         print(markdown(rows))
-    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in targets(rows).items()))
+    lines = [targets(rows)] + [extra_targets(rows, name) for name in args.extra_policy]
+    for line in lines:
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
     if args.worst_run:
         by_name = {t.name: t for t in traces}
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:

@@ -8,6 +8,7 @@ tick (not inverted: 1 = available); an instance has the GPU count in the file na
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Sequence
@@ -174,6 +175,37 @@ def flapping(
         spell = max(1, round(rng.expovariate(1 / mean_spell_ticks)))
         ticks.extend([capacity if state else 0] * spell)
     return Trace(name or f"flapping-{seed}", gap_s, tuple(ticks[:n]))
+
+
+def markov(
+    up_to_down: float,
+    down_to_up: float,
+    hours: float = 400.0,
+    gap_s: float = 600.0,
+    seed: int = 0,
+    capacity: int = 1,
+    name: str | None = None,
+) -> Trace:
+    """Spot that IS a two-state Markov chain: spells end at ``up_to_down`` and return at
+    ``down_to_up`` per hour (a continuous-time chain seen at every tick, so per tick the exact
+    transition probabilities of ``sim.mdp.Rates``); the first tick drawn from the stationary share.
+
+    The trace family on which the Bayes-optimal online policy is computable (docs/simulator.md,
+    *Fifth round*).
+    """
+    if up_to_down <= 0 or down_to_up <= 0:
+        raise ValueError("markov: both rates must be > 0 per hour; pass a spell end and return rate")
+    rng = random.Random(seed)
+    n = max(1, round(hours * 3600 / gap_s))
+    share = down_to_up / (up_to_down + down_to_up)
+    decay = math.exp(-(up_to_down + down_to_up) * gap_s / 3600.0)
+    stay_up, come_back = share + (1.0 - share) * decay, share * (1.0 - decay)
+    up = rng.random() < share
+    ticks: list[int] = []
+    for _ in range(n):
+        ticks.append(capacity if up else 0)
+        up = rng.random() < (stay_up if up else come_back)
+    return Trace(name or f"markov-{seed}", gap_s, tuple(ticks))
 
 
 def synthetic_suite(seed: int = 0, capacity: int = 1) -> list[Trace]:

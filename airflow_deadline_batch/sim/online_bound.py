@@ -1,0 +1,414 @@
+"""The price of not knowing the future: the Bayes-optimal online policy on Markov Spot traces.
+
+Issue 13's ``≤ 1.05 × omniscient`` target compares online policies with the exact offline optimum
+(``omniscient.exact_optimum``), which sees the whole trace. How close can any policy that does not
+see the future get? On Spot that IS a two-state Markov chain with known rates the answer is
+computable: ``mdp``'s backward induction with the true rates, on a time grid that is exact for the
+job (a step of one tick, a unit that divides the tick, the shard and the changeover), is the
+expected-cost-optimal online policy among those that keep the on-demand fallback (docs/simulator.md,
+*Fifth round*).
+
+``python -m airflow_deadline_batch.sim.online_bound --traces DIR`` fits the two rates of every
+single-node shared trace by maximum likelihood, generates a "Markov twin" from them, and runs the
+study's ``N = 1`` settings on each twin: the exact optimum, the oracle-rates table (with and
+without slack_aware's safety rule, and on ``mdp``'s own grid), ``mdp`` with learned rates,
+``slack_aware``, ``uniform_progress`` and ``on_demand``. ``--check`` compares the oracle table
+with a brute-force expectimax over every online policy on tiny jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from airflow_deadline_batch.core.placement import PolicyParams
+from airflow_deadline_batch.sim.engine import Mode, Policy, SimConfig, View, simulate
+from airflow_deadline_batch.sim.mdp import Grid, MarkovDecision, Rates, Table
+from airflow_deadline_batch.sim.omniscient import exact_optimum
+from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress, slack_aware_at
+from airflow_deadline_batch.sim.runner import start_ticks
+from airflow_deadline_batch.sim.study import Setting, settings
+from airflow_deadline_batch.sim.traces import Trace, load_trace, markov
+from airflow_deadline_batch.sim.tuning import online_at
+
+#: the columns of the measurement, in order (``exact`` is the offline optimum)
+POLICIES = (
+    "exact",
+    "oracle",
+    "table_alone",
+    "oracle_mdp_grid",
+    "mdp",
+    "slack_aware",
+    "uniform_progress",
+    "on_demand",
+)
+
+
+@dataclass(frozen=True)
+class MarkovFit:
+    """A trace's two rates per hour (spells end at ``up_to_down``, return at ``down_to_up``)."""
+
+    up_to_down: float
+    down_to_up: float
+
+    @property
+    def availability(self) -> float:
+        return self.down_to_up / (self.up_to_down + self.down_to_up)
+
+
+def fit_markov(trace: Trace, workers: int = 1) -> MarkovFit:
+    """Maximum-likelihood rates of the chain "Spot there" (capacity ≥ ``workers``) per tick.
+
+    The per-tick transition counts give ``p = n(up→down) / n(up→·)`` and ``q = n(down→up) /
+    n(down→·)``, the exact ML estimate of a discrete chain; they are turned into per-hour rates of
+    the continuous-time chain that has those per-tick probabilities (``1 − p − q = e^{−(μ+λ)g}``).
+    """
+    up = [c >= workers for c in trace.capacity]
+    counts = {(a, b): 0 for a in (False, True) for b in (False, True)}
+    for a, b in itertools.pairwise(up):
+        counts[a, b] += 1
+    from_up = counts[True, True] + counts[True, False]
+    from_down = counts[False, False] + counts[False, True]
+    if not (counts[True, False] and counts[False, True]):
+        raise ValueError(f"trace {trace.name!r} never changes state; fit a trace with spells both ways")
+    p, q = counts[True, False] / from_up, counts[False, True] / from_down
+    g = trace.gap_s / 3600.0
+    total = -math.log(1.0 - p - q) / g if p + q < 1.0 else (p + q) / g
+    return MarkovFit(total * p / (p + q), total * q / (p + q))
+
+
+def twin_gap_s(gap_s: float) -> float:
+    """A twin's tick: the trace's, rounded to a whole minute (so a 1-minute unit is exact for
+    0.25 h shards and 0.1 / 0.2 h changeovers; the 32 s and 195 s ticks would need 4 s and 15 s)."""
+    return max(60.0, 60.0 * round(gap_s / 60.0))
+
+
+def twin(trace: Trace, fit: MarkovFit, hours: float = 1000.0, seed: int = 1) -> Trace:
+    """The trace's Markov twin: the fitted chain, sampled at :func:`twin_gap_s`."""
+    name = f"twin:{trace.name}"
+    return markov(fit.up_to_down, fit.down_to_up, hours, twin_gap_s(trace.gap_s), seed, name=name)
+
+
+def exact_grid(config: SimConfig, gap_h: float) -> Grid:
+    """mdp's grid with a step of one tick and a unit dividing the tick, the shard and the changeover."""
+    lengths = (gap_h, config.shard_size_h, config.changeover_h)
+    seconds = [round(x * 3600) for x in lengths]
+    if any(abs(s - x * 3600) > 1e-6 for s, x in zip(seconds, lengths, strict=True)):
+        raise ValueError("exact_grid needs whole seconds for the tick, shard and changeover; round them")
+    unit = math.gcd(*seconds)
+    return Grid(
+        step_h=gap_h,
+        shard_h=config.shard_size_h,
+        unit_h=unit / 3600.0,
+        per_step=seconds[0] // unit,
+        shard_units=seconds[1] // unit,
+        changeover_units=seconds[2] // unit,
+        steps=math.ceil(config.deadline_h / gap_h - 1e-9),
+        shards=config.shards,
+        merge=1,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def oracle_table(config: SimConfig, grid: Grid, fit: MarkovFit, credit_commits: bool = True) -> Table:
+    """The table for the true rates over the whole horizon (shared by every start of a row).
+
+    ``credit_commits``: Spot is safe while on-demand still fits after a preemption at the next
+    step, the commits of this step kept (exact); else counted from the shards left now, as
+    ``mdp`` and slack_aware's safety rule count it.
+    """
+    rates = Rates.of(fit.up_to_down, fit.down_to_up, grid.step_h)
+    return Table(grid, config, rates, grid.steps, credit_commits=credit_commits)
+
+
+class OracleRates(MarkovDecision):
+    """``mdp`` with the trace's true rates instead of learned ones, on the exact grid (``exact``):
+    its table counts the fallback as slack_aware's safety rule above it does (the rule and the
+    table agree, so the rule should seldom override it)."""
+
+    name = "mdp_oracle_rates"
+
+    def __init__(self, fit: MarkovFit, *, exact: bool = True) -> None:
+        super().__init__()
+        self.fit, self.exact = fit, exact
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        super().reset(config, gap_h)
+        if self.exact:
+            self.grid = exact_grid(config, gap_h)
+
+    def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
+        if config.workers != 1:
+            raise ValueError("the oracle-rates table is for one worker; run it with workers=1")
+        return oracle_table(config, self.grid, self.fit, credit_commits=not self.safety_rule)
+
+
+class TableAlone(OracleRates):
+    """The Bayes-optimal online policy: the oracle table alone, with only its own, exact constraint
+    (waiting or Spot only while on-demand still fits after Spot is gone at the next step, the
+    commits of this step kept) and the penalty for a state unfinished at the deadline."""
+
+    name = "mdp_oracle_table"
+    safety_rule = False
+
+
+# -- the check: brute force over every online policy on a tiny job ------------------------------
+
+
+class _Paused(Exception):
+    def __init__(self, view: View) -> None:
+        self.view = view
+
+
+class _Script:
+    """Replays a fixed list of choices, one per tick, and pauses the run where it ends."""
+
+    name = "script"
+
+    def __init__(self, actions: Sequence[Mode]) -> None:
+        self.actions = actions
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        pass
+
+    def decide(self, view: View) -> list[Mode]:
+        if view.tick < len(self.actions):
+            return [self.actions[view.tick]]
+        raise _Paused(view)
+
+
+def online_optimum(config: SimConfig, gap_s: float, fit: MarkovFit, first_up: bool) -> float:
+    """The least expected cost of any online policy that never misses, by expectimax over the
+    engine itself: at each tick every choice (wait, Spot where there, on-demand) against both
+    next states of the chain; runs are replayed from the start, and the cost-to-go is memoised on
+    the engine's state. Exponential in nothing but the reachable states: for tiny jobs only."""
+    rates = Rates.of(fit.up_to_down, fit.down_to_up, gap_s / 3600.0)
+    p_up = (rates.down_up, rates.up_up)
+    memo: dict[tuple[object, ...], float] = {}
+
+    def total(history: tuple[int, ...], actions: tuple[Mode, ...]) -> float:
+        try:
+            result = simulate(Trace("brute", gap_s, history), 0, config, _Script(actions))
+        except _Paused as paused:
+            return paused.view.cost + to_go(history, actions, paused.view)
+        return math.inf if result.missed else result.cost
+
+    def to_go(history: tuple[int, ...], actions: tuple[Mode, ...], view: View) -> float:
+        slot = view.slots[0]
+        key: tuple[object, ...] = (view.tick, history[-1], view.committed_shards, view.pending_shards)
+        key += (slot.mode, slot.busy, round(slot.changeover_left_h, 6), round(slot.progress_h, 6))
+        if key not in memo:
+            best = math.inf
+            p = p_up[history[-1]]
+            for choice in (Mode.NONE, Mode.ON_DEMAND) + ((Mode.SPOT,) if history[-1] else ()):
+                value = p * total(history + (1,), actions + (choice,))
+                value += (1 - p) * total(history + (0,), actions + (choice,))
+                best = min(best, value - view.cost)
+            memo[key] = best
+        return memo[key]
+
+    return total((int(first_up),), ())
+
+
+def expected_cost(
+    make: Callable[[], Policy], config: SimConfig, gap_s: float, fit: MarkovFit, first_up: bool
+) -> float:
+    """A policy's exact expected cost on the chain: every trace up to the deadline, weighted."""
+    rates = Rates.of(fit.up_to_down, fit.down_to_up, gap_s / 3600.0)
+    ticks = math.ceil(config.deadline_h * 3600 / gap_s - 1e-9)
+    mean = 0.0
+    for rest in itertools.product((0, 1), repeat=ticks - 1):
+        history = (int(first_up),) + rest
+        weight = 1.0
+        for a, b in itertools.pairwise(history):
+            stay = rates.up_up if a else rates.down_up
+            weight *= stay if b else 1 - stay
+        result = simulate(Trace("all", gap_s, history + (0,)), 0, config, make())
+        mean += weight * (math.inf if result.missed else result.cost)
+    return mean
+
+
+#: tiny jobs of the check: (work h, deadline h, changeover h), 10-minute ticks, 0.25 h shards
+CHECK_JOBS = ((0.5, 1.5, 0.1), (0.75, 1.5, 0.2), (0.5, 1.5, 0.0))
+CHECK_FIT = MarkovFit(up_to_down=1.5, down_to_up=1.0)
+
+
+def check(fit: MarkovFit = CHECK_FIT, gap_s: float = 600.0) -> list[dict[str, float]]:
+    """Brute force against the oracle table (its own value, and its run with and without the rule)."""
+    out = []
+    for (work, deadline, changeover), first_up in itertools.product(CHECK_JOBS, (True, False)):
+        cfg = SimConfig(work_h=work, deadline_h=deadline, changeover_h=changeover, price_ratio=3.0)
+        grid = exact_grid(cfg, gap_s / 3600.0)
+        table = oracle_table(cfg, grid, fit)
+        out.append(
+            {
+                "work_h": work,
+                "deadline_h": deadline,
+                "changeover_h": changeover,
+                "first_up": float(first_up),
+                "brute_force": online_optimum(cfg, gap_s, fit, first_up),
+                "table_value": float(table.idle[grid.steps][int(first_up), grid.shards]),
+                "oracle": expected_cost(lambda: OracleRates(fit), cfg, gap_s, fit, first_up),
+                "table_alone": expected_cost(lambda: TableAlone(fit), cfg, gap_s, fit, first_up),
+            }
+        )
+    return out
+
+
+# -- the measurement on the Markov twins ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One twin × setting: each policy's cost per start, and what the oracle's rule did."""
+
+    trace: str
+    fit: MarkovFit
+    setting: Setting
+    costs: dict[str, tuple[float, ...]]
+    misses: dict[str, int]
+    overrides: int  # worker choices where slack_aware's rule changed the oracle table's action
+    decisions: int
+
+
+def run_row(args: tuple[Trace, MarkovFit, Setting]) -> Row:
+    trace, fit, setting = args
+    cfg = setting.config()
+    ticks = start_ticks(trace, cfg, starts=setting.starts, seed=1)
+    params = PolicyParams()
+    makers: dict[str, Callable[[int], Policy]] = {
+        "oracle": lambda _: OracleRates(fit),
+        "table_alone": lambda _: TableAlone(fit),
+        "oracle_mdp_grid": lambda _: OracleRates(fit, exact=False),
+        "mdp": lambda t: online_at("mdp", trace, t, 1, params),
+        "slack_aware": lambda t: slack_aware_at([trace], t, 1),
+        "uniform_progress": lambda _: UniformProgress(),
+        "on_demand": lambda _: OnDemand(),
+    }
+    costs: dict[str, list[float]] = {name: [] for name in POLICIES}
+    misses = dict.fromkeys(POLICIES, 0)
+    overrides = decisions = 0
+    for tick in ticks:
+        costs["exact"].append(exact_optimum(trace, tick, cfg).cost)
+        for name, make in makers.items():
+            policy = make(tick)
+            result = simulate(trace, tick, cfg, policy)
+            costs[name].append(result.cost)
+            misses[name] += result.missed
+            if name == "oracle" and isinstance(policy, OracleRates):
+                overrides += policy.overrides
+                decisions += policy.decisions
+    frozen = {name: tuple(values) for name, values in costs.items()}
+    return Row(trace.name, fit, setting, frozen, misses, overrides, decisions)
+
+
+def measure(
+    traces: Sequence[Trace], starts: int = 20, jobs: int = 1, hours: float = 1000.0, seed: int = 1
+) -> list[Row]:
+    """Every single-node trace's twin × the study's ``N = 1`` settings, ``starts`` starts each."""
+    work = []
+    for trace in traces:
+        fit = fit_markov(trace)
+        double = twin(trace, fit, hours, seed)
+        work += [(double, fit, s) for s in settings(starts_n1=starts) if s.workers == 1]
+    if jobs == 1:
+        return [run_row(w) for w in work]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run_row, work))
+
+
+def ratios(rows: Sequence[Row], name: str) -> tuple[float, float]:
+    """``name``'s cost over the exact optimum: the ratio of the mean costs, and the mean per-start ratio."""
+    mine = [c for r in rows for c in r.costs[name]]
+    exact = [c for r in rows for c in r.costs["exact"]]
+    per_start = math.fsum(a / b for a, b in zip(mine, exact, strict=True)) / len(mine)
+    return math.fsum(mine) / math.fsum(exact), per_start
+
+
+def standard_error(rows: Sequence[Row], name: str) -> float:
+    """The ratio of means' standard error (delta method, starts taken as independent draws)."""
+    mine = [c for r in rows for c in r.costs[name]]
+    exact = [c for r in rows for c in r.costs["exact"]]
+    n, ratio = len(mine), math.fsum(mine) / math.fsum(exact)
+    residual = [a - ratio * b for a, b in zip(mine, exact, strict=True)]
+    mean = math.fsum(residual) / n
+    variance = math.fsum((x - mean) ** 2 for x in residual) / max(1, n - 1)
+    return math.sqrt(variance / n) / (math.fsum(exact) / n)
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """Per twin (its 4 settings together) and overall: ratio of means (mean of ratios) per policy."""
+    columns = POLICIES[1:]
+    head = "| twin of | mean spell up / down h | availability | " + " | ".join(columns) + " |\n"
+    head += "|---" * (3 + len(columns)) + "|\n"
+    lines = []
+    groups = {r.trace: [x for x in rows if x.trace == r.trace] for r in rows}
+    for name, group in [*groups.items(), ("**all**", list(rows))]:
+        fit = group[0].fit
+        spells = f"{1 / fit.up_to_down:.2f} / {1 / fit.down_to_up:.2f}" if name != "**all**" else ""
+        avail = f"{fit.availability:.3f}" if name != "**all**" else ""
+        cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
+        lines.append(f"| {name.removeprefix('twin:')} | {spells} | {avail} | " + " | ".join(cells) + " |")
+    for key in sorted({(r.setting.deadline_h, r.setting.changeover_h) for r in rows}):
+        group = [r for r in rows if (r.setting.deadline_h, r.setting.changeover_h) == key]
+        cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
+        lines.append(f"| all, D = {key[0]:g} h, d = {key[1]:g} h | | | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines)
+
+
+def summary(rows: Sequence[Row]) -> str:
+    parts = [f"rows={len(rows)} starts={sum(len(r.costs['exact']) for r in rows)}"]
+    for name in POLICIES[1:]:
+        a, b = ratios(rows, name)
+        parts.append(f"{name}={a:.4f}/{b:.4f}±{standard_error(rows, name):.4f}")
+    decisions = sum(r.decisions for r in rows)
+    parts.append(f"oracle_overrides={sum(r.overrides for r in rows)}/{decisions}")
+    parts.append("misses=" + ",".join(f"{n}:{sum(r.misses[n] for r in rows)}" for n in POLICIES[1:]))
+    return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m airflow_deadline_batch.sim.online_bound")
+    parser.add_argument("--traces", type=Path, help="folder searched for *.json Spot traces (1-GPU rows)")
+    parser.add_argument("--starts", type=int, default=20, help="starts per twin and setting")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--hours", type=float, default=1000.0, help="length of each twin")
+    parser.add_argument("--twin-seed", type=int, default=1, help="the twins' draw")
+    parser.add_argument("--check", action="store_true", help="brute force against the oracle on tiny jobs")
+    parser.add_argument("--out", type=Path, help="also write every start's costs here (JSON lines)")
+    args = parser.parse_args(argv)
+    if args.check:
+        for line in check():
+            print(" ".join(f"{k}={v:.6g}" for k, v in line.items()))
+        return 0
+    if not args.traces:
+        parser.error("pass --traces DIR (the shared spot-traces folder) or --check")
+    traces = [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
+    rows = measure(traces, args.starts, args.jobs, args.hours, args.twin_seed)
+    print(markdown(rows))
+    print(summary(rows))
+    if args.out:
+        with args.out.open("w") as out:
+            for r in rows:
+                fields = {
+                    "trace": r.trace,
+                    "deadline_h": r.setting.deadline_h,
+                    "changeover_h": r.setting.changeover_h,
+                }
+                print(
+                    json.dumps({**fields, "costs": r.costs, "misses": r.misses, "overrides": r.overrides}),
+                    file=out,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
