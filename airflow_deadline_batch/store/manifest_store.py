@@ -1047,6 +1047,38 @@ class ManifestStore:
 
         return self._tx(read, write=False)
 
+    def lease_holders(self, job_id: str, shard_index: int) -> list[AttemptRow]:
+        """The shard's running attempts that hold its lease or its racing lease (at most two).
+
+        One read, so a pod operator that saw a pod end can find the attempts that ran in it
+        (by ``worker``) without reading every attempt of the job.
+        """
+
+        def read(conn: Connection) -> list[AttemptRow]:
+            shard = conn.execute(
+                sa.select(shards.c.lease_attempt_id, shards.c.race_attempt_id).where(
+                    _shard_key(job_id, shard_index)
+                )
+            ).first()
+            if shard is None:
+                self._job(conn, job_id)
+                raise _no_such_shard(job_id, shard_index)
+            held = [a for a in (shard.lease_attempt_id, shard.race_attempt_id) if a is not None]
+            if not held:
+                return []
+            query = (
+                sa.select(attempts)
+                .where(
+                    attempts.c.job_id == job_id,
+                    attempts.c.attempt_id.in_(held),
+                    attempts.c.outcome == AttemptOutcome.RUNNING.value,
+                )
+                .order_by(attempts.c.started_at)
+            )
+            return [AttemptRow.from_row(r) for r in conn.execute(query)]
+
+        return self._tx(read, write=False)
+
     def progress(self, job_id: str) -> Progress:
         """Progress counted from commits only (docs/design.md §4.5 invariant 4).
 
