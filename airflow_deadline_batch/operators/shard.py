@@ -28,6 +28,13 @@ last try never hands its slot back (no reschedule, no deferral): it waits in the
 again, deterministic failures the store counted included, so the store's ``max_attempts`` decides.
 The resume delay is ``[deadline_batch] min_resume_delay_s`` (default 5 s).
 
+A pod that ended (``Succeeded``, ``Failed`` or gone; never one only terminating) ends the attempts
+that ran in it and still hold a lease at once, ``abandoned`` with the pod's class, as the local
+launcher does for a worker it saw die (:meth:`DeadlineShardPodOperator.end_pod_attempts`,
+docs/design.md §4.4): the next try claims without waiting out the lease's TTL, and a crash
+(``deterministic``) is no preemption. Attempts are traced to their pod by the worker's name,
+``<hostname>:<pid>``, the pod's name being its hostname (:func:`attempts_of_pod`).
+
 A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
 pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
 from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)

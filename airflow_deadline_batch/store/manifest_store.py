@@ -1001,7 +1001,8 @@ class ManifestStore:
         *,
         failure: FailureClass | str | None = None,
     ) -> bool:
-        """The launcher saw the attempt's process die: end it ``abandoned``, make the shard claimable now.
+        """The launcher saw the attempt's process die (the pod operator: its pod end): end it
+        ``abandoned``, make the shard claimable now.
 
         ``failure`` is the launcher's class for the death: ``preempted`` when it sent the kill
         itself, ``deterministic`` for a crash (which spends the budget if nothing was committed,
