@@ -28,6 +28,13 @@ last try never hands its slot back (no reschedule, no deferral): it waits in the
 again, deterministic failures the store counted included, so the store's ``max_attempts`` decides.
 The resume delay is ``[deadline_batch] min_resume_delay_s`` (default 5 s).
 
+A pod that ended (``Succeeded``, ``Failed`` or gone; never one only terminating) ends the attempts
+that ran in it and still hold a lease at once, ``abandoned`` with the pod's class, as the local
+launcher does for a worker it saw die (:meth:`DeadlineShardPodOperator.end_pod_attempts`,
+docs/design.md §4.4): the next try claims without waiting out the lease's TTL, and a crash
+(``deterministic``) is no preemption. Attempts are traced to their pod by the worker's name,
+``<hostname>:<pid>``, the pod's name being its hostname (:func:`attempts_of_pod`).
+
 A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
 pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
 from the pod's creation until the try gives up at its startup timeout (:func:`unschedulable_reason`)
@@ -108,6 +115,7 @@ from airflow_deadline_batch.operators.placement import (
     read_job_view,
     tail_has_room,
 )
+from airflow_deadline_batch.store.rows import AttemptRow
 from airflow_deadline_batch.triggers.pod import RACE_KEY, RUNNING, ShardPodTrigger, min_resume_delay_s
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
@@ -272,6 +280,44 @@ def _classify_status(
         f"pod {status.phase or 'unknown'} with exit code {code} ({status.reason or 'no reason'})",
         code,
     )
+
+
+#: the longest hostname Kubernetes gives a pod (its name cut to this, docs/kubernetes.md)
+POD_HOSTNAME_MAX = 63
+
+
+def pod_hostname(name: str) -> str:
+    """The hostname a pod's containers see: its name cut to 63 characters, without a trailing
+    ``-`` or ``.`` (the kubelet's ``GeneratePodHostNameAndDomain``). A worker names its attempts
+    ``<hostname>:<pid>``, so this is how an attempt is traced to its pod."""
+    return name[:POD_HOSTNAME_MAX].rstrip("-.")
+
+
+def attempts_of_pod(
+    attempts: Sequence[AttemptRow], name: str, labels: Mapping[str, str] | None = None
+) -> list[AttemptRow]:
+    """Which of ``attempts`` ran in pod ``name`` (pure): the worker's hostname is the pod's, and a
+    racer pod (label :data:`RACE_LABEL`, or a ``-race`` name when the labels are unknown) runs only
+    speculative attempts, a try's own pod none, so that a racer named after its Spot pod and cut to
+    the same 63-character hostname is never taken for it. With ``labels``, the pool must match too.
+    """
+    prefix = f"{pod_hostname(name)}:"
+    racer = labels.get(RACE_LABEL) == "true" if labels is not None else name.endswith("-race")
+    pool = (labels or {}).get(f"{LABEL_PREFIX}/pool")
+    return [
+        a
+        for a in attempts
+        if a.worker.startswith(prefix) and a.speculative == racer and (pool is None or a.pool == pool)
+    ]
+
+
+def pod_ended(pod: k8s.V1Pod | None) -> bool:
+    """Whether no container of ``pod`` can still run: it is gone (None), ``Succeeded`` or ``Failed``.
+
+    A pod terminating under an eviction is still ``Running`` (its worker may be committing within
+    its grace period, and ends its own attempt): not ended.
+    """
+    return pod is None or (pod.status is not None and pod.status.phase in FINISHED_PHASES)
 
 
 def unschedulable_reason(pod: k8s.V1Pod | None) -> str | None:
@@ -892,6 +938,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             found.reason,
             racer.metadata.name,
         )
+        self.end_pod_attempts(event["name"], spot, found)  # the racer takes the shard's lease at once
         if spot is not None:
             self.patch_already_checked(spot, reraise=False)
             self.process_pod_deletion(spot, reraise=False)
@@ -945,6 +992,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             found.outcome.value,
             found.reason,
         )
+        self.end_pod_attempts(event["name"], remote, found)
         self.settle_pod(found, exc)
 
     def settle_pod(self, found: PodClassification, exc: AirflowException) -> None:
@@ -956,6 +1004,59 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             self.settle_failure(failure, found.reason, shard_failed=shard_failed)
         except AirflowException as settled:
             raise settled from exc
+
+    def end_pod_attempts(
+        self,
+        name: str,
+        remote: k8s.V1Pod | None,
+        found: PodClassification,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[str]:
+        """Pod ``name`` ended (``remote``: its last state; None: gone): end the attempts that ran in
+        it and still hold a lease, ``abandoned`` with the pod's class, as the local launcher does
+        when it sees its worker die (docs/design.md §4.4). The next try then claims the shard at
+        once instead of after the lease's TTL, and a crash (``deterministic``) is no preemption.
+
+        Nothing happens while a container may still run (:func:`pod_ended`). Only this pod's
+        attempts (:func:`attempts_of_pod`), never a racer's beside it; the store ends an attempt
+        only under its own ID while it runs, so an abandon that comes late is harmless. Best
+        effort: a store that cannot be read or written leaves the lease to lapse, as before.
+        Returns the attempt IDs ended.
+        """
+        failure = failure_class_of(found)
+        if failure is None or not pod_ended(remote):
+            return []
+        if failure is FailureClass.CONFIGURATION:
+            # a worker that knew it was configuration ended its own attempt (and stopped the job);
+            # one it left running died without saying (an unhandled error exits 1): a crash
+            failure = FailureClass.DETERMINISTIC
+        if remote is not None and remote.metadata is not None and labels is None:
+            labels = remote.metadata.labels
+        ended: list[str] = []
+        try:
+            store = self.store_hook().get_store()
+            try:
+                held = store.lease_holders(self.job_id, int(self.shard_index))
+                for attempt in attempts_of_pod(held, name, labels):
+                    why = f"pod {name} ended ({found.reason})"
+                    if store.abandon_attempt(
+                        self.job_id, int(self.shard_index), attempt.attempt_id, why, failure=failure
+                    ):
+                        ended.append(attempt.attempt_id)
+            finally:
+                store.close()
+        except Exception:
+            self.log.warning("could not end the attempts of pod %s", name, exc_info=True)
+        for attempt_id in ended:
+            self.log.warning(
+                "shard %s of job %s: attempt %s of pod %s abandoned (%s): the next try claims at once",
+                self.shard_index,
+                self.job_id,
+                attempt_id,
+                name,
+                failure.value,
+            )
+        return ended
 
     def get_or_create_pod(self, pod_request_obj: k8s.V1Pod, context: Any) -> k8s.V1Pod:
         if self.reattach_on_restart:
@@ -1002,6 +1103,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             if phase in FINISHED_PHASES:
                 found = classify_pod(pod, self.base_container_name)
                 why = f"ended ({found.outcome.value}: {found.reason})"
+                self.end_pod_attempts(pod.metadata.name, pod, found)
             elif phase == "Pending" and pool is not None and labels.get(f"{LABEL_PREFIX}/pool") != pool:
                 why = f"still pending on pool {labels.get(f'{LABEL_PREFIX}/pool')}, this try's is {pool}"
             else:
@@ -1300,6 +1402,11 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             phase = racer.status.phase if racer is not None and racer.status else None
             if phase is None or phase in FINISHED_PHASES or phase == "Pending":
                 done = self.shard_done()  # it may have completed the shard on its way out
+                if not done:
+                    found = classify_pod(racer, self.base_container_name)
+                    self.end_pod_attempts(
+                        self._racer.metadata.name, racer, found, self._racer.metadata.labels
+                    )
                 self.delete_racer()
                 return done
             tick.wait(min(RACE_POLL_S, self.race_check_interval_s))
@@ -1334,6 +1441,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
                 found.outcome.value,
                 found.reason,
             )
+            self.end_pod_attempts(pod.metadata.name, remote_pod, found, pod.metadata.labels)
             if self.await_racer():
                 self.log.info("shard %s of job %s: done by its racer", self.shard_index, self.job_id)
                 return

@@ -16,7 +16,6 @@ from airflow.sdk import Asset, BaseSensorOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_deadline_batch.core.clock import UTC, SystemClock
-from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S
 from airflow_deadline_batch.core.states import JobState
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import connection_s3
@@ -34,6 +33,7 @@ from airflow_deadline_batch.triggers.completeness import (
     evaluate_progress,
     plain,
 )
+from airflow_deadline_batch.triggers.pod import min_resume_delay_s
 
 
 def default_manifest_asset(dag_id: str | None, task_id: str) -> Asset:
@@ -170,8 +170,8 @@ class CompletenessSensor(BaseSensorOperator):
         A job that is over when the sensor starts (the usual case when the sensor runs after the
         shard tasks) is verified and published here, without a triggerer round trip. Otherwise the
         :class:`CompletenessTrigger` takes over; its first read comes ``max(poke_interval,
-        MIN_RESUME_DELAY_S)`` later: a task that resumes within a scheduler loop of deferring can
-        be failed by Airflow 3.3's scheduler (docs/airflow.md, *Resuming tasks*).
+        [deadline_batch] min_resume_delay_s)`` later: a task that resumes within a scheduler loop
+        of deferring can be failed by Airflow 3.3's scheduler (docs/airflow.md, *Resuming tasks*).
         """
         self._resolve_plan(context)
         self._check_store()
@@ -185,6 +185,10 @@ class CompletenessSensor(BaseSensorOperator):
             event = CompletenessEvent(CompletenessStatus.TIMEOUT, self.job_id, progress, "deadline passed")
         if event is not None:
             return self._finish(context, event)
+        try:
+            resume_delay = min_resume_delay_s()
+        except ConfigurationError as exc:  # a bad setting: no retry can fix it
+            raise AirflowFailException(str(exc)) from exc
         timeout_at = dt.datetime.now(UTC) + dt.timedelta(seconds=self.timeout)
         if self.expire_unfinished and progress.get("deadline"):
             timeout_at = min(timeout_at, dt.datetime.fromisoformat(str(progress["deadline"])))
@@ -204,7 +208,7 @@ class CompletenessSensor(BaseSensorOperator):
                 timeout_at=timeout_at.isoformat(),
                 dag_id=self.dag_id if self.has_dag() else None,
                 aws_conn_id=self._aws_conn_id(),
-                first_poll_delay_s=max(self.poke_interval, MIN_RESUME_DELAY_S),
+                first_poll_delay_s=max(self.poke_interval, resume_delay),
                 **self._risk_trigger_kwargs(),
             ),
             method_name="execute_complete",

@@ -1001,7 +1001,8 @@ class ManifestStore:
         *,
         failure: FailureClass | str | None = None,
     ) -> bool:
-        """The launcher saw the attempt's process die: end it ``abandoned``, make the shard claimable now.
+        """The launcher saw the attempt's process die (the pod operator: its pod end): end it
+        ``abandoned``, make the shard claimable now.
 
         ``failure`` is the launcher's class for the death: ``preempted`` when it sent the kill
         itself, ``deterministic`` for a crash (which spends the budget if nothing was committed,
@@ -1042,6 +1043,38 @@ class ManifestStore:
                 sa.select(attempts)
                 .where(attempts.c.job_id == job_id)
                 .order_by(attempts.c.started_at, attempts.c.shard_index, attempts.c.epoch)
+            )
+            return [AttemptRow.from_row(r) for r in conn.execute(query)]
+
+        return self._tx(read, write=False)
+
+    def lease_holders(self, job_id: str, shard_index: int) -> list[AttemptRow]:
+        """The shard's running attempts that hold its lease or its racing lease (at most two).
+
+        One read, so a pod operator that saw a pod end can find the attempts that ran in it
+        (by ``worker``) without reading every attempt of the job.
+        """
+
+        def read(conn: Connection) -> list[AttemptRow]:
+            shard = conn.execute(
+                sa.select(shards.c.lease_attempt_id, shards.c.race_attempt_id).where(
+                    _shard_key(job_id, shard_index)
+                )
+            ).first()
+            if shard is None:
+                self._job(conn, job_id)
+                raise _no_such_shard(job_id, shard_index)
+            held = [a for a in (shard.lease_attempt_id, shard.race_attempt_id) if a is not None]
+            if not held:
+                return []
+            query = (
+                sa.select(attempts)
+                .where(
+                    attempts.c.job_id == job_id,
+                    attempts.c.attempt_id.in_(held),
+                    attempts.c.outcome == AttemptOutcome.RUNNING.value,
+                )
+                .order_by(attempts.c.started_at)
             )
             return [AttemptRow.from_row(r) for r in conn.execute(query)]
 
