@@ -281,8 +281,10 @@ class MarkovDecision(SlackAware):
     on-demand when a Spot choice could waste more than the room left); ``guards`` runs
     slack_aware's storm backoff and expected-cost rule (``spot_cost_limit``) in front of the table
     (a storm sends fresh tries on-demand, a dear Spot try is taken off the table's choices);
-    ``waste_price`` is the table's risk term (:class:`Table`); ``PolicyParams.return_doubling``
-    paces the moves from on-demand back to Spot as slack_aware's rule does.
+    ``waste_price`` is the table's risk term (:class:`Table`), with ``waste_above`` only while the
+    run has banked less than that fraction of on-demand only's cost (a coarse budget state);
+    ``PolicyParams.return_doubling`` paces the moves from on-demand back to Spot as slack_aware's
+    rule does.
     """
 
     name = "mdp"
@@ -298,34 +300,56 @@ class MarkovDecision(SlackAware):
         *,
         guards: bool = False,
         waste_price: float = 0.0,
+        waste_above: float | None = None,
     ) -> None:
         super().__init__(params, priors)
         if not waste_price >= 0 or math.isinf(waste_price):
             raise ValueError(f"waste_price must be a finite number >= 0 (e.g. 1.0), got {waste_price!r}")
+        if waste_above is not None and not waste_above >= 0:
+            raise ValueError(f"waste_above must be >= 0 (e.g. 0.02) or None, got {waste_above!r}")
         self.guards = guards
         self.waste_price = waste_price
+        #: the risk term only while the job has saved less than this fraction of on-demand only's
+        #: cost so far (its excess above ``-waste_above ×`` that cost); ``None``: always
+        self.waste_above = waste_above
+
+    def _waste_price(self, view: View, excess_s: float) -> float:
+        """The risk term's price now: ``waste_price`` while the run is near on-demand's cost."""
+        if self.waste_above is None or not self.waste_price:
+            return self.waste_price
+        cfg = view.config
+        on_demand_s = cfg.price_ratio * (cfg.work_h + cfg.workers * cfg.changeover_h) * 3600
+        return self.waste_price if excess_s >= -self.waste_above * on_demand_s else 0.0
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
         super().reset(config, gap_h)
         self.grid = Grid.for_job(config, gap_h)
         #: tables solved for this job, by the rates rounded to ``resolve_change`` (a table solved
         #: earlier covers every later, shorter horizon)
-        self.tables: dict[tuple[int, int], Table] = {}
+        self.tables: dict[tuple[int, int, float], Table] = {}
         #: tables solved, decisions taken (one per tick, every worker), and seconds spent in both
         self.solves = 0
         self.solve_seconds = 0.0
         self.decisions = 0
         self.seconds = 0.0
 
-    def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
+    def _table(
+        self,
+        config: SimConfig,
+        availability: float,
+        run_h: float,
+        time_left_h: float,
+        *,
+        waste_price: float = 0.0,
+    ) -> Table:
         key = Rates.key(availability, run_h, self.resolve_change)
-        table = self.tables.get(key)
+        table = self.tables.get((*key, waste_price))
         if table is None:
             steps = min(self.grid.steps, math.ceil(time_left_h / self.grid.step_h - 1e-9) + 1)
             rates = Rates.at(key, self.resolve_change, self.grid.step_h)
             began = time.perf_counter()
-            table = Table(self.grid, config, rates, max(1, steps), waste_price=self.waste_price)
-            self.tables[key] = table
+            table = Table(self.grid, config, rates, max(1, steps), waste_price=waste_price)
+            self.tables[(*key, waste_price)] = table
             self.solve_seconds += time.perf_counter() - began
             self.solves += 1
         return table
@@ -352,13 +376,15 @@ class MarkovDecision(SlackAware):
             )
         if view.pending_shards == 0 and not any(s.busy for s in view.slots):
             return [Mode.NONE] * len(view.slots)
-        table = self._table(cfg, availability, run_h, view.time_left_h)
+        excess_s = cost_excess_h(view) * 3600
+        table = self._table(
+            cfg, availability, run_h, view.time_left_h, waste_price=self._waste_price(view, excess_s)
+        )
         n = cfg.workers
         now = EPOCH + dt.timedelta(hours=view.t_h)
         free = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
         on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)
         starting = sum(1 for s in view.slots if s.mode is Mode.SPOT and s.changeover_left_h > 0)
-        excess_s = cost_excess_h(view) * 3600
         fruitless_end = self.spot_tries.fruitless_end_s
         steps_left = round(view.time_left_h / self.grid.step_h)
         grid = self.grid

@@ -11,7 +11,8 @@ trace files are never read here: they are for evaluation. ``--policy mdp`` (anyw
 arguments) scores the research policy of :mod:`.mdp` in place of slack_aware (its ``PolicyParams``
 set the safety rule's interval and the estimate's prior, and ``cost_cap`` its cap rule), with
 ``--guards`` (slack_aware's storm and expected-cost guards in front of its table) and
-``--waste-price X`` (the table's risk term); ``--starts M`` sets the multi-GPU starts per row and
+``--waste-price X`` (the table's risk term; ``--waste-above F``: only while the run has saved
+less than ``F ×`` on-demand only's cost); ``--starts M`` sets the multi-GPU starts per row and
 ``--jobs N`` the processes.
 """
 
@@ -41,6 +42,7 @@ class MdpVariant:
 
     guards: bool = False
     waste_price: float = 0.0
+    waste_above: float | None = None
 
 
 def online_at(
@@ -54,7 +56,13 @@ def online_at(
     if policy == "slack_aware":
         return SlackAware(params, priors)
     variant = policy if isinstance(policy, MdpVariant) else MdpVariant()
-    return MarkovDecision(params, priors, guards=variant.guards, waste_price=variant.waste_price)
+    return MarkovDecision(
+        params,
+        priors,
+        guards=variant.guards,
+        waste_price=variant.waste_price,
+        waste_above=variant.waste_above,
+    )
 
 
 Score = tuple[str, int, float, float, float, int, float, float]
@@ -251,16 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     args, jobs_text = _option(args, "--jobs", "2")
     args, starts_text = _option(args, "--starts", "0")
     args, waste_text = _option(args, "--waste-price", "0")
+    args, above_text = _option(args, "--waste-above", "")
     guards = "--guards" in args
     args = [a for a in args if a != "--guards"]
     if policy not in TUNED:
         raise SystemExit(f"unknown --policy {policy!r}; use one of {', '.join(TUNED)}")
     waste = float(waste_text)
-    if policy != "mdp" and (guards or waste):
-        raise SystemExit("--guards and --waste-price are options of mdp: add --policy mdp")
+    if policy != "mdp" and (guards or waste or above_text):
+        raise SystemExit("--guards, --waste-price and --waste-above are options of mdp: add --policy mdp")
     if not waste >= 0:
         raise SystemExit(f"--waste-price must be >= 0, e.g. --waste-price 1, got {waste_text}")
-    online: str | MdpVariant = MdpVariant(guards, waste) if policy == "mdp" else policy
+    above = float(above_text) if above_text else None
+    online: str | MdpVariant = MdpVariant(guards, waste, above) if policy == "mdp" else policy
     jobs = int(jobs_text)
     if args and args[0] == "--multi-gpu":
         candidates = [PolicyParams(**json.loads(a)) for a in args[1:]] or [PolicyParams()]

@@ -45,7 +45,8 @@ VARIANTS: list[tuple[PolicyParams, MdpVariant]] = [
     (PolicyParams(cost_cap=0.01), MdpVariant()),
     (PolicyParams(), MdpVariant(guards=True)),
     (PolicyParams(), MdpVariant(waste_price=1.0)),
-    (PolicyParams(cost_cap=0.0), MdpVariant(guards=True, waste_price=2.0)),
+    (PolicyParams(), MdpVariant(waste_price=2.0, waste_above=0.0)),
+    (PolicyParams(cost_cap=0.0, return_doubling=True), MdpVariant(guards=True, waste_price=2.0)),
 ]
 
 
@@ -65,7 +66,9 @@ def test_mdp_never_misses_a_deadline_on_demand_meets(
     trace, cfg = scenario
     assert cfg.on_demand_feasible()
     params, options = variant
-    policy = _Checked(params, guards=options.guards, waste_price=options.waste_price)
+    policy = _Checked(
+        params, guards=options.guards, waste_price=options.waste_price, waste_above=options.waste_above
+    )
     result = simulate(trace, start % len(trace.capacity), cfg, policy)
     assert not result.missed, (result.finish_h, cfg.deadline_h)
 
@@ -203,7 +206,21 @@ def test_guards_and_the_risk_term_hold_mdp_near_on_demand_on_flapping_spot() -> 
 def test_mdp_options_need_the_mdp_policy_and_a_valid_price() -> None:
     with pytest.raises(SystemExit, match="add --policy mdp"):
         tuning_main(["--guards"])
+    with pytest.raises(SystemExit, match="add --policy mdp"):
+        tuning_main(["--waste-above", "0.02"])
     with pytest.raises(SystemExit, match="--waste-price must be >= 0"):
         tuning_main(["--policy", "mdp", "--waste-price", "-1"])
     with pytest.raises(ValueError, match="waste_price must be a finite number >= 0"):
         MarkovDecision(waste_price=-0.5)
+    with pytest.raises(ValueError, match="waste_above must be >= 0"):
+        MarkovDecision(waste_price=1.0, waste_above=-0.01)
+
+
+def test_the_risk_term_applies_only_while_the_run_has_banked_less_than_waste_above() -> None:
+    cfg = SimConfig(work_h=4, deadline_h=8, changeover_h=0.1)  # on-demand only: 3 × 4.1 = 12.3
+    view = View(cfg, 0, 0.0, 0.1, 1, 4.0, 0, 16, (), ())
+    policy = MarkovDecision(waste_price=2.0, waste_above=0.02)
+    assert policy._waste_price(view, excess_s=0.0) == 2.0
+    assert policy._waste_price(view, excess_s=-0.24 * 3600) == 2.0  # banked 0.24 < 0.246
+    assert policy._waste_price(view, excess_s=-0.25 * 3600) == 0.0
+    assert MarkovDecision(waste_price=2.0)._waste_price(view, excess_s=-100 * 3600) == 2.0
