@@ -34,14 +34,26 @@ from __future__ import annotations
 import datetime as dt
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, od_need_s, spot_risk_s
+from airflow_deadline_batch.core.calibration import AvailabilityEstimate
+from airflow_deadline_batch.core.placement import (
+    JobSnapshot,
+    PolicyParams,
+    choose_pool,
+    cost_room_s,
+    in_storm,
+    od_need_s,
+    spot_cost_ratio,
+    spot_risk_s,
+    spot_waste_s,
+)
 from airflow_deadline_batch.core.pools import PoolKind
-from airflow_deadline_batch.sim.engine import Choice, Mode, SimConfig, View
-from airflow_deadline_batch.sim.policies import EPOCH, SlackAware
+from airflow_deadline_batch.sim.engine import Choice, Mode, SimConfig, SlotView, View
+from airflow_deadline_batch.sim.policies import EPOCH, SlackAware, cost_excess_h
 
 #: the running try's mode in the table's state, and the actions (IDLE = wait)
 IDLE, SPOT, OD = 0, 1, 2
@@ -142,9 +154,19 @@ class Table:
     """
 
     def __init__(
-        self, grid: Grid, config: SimConfig, rates: Rates, steps: int, *, credit_commits: bool = False
+        self,
+        grid: Grid,
+        config: SimConfig,
+        rates: Rates,
+        steps: int,
+        *,
+        credit_commits: bool = False,
+        waste_price: float = 0.0,
     ) -> None:
         self.grid, self.rates, self.k = grid, rates, config.price_ratio
+        #: the risk term: every hour a stop or a preemption throws away (the try's changeover done
+        #: and its uncommitted progress, at its price) costs this much more (0: expected cost only)
+        self.waste_price = waste_price
         self.p_up = np.array([rates.down_up, rates.up_up])
         c, size, per = grid.changeover_units, grid.shard_units, grid.per_step
         width = c + size
@@ -159,6 +181,9 @@ class Table:
         r_next = np.clip(r - commits, 0, grid.shards)
         j_next = np.clip(after - commits * size + c, 0, width - 1)
         self.next_flat = r_next * width + j_next
+        # what a try throws away if stopped now ``[j]``, or preempted at the next step ``[r, j]``
+        self.lost_h = np.arange(width) * grid.unit_h
+        self.lost_next_h = j_next[0] * grid.unit_h
         self.next_r = r_next
         # the shards left that decide whether Spot is safe: now, or (``credit_commits``, exact) after
         # the step's commits, which a try preempted at the next step keeps (-1: it finishes)
@@ -193,6 +218,9 @@ class Table:
         np.copyto(od, self.done_od, where=self.done)
         spot = p1 * nxt_running[0, 1].reshape(-1)[self.next_flat] + (1 - p1) * nxt_idle[0][self.next_r]
         spot += step
+        w = self.waste_price
+        if w:
+            spot += (1 - p1) * w * self.lost_next_h
         np.copyto(spot, self.done_h, where=self.done)
         spot[self.spot_r >= unsafe] = np.inf  # [r, j], Spot there only
         idle = np.minimum(wait, od[:, :, 0])
@@ -200,23 +228,38 @@ class Table:
         running = np.empty((2,) + od.shape)
         stop = wait[:, :, None]
         np.minimum(stop, od[:, :, :1], out=running[0])  # a Spot try: stop, or on-demand instead
+        if w:
+            running[0] += w * self.lost_h
         np.minimum(running[0, 1], spot, out=running[0, 1])  # ... or keep it (Spot there)
-        np.minimum(stop, od, out=running[1])  # an on-demand try: stop, or keep it
-        np.minimum(running[1, 1], spot[:, :1], out=running[1, 1])  # ... or start Spot
+        if w:
+            np.minimum(stop + w * k * self.lost_h, od, out=running[1])  # an on-demand try: stop, or keep it
+            np.minimum(running[1, 1], spot[:, :1] + w * k * self.lost_h, out=running[1, 1])  # ... or Spot
+        else:
+            np.minimum(stop, od, out=running[1])  # an on-demand try: stop, or keep it
+            np.minimum(running[1, 1], spot[:, :1], out=running[1, 1])  # ... or start Spot
         idle[:, 0] = 0.0
         running[:, :, 0, :] = 0.0
         return idle, running
 
-    def action(self, t: int, s: int, m: int, r: int, j: int) -> int:
+    def action(self, t: int, s: int, m: int, r: int, j: int, *, spot_ok: bool = True) -> int:
         """The best action (IDLE = wait, SPOT, OD) with ``t`` steps left at one state: the same
-        choice as :meth:`layer`, for that state alone."""
+        choice as :meth:`layer`, for that state alone; without ``spot_ok`` only waiting or on-demand
+        (a guard in front of the table took Spot off)."""
+        values = self.values(t, s, m, r, j, spot_ok=spot_ok)
+        return min(range(3), key=values.__getitem__)
+
+    def values(self, t: int, s: int, m: int, r: int, j: int, *, spot_ok: bool = True) -> tuple[float, ...]:
+        """The expected cost-to-go of waiting, Spot and on-demand at one state (risk term included)."""
         t = min(t, len(self.idle) - 1)
         if t < 1 or r < 1:
-            return OD
+            return (math.inf, math.inf, 0.0)
         nxt_idle, nxt_run = self.idle[t - 1], self.running[t - 1]
         step, p, p1 = self.grid.step_h, float(self.p_up[s]), self.rates.up_up
         safe = (t - 1) * step >= self.safe_h[r] - 1e-9
         wait = p * nxt_idle[1, r] + (1 - p) * nxt_idle[0, r] + TIE if safe else math.inf
+        w = self.waste_price
+        # the risk term: leaving the running try throws its changeover done and progress away
+        lost = 0.0 if m == IDLE else w * (self.k if m == OD else 1.0) * float(self.lost_h[j])
 
         def on_demand(jj: int) -> float:
             if self.done[r, jj]:
@@ -226,19 +269,34 @@ class Table:
 
         def spot(jj: int) -> float:
             left = int(self.spot_r[r, jj])
-            if s == 0 or (left >= 0 and (t - 1) * step < self.safe_h[left] - 1e-9):
+            if s == 0 or not spot_ok or (left >= 0 and (t - 1) * step < self.safe_h[left] - 1e-9):
                 return math.inf
             if self.done[r, jj]:
                 return float(self.done_h[r, jj])
             at = self.next_flat[r, jj]
-            return float(step + p1 * nxt_run[0, 1].flat[at] + (1 - p1) * nxt_idle[0, self.next_r[r, jj]])
+            preempted = nxt_idle[0, self.next_r[r, jj]] + w * self.lost_next_h[jj]
+            return float(step + p1 * nxt_run[0, 1].flat[at] + (1 - p1) * preempted)
 
-        values = [wait, spot(j if m == SPOT else 0), on_demand(j if m == OD else 0)]
-        return min(range(3), key=values.__getitem__)
+        return (
+            wait + lost,
+            spot(j) if m == SPOT else spot(0) + lost,
+            on_demand(j) if m == OD else on_demand(0) + lost,
+        )
 
 
 class MarkovDecision(SlackAware):
-    """``mdp``: the table's choice per worker above ``slack_aware``'s safety rule (module docstring)."""
+    """``mdp``: the table's choice per worker above ``slack_aware``'s safety rule (module docstring).
+
+    Variants for its dear tail (docs/simulator.md, *Fifth round b*), all off by default:
+    ``PolicyParams.cost_cap`` runs slack_aware's cap rule after the safety rule (hold or
+    on-demand when a Spot choice could waste more than the room left); ``guards`` runs
+    slack_aware's storm backoff and expected-cost rule (``spot_cost_limit``) in front of the table
+    (a storm sends fresh tries on-demand, a dear Spot try is taken off the table's choices);
+    ``waste_price`` is the table's risk term (:class:`Table`), with ``waste_above`` only while the
+    run has banked less than that fraction of on-demand only's cost (a coarse budget state);
+    ``PolicyParams.return_doubling`` paces the moves from on-demand back to Spot as slack_aware's
+    rule does.
+    """
 
     name = "mdp"
 
@@ -248,12 +306,40 @@ class MarkovDecision(SlackAware):
     #: ``False``: the table alone, only its own fallback constraint (docs/simulator.md, *Fifth round*)
     safety_rule = True
 
+    def __init__(
+        self,
+        params: PolicyParams | None = None,
+        priors: Sequence[AvailabilityEstimate] = (),
+        *,
+        guards: bool = False,
+        waste_price: float = 0.0,
+        waste_above: float | None = None,
+    ) -> None:
+        super().__init__(params, priors)
+        if not waste_price >= 0 or math.isinf(waste_price):
+            raise ValueError(f"waste_price must be a finite number >= 0 (e.g. 1.0), got {waste_price!r}")
+        if waste_above is not None and not waste_above >= 0:
+            raise ValueError(f"waste_above must be >= 0 (e.g. 0.02) or None, got {waste_above!r}")
+        self.guards = guards
+        self.waste_price = waste_price
+        #: the risk term only while the job has saved less than this fraction of on-demand only's
+        #: cost so far (its excess above ``-waste_above ×`` that cost); ``None``: always
+        self.waste_above = waste_above
+
+    def _waste_price(self, view: View, excess_s: float) -> float:
+        """The risk term's price now: ``waste_price`` while the run is near on-demand's cost."""
+        if self.waste_above is None or not self.waste_price:
+            return self.waste_price
+        cfg = view.config
+        on_demand_s = cfg.price_ratio * (cfg.work_h + cfg.workers * cfg.changeover_h) * 3600
+        return self.waste_price if excess_s >= -self.waste_above * on_demand_s else 0.0
+
     def reset(self, config: SimConfig, gap_h: float) -> None:
         super().reset(config, gap_h)
         self.grid = Grid.for_job(config, gap_h)
         #: tables solved for this job, by the rates rounded to ``resolve_change`` (a table solved
         #: earlier covers every later, shorter horizon)
-        self.tables: dict[tuple[int, int], Table] = {}
+        self.tables: dict[tuple[int, int, float], Table] = {}
         #: tables solved, decisions taken (one per tick, every worker), and seconds spent in both
         self.solves = 0
         self.solve_seconds = 0.0
@@ -261,14 +347,23 @@ class MarkovDecision(SlackAware):
         self.seconds = 0.0
         self.overrides = 0  # worker choices where the safety rule changed the table's action
 
-    def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
+    def _table(
+        self,
+        config: SimConfig,
+        availability: float,
+        run_h: float,
+        time_left_h: float,
+        *,
+        waste_price: float = 0.0,
+    ) -> Table:
         key = Rates.key(availability, run_h, self.resolve_change)
-        table = self.tables.get(key)
+        table = self.tables.get((*key, waste_price))
         if table is None:
             steps = min(self.grid.steps, math.ceil(time_left_h / self.grid.step_h - 1e-9) + 1)
             rates = Rates.at(key, self.resolve_change, self.grid.step_h)
             began = time.perf_counter()
-            table = self.tables[key] = Table(self.grid, config, rates, max(1, steps))
+            table = Table(self.grid, config, rates, max(1, steps), waste_price=waste_price)
+            self.tables[(*key, waste_price)] = table
             self.solve_seconds += time.perf_counter() - began
             self.solves += 1
         return table
@@ -286,15 +381,29 @@ class MarkovDecision(SlackAware):
         availability = self.availability.value
         run_h = self.availability.run_hours
         self.availability = self.availability.observe(view.capacity, cfg.workers, view.gap_h)
+        for ended in view.ended_spot_tries:  # the storm guard's input, as slack_aware folds it
+            self.spot_tries = self.spot_tries.observe(
+                ended_s=ended.ended_h * 3600,
+                duration_s=ended.duration_h * 3600,
+                preempted=ended.preempted,
+                commits=ended.commits,
+            )
         if view.pending_shards == 0 and not any(s.busy for s in view.slots):
             return [Mode.NONE] * len(view.slots)
-        table = self._table(cfg, availability, run_h, view.time_left_h)
+        excess_s = cost_excess_h(view) * 3600
+        table = self._table(
+            cfg, availability, run_h, view.time_left_h, waste_price=self._waste_price(view, excess_s)
+        )
         n = cfg.workers
         now = EPOCH + dt.timedelta(hours=view.t_h)
         free = view.capacity - sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)
+        starting = sum(1 for s in view.slots if s.mode is Mode.SPOT and s.changeover_left_h > 0)
+        fruitless_end = self.spot_tries.fruitless_end_s
         steps_left = round(view.time_left_h / self.grid.step_h)
         grid = self.grid
         shards = grid.shards_left(view.remaining_h, cfg)
+        interval = self.run_params.decision_interval_s or 0.0
         modes: list[Choice] = []
         for slot in view.slots:
             running = slot.mode is not Mode.NONE
@@ -310,28 +419,88 @@ class MarkovDecision(SlackAware):
                 previous_pool=None if not running else PoolKind(slot.mode.value),
                 running=running,
                 changeover_left_s=slot.changeover_left_h * 3600 if running else None,
+                spot_availability=availability,
+                spot_mean_run_s=run_h * 3600,
+                started_at=EPOCH,
+                total_work_s=cfg.work_h * 3600,
+                running_progress_s=(
+                    (cfg.changeover_h - slot.changeover_left_h + slot.progress_h) * 3600 if running else 0.0
+                ),
+                spot_fruitless_tries=self.spot_tries.fruitless,
+                spot_fruitless_age_s=None if fruitless_end is None else view.t_h * 3600 - fruitless_end,
+                spot_workers=on_spot - (1 if slot.mode is Mode.SPOT else 0),
+                price_ratio=cfg.price_ratio,
+                cost_excess_s=excess_s,
+                total_shards=cfg.shards,
+                spot_workers_starting=starting
+                - (1 if slot.mode is Mode.SPOT and slot.changeover_left_h > 0 else 0),
             )
             slack_s = view.time_left_h * 3600 - od_need_s(snapshot)
-            m = {Mode.NONE: IDLE, Mode.SPOT: SPOT, Mode.ON_DEMAND: OD}[slot.mode]
-            units = (slot.progress_h - slot.changeover_left_h) / grid.unit_h if running else 0.0
-            j = min(max(round(units), -grid.changeover_units), grid.shard_units - 1) + grid.changeover_units
-            act = table.action(steps_left, int(has_spot), m, shards, j)
-            # the safety rule: on-demand when slack no longer covers the risk
-            rule = OD if slack_s < spot_risk_s(snapshot, self.run_params) else act
-            interval = self.run_params.decision_interval_s or 0.0
-            if rule == IDLE and has_spot and slack_s < interval:
-                rule = SPOT  # idling burns the whole tick, a Spot try with capacity less (the rule's risk)
-            self.overrides += rule != act
-            act = rule if self.safety_rule else act
+            table_act = self._tabled(table, snapshot, slot, steps_left, shards)
+            if slack_s < spot_risk_s(snapshot, self.run_params):
+                act = OD  # the safety rule: slack no longer covers the risk
+            else:
+                guarded = self._guarded(snapshot, slot)
+                act = table_act if guarded is None else guarded
+                if act == IDLE and slack_s < interval:
+                    # idling burns the whole tick, a Spot try with capacity less (the rule's risk)
+                    act = SPOT if has_spot and self._spot_ok(snapshot) else OD
+                if act == SPOT and slot.mode is Mode.ON_DEMAND and self._return_paced(snapshot):
+                    act = OD
+            self.overrides += act != table_act
+            if not self.safety_rule:  # the table alone (docs/simulator.md, *Fifth round*)
+                act = table_act
+            if slot.mode is Mode.ON_DEMAND and act != OD:
+                # leaving on-demand throws its try away (the cap let it: its room counts this)
+                excess_s += cfg.price_ratio * snapshot.running_progress_s
             if act == SPOT:
                 if slot.mode is not Mode.SPOT:
+                    starting += 1 if free > 0 else 0
                     free -= 1
-                modes.append(Mode.SPOT)
-            elif act == OD:
-                modes.append(Mode.ON_DEMAND)
-            else:
-                modes.append(Mode.NONE)
+                    on_spot += 1
+            elif slot.mode is Mode.SPOT:
+                on_spot -= 1
+            modes.append({IDLE: Mode.NONE, SPOT: Mode.SPOT, OD: Mode.ON_DEMAND}[act])
         return modes
+
+    def _guarded(self, snapshot: JobSnapshot, slot: SlotView) -> int | None:
+        """The cap rule's and the storm guard's choice where they decide (else ``None``: the table)."""
+        params = self.run_params
+        room = cost_room_s(snapshot, params)
+        if room is not None and room < spot_waste_s(snapshot, params):
+            # slack_aware's cap rule (the safety rule passed): hold above the reserve, else on-demand;
+            # a running on-demand try is kept (stopping it to wait throws its progress away too)
+            return IDLE if choose_pool(snapshot, params).hold else OD
+        if self.guards and slot.mode is not Mode.SPOT and in_storm(snapshot, params):
+            return OD
+        return None
+
+    def _return_paced(self, snapshot: JobSnapshot) -> bool:
+        """slack_aware's ``return_doubling`` (``PolicyParams``, off): a running on-demand try stays
+        while as many other Spot tries are still in their changeover as have passed it, so the
+        moves back to Spot go 1, 1, 2, 4, … per tick and a gang reclaimed at once throws few away."""
+        starting = snapshot.spot_workers_starting
+        return self.params.return_doubling and starting >= max(1, snapshot.spot_workers - starting)
+
+    def _spot_ok(self, snapshot: JobSnapshot) -> bool:
+        """Whether the expected-cost guard lets this worker take Spot (a running Spot try: yes)."""
+        limit = self.run_params.spot_cost_limit
+        if not self.guards or limit is None or snapshot.previous_pool is PoolKind.SPOT:
+            return True
+        ratio = spot_cost_ratio(snapshot)
+        return ratio is None or ratio < limit
+
+    def _tabled(
+        self, table: Table, snapshot: JobSnapshot, slot: SlotView, steps_left: int, shards: int
+    ) -> int:
+        """The table's action for this worker (Spot taken off where the expected-cost guard says)."""
+        grid = self.grid
+        m = {Mode.NONE: IDLE, Mode.SPOT: SPOT, Mode.ON_DEMAND: OD}[slot.mode]
+        running = slot.mode is not Mode.NONE
+        units = (slot.progress_h - slot.changeover_left_h) / grid.unit_h if running else 0.0
+        j = min(max(round(units), -grid.changeover_units), grid.shard_units - 1) + grid.changeover_units
+        spot_ok = self._spot_ok(snapshot)
+        return table.action(steps_left, int(snapshot.spot_available), m, shards, j, spot_ok=spot_ok)
 
     @property
     def decision_s(self) -> float:

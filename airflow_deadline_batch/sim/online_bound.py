@@ -145,7 +145,17 @@ class OracleRates(MarkovDecision):
         if self.exact:
             self.grid = exact_grid(config, gap_h)
 
-    def _table(self, config: SimConfig, availability: float, run_h: float, time_left_h: float) -> Table:
+    def _table(
+        self,
+        config: SimConfig,
+        availability: float,
+        run_h: float,
+        time_left_h: float,
+        *,
+        waste_price: float = 0.0,
+    ) -> Table:
+        if waste_price:
+            raise ValueError("the oracle-rates table has no risk term; run it with waste_price=0")
         if config.workers != 1:
             raise ValueError("the oracle-rates table is for one worker; run it with workers=1")
         return oracle_table(config, self.grid, self.fit, credit_commits=not self.safety_rule)

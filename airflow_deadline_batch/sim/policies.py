@@ -46,6 +46,24 @@ def _safety_net_due(view: View, changeovers: float) -> bool:
     return view.time_left_h - view.gap_h < need - 1e-9
 
 
+def cost_excess_h(view: View) -> float:
+    """What the job has spent beyond on-demand's price of the work it keeps (``JobSnapshot.cost_excess_s``,
+    in hours; core.placement.cost_room_s). On-demand only pays one changeover per worker, so a
+    worker that will not need a fresh on-demand start (idle, nothing left to pull) keeps its
+    changeover as credit."""
+    cfg = view.config
+    od_slots = [s for s in view.slots if s.mode is Mode.ON_DEMAND]
+    others = cfg.workers - len(od_slots)
+    busy_elsewhere = sum(1 for s in view.slots if s.busy and s.mode is not Mode.ON_DEMAND)
+    no_restart = others - min(others, view.pending_shards + busy_elsewhere)
+    kept_h = (
+        view.committed_shards * cfg.shard_size_h
+        + sum(cfg.changeover_h - s.changeover_left_h + s.progress_h for s in od_slots)
+        + no_restart * cfg.changeover_h
+    )
+    return view.cost - cfg.price_ratio * kept_h
+
+
 class OnDemand:
     """On-demand only: every worker starts at once and never stops until the queue is empty."""
 
@@ -189,19 +207,7 @@ class SlackAware:
                 preempted=ended.preempted,
                 commits=ended.commits,
             )
-        # cost beyond on-demand's price of the work kept (core.placement.cost_room_s): on-demand
-        # only pays one changeover per worker, so a worker that will not need a fresh on-demand
-        # start (idle, nothing left to pull) keeps its changeover as credit
-        od_slots = [s for s in view.slots if s.mode is Mode.ON_DEMAND]
-        others = cfg.workers - len(od_slots)
-        busy_elsewhere = sum(1 for s in view.slots if s.busy and s.mode is not Mode.ON_DEMAND)
-        no_restart = others - min(others, view.pending_shards + busy_elsewhere)
-        kept_h = (
-            view.committed_shards * cfg.shard_size_h
-            + sum(cfg.changeover_h - s.changeover_left_h + s.progress_h for s in od_slots)
-            + no_restart * cfg.changeover_h
-        )
-        excess_s = (view.cost - cfg.price_ratio * kept_h) * 3600
+        excess_s = cost_excess_h(view) * 3600
         fruitless_end = self.spot_tries.fruitless_end_s
         fruitless_age = None if fruitless_end is None else view.t_h * 3600 - fruitless_end
         on_spot = sum(1 for s in view.slots if s.mode is Mode.SPOT)

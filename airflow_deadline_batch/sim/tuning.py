@@ -9,7 +9,11 @@ while Spot was there or missing (docs/simulator.md, *Third round*). ``--multi-gp
 scores candidates on the study's unseen multi-GPU rows (evaluation, never tuning). The shared
 trace files are never read here: they are for evaluation. ``--policy mdp`` (anywhere in the
 arguments) scores the research policy of :mod:`.mdp` in place of slack_aware (its ``PolicyParams``
-set the safety rule's interval and the estimate's prior), and ``--jobs N`` sets the processes.
+set the safety rule's interval and the estimate's prior, and ``cost_cap`` its cap rule), with
+``--guards`` (slack_aware's storm and expected-cost guards in front of its table) and
+``--waste-price X`` (the table's risk term; ``--waste-above F``: only while the run has saved
+less than ``F ×`` on-demand only's cost); ``--starts M`` sets the multi-GPU starts per row and
+``--jobs N`` the processes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim import traces
@@ -31,12 +36,33 @@ Case = tuple[traces.Trace, SimConfig, int]
 TUNED = ("slack_aware", "mdp")
 
 
-def online_at(policy: str, trace: traces.Trace, start: int, workers: int, params: PolicyParams) -> Policy:
-    """``policy`` (slack_aware or mdp) for a job starting at ``start``, with the pool's persisted prior."""
-    if policy not in TUNED:
+@dataclass(frozen=True)
+class MdpVariant:
+    """``mdp`` with the options of :class:`.mdp.MarkovDecision` (``--guards``, ``--waste-price``)."""
+
+    guards: bool = False
+    waste_price: float = 0.0
+    waste_above: float | None = None
+
+
+def online_at(
+    policy: str | MdpVariant, trace: traces.Trace, start: int, workers: int, params: PolicyParams
+) -> Policy:
+    """``policy`` (slack_aware, mdp, or an mdp variant) for a job starting at ``start``, with the
+    pool's persisted prior."""
+    if isinstance(policy, str) and policy not in TUNED:
         raise ValueError(f"unknown --policy {policy!r}; use one of {', '.join(TUNED)}")
     priors = pool_priors([trace], start, workers, params=params)
-    return MarkovDecision(params, priors) if policy == "mdp" else SlackAware(params, priors)
+    if policy == "slack_aware":
+        return SlackAware(params, priors)
+    variant = policy if isinstance(policy, MdpVariant) else MdpVariant()
+    return MarkovDecision(
+        params,
+        priors,
+        guards=variant.guards,
+        waste_price=variant.waste_price,
+        waste_above=variant.waste_above,
+    )
 
 
 Score = tuple[str, int, float, float, float, int, float, float]
@@ -58,7 +84,7 @@ def cases(seed: int = 500, starts: int = 8) -> list[Case]:
     return out
 
 
-def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str]) -> Score:
+def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str | MdpVariant]) -> Score:
     """slack_aware ÷ uniform_progress (summed cost over the starts), its misses, and its mean and
     worst run ÷ on-demand only for one case."""
     trace, cfg, starts, params, policy = args
@@ -81,7 +107,9 @@ def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str]) -> Score
     )
 
 
-def evaluate(params: PolicyParams, jobs: int = 2, policy: str = "slack_aware") -> dict[str, float]:
+def evaluate(
+    params: PolicyParams, jobs: int = 2, policy: str | MdpVariant = "slack_aware"
+) -> dict[str, float]:
     with ProcessPoolExecutor(jobs) as pool:
         rows = list(pool.map(score, [(t, c, s, params, policy) for t, c, s in cases()]))
 
@@ -133,7 +161,9 @@ GAP_KEYS: tuple[str, ...] = ("sa", "up", "opt", "sa_spot_h", "sa_od_h", "sa_chan
 GAP_KEYS += ("opt_spot_h", "opt_od_h", "sa_od_h_spot_there", "sa_od_h_spot_missing")
 
 
-def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str]) -> list[tuple[float, ...]]:
+def gap_case(
+    args: tuple[traces.Trace, SimConfig, int, PolicyParams, str | MdpVariant],
+) -> list[tuple[float, ...]]:
     """Per start: slack_aware (or ``policy``), UP and the exact optimum's cost, and the policy's
     hours (GAP_KEYS)."""
     trace, cfg, starts, params, policy = args
@@ -150,7 +180,7 @@ def gap_case(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str]) -> li
     return out
 
 
-def gap(params: PolicyParams, jobs: int = 2, policy: str = "slack_aware") -> dict[str, float]:
+def gap(params: PolicyParams, jobs: int = 2, policy: str | MdpVariant = "slack_aware") -> dict[str, float]:
     """Means per run over the ``N = 1`` cases (the optimum is exact there), keyed by GAP_KEYS."""
     work = [(t, c, s, params, policy) for t, c, s in cases() if c.workers == 1]
     with ProcessPoolExecutor(jobs) as pool:
@@ -161,7 +191,7 @@ def gap(params: PolicyParams, jobs: int = 2, policy: str = "slack_aware") -> dic
 
 
 def multi_gpu_row(
-    args: tuple[traces.Trace, SimConfig, int, tuple[PolicyParams, ...], str],
+    args: tuple[traces.Trace, SimConfig, int, tuple[PolicyParams, ...], str | MdpVariant],
 ) -> list[tuple[float, ...]]:
     """Per candidate on one multi-GPU row: slack_aware ÷ UP (summed over the starts), its worst run
     and its mean ÷ on-demand only, and its misses."""
@@ -179,7 +209,10 @@ def multi_gpu_row(
 
 
 def multi_gpu(
-    candidates: list[PolicyParams], jobs: int = 2, policy: str = "slack_aware", starts: int | None = None
+    candidates: list[PolicyParams],
+    jobs: int = 2,
+    policy: str | MdpVariant = "slack_aware",
+    starts: int | None = None,
 ) -> list[dict[str, float]]:
     """Candidates on the study's unseen multi-GPU rows (``study --multi-gpu``: ``N = 8``, 24 rows,
     40 starts, seed 1), UP run once per row: evaluation, not tuning (docs/simulator.md)."""
@@ -225,12 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     args, policy = _option(args, "--policy", "slack_aware")
     args, jobs_text = _option(args, "--jobs", "2")
     args, starts_text = _option(args, "--starts", "0")
+    args, waste_text = _option(args, "--waste-price", "0")
+    args, above_text = _option(args, "--waste-above", "")
+    guards = "--guards" in args
+    args = [a for a in args if a != "--guards"]
     if policy not in TUNED:
         raise SystemExit(f"unknown --policy {policy!r}; use one of {', '.join(TUNED)}")
+    waste = float(waste_text)
+    if policy != "mdp" and (guards or waste or above_text):
+        raise SystemExit("--guards, --waste-price and --waste-above are options of mdp: add --policy mdp")
+    if not waste >= 0:
+        raise SystemExit(f"--waste-price must be >= 0, e.g. --waste-price 1, got {waste_text}")
+    above = float(above_text) if above_text else None
+    online: str | MdpVariant = MdpVariant(guards, waste, above) if policy == "mdp" else policy
     jobs = int(jobs_text)
     if args and args[0] == "--multi-gpu":
         candidates = [PolicyParams(**json.loads(a)) for a in args[1:]] or [PolicyParams()]
-        rows = multi_gpu(candidates, jobs, policy, int(starts_text) or None)
+        rows = multi_gpu(candidates, jobs, online, int(starts_text) or None)
         for text, row in zip(args[1:] or ["{}"], rows, strict=True):
             print(
                 text, " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
@@ -239,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     split = bool(args) and args[0] == "--gap"
     args = args[1:] if split else args
     params = PolicyParams(**json.loads(args[0])) if args else PolicyParams()
-    result = gap(params, jobs, policy) if split else evaluate(params, jobs, policy)
+    result = gap(params, jobs, online) if split else evaluate(params, jobs, online)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return 0
 
