@@ -15,13 +15,11 @@ real signals. The worker pauses after writing a microbatch and before committing
 
 A pod's containers see the pod's name as their hostname (a pod's own UTS namespace), and the worker
 names its attempts ``<hostname>:<pid>``: the loopback kubelet runs containers as processes of this
-host, so this module's cluster gives them a ``sitecustomize`` that answers ``socket.gethostname()``
-as a kubelet would (:func:`pod_hostname`).
+host and gives their Python the pod's hostname (``tests/k8s/kubelet.py``, :func:`pod_hostname`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import os
 import signal
@@ -59,46 +57,18 @@ from tests.integration.test_k8s_loopback_operator import (
     shard_operator,
     store_secret,
 )
-from tests.k8s.fixtures import IMAGE_ENV, NAMESPACE, TERMINATION_MESSAGE_ENV, LoopbackCluster
-from tests.k8s.server import LoopbackKubernetes
+from tests.k8s.fixtures import LoopbackCluster, loopback_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 WAIT_S = 60.0  # deadline for conditions on a loaded 2-core machine (nothing sleeps)
 PAUSE, PAUSE_SEQ = race.PAUSE, race.PAUSE_SEQ
 #: longer than any test here: a lease left to lapse would refuse the next try's claim
 LONG_TTL_S = 600.0
-SITECUSTOMIZE = '''"""A pod's hostname is its name (the loopback kubelet sets HOSTNAME to it)."""
-import os
-import socket
-
-_name = os.environ.get("HOSTNAME")
-if _name:
-    socket.gethostname = lambda: _name[:63].rstrip("-.")
-'''
-
-
-@contextlib.contextmanager
-def cluster_with_pod_hostnames(tmp_path: Path) -> Iterator[LoopbackCluster]:
-    """``tests.k8s.fixtures.loopback_cluster`` whose containers see their pod's name as hostname."""
-    uts = tmp_path / "uts"
-    uts.mkdir()
-    (uts / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    image_env = {**IMAGE_ENV, "PYTHONPATH": os.pathsep.join([str(uts), IMAGE_ENV["PYTHONPATH"]])}
-    api = LoopbackKubernetes(
-        tmp_path / "k8s",
-        namespaces=("default", NAMESPACE),
-        image_env=image_env,
-        termination_message_env=TERMINATION_MESSAGE_ENV,
-    )
-    with api:
-        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NAMESPACE)
-        yield LoopbackCluster(api, kubeconfig, NAMESPACE)
-    assert api.live_processes() == [], "a container process outlived the loopback API"
 
 
 @pytest.fixture()
 def k8s(tmp_path: Path) -> Iterator[LoopbackCluster]:
-    with cluster_with_pod_hostnames(tmp_path) as cluster:
+    with loopback_cluster(tmp_path) as cluster:
         yield cluster
 
 
@@ -240,7 +210,7 @@ tail = race.tail  # the race module's job at its tail (a fixture)
 
 @pytest.fixture()
 def race_k8s(tmp_path: Path) -> Iterator[LoopbackCluster]:
-    with cluster_with_pod_hostnames(tmp_path) as cluster:
+    with loopback_cluster(tmp_path) as cluster:
         cluster.api.set_capacity(*race.SPOT_NODES, pods=1)
         cluster.api.set_capacity(*race.ON_DEMAND_NODES, pods=1)
         yield cluster

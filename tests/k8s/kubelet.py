@@ -8,8 +8,12 @@ the way a kubelet does on deletion, eviction or node shutdown: SIGTERM to each c
 process, the grace period, then SIGKILL to the whole container (its process group).
 
 The image is ignored: the command runs on this machine, with ``python3``/``python`` resolving to
-the interpreter running the tests. Everything is guarded by the API server's one lock, and every
-change notifies its one condition variable, which the tests and the log streams wait on.
+the interpreter running the tests. A kubelet gives each pod its own UTS namespace whose hostname
+is the pod's name (cut to 63 characters); here a Python container gets the same answer from
+``socket.gethostname()`` through a ``sitecustomize`` on its ``PYTHONPATH`` (:data:`POD_HOSTNAME`),
+so that a worker names its attempts ``<pod hostname>:<pid>`` as in a real pod. Everything is
+guarded by the API server's one lock, and every change notifies its one condition variable, which
+the tests and the log streams wait on.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ MAX_TERMINATION_MESSAGE = 4096
 #: FallbackToLogsOnError: the last lines / bytes of the log used as the message
 FALLBACK_LOG_LINES, FALLBACK_LOG_BYTES = 80, 2048
 NODE_SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
+#: what a container's Python answers for ``socket.gethostname()``: its pod's hostname, as in the
+#: pod's own UTS namespace (the kubelet's ``GeneratePodHostNameAndDomain``: the name cut to 63
+#: characters, no trailing ``-`` or ``.``); ``HOSTNAME`` is the pod's name, as a kubelet sets it
+POD_HOSTNAME = '''"""The loopback kubelet's stand-in for a pod's UTS namespace (tests/k8s/kubelet.py)."""
+import os
+import socket
+
+_name = os.environ.get("HOSTNAME")
+if _name:
+    _hostname = _name[:63].rstrip("-.")
+    socket.gethostname = lambda: _hostname
+'''
 
 
 def now() -> dt.datetime:
@@ -138,6 +154,9 @@ class Kubelet:
             wrapper = self.bin_dir / name
             wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
             wrapper.chmod(0o755)
+        self.uts_dir = root / "uts"
+        self.uts_dir.mkdir(parents=True, exist_ok=True)
+        (self.uts_dir / "sitecustomize.py").write_text(POD_HOSTNAME)
         self.pods: dict[str, PodRuntime] = {}  # by pod UID (a name can come back as a new pod)
 
     # ------------------------------------------------------------------ lifecycle (API calls)
@@ -353,6 +372,7 @@ class Kubelet:
             "HOME": str(container.directory),
             "KUBERNETES_SERVICE_HOST": "127.0.0.1",
         }
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.uts_dir), env.get("PYTHONPATH")]))
         if self.termination_message_env:
             env[self.termination_message_env] = str(container.termination_log)
         for source in spec.get("envFrom") or []:
