@@ -36,14 +36,12 @@ from airflow.sdk.exceptions import (
     TaskDeferred,
 )
 
-from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, pod_hostname
-from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import AttemptRow, ManifestStore
-from tests.helpers.inputs import mixed_input
 from tests.helpers.waiting import wait_for
+from tests.integration import test_k8s_loopback_operator as operator_tests
 from tests.integration import test_k8s_loopback_race as race
 from tests.integration.test_k8s_loopback_deferred import TaskStateStore, try_context
 from tests.integration.test_k8s_loopback_operator import (
@@ -72,29 +70,7 @@ def k8s(tmp_path: Path) -> Iterator[LoopbackCluster]:
         yield cluster
 
 
-@pytest.fixture()
-def planned(tmp_path: Path) -> PlannedJob:
-    """A one-shard echo job of 24 lines in microbatches of 4, on Spot while its slack is ample."""
-    mixed = mixed_input(24, seed=8, bad_fraction=0.1, blank_fraction=0.0)
-    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
-    try:
-        result = plan_job(
-            store,
-            PlanRequest(
-                input_uri=str(mixed.write(tmp_path / "input.jsonl")),
-                deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=2),
-                output_uri=str(tmp_path / "out"),
-                engine="echo",
-                pools=default_local_pools("echo"),
-                workers=1,
-                microbatch_size=4,
-                max_shards=1,
-                max_invalid_fraction=0.5,
-            ),
-        )
-        return PlannedJob(store.url, result.job_id, sorted(e.line for e in mixed.expected))
-    finally:
-        store.close()
+planned = operator_tests.planned  # the operator tests' one-shard echo job (a fixture)
 
 
 def run_try(operator: DeadlineShardPodOperator, try_number: int) -> tuple[threading.Thread, list[Any]]:
