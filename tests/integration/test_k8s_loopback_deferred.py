@@ -61,7 +61,7 @@ from tests.integration.test_k8s_loopback_race import (
     attempts_by_kind,
 )
 from tests.integration.test_k8s_loopback_race import tail as tail  # noqa: F401 - a fixture
-from tests.k8s.fixtures import LoopbackCluster, loopback_cluster
+from tests.k8s.fixtures import LoopbackCluster, loopback_cluster, no_pod_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 WAIT_S = 120.0  # deadline for conditions on a loaded 2-core machine (nothing sleeps)
@@ -312,7 +312,7 @@ def test_a_deferred_racer_wins_and_the_stalled_spot_pod_is_deleted(
     assert result is None and set(statuses) == {"running"}, statuses  # done at a look: the Spot pod lost
     for pod in api.created_pods:
         api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
-    assert len(api.created_pods) == 2 and api.pods(ns) == []  # one racer, and no pod left
+    assert len(api.created_pods) == 2 and no_pod_left(api, ns)  # one racer, and no pod left
     assert not stalled.with_name("stalled.resume").exists()  # the Spot pod was never let go
     store = ManifestStore.open(tail.job.store_url)
     try:
@@ -339,7 +339,7 @@ def test_a_deferred_spot_pod_wins_and_the_racer_pod_is_deleted(
     api.wait_for_deletion(ns, racer["metadata"]["name"], timeout_s=WAIT_S)
     for pod in api.created_pods:
         api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
-    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    assert len(api.created_pods) == 2 and no_pod_left(api, ns)
     store = ManifestStore.open(tail.job.store_url)
     try:
         spot, raced = attempts_by_kind(store, tail.job.job_id)
@@ -361,7 +361,7 @@ def test_killing_a_deferred_racing_try_deletes_both_its_pods(
     asyncio.run(trigger.on_kill())
     for pod in api.created_pods:
         api.wait_for_deletion(ns, pod["metadata"]["name"], timeout_s=WAIT_S)
-    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    assert len(api.created_pods) == 2 and no_pod_left(api, ns)
     assert racer["metadata"]["name"] in {p["metadata"]["name"] for p in api.created_pods}
 
 
@@ -392,7 +392,7 @@ def test_a_deferred_try_whose_spot_pod_is_reclaimed_waits_for_its_racer_in_the_t
     result, statuses = run_to_the_end(deferred, ctx, fresh)
     assert result is None and statuses == ["success"], statuses
     api.wait_for_deletion(ns, racer_name, timeout_s=WAIT_S)
-    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    assert len(api.created_pods) == 2 and no_pod_left(api, ns)
     store = ManifestStore.open(tail.job.store_url)
     try:
         _, raced = attempts_by_kind(store, tail.job.job_id)
@@ -433,7 +433,7 @@ def test_a_run_escalated_to_on_demand_does_not_reattach_to_the_spot_pod_still_pe
     assert event["status"] == "success", event
     assert resume(fresh(), second, ctx, event) is None
     assert shard_state(tail.job) is ShardState.SUCCEEDED
-    assert api.pods(ns) == []
+    assert no_pod_left(api, ns)
 
 
 def test_the_shard_pod_trigger_serializes_to_plain_values() -> None:

@@ -55,7 +55,7 @@ from tests.integration.test_k8s_loopback_operator import (
     shard_operator,
     store_secret,
 )
-from tests.k8s.fixtures import LoopbackCluster, loopback_cluster
+from tests.k8s.fixtures import LoopbackCluster, loopback_cluster, no_pod_left
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 WAIT_S = 60.0  # deadline for conditions on a loaded 2-core machine (nothing sleeps)
@@ -229,7 +229,7 @@ def test_a_reclaimed_spot_pod_ends_its_own_attempt_never_its_racers(
         racer_stalled.with_name("racer-stalled.resume").touch()
     finally:
         race.finish(thread, outcome, operator)
-    assert len(api.created_pods) == 2 and api.pods(ns) == []
+    assert len(api.created_pods) == 2 and no_pod_left(api, ns)
     store = ManifestStore.open(tail.job.store_url)
     try:
         spot, raced = race.attempts_by_kind(store, tail.job.job_id)

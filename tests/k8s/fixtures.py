@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
+from tests.helpers.waiting import wait_for
 from tests.k8s.server import LoopbackKubernetes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,3 +57,10 @@ def loopback_cluster(tmp_path: Path) -> Iterator[LoopbackCluster]:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NAMESPACE)
         yield LoopbackCluster(api, kubeconfig, NAMESPACE)
     assert api.live_processes() == [], "a container process outlived the loopback API"
+
+
+def no_pod_left(api: LoopbackKubernetes, namespace: str, *, timeout_s: float = 60.0) -> bool:
+    """Every pod of ``namespace`` gone: waits for deletions the operator asked for to finish (a pod
+    deleted while its process still runs is listed until its grace period ends, as in a cluster)."""
+    wait_for(lambda: not api.pods(namespace), timeout_s=timeout_s, what=f"every pod of {namespace} deleted")
+    return True
