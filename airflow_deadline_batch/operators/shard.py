@@ -298,8 +298,8 @@ def pod_hostname(name: str) -> str:
 
 
 def add_pod_name_env(pod: k8s.V1Pod, container: str) -> None:
-    """Tell ``pod``'s worker container its pod's name: env :data:`POD_NAME_ENV` from the downward
-    API (``metadata.name``), after which the worker names its attempts (:func:`attempts_of_pod`).
+    """Tell ``pod``'s worker container its pod's name, which it names its attempts after
+    (:func:`attempts_of_pod`): env :data:`POD_NAME_ENV` from the downward API (``metadata.name``).
 
     The name, not the hostname, which is the node's for a pod with ``hostNetwork: true``, and cut to
     63 characters otherwise. A user's env or pod template that sets the variable to the same field
