@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["WORKER_MODULE", "worker_arguments", "worker_command"]
+__all__ = ["POD_NAME_ENV", "WORKER_MODULE", "worker_arguments", "worker_command"]
 
 #: the module run as ``python -m`` in a pod and in a local subprocess
 WORKER_MODULE = "airflow_deadline_batch.worker"
+#: the shard pod's name, set by the pod operator from the downward API (``metadata.name``): the
+#: worker names its attempts after it, whatever hostname the pod has (``hostNetwork``: the node's)
+POD_NAME_ENV = "ADB_POD_NAME"
 
 
 def worker_arguments(

@@ -33,7 +33,8 @@ that ran in it and still hold a lease at once, ``abandoned`` with the pod's clas
 launcher does for a worker it saw die (:meth:`DeadlineShardPodOperator.end_pod_attempts`,
 docs/design.md §4.4): the next try claims without waiting out the lease's TTL, and a crash
 (``deterministic``) is no preemption. Attempts are traced to their pod by the worker's name,
-``<hostname>:<pid>``, the pod's name being its hostname (:func:`attempts_of_pod`).
+``<pod name>:<pid>``: the pod tells its worker its name through the downward API
+(:func:`add_pod_name_env`), whatever hostname it has (:func:`attempts_of_pod`).
 
 A Spot pod's wait to be scheduled is the one observation of missing capacity production has: the
 pod operator records it as an ``unschedulable`` attempt (``ManifestStore.record_unschedulable``),
@@ -97,7 +98,7 @@ from airflow_deadline_batch.core.failures import (
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
-from airflow_deadline_batch.core.worker_command import WORKER_MODULE, worker_arguments
+from airflow_deadline_batch.core.worker_command import POD_NAME_ENV, WORKER_MODULE, worker_arguments
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -284,30 +285,64 @@ def _classify_status(
 
 #: the longest hostname Kubernetes gives a pod (its name cut to this, docs/kubernetes.md)
 POD_HOSTNAME_MAX = 63
+#: the downward API's field of the pod's name
+POD_NAME_FIELD = "metadata.name"
 
 
 def pod_hostname(name: str) -> str:
     """The hostname a pod's containers see: its name cut to 63 characters, without a trailing
-    ``-`` or ``.`` (the kubelet's ``GeneratePodHostNameAndDomain``). A worker names its attempts
-    ``<hostname>:<pid>``, so this is how an attempt is traced to its pod."""
+    ``-`` or ``.`` (the kubelet's ``GeneratePodHostNameAndDomain``), unless the pod has
+    ``hostNetwork`` (the node's) or ``spec.hostname``. Workers before ``ADB_POD_NAME`` named their
+    attempts ``<hostname>:<pid>``: :func:`attempts_of_pod` still finds those."""
     return name[:POD_HOSTNAME_MAX].rstrip("-.")
+
+
+def add_pod_name_env(pod: k8s.V1Pod, container: str) -> None:
+    """Tell ``pod``'s worker container its pod's name, which it names its attempts after
+    (:func:`attempts_of_pod`): env :data:`POD_NAME_ENV` from the downward API (``metadata.name``).
+
+    The name, not the hostname, which is the node's for a pod with ``hostNetwork: true``, and cut to
+    63 characters otherwise. A user's env or pod template that sets the variable to the same field
+    is kept; to anything else, it is refused (:class:`ConfigurationError`), never replaced silently:
+    the operator could no longer end a dead pod's attempts.
+    """
+    worker = next((c for c in pod.spec.containers if c.name == container), None)
+    if worker is None:
+        return
+    env = list(worker.env or [])
+    for var in env:
+        if var.name != POD_NAME_ENV:
+            continue
+        ref = var.value_from.field_ref if var.value_from is not None else None
+        if var.value is None and ref is not None and ref.field_path == POD_NAME_FIELD:
+            return
+        raise ConfigurationError(
+            f"container {container!r} of the shard pod sets env {POD_NAME_ENV}, which the operator "
+            "sets to the pod's name (its worker names its attempts after it): remove it from "
+            "env_vars or the pod template"
+        )
+    field = k8s.V1ObjectFieldSelector(field_path=POD_NAME_FIELD)
+    worker.env = [*env, k8s.V1EnvVar(name=POD_NAME_ENV, value_from=k8s.V1EnvVarSource(field_ref=field))]
 
 
 def attempts_of_pod(
     attempts: Sequence[AttemptRow], name: str, labels: Mapping[str, str] | None = None
 ) -> list[AttemptRow]:
-    """Which of ``attempts`` ran in pod ``name`` (pure): the worker's hostname is the pod's, and a
-    racer pod (label :data:`RACE_LABEL`, or a ``-race`` name when the labels are unknown) runs only
-    speculative attempts, a try's own pod none, so that a racer named after its Spot pod and cut to
-    the same 63-character hostname is never taken for it. With ``labels``, the pool must match too.
+    """Which of ``attempts`` ran in pod ``name`` (pure). Their worker is ``<name>:<pid>``, or
+    ``<hostname>:<pid>`` (:func:`pod_hostname`) when a worker before ``ADB_POD_NAME`` wrote it
+    (a rolling upgrade); the ``:`` keeps a pod from taking the attempts of a pod whose name merely
+    starts with its own. A racer pod (label :data:`RACE_LABEL`, or a ``-race`` name when the labels
+    are unknown) runs only speculative attempts, a try's own pod none, so that a racer named after
+    its Spot pod, whose hostnames are the same once cut to 63 characters, is never taken for it.
+    With ``labels``, the pool must match too.
     """
-    prefix = f"{pod_hostname(name)}:"
+    names = (f"{name}:", f"{pod_hostname(name)}:")
     racer = labels.get(RACE_LABEL) == "true" if labels is not None else name.endswith("-race")
     pool = (labels or {}).get(f"{LABEL_PREFIX}/pool")
     return [
         a
         for a in attempts
-        if a.worker.startswith(prefix) and a.speculative == racer and (pool is None or a.pool == pool)
+        if a.worker.startswith(names) and a.speculative == racer and (pool is None or a.pool == pool)
     ]
 
 
@@ -822,6 +857,16 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         )
         self.pod_request_obj = None
         self.pod = None
+
+    def build_pod_request_obj(self, context: Any | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
+        """The provider's pod, its worker told the pod's name (:func:`add_pod_name_env`): a racer,
+        a copy of this pod, learns its own from the same reference."""
+        pod: k8s.V1Pod = super().build_pod_request_obj(context, dry_run=dry_run)
+        try:
+            add_pod_name_env(pod, self.base_container_name)
+        except ConfigurationError as exc:  # no retry can fix it
+            raise AirflowFailException(str(exc)) from exc
+        return pod
 
     def await_pod_start(self, pod: k8s.V1Pod) -> None:
         try:

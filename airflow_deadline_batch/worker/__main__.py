@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--pool", default=None, help="pool this attempt runs on (recorded with its commits)")
     parser.add_argument(
-        "--worker-name", default=None, help="name recorded with the attempt (default host:pid)"
+        "--worker-name",
+        default=None,
+        help="name recorded with the attempt (default: $ADB_POD_NAME:pid, else host:pid)",
     )
     parser.add_argument(
         "--engine-option",

@@ -79,6 +79,7 @@ from airflow_deadline_batch.core.records import Record
 from airflow_deadline_batch.core.results import ResultRecord, Usage, encode_results
 from airflow_deadline_batch.core.shard_input import limits_from_config, parse_shard
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
+from airflow_deadline_batch.core.worker_command import POD_NAME_ENV
 from airflow_deadline_batch.exceptions import (
     ChecksumMismatch,
     ConfigurationError,
@@ -109,6 +110,14 @@ K8S_TERMINATION_LOG = "/dev/termination-log"
 log = logging.getLogger("airflow_deadline_batch.worker")
 
 
+def default_worker_name() -> str:
+    """The name a worker records with its attempts: ``<pod name>:<pid>`` in a shard pod, whose
+    ``ADB_POD_NAME`` the pod operator sets from the downward API (the pod's hostname may be another:
+    the node's with ``hostNetwork``), else ``<hostname>:<pid>`` (a local subprocess, a bare CLI run).
+    The pod operator traces a pod's attempts by it (docs/kubernetes.md)."""
+    return f"{os.environ.get(POD_NAME_ENV) or socket.gethostname()}:{os.getpid()}"
+
+
 def object_key(attempt_id: str, shard_index: int, seq: int) -> str:
     """Key of a microbatch object, relative to the job's output base (docs/internals.md)."""
     return f"attempts/{attempt_id}/shard-{shard_index:05d}-mb-{seq:06d}.jsonl"
@@ -124,7 +133,7 @@ class WorkerConfig:
     lease_ttl_s: float | None = None  # None: the job's configured lease TTL
     grace_s: float = 30.0
     pool: str | None = None
-    worker_name: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    worker_name: str = field(default_factory=default_worker_name)
     engine_options: Mapping[str, str] = field(default_factory=dict)
     #: a speculative duplicate beside the shard's running attempt (the tail race)
     race: bool = False

@@ -13,9 +13,11 @@ real signals. The worker pauses after writing a microbatch and before committing
 * its Spot node is reclaimed while the tail race's racer pod runs: the Spot pod's attempt ends and
   the racer, promoted to the shard's lease, finishes the shard; its attempt is never touched.
 
-A pod's containers see the pod's name as their hostname (a pod's own UTS namespace), and the worker
-names its attempts ``<hostname>:<pid>``: the loopback kubelet runs containers as processes of this
-host and gives their Python the pod's hostname (``tests/k8s/kubelet.py``, :func:`pod_hostname`).
+The worker names its attempts ``<pod name>:<pid>``: the operator gives it the pod's name through
+the downward API (``ADB_POD_NAME``), so a pod with ``hostNetwork: true``, whose containers see the
+node's hostname, is traced as any other; the loopback kubelet runs containers as processes of this
+host, gives their Python the pod's hostname (a worker before ``ADB_POD_NAME`` named its attempts
+after it), and a host-network pod this host's (``tests/k8s/kubelet.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,10 +38,11 @@ from airflow.sdk.exceptions import (
     AirflowRescheduleException,
     TaskDeferred,
 )
+from kubernetes import client
 
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.operators.placement import read_job_view
-from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, pod_hostname
+from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator
 from airflow_deadline_batch.store import AttemptRow, ManifestStore
 from tests.helpers.waiting import wait_for
 from tests.integration import test_k8s_loopback_operator as operator_tests
@@ -89,7 +93,7 @@ def run_try(operator: DeadlineShardPodOperator, try_number: int) -> tuple[thread
 
 
 def paused_try(
-    cluster: LoopbackCluster, job: PlannedJob, paused: Path
+    cluster: LoopbackCluster, job: PlannedJob, paused: Path, **options: Any
 ) -> tuple[threading.Thread, list[Any], int]:
     """Try 1 on Spot, its worker paused before committing microbatch 1; returns its worker's pid."""
     operator = shard_operator(
@@ -98,6 +102,7 @@ def paused_try(
         lease_ttl_s=LONG_TTL_S,
         reschedule_retryable=False,  # the exception says how the try ended
         env_vars={PAUSE: str(paused), PAUSE_SEQ: "1"},
+        **options,
     )
     thread, outcome = run_try(operator, 1)
     wait_for(paused.exists, timeout_s=WAIT_S, what="the worker to pause before committing microbatch 1")
@@ -124,9 +129,12 @@ def preemptions(store: ManifestStore, job: PlannedJob) -> tuple[int, int]:
     return view.spot_tries.preemptions, store.progress(job.job_id).preemptions
 
 
-def next_try_finishes(cluster: LoopbackCluster, job: PlannedJob, store: ManifestStore) -> None:
+def next_try_finishes(
+    cluster: LoopbackCluster, job: PlannedJob, store: ManifestStore, **options: Any
+) -> None:
     """Try 2 claims the shard at once (a lapsing 10-minute lease would refuse it) and finishes it."""
-    assert shard_operator(cluster, job, lease_ttl_s=LONG_TTL_S).execute(context(try_number=2)) is None
+    operator = shard_operator(cluster, job, lease_ttl_s=LONG_TTL_S, **options)
+    assert operator.execute(context(try_number=2)) is None
     shard = store.get_shard(job.job_id, 0)
     assert shard.state is ShardState.SUCCEEDED
     commits = [c for c in store.list_commits(job.job_id) if c.shard_index == 0]
@@ -146,7 +154,7 @@ def test_a_crashed_pod_ends_its_attempt_at_once_as_a_crash_not_a_preemption(
     store = ManifestStore.open(planned.store_url)
     try:
         attempt = the_attempt(store, planned)
-        assert attempt.worker == f"{pod_hostname(name)}:{pid}"  # the pod's hostname, its worker's pid
+        assert attempt.worker == f"{name}:{pid}"  # the pod's name, its worker's pid
         assert (attempt.outcome, attempt.failure_class) == (AttemptOutcome.ABANDONED, "deterministic")
         assert f"pod {name} ended" in (attempt.error or "") and "exit code 139" in (attempt.error or "")
         shard = store.get_shard(planned.job_id, 0)
@@ -154,6 +162,59 @@ def test_a_crashed_pod_ends_its_attempt_at_once_as_a_crash_not_a_preemption(
         assert shard.cursor == 1 and shard.failures == 0  # it committed microbatch 0: no budget spent
         assert preemptions(store, planned) == (0, 0)
         next_try_finishes(k8s, planned, store)
+        assert preemptions(store, planned) == (0, 0)
+    finally:
+        store.close()
+
+
+def test_a_host_network_pods_containers_see_the_nodes_hostname_and_the_downward_api_its_name(
+    k8s: LoopbackCluster,
+) -> None:
+    """The loopback kubelet as a kubelet: a pod's own hostname is its name; ``hostNetwork: true``
+    shares the node's (this host's), and only the downward API still tells it its name."""
+    v1, ns = k8s.core_v1(), k8s.namespace
+    code = "import os, socket; print(socket.gethostname(), os.environ['HOSTNAME'], os.environ['POD'])"
+    name_ref = client.V1EnvVarSource(field_ref=client.V1ObjectFieldSelector(field_path="metadata.name"))
+    for name, host_network in (("own-uts", False), ("host-net", True)):
+        container = client.V1Container(
+            name="base",
+            image="python:3.11-slim",
+            command=["python3", "-c", code],
+            env=[client.V1EnvVar(name="POD", value_from=name_ref)],
+        )
+        spec = client.V1PodSpec(restart_policy="Never", host_network=host_network, containers=[container])
+        v1.create_namespaced_pod(ns, client.V1Pod(metadata=client.V1ObjectMeta(name=name), spec=spec))
+    logs = {}
+    for name in ("own-uts", "host-net"):
+        k8s.api.wait_for_pod(ns, name=name, phase="Succeeded", timeout_s=WAIT_S)
+        logs[name] = v1.read_namespaced_pod_log(name, ns, _preload_content=False).read().decode()
+    assert logs["own-uts"] == "own-uts own-uts own-uts\n"
+    host = socket.gethostname()
+    assert logs["host-net"] == f"{host} {host} host-net\n"
+
+
+def test_a_host_network_pods_crash_ends_its_attempt_at_once_though_its_hostname_is_the_nodes(
+    k8s: LoopbackCluster, planned: PlannedJob, tmp_path: Path
+) -> None:
+    """``hostNetwork: true`` (the pod's containers see the node's hostname): the worker names its
+    attempt after the pod all the same (``ADB_POD_NAME``, the downward API), so the crash ends it at
+    once, no preemption, and try 2's pod claims the shard in the same run instead of being refused
+    until the 10-minute lease lapses (which would then count the crash as a lost lease)."""
+    store_secret(k8s, planned.store_url)
+    thread, outcome, pid = paused_try(k8s, planned, tmp_path / "paused", hostnetwork=True)
+    [pod] = k8s.api.pods(k8s.namespace, labels=f"{JOB_LABEL}={planned.job_id}")
+    assert pod["spec"]["hostNetwork"] is True
+    os.kill(pid, signal.SIGSEGV)  # the worker crashes: no handler, no release
+    error = ended_try(thread, outcome)
+    assert "deterministic" in str(error)
+    name = pod["metadata"]["name"]
+    store = ManifestStore.open(planned.store_url)
+    try:
+        attempt = the_attempt(store, planned)
+        assert (attempt.outcome, attempt.failure_class) == (AttemptOutcome.ABANDONED, "deterministic")
+        assert attempt.worker == f"{name}:{pid}"  # the pod's name, not the node's hostname
+        assert preemptions(store, planned) == (0, 0)
+        next_try_finishes(k8s, planned, store, hostnetwork=True)
         assert preemptions(store, planned) == (0, 0)
     finally:
         store.close()
@@ -171,7 +232,7 @@ def test_an_evicted_spot_pod_ends_its_attempt_at_once_as_a_preemption(
     store = ManifestStore.open(planned.store_url)
     try:
         attempt = the_attempt(store, planned)
-        assert attempt.worker == f"{pod_hostname(pod['metadata']['name'])}:{pid}"
+        assert attempt.worker == f"{pod['metadata']['name']}:{pid}"
         assert (attempt.outcome, attempt.failure_class) == (AttemptOutcome.ABANDONED, "preempted")
         shard = store.get_shard(planned.job_id, 0)
         assert shard.state is ShardState.RETRYABLE_FAILURE and shard.failures == 0
@@ -219,9 +280,9 @@ def test_a_reclaimed_spot_pod_ends_its_own_attempt_never_its_racers(
             wait_for(spot_ended, timeout_s=WAIT_S, what="the Spot pod's attempt to end")
             spot, raced = race.attempts_by_kind(store, tail.job.job_id)
             assert (spot.outcome, spot.failure_class) == (AttemptOutcome.ABANDONED, "preempted")
-            assert spot.worker.startswith(f"{pod_hostname(spot_pod['metadata']['name'])}:")
+            assert spot.worker.startswith(f"{spot_pod['metadata']['name']}:")
             assert raced.outcome is AttemptOutcome.RUNNING  # the racer's attempt is not the Spot pod's
-            assert raced.worker.startswith(f"{pod_hostname(racer_pod['metadata']['name'])}:")
+            assert raced.worker.startswith(f"{racer_pod['metadata']['name']}:")
             shard = store.get_shard(tail.job.job_id, 0)
             assert shard.lease_attempt_id == raced.attempt_id and shard.race_attempt_id is None  # promoted
         finally:

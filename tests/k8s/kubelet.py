@@ -9,11 +9,15 @@ process, the grace period, then SIGKILL to the whole container (its process grou
 
 The image is ignored: the command runs on this machine, with ``python3``/``python`` resolving to
 the interpreter running the tests. A kubelet gives each pod its own UTS namespace whose hostname
-is the pod's name (cut to 63 characters); here a Python container gets the same answer from
-``socket.gethostname()`` through a ``sitecustomize`` on its ``PYTHONPATH`` (:data:`POD_HOSTNAME`),
-so that a worker names its attempts ``<pod hostname>:<pid>`` as in a real pod. Everything is
-guarded by the API server's one lock, and every change notifies its one condition variable, which
-the tests and the log streams wait on.
+is the pod's ``spec.hostname`` or else its name (cut to 63 characters); here a Python container
+gets the same answer from ``socket.gethostname()`` through a ``sitecustomize`` on its
+``PYTHONPATH`` (:data:`POD_HOSTNAME`), so that anything naming itself after its host (a worker
+before ``ADB_POD_NAME``: ``<hostname>:<pid>``) does so as in a real pod. A pod with
+``hostNetwork: true`` shares the node's UTS namespace: its containers get no ``sitecustomize`` and
+see this host's hostname (``$HOSTNAME`` too), as a host-network pod sees its node's. The downward
+API (``valueFrom.fieldRef``: ``metadata.name`` and the rest) reaches every pod's environment alike.
+Everything is guarded by the API server's one lock, and every change notifies its one condition
+variable, which the tests and the log streams wait on.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import functools
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,8 +47,9 @@ MAX_TERMINATION_MESSAGE = 4096
 FALLBACK_LOG_LINES, FALLBACK_LOG_BYTES = 80, 2048
 NODE_SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
 #: what a container's Python answers for ``socket.gethostname()``: its pod's hostname, as in the
-#: pod's own UTS namespace (the kubelet's ``GeneratePodHostNameAndDomain``: the name cut to 63
-#: characters, no trailing ``-`` or ``.``); ``HOSTNAME`` is the pod's name, as a kubelet sets it
+#: pod's own UTS namespace (the kubelet's ``GeneratePodHostNameAndDomain``: ``spec.hostname`` or the
+#: name, cut to 63 characters, no trailing ``-`` or ``.``), from ``HOSTNAME`` (the uncut name); a
+#: ``hostNetwork`` pod gets none of it (the node's UTS namespace: this host's hostname)
 POD_HOSTNAME = '''"""The loopback kubelet's stand-in for a pod's UTS namespace (tests/k8s/kubelet.py)."""
 import os
 import socket
@@ -363,16 +369,21 @@ class Kubelet:
         self, pod: dict[str, Any], container: ContainerRuntime
     ) -> tuple[list[str], dict[str, str], str]:
         spec = container.spec
+        host_network = bool(pod["spec"].get("hostNetwork"))
+        hostname = (
+            socket.gethostname() if host_network else pod["spec"].get("hostname") or pod["metadata"]["name"]
+        )
         env = {
             **self.image_env,
             "PATH": os.pathsep.join(
                 [str(self.bin_dir), str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]
             ),
-            "HOSTNAME": pod["metadata"]["name"],
+            "HOSTNAME": hostname,
             "HOME": str(container.directory),
             "KUBERNETES_SERVICE_HOST": "127.0.0.1",
         }
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.uts_dir), env.get("PYTHONPATH")]))
+        if not host_network:  # the pod's own UTS namespace (POD_HOSTNAME)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.uts_dir), env.get("PYTHONPATH")]))
         if self.termination_message_env:
             env[self.termination_message_env] = str(container.termination_log)
         for source in spec.get("envFrom") or []:

@@ -7,6 +7,7 @@ import json
 
 import kubernetes_validate
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
@@ -122,6 +123,11 @@ def test_high_slack_places_on_spot_with_valid_spec_and_secret_by_reference(store
     env = {e["name"]: e for e in container["env"]}
     assert env["ADB_STORE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "deadline-batch-store", "key": "url"}
     assert "value" not in env["ADB_STORE_URL"]
+    # the worker names its attempts after its pod, whatever the pod's hostname (the downward API)
+    assert env["ADB_POD_NAME"] == {
+        "name": "ADB_POD_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    }
     assert store_url not in json.dumps(manifest)
     assert "store.db" not in json.dumps(manifest)
 
@@ -161,8 +167,85 @@ def test_retry_after_preemption_with_less_slack_escalates(store_url, job_id):
     assert second_manifest["spec"]["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand"}
     # the second try's spec carries only its own placement, not a mix of both tries
     assert {t["key"] for t in second_manifest["spec"]["tolerations"]} == {"nvidia.com/gpu"}
-    assert [e["name"] for e in second_manifest["spec"]["containers"][0]["env"]] == ["ADB_STORE_URL"]
+    assert [e["name"] for e in second_manifest["spec"]["containers"][0]["env"]] == [
+        "ADB_STORE_URL",
+        "ADB_POD_NAME",
+    ]
     kubernetes_validate.validate(second_manifest, "1.30", strict=True)
+
+
+POD_NAME_REF = k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="metadata.name"))
+
+
+def test_a_host_network_pod_from_a_template_keeps_the_users_env_and_its_worker_learns_the_pods_name(
+    store_url, job_id, tmp_path
+):
+    """``hostNetwork: true`` from a pod template (its containers see the node's hostname): the
+    template's and the operator's env are kept, the pod's name is added once, the spec is valid."""
+    template = tmp_path / "pod.yaml"
+    template.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: t}\nspec:\n  hostNetwork: true\n"
+        "  containers:\n  - name: base\n    env: [{name: HF_HOME, value: /cache}]\n"
+    )
+    op = DeadlineShardPodOperator(
+        task_id="shard",
+        job_id=job_id,
+        shard_index=1,
+        image="worker:1",
+        namespace="batch",
+        store_url=store_url,
+        clock=ManualClock(T0),
+        pod_template_file=str(template),
+        env_vars={"LOG_LEVEL": "debug"},
+    )
+    op.prepare_try()
+    manifest = manifest_of(op)
+    kubernetes_validate.validate(manifest, "1.30", strict=True)
+    assert manifest["spec"]["hostNetwork"] is True
+    env = manifest["spec"]["containers"][0]["env"]
+    assert [e["name"] for e in env] == ["HF_HOME", "LOG_LEVEL", "ADB_STORE_URL", "ADB_POD_NAME"]
+    assert env[-1]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+@pytest.mark.parametrize(
+    ("var", "kept"),
+    [
+        (k8s.V1EnvVar(name="ADB_POD_NAME", value_from=POD_NAME_REF), True),  # what the operator sets
+        (k8s.V1EnvVar(name="ADB_POD_NAME", value="my-worker"), False),
+        (
+            k8s.V1EnvVar(
+                name="ADB_POD_NAME",
+                value_from=k8s.V1EnvVarSource(
+                    field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")
+                ),
+            ),
+            False,
+        ),
+    ],
+)
+def test_the_users_own_pod_name_env_is_kept_when_it_is_the_pods_name_else_refused(
+    store_url, job_id, var, kept
+):
+    template = k8s.V1Pod(spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="base", env=[var])]))
+    op = DeadlineShardPodOperator(
+        task_id="shard",
+        job_id=job_id,
+        shard_index=1,
+        image="worker:1",
+        namespace="batch",
+        store_url=store_url,
+        clock=ManualClock(T0),
+        full_pod_spec=template,
+    )
+    op.prepare_try()
+    if not kept:
+        with pytest.raises(AirflowFailException, match="sets env ADB_POD_NAME.*remove it from env_vars"):
+            op.build_pod_request_obj(dry_run=True)
+        return
+    manifest = manifest_of(op)
+    kubernetes_validate.validate(manifest, "1.30", strict=True)
+    names = [e["name"] for e in manifest["spec"]["containers"][0]["env"]]
+    assert names.count("ADB_POD_NAME") == 1
 
 
 def test_committed_shard_is_a_no_op(store_url, job_id, tmp_path):
