@@ -15,7 +15,7 @@ from typing import IO
 
 from airflow_deadline_batch.core.exit_codes import EXIT_RETRYABLE
 from airflow_deadline_batch.core.failures import FailureClass, classify_exit
-from airflow_deadline_batch.core.worker_command import worker_arguments, worker_command
+from airflow_deadline_batch.core.worker_command import POD_NAME_ENV, worker_arguments, worker_command
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.store import ManifestStore
 
@@ -43,7 +43,8 @@ class WorkerProcess:
 
 
 def worker_environment(store_url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A worker's environment: this process's, the store URL, then the caller's ``env``.
+    """A worker's environment: this process's, the store URL, then the caller's ``env``, without
+    ``ADB_POD_NAME`` (a shard pod's, which would rename the worker's attempts).
 
     The store URL travels in the environment, never in argv, so `ps` shows no credentials on a
     shared host. A caller's ``env`` wins: it carries the real URL when ``store_url`` is the
@@ -53,6 +54,9 @@ def worker_environment(store_url: str, env: Mapping[str, str] | None = None) -> 
     full_env["ADB_STORE_URL"] = store_url
     if env:
         full_env.update(env)
+    # a local worker is no pod, even when this process runs in one: it names its attempts
+    # ``host:pid``, as :func:`launched_attempt` looks for them (a pod's name would hide them)
+    full_env.pop(POD_NAME_ENV, None)
     if MASKED_PASSWORD in full_env["ADB_STORE_URL"]:
         raise ConfigurationError(
             "a worker would get the masked store URL (user:***@host) and could never log in: "
