@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["POD_NAME_ENV", "WORKER_MODULE", "worker_arguments", "worker_command"]
+__all__ = ["POD_NAME_ENV", "WORKER_MODULE", "names_worker", "worker_arguments", "worker_command"]
 
 #: the module run as ``python -m`` in a pod and in a local subprocess
 WORKER_MODULE = "airflow_deadline_batch.worker"
 #: the shard pod's name, set by the pod operator from the downward API (``metadata.name``): the
 #: worker names its attempts after it, whatever hostname the pod has (``hostNetwork``: the node's)
 POD_NAME_ENV = "ADB_POD_NAME"
+#: the worker's option that names its attempts (overriding :data:`POD_NAME_ENV`)
+WORKER_NAME_OPTION = "--worker-name"
 
 
 def worker_arguments(
@@ -51,3 +53,15 @@ def worker_arguments(
 def worker_command(python: str, arguments: Sequence[str]) -> list[str]:
     """The whole argv of a worker process: ``python -m airflow_deadline_batch.worker ARGUMENTS``."""
     return [python, "-m", WORKER_MODULE, *arguments]
+
+
+def names_worker(arguments: Sequence[str]) -> bool:
+    """Whether ``arguments`` give the worker its name: ``--worker-name``, with ``=`` or abbreviated
+    as the worker's ``argparse`` takes it (``--worker``, ``--w=...``), before any ``--``."""
+    for argument in arguments:
+        if argument == "--":
+            return False
+        option = argument.split("=", 1)[0]
+        if len(option) > 2 and option.startswith("--") and WORKER_NAME_OPTION.startswith(option):
+            return True
+    return False

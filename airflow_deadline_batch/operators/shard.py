@@ -57,6 +57,7 @@ the race's state travelling in the trigger's kwargs (:meth:`DeadlineShardPodOper
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime as dt
@@ -73,7 +74,7 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.operators.pod import POD_IDENTIFIER_STATE_KEY, KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
-from airflow.providers.cncf.kubernetes.utils.pod_manager import PodLaunchTimeoutException
+from airflow.providers.cncf.kubernetes.utils.pod_manager import detect_pod_terminate_early_issues
 from airflow.sdk import BaseOperator
 from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
 from airflow.sdk.exceptions import (
@@ -98,7 +99,12 @@ from airflow_deadline_batch.core.failures import (
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
-from airflow_deadline_batch.core.worker_command import POD_NAME_ENV, WORKER_MODULE, worker_arguments
+from airflow_deadline_batch.core.worker_command import (
+    POD_NAME_ENV,
+    WORKER_MODULE,
+    names_worker,
+    worker_arguments,
+)
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -227,14 +233,40 @@ def _container_terminated(pod: k8s.V1Pod, container: str) -> k8s.V1ContainerStat
     return None
 
 
+#: reasons a container waits with that no wait fixes: its configuration (a missing Secret, ConfigMap
+#: or key, a bad command) cannot be created (the image pull errors are the provider's to judge)
+NEVER_STARTS_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+
+
+def never_started(pod: k8s.V1Pod, container: str) -> str | None:
+    """Why ``pod``'s worker container cannot start, or None (pure): it waits on its configuration
+    (:data:`NEVER_STARTS_REASONS`), or on an image the provider finds cannot be pulled
+    (``detect_pod_terminate_early_issues``: not a registry's passing outage)."""
+    statuses = (pod.status.container_statuses if pod.status else None) or []
+    for status in statuses:
+        waiting = status.state.waiting if status.name == container and status.state else None
+        if waiting is not None and waiting.reason in NEVER_STARTS_REASONS:
+            return f"container {container} cannot start: {waiting.reason}: {waiting.message or 'no detail'}"
+    issue = detect_pod_terminate_early_issues(pod)
+    return " ".join(issue.split()) if issue else None
+
+
 def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassification:
-    """Classify a finished shard pod from its status (pure; tests pass real ``V1Pod`` objects)."""
+    """Classify a finished shard pod from its status (pure; tests pass real ``V1Pod`` objects).
+
+    A pod whose worker never started for its configuration or image (:func:`never_started`) is
+    ``deterministic``, a try the store never saw: each spends one of the task's retries and the last
+    one fails (a transient class would relaunch the same pod for ever, docs/airflow.md).
+    """
     if pod is None or pod.status is None:
         return PodClassification(PodOutcome.RETRYABLE, "pod vanished before it reported a status")
     status = pod.status
     conditions = status.conditions or []
     disrupted = next((c for c in conditions if c.type == "DisruptionTarget" and c.status == "True"), None)
     terminated = _container_terminated(pod, container)
+    if terminated is None and status.phase in ("Pending", None) and (why := never_started(pod, container)):
+        said = TryFailure(FailureClass.DETERMINISTIC, why, claimed=False)
+        return PodClassification(PodOutcome.RETRYABLE, why, failure=said)
     code = terminated.exit_code if terminated is not None else None
     said = parse_termination_message(terminated.message if terminated is not None else None)
     if said is not None and code not in (None, EXIT_OK):
@@ -303,24 +335,31 @@ def add_pod_name_env(pod: k8s.V1Pod, container: str) -> None:
 
     The name, not the hostname, which is the node's for a pod with ``hostNetwork: true``, and cut to
     63 characters otherwise. A user's env or pod template that sets the variable to the same field
-    is kept; to anything else, it is refused (:class:`ConfigurationError`), never replaced silently:
-    the operator could no longer end a dead pod's attempts.
+    is kept; to anything else (in any of its entries: Kubernetes takes the last), or a
+    ``--worker-name`` among the worker's arguments, it is refused (:class:`ConfigurationError`),
+    never replaced silently: the operator could no longer end a dead pod's attempts.
     """
     worker = next((c for c in pod.spec.containers if c.name == container), None)
     if worker is None:
         return
+    if names_worker(worker.args or []):
+        raise ConfigurationError(
+            f"container {container!r} of the shard pod passes --worker-name to its worker, which names "
+            f"its attempts after its pod ({POD_NAME_ENV}): remove --worker-name from worker_args"
+        )
     env = list(worker.env or [])
-    for var in env:
-        if var.name != POD_NAME_ENV:
-            continue
+    ours = [var for var in env if var.name == POD_NAME_ENV]
+    for var in ours:
         ref = var.value_from.field_ref if var.value_from is not None else None
         if var.value is None and ref is not None and ref.field_path == POD_NAME_FIELD:
-            return
+            continue
         raise ConfigurationError(
             f"container {container!r} of the shard pod sets env {POD_NAME_ENV}, which the operator "
             "sets to the pod's name (its worker names its attempts after it): remove it from "
             "env_vars or the pod template"
         )
+    if ours:
+        return
     field = k8s.V1ObjectFieldSelector(field_path=POD_NAME_FIELD)
     worker.env = [*env, k8s.V1EnvVar(name=POD_NAME_ENV, value_from=k8s.V1EnvVarSource(field_ref=field))]
 
@@ -871,8 +910,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     def await_pod_start(self, pod: k8s.V1Pod) -> None:
         try:
             super().await_pod_start(pod)
-        except PodLaunchTimeoutException:
+        except AirflowException:  # a launch timeout, or a pod that cannot start
             self.record_capacity_wait(pod)
+            # what cleanup classifies: the pod now (the provider's read is from its creation), so
+            # that a container that cannot start is told from a wait for capacity
+            with contextlib.suppress(Exception):
+                self.remote_pod = self.pod_manager.read_pod(pod)
             raise
         self.record_capacity_wait(pod)
 
