@@ -1,0 +1,198 @@
+"""Hostile input to the shard pod's newest parts (review s22): what names a pod's attempts, the
+resume delay's range, and how a pod whose worker never started is classified.
+
+* The worker names its attempts ``<pod name>:<pid>`` from ``ADB_POD_NAME`` (the downward API), and
+  the operator finds a dead pod's attempts by it. A ``--worker-name`` in ``worker_args`` (in any
+  form the worker's ``argparse`` takes) or a second ``ADB_POD_NAME`` entry after the operator's
+  (Kubernetes takes the last) renamed them silently: the pod's end then ended nothing, and the
+  next try's claim was refused until the lease's TTL ran out. Both are refused now, naming the fix.
+* ``[deadline_batch] min_resume_delay_s`` far too large (``1e12``) crashed the try with an
+  ``OverflowError`` (a reschedule date past year 9999), spending a retry and naming nothing; it is
+  refused with the option's one-line error now, as a negative one is.
+* A pod whose worker container waits on its configuration (a missing Secret) or an image that
+  cannot be pulled is a deterministic try the store never saw; a wait for capacity, a slow pull or
+  a registry's passing outage stays transient.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
+from kubernetes.client import models as k8s
+
+from airflow_deadline_batch.core.clock import ManualClock
+from airflow_deadline_batch.core.failures import MAX_RESUME_DELAY_S, FailureClass, parse_resume_delay
+from airflow_deadline_batch.core.worker_command import names_worker
+from airflow_deadline_batch.exceptions import ConfigurationError
+from airflow_deadline_batch.operators.shard import (
+    DeadlineShardPodOperator,
+    LocalShardOperator,
+    classify_pod,
+    failure_class_of,
+)
+from airflow_deadline_batch.worker.__main__ import build_parser
+from tests.unit.test_pod_spec import POD_NAME_REF, T0, manifest_of
+from tests.unit.test_pod_spec import job_id as job_id  # noqa: F401 - a fixture
+from tests.unit.test_pod_spec import store_url as store_url  # noqa: F401 - a fixture
+
+ENV = "AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S"
+
+
+def pod_operator(store_url: str, job_id: str, **options: Any) -> DeadlineShardPodOperator:
+    return DeadlineShardPodOperator(
+        task_id="shard",
+        job_id=job_id,
+        shard_index=1,
+        image="worker:1",
+        namespace="batch",
+        store_url=store_url,
+        clock=ManualClock(T0),
+        **options,
+    )
+
+
+@pytest.mark.parametrize(
+    "worker_args",
+    [
+        ["--worker-name", "mine"],
+        ["--worker-name=mine"],
+        ["--worker", "mine"],  # argparse's abbreviation
+        ["--engine-option", "k=v", "--w=mine"],
+    ],
+)
+def test_a_worker_name_in_worker_args_is_refused_naming_the_fix(
+    store_url: str, job_id: str, worker_args: list[str]
+) -> None:
+    op = pod_operator(store_url, job_id, worker_args=worker_args)
+    op.prepare_try()
+    args = op.arguments
+    # what the pod's worker would do with them: name its attempts "mine", not after its pod
+    assert build_parser().parse_args(args).worker_name == "mine"
+    with pytest.raises(AirflowFailException, match="remove --worker-name from worker_args") as refused:
+        op.build_pod_request_obj(dry_run=True)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--job", "j", "--shard", "0", "--race"], False),
+        (["--engine-option", "worker=3"], False),  # a value, not the option
+        (["--", "--worker-name", "x"], False),  # after "--": not an option
+        (["--worker-n", "x"], True),
+    ],
+)
+def test_names_worker_reads_arguments_as_the_workers_argparse_does(args: list[str], named: bool) -> None:
+    assert names_worker(args) is named
+    if "--" not in args:
+        parsed, _ = build_parser().parse_known_args(["--job", "j", "--shard", "0", *args])
+        assert (parsed.worker_name is not None) is named
+
+
+def test_a_second_pod_name_entry_after_the_operators_own_is_refused(store_url: str, job_id: str) -> None:
+    """Kubernetes takes a variable's last entry: the worker would be named ``evil:<pid>``."""
+    op = pod_operator(
+        store_url,
+        job_id,
+        env_vars=[
+            k8s.V1EnvVar(name="ADB_POD_NAME", value_from=POD_NAME_REF),
+            k8s.V1EnvVar(name="ADB_POD_NAME", value="evil"),
+        ],
+    )
+    op.prepare_try()
+    with pytest.raises(AirflowFailException, match="sets env ADB_POD_NAME.*remove it from env_vars"):
+        op.build_pod_request_obj(dry_run=True)
+
+
+def test_a_pod_name_from_env_from_is_overridden_by_the_operators_env(store_url: str, job_id: str) -> None:
+    """``envFrom`` (a ConfigMap or Secret defining ``ADB_POD_NAME``) loses to ``env`` in Kubernetes
+    whatever the order; the operator's downward-API entry is there, once."""
+    source = k8s.V1EnvFromSource(config_map_ref=k8s.V1ConfigMapEnvSource(name="has-adb-pod-name"))
+    op = pod_operator(store_url, job_id, env_from=[source])
+    op.prepare_try()
+    container = manifest_of(op)["spec"]["containers"][0]
+    assert container["envFrom"] == [{"configMapRef": {"name": "has-adb-pod-name"}}]
+    assert [e for e in container["env"] if e["name"] == "ADB_POD_NAME"] == [
+        {"name": "ADB_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
+
+
+@pytest.mark.parametrize("value", ["1e12", "1e300", str(MAX_RESUME_DELAY_S + 1)])
+def test_a_huge_resume_delay_names_the_option_instead_of_overflowing(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigurationError, match="min_resume_delay_s must be a number of seconds"):
+        parse_resume_delay(value)
+    monkeypatch.setenv(ENV, value)
+    op = LocalShardOperator(task_id="shard", job_id="j-x", shard_index=0, store_url="sqlite://")
+    op.slack_s = lambda: None  # type: ignore[method-assign]
+    with pytest.raises(AirflowFailException, match=f"got '{value}'"):
+        op.settle_failure(FailureClass.PREEMPTED, "SIGTERM")
+
+
+def test_the_longest_resume_delay_still_reschedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, f"{MAX_RESUME_DELAY_S:g}")
+    op = LocalShardOperator(task_id="shard", job_id="j-x", shard_index=0, store_url="sqlite://")
+    before = dt.datetime.now(dt.timezone.utc)
+    with pytest.raises(AirflowRescheduleException) as rescheduled:
+        op.settle_failure(FailureClass.PREEMPTED, "SIGTERM")
+    assert rescheduled.value.reschedule_date >= before + dt.timedelta(seconds=MAX_RESUME_DELAY_S)
+
+
+def waiting_pod(reason: str | None, message: str | None = None, *, scheduled: bool = True) -> k8s.V1Pod:
+    """A ``Pending`` pod whose ``base`` container waits with ``reason`` (None: no container status)."""
+    statuses = (
+        [
+            k8s.V1ContainerStatus(
+                name="base",
+                image="worker:1",
+                image_id="",
+                ready=False,
+                restart_count=0,
+                state=k8s.V1ContainerState(
+                    waiting=k8s.V1ContainerStateWaiting(reason=reason, message=message)
+                ),
+            )
+        ]
+        if reason is not None
+        else None
+    )
+    condition = k8s.V1PodCondition(
+        type="PodScheduled",
+        status="True" if scheduled else "False",
+        reason=None if scheduled else "Unschedulable",
+    )
+    return k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(name="p"),
+        status=k8s.V1PodStatus(phase="Pending", conditions=[condition], container_statuses=statuses),
+    )
+
+
+@pytest.mark.parametrize(
+    ("pod", "failure"),
+    [
+        (
+            waiting_pod("CreateContainerConfigError", 'secret "deadline-batch-store" not found'),
+            "deterministic",
+        ),
+        (waiting_pod("CreateContainerError", "failed to reserve container name"), "deterministic"),
+        (waiting_pod("InvalidImageName", 'invalid reference format: "Worker:1"'), "deterministic"),
+        (waiting_pod("ErrImagePull", "manifest unknown"), "deterministic"),
+        (waiting_pod("ImagePullBackOff", 'Back-off pulling image "worker:1"'), "deterministic"),
+        # the registry's passing outage, a slow pull, no capacity: a later try may start
+        (waiting_pod("ErrImagePull", "toomanyrequests: rate limit exceeded"), "transient"),
+        (waiting_pod("ContainerCreating"), "transient"),
+        (waiting_pod(None, scheduled=False), "transient"),
+    ],
+)
+def test_a_pod_whose_worker_cannot_start_is_deterministic_else_transient(
+    pod: k8s.V1Pod, failure: str
+) -> None:
+    found = classify_pod(pod)
+    assert failure_class_of(found) is FailureClass(failure), found
+    if failure == "deterministic":
+        assert found.failure is not None and not found.failure.claimed  # the store never saw it
+        assert pod.status.container_statuses[0].state.waiting.reason in found.reason
