@@ -96,6 +96,7 @@ from airflow_deadline_batch.core.failures import (
     backoff_s,
     classify_exit,
 )
+from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
@@ -162,6 +163,9 @@ FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 
 #: a shard task's default retries (its preempted and transient tries reschedule without spending one)
 SHARD_RETRIES = 5
+#: how often Airflow's last try, waiting in its worker slot, reads whether its job stopped or its
+#: shard was settled meanwhile (a cancel then ends the try within this, not after the whole wait)
+SLOT_CHECK_S = 2.0
 #: key of the shard task's :class:`~core.failures.TryLedger` in Airflow's task state store
 TRY_LEDGER_KEY = "deadline_batch_tries"
 #: ``weight_rule`` for shard tasks: earliest deadline first (``plugins.priority``, registered by the
@@ -573,11 +577,33 @@ class _ShardTryMixin:
         """Make this try keep its worker slot (a deferrable operator stops deferring)."""
 
     def wait_in_slot(self, until: dt.datetime) -> None:
-        """Wait in this try until ``until`` (a kill ends the wait, and the try)."""
-        delay = (until - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        """Wait in this try until ``until`` (a kill ends the wait, and the try). Every
+        :data:`SLOT_CHECK_S` it reads the store: a job that stopped (cancelled, expired, failed) or
+        a shard settled meanwhile ends the wait at once, and the next run's decision ends the try."""
         assert self._ending is not None
-        if self._ending.wait(max(0.0, delay)):
-            raise AirflowException(f"shard {self.shard_index} of job {self.job_id}: killed while it waited")
+        store: Any = None
+        try:
+            while (left := (until - dt.datetime.now(dt.timezone.utc)).total_seconds()) > 0:
+                if self._ending.wait(min(left, SLOT_CHECK_S)):
+                    raise AirflowException(
+                        f"shard {self.shard_index} of job {self.job_id}: killed while it waited"
+                    )
+                try:
+                    store = store or self._store()
+                    if self.settled_elsewhere(store):
+                        return
+                except Exception:  # a store that cannot be read: wait on, the next run reads it again
+                    self.log.debug("could not read shard %s while waiting", self.shard_index, exc_info=True)
+        finally:
+            if store is not None:
+                store.close()
+
+    def settled_elsewhere(self, store: Any) -> bool:
+        """Whether this try's job stopped or its shard is done or failed for good (read from ``store``)."""
+        if is_stopped(store.get_job(self.job_id).state):
+            return True
+        state = store.get_shard(self.job_id, int(self.shard_index)).state
+        return state in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE)
 
     def on_kill(self) -> None:
         if self._ending is not None:
