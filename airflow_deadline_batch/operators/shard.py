@@ -269,8 +269,8 @@ def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassific
     disrupted = next((c for c in conditions if c.type == "DisruptionTarget" and c.status == "True"), None)
     terminated = _container_terminated(pod, container)
     if terminated is None and status.phase in ("Pending", None) and (why := never_started(pod, container)):
-        said = TryFailure(FailureClass.DETERMINISTIC, why, claimed=False)
-        return PodClassification(PodOutcome.RETRYABLE, why, failure=said)
+        unseen = TryFailure(FailureClass.DETERMINISTIC, why, claimed=False)
+        return PodClassification(PodOutcome.RETRYABLE, why, failure=unseen)
     code = terminated.exit_code if terminated is not None else None
     said = parse_termination_message(terminated.message if terminated is not None else None)
     if said is not None and code not in (None, EXIT_OK):
