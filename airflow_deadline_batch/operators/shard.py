@@ -589,7 +589,8 @@ class _ShardTryMixin:
                         f"shard {self.shard_index} of job {self.job_id}: killed while it waited"
                     )
                 try:
-                    store = store or self._store()
+                    if store is None:
+                        store = self._store()
                     if self.settled_elsewhere(store):
                         return
                 except Exception:  # a store that cannot be read: wait on, the next run reads it again
