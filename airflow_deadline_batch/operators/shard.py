@@ -103,7 +103,7 @@ from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, ku
 from airflow_deadline_batch.core.worker_command import (
     POD_NAME_ENV,
     WORKER_MODULE,
-    names_worker,
+    given_options,
     worker_arguments,
 )
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -339,18 +339,13 @@ def add_pod_name_env(pod: k8s.V1Pod, container: str) -> None:
 
     The name, not the hostname, which is the node's for a pod with ``hostNetwork: true``, and cut to
     63 characters otherwise. A user's env or pod template that sets the variable to the same field
-    is kept; to anything else (in any of its entries: Kubernetes takes the last), or a
-    ``--worker-name`` among the worker's arguments, it is refused (:class:`ConfigurationError`),
-    never replaced silently: the operator could no longer end a dead pod's attempts.
+    is kept; to anything else (in any of its entries: Kubernetes takes the last), it is refused
+    (:class:`ConfigurationError`), never replaced silently: the operator could no longer end a dead
+    pod's attempts (nor with ``--worker-name`` in ``worker_args``: :func:`check_worker_args`).
     """
     worker = next((c for c in pod.spec.containers if c.name == container), None)
     if worker is None:
         return
-    if names_worker(worker.args or []):
-        raise ConfigurationError(
-            f"container {container!r} of the shard pod passes --worker-name to its worker, which names "
-            f"its attempts after its pod ({POD_NAME_ENV}): remove --worker-name from worker_args"
-        )
     env = list(worker.env or [])
     ours = [var for var in env if var.name == POD_NAME_ENV]
     for var in ours:
@@ -366,6 +361,17 @@ def add_pod_name_env(pod: k8s.V1Pod, container: str) -> None:
         return
     field = k8s.V1ObjectFieldSelector(field_path=POD_NAME_FIELD)
     worker.env = [*env, k8s.V1EnvVar(name=POD_NAME_ENV, value_from=k8s.V1EnvVarSource(field_ref=field))]
+
+
+def check_worker_args(worker_args: Sequence[str]) -> None:
+    """Refuse ``worker_args`` that give an option the operator sets itself
+    (:data:`~core.worker_command.OPERATOR_OPTIONS`), in any form the worker's ``argparse`` takes
+    (:class:`ConfigurationError` naming them)."""
+    if found := given_options(worker_args):
+        raise ConfigurationError(
+            f"worker_args give {', '.join(found)}, which the shard operator sets itself from the task "
+            f"and its decision: remove {', '.join(found)} from worker_args"
+        )
 
 
 def attempts_of_pod(
@@ -927,6 +933,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     def build_pod_request_obj(self, context: Any | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
         """The provider's pod, its worker told the pod's name (:func:`add_pod_name_env`): a racer,
         a copy of this pod, learns its own from the same reference."""
+        try:
+            check_worker_args(self.worker_args)
+        except ConfigurationError as exc:  # no retry can fix it
+            raise AirflowFailException(str(exc)) from exc
         pod: k8s.V1Pod = super().build_pod_request_obj(context, dry_run=dry_run)
         try:
             add_pod_name_env(pod, self.base_container_name)

@@ -5,7 +5,9 @@ resume delay's range, and how a pod whose worker never started is classified.
   the operator finds a dead pod's attempts by it. A ``--worker-name`` in ``worker_args`` (in any
   form the worker's ``argparse`` takes) or a second ``ADB_POD_NAME`` entry after the operator's
   (Kubernetes takes the last) renamed them silently: the pod's end then ended nothing, and the
-  next try's claim was refused until the lease's TTL ran out. Both are refused now, naming the fix.
+  next try's claim was refused until the lease's TTL ran out. Both are refused now, naming the fix,
+  and so is every other option the operator sets (``worker_args=["--race"]`` made every pod a
+  racer, which exits 0 on a shard nobody holds: the shard task succeeded, its shard never ran).
 * ``[deadline_batch] min_resume_delay_s`` far too large (``1e12``) crashed the try with an
   ``OverflowError`` (a reschedule date past year 9999), spending a retry and naming nothing; it is
   refused with the option's one-line error now, as a negative one is.
@@ -17,6 +19,10 @@ resume delay's range, and how a pod whose worker never started is classified.
 from __future__ import annotations
 
 import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +31,8 @@ from kubernetes.client import models as k8s
 
 from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.failures import MAX_RESUME_DELAY_S, FailureClass, parse_resume_delay
-from airflow_deadline_batch.core.worker_command import names_worker
+from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.core.worker_command import given_options, worker_arguments, worker_command
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.operators.shard import (
     DeadlineShardPodOperator,
@@ -33,6 +40,7 @@ from airflow_deadline_batch.operators.shard import (
     classify_pod,
     failure_class_of,
 )
+from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.worker.__main__ import build_parser
 from tests.unit.test_pod_spec import POD_NAME_REF, T0, manifest_of
 from tests.unit.test_pod_spec import job_id as job_id  # noqa: F401 - a fixture
@@ -77,19 +85,55 @@ def test_a_worker_name_in_worker_args_is_refused_naming_the_fix(
 
 
 @pytest.mark.parametrize(
-    ("args", "named"),
+    ("args", "given"),
     [
-        (["--job", "j", "--shard", "0", "--race"], False),
-        (["--engine-option", "worker=3"], False),  # a value, not the option
-        (["--", "--worker-name", "x"], False),  # after "--": not an option
-        (["--worker-n", "x"], True),
+        (["--engine-option", "delay_s_per_record=0.5"], []),
+        (["--engine-option", "worker=3"], []),  # a value, not the option
+        (["--", "--worker-name", "x"], []),  # after "--": not an option
+        (["--worker-n", "x"], ["--worker-name"]),
+        (["--race"], ["--race"]),
+        (["--r"], ["--race"]),
+        (["--shard=2", "--lease-ttl", "5"], ["--shard", "--lease-ttl"]),
     ],
 )
-def test_names_worker_reads_arguments_as_the_workers_argparse_does(args: list[str], named: bool) -> None:
-    assert names_worker(args) is named
+def test_given_options_reads_arguments_as_the_workers_argparse_does(
+    args: list[str], given: list[str]
+) -> None:
+    assert given_options(args) == given
     if "--" not in args:
         parsed, _ = build_parser().parse_known_args(["--job", "j", "--shard", "0", *args])
-        assert (parsed.worker_name is not None) is named
+        assert (parsed.worker_name is not None) is ("--worker-name" in given)
+        assert parsed.race is ("--race" in given)
+
+
+@pytest.mark.parametrize("worker_args", [["--race"], ["--shard", "2"], ["--pool=gpu-on-demand"]])
+def test_options_the_operator_sets_are_refused_in_worker_args(
+    store_url: str, job_id: str, worker_args: list[str]
+) -> None:
+    op = pod_operator(store_url, job_id, worker_args=worker_args)
+    op.prepare_try()
+    option = worker_args[0].split("=")[0]
+    with pytest.raises(AirflowFailException, match=f"remove {option} from worker_args"):
+        op.build_pod_request_obj(dry_run=True)
+
+
+def test_a_worker_told_race_on_a_shard_nobody_holds_exits_0_without_running_it(
+    store_url: str, job_id: str, tmp_path: Path
+) -> None:
+    """Why ``--race`` is refused: a pod whose worker got it from ``worker_args`` would succeed, and
+    its shard task with it, while the shard stays pending (the real worker, as a subprocess)."""
+    argv = worker_command(
+        sys.executable, worker_arguments(job_id, 1, pool="gpu-spot", store_url=store_url, extra=["--race"])
+    )
+    env = {**os.environ, "ADB_TERMINATION_LOG": str(tmp_path / "termination-log")}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "nothing to race (not_running)" in done.stderr
+    store = ManifestStore(store_url)
+    try:
+        assert store.get_shard(job_id, 1).state is ShardState.PENDING
+    finally:
+        store.close()
 
 
 def test_a_second_pod_name_entry_after_the_operators_own_is_refused(store_url: str, job_id: str) -> None:
