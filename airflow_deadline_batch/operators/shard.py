@@ -150,6 +150,8 @@ RACE_CHECK_S = 30.0
 #: seconds (a task start, a store read, a re-deferral), so 10 shards cost 2 task starts a minute;
 #: a shard's tail lasts hours, and a racer 5 minutes late loses little of its gain
 DEFERRED_RACE_CHECK_S = 300.0
+#: the longest ``race_check_interval_s`` taken (a day; ``race=False`` never looks)
+MAX_RACE_CHECK_S = 86_400.0
 #: how often, once a racer runs, the operator looks whether the shard is done (at most)
 RACE_POLL_S = 2.0
 #: seconds of grace of a race's pod deleted once the shard is done: its attempt is over (the store
@@ -851,8 +853,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         race_check_interval_s: float | None = None,
         **kwargs: Any,
     ) -> None:
-        if race_check_interval_s is not None and not race_check_interval_s > 0:
-            raise ValueError(f"race_check_interval_s must be > 0 seconds, got {race_check_interval_s!r}")
+        if race_check_interval_s is not None and not 0 < race_check_interval_s <= MAX_RACE_CHECK_S:
+            # above the bound, the watch thread's wait overflows (OverflowError): the race silently off
+            raise ValueError(
+                f"race_check_interval_s must be > 0 and <= {MAX_RACE_CHECK_S:g} seconds, got "
+                f"{race_check_interval_s!r}: pass race=False to never race"
+            )
         kwargs.setdefault("retries", SHARD_RETRIES)
         kwargs.setdefault("name", "deadline-batch-shard")
         self.race = race

@@ -22,6 +22,7 @@ import datetime as dt
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,22 @@ def test_a_pod_whose_worker_cannot_start_is_deterministic_else_transient(
     if failure == "deterministic":
         assert found.failure is not None and not found.failure.claimed  # the store never saw it
         assert pod.status.container_statuses[0].state.waiting.reason in found.reason
+
+
+@pytest.mark.parametrize("interval", [float("inf"), 1e10, float("nan"), 0.0, -1.0])
+def test_a_race_check_interval_the_watch_cannot_wait_is_refused_naming_the_fix(
+    store_url: str, job_id: str, interval: float
+) -> None:
+    """``inf`` (never look) or ``1e10`` used to be taken, and the synchronous watch thread then died of
+    an ``OverflowError`` at its first wait: the race silently off, an unhandled thread error logged."""
+    with pytest.raises(
+        ValueError, match="race_check_interval_s must be > 0 and <= 86400 seconds.*race=False"
+    ):
+        pod_operator(store_url, job_id, race_check_interval_s=interval)
+
+
+def test_the_watch_threads_wait_overflows_past_the_bound() -> None:
+    """Why the bound: ``threading.Event.wait`` (the watch's tick) cannot wait ``1e10`` seconds."""
+    with pytest.raises(OverflowError):
+        threading.Event().wait(1e10)
+    assert not threading.Event().wait(0.0)  # a bounded wait is fine
