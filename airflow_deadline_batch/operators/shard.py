@@ -397,13 +397,22 @@ def attempts_of_pod(
     ]
 
 
-def pod_ended(pod: k8s.V1Pod | None) -> bool:
-    """Whether no container of ``pod`` can still run: it is gone (None), ``Succeeded`` or ``Failed``.
+def pod_ended(pod: k8s.V1Pod | None, container: str | None = None) -> bool:
+    """Whether no container of ``pod`` can still run: it is gone (None), ``Succeeded`` or ``Failed``;
+    or, with ``container`` (the worker's), whether that one terminated in a pod that never restarts
+    it (``restartPolicy: Never``, the operator's), though a sidecar keeps the pod ``Running``.
 
     A pod terminating under an eviction is still ``Running`` (its worker may be committing within
     its grace period, and ends its own attempt): not ended.
     """
-    return pod is None or (pod.status is not None and pod.status.phase in FINISHED_PHASES)
+    if pod is None or (pod.status is not None and pod.status.phase in FINISHED_PHASES):
+        return True
+    if container is None or pod.spec is None or pod.spec.restart_policy != "Never" or pod.status is None:
+        return False
+    return any(
+        s.name == container and s.state is not None and s.state.terminated is not None
+        for s in pod.status.container_statuses or []
+    )
 
 
 def unschedulable_reason(pod: k8s.V1Pod | None) -> str | None:
@@ -950,6 +959,17 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             raise AirflowFailException(str(exc)) from exc
         return pod
 
+    def is_istio_enabled(self, pod: k8s.V1Pod) -> bool:
+        """Whether this try ends with its worker's container rather than its pod (the provider then
+        stops waiting once the container completed, and judges it by the container's exit): with
+        Istio, as the provider has it, and with any container beside the worker's (a sidecar from
+        the pod template would keep the pod ``Running`` after the worker exited: the provider,
+        without an XCom sidecar, would wait for it for ever)."""
+        containers = (pod.spec.containers if pod is not None and pod.spec is not None else None) or []
+        if any(c.name != self.base_container_name for c in containers):
+            return True
+        return bool(super().is_istio_enabled(pod))
+
     def await_pod_start(self, pod: k8s.V1Pod) -> None:
         try:
             super().await_pod_start(pod)
@@ -1155,7 +1175,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         Returns the attempt IDs ended.
         """
         failure = failure_class_of(found)
-        if failure is None or not pod_ended(remote):
+        if failure is None or not pod_ended(remote, self.base_container_name):
             return []
         if failure is FailureClass.CONFIGURATION:
             # a worker that knew it was configuration ended its own attempt (and stopped the job);
