@@ -40,6 +40,7 @@ from airflow_deadline_batch.operators.shard import (
     LocalShardOperator,
     classify_pod,
     failure_class_of,
+    pod_ended,
 )
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.worker.__main__ import build_parser
@@ -260,3 +261,40 @@ def test_the_watch_threads_wait_overflows_past_the_bound() -> None:
     with pytest.raises(OverflowError):
         threading.Event().wait(1e10)
     assert not threading.Event().wait(0.0)  # a bounded wait is fine
+
+
+def sidecar_pod(base: k8s.V1ContainerState, restart_policy: str = "Never") -> k8s.V1Pod:
+    """A ``Running`` pod whose sidecar runs on; its ``base`` container in state ``base``."""
+
+    def status(name: str, state: k8s.V1ContainerState) -> k8s.V1ContainerStatus:
+        return k8s.V1ContainerStatus(
+            name=name, image="i", image_id="", ready=False, restart_count=0, state=state
+        )
+
+    running = k8s.V1ContainerState(running=k8s.V1ContainerStateRunning())
+    return k8s.V1Pod(
+        metadata=k8s.V1ObjectMeta(name="p"),
+        spec=k8s.V1PodSpec(
+            restart_policy=restart_policy,
+            containers=[k8s.V1Container(name="base"), k8s.V1Container(name="sidecar")],
+        ),
+        status=k8s.V1PodStatus(
+            phase="Running", container_statuses=[status("base", base), status("sidecar", running)]
+        ),
+    )
+
+
+CRASHED = k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=139))
+
+
+@pytest.mark.parametrize(
+    ("pod", "ended"),
+    [
+        (sidecar_pod(CRASHED), True),  # the worker cannot run again
+        (sidecar_pod(CRASHED, restart_policy="OnFailure"), False),  # the kubelet would restart it
+        (sidecar_pod(k8s.V1ContainerState(running=k8s.V1ContainerStateRunning())), False),
+    ],
+)
+def test_a_worker_container_that_terminated_beside_a_sidecar_has_ended(pod: k8s.V1Pod, ended: bool) -> None:
+    assert pod_ended(pod, "base") is ended
+    assert not pod_ended(pod)  # by the pod's phase alone: still running
