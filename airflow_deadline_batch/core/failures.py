@@ -37,6 +37,7 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_CAP_S",
+    "MAX_RESUME_DELAY_S",
     "MIN_RESUME_DELAY_S",
     "RESUME_DELAY_OPTION",
     "FailureClass",
@@ -71,13 +72,16 @@ BACKOFF_CAP_S = 30.0
 MIN_RESUME_DELAY_S = 5.0
 #: the Airflow option that sets the resume delay (env ``AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S``)
 RESUME_DELAY_OPTION = "[deadline_batch] min_resume_delay_s"
+#: the longest resume delay the option takes (a day): every reschedule waits it, a last try waits it
+#: in its slot, and far beyond it the reschedule's date overflows (``OverflowError``, not the option)
+MAX_RESUME_DELAY_S = 86_400.0
 
 
 def parse_resume_delay(value: str | float | None) -> float:
     """The resume delay an option's value sets, in seconds (unset or blank: :data:`MIN_RESUME_DELAY_S`).
 
-    A value that is not a finite number of seconds >= 0 raises ``ConfigurationError`` naming the
-    option to fix.
+    A value that is not a number of seconds from 0 to :data:`MAX_RESUME_DELAY_S` raises
+    ``ConfigurationError`` naming the option to fix.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return MIN_RESUME_DELAY_S
@@ -85,9 +89,10 @@ def parse_resume_delay(value: str | float | None) -> float:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not math.isfinite(seconds) or seconds < 0:
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_RESUME_DELAY_S:
         raise ConfigurationError(
-            f"{RESUME_DELAY_OPTION} must be a number of seconds >= 0, got {value!r}: set it (or "
+            f"{RESUME_DELAY_OPTION} must be a number of seconds >= 0 and <= {MAX_RESUME_DELAY_S:g}, "
+            f"got {value!r}: set it (or "
             f"AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S) to e.g. {MIN_RESUME_DELAY_S:g}, or unset it"
         )
     return seconds

@@ -9,13 +9,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["POD_NAME_ENV", "WORKER_MODULE", "worker_arguments", "worker_command"]
+__all__ = [
+    "OPERATOR_OPTIONS",
+    "POD_NAME_ENV",
+    "WORKER_MODULE",
+    "given_options",
+    "worker_arguments",
+    "worker_command",
+]
 
 #: the module run as ``python -m`` in a pod and in a local subprocess
 WORKER_MODULE = "airflow_deadline_batch.worker"
 #: the shard pod's name, set by the pod operator from the downward API (``metadata.name``): the
 #: worker names its attempts after it, whatever hostname the pod has (``hostNetwork``: the node's)
 POD_NAME_ENV = "ADB_POD_NAME"
+#: the worker's options a shard operator sets itself, from its task and its try's decision: a shard
+#: pod's ``worker_args`` must not give them (``--race`` would make every pod a racer, which exits 0
+#: on a shard nobody holds: the task succeeds, the shard never runs; ``--worker-name`` would hide
+#: a dead pod's attempts from the operator; ``--shard``/``--job`` would run another shard)
+OPERATOR_OPTIONS = (
+    "--job",
+    "--shard",
+    "--pool",
+    "--lease-ttl",
+    "--grace",
+    "--worker-name",
+    "--store",
+    "--race",
+)
 
 
 def worker_arguments(
@@ -51,3 +72,16 @@ def worker_arguments(
 def worker_command(python: str, arguments: Sequence[str]) -> list[str]:
     """The whole argv of a worker process: ``python -m airflow_deadline_batch.worker ARGUMENTS``."""
     return [python, "-m", WORKER_MODULE, *arguments]
+
+
+def given_options(arguments: Sequence[str], options: Sequence[str] = OPERATOR_OPTIONS) -> list[str]:
+    """Which of ``options`` ``arguments`` give, as the worker's ``argparse`` reads them: whole, with
+    ``=``, or abbreviated to a prefix (``--worker N``, ``--r``), before any ``--``."""
+    found: list[str] = []
+    for argument in arguments:
+        if argument == "--":
+            break
+        option = argument.split("=", 1)[0]
+        if len(option) > 2 and option.startswith("--"):
+            found += [o for o in options if o.startswith(option) and o not in found]
+    return found

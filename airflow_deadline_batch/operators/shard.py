@@ -57,6 +57,7 @@ the race's state travelling in the trigger's kwargs (:meth:`DeadlineShardPodOper
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime as dt
@@ -73,7 +74,7 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.operators.pod import POD_IDENTIFIER_STATE_KEY, KubernetesPodOperator
 from airflow.providers.cncf.kubernetes.secret import Secret
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
-from airflow.providers.cncf.kubernetes.utils.pod_manager import PodLaunchTimeoutException
+from airflow.providers.cncf.kubernetes.utils.pod_manager import detect_pod_terminate_early_issues
 from airflow.sdk import BaseOperator
 from airflow.sdk.definitions.mappedoperator import MappedOperator, OperatorPartial
 from airflow.sdk.exceptions import (
@@ -95,10 +96,16 @@ from airflow_deadline_batch.core.failures import (
     backoff_s,
     classify_exit,
 )
+from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
-from airflow_deadline_batch.core.worker_command import POD_NAME_ENV, WORKER_MODULE, worker_arguments
+from airflow_deadline_batch.core.worker_command import (
+    POD_NAME_ENV,
+    WORKER_MODULE,
+    given_options,
+    worker_arguments,
+)
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import worker_environment
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -143,6 +150,8 @@ RACE_CHECK_S = 30.0
 #: seconds (a task start, a store read, a re-deferral), so 10 shards cost 2 task starts a minute;
 #: a shard's tail lasts hours, and a racer 5 minutes late loses little of its gain
 DEFERRED_RACE_CHECK_S = 300.0
+#: the longest ``race_check_interval_s`` taken (a day; ``race=False`` never looks)
+MAX_RACE_CHECK_S = 86_400.0
 #: how often, once a racer runs, the operator looks whether the shard is done (at most)
 RACE_POLL_S = 2.0
 #: seconds of grace of a race's pod deleted once the shard is done: its attempt is over (the store
@@ -156,6 +165,9 @@ FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 
 #: a shard task's default retries (its preempted and transient tries reschedule without spending one)
 SHARD_RETRIES = 5
+#: how often Airflow's last try, waiting in its worker slot, reads whether its job stopped or its
+#: shard was settled meanwhile (a cancel then ends the try within this, not after the whole wait)
+SLOT_CHECK_S = 2.0
 #: key of the shard task's :class:`~core.failures.TryLedger` in Airflow's task state store
 TRY_LEDGER_KEY = "deadline_batch_tries"
 #: ``weight_rule`` for shard tasks: earliest deadline first (``plugins.priority``, registered by the
@@ -227,14 +239,40 @@ def _container_terminated(pod: k8s.V1Pod, container: str) -> k8s.V1ContainerStat
     return None
 
 
+#: reasons a container waits with that no wait fixes: its configuration (a missing Secret, ConfigMap
+#: or key, a bad command) cannot be created (the image pull errors are the provider's to judge)
+NEVER_STARTS_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+
+
+def never_started(pod: k8s.V1Pod, container: str) -> str | None:
+    """Why ``pod``'s worker container cannot start, or None (pure): it waits on its configuration
+    (:data:`NEVER_STARTS_REASONS`), or on an image the provider finds cannot be pulled
+    (``detect_pod_terminate_early_issues``: not a registry's passing outage)."""
+    statuses = (pod.status.container_statuses if pod.status else None) or []
+    for status in statuses:
+        waiting = status.state.waiting if status.name == container and status.state else None
+        if waiting is not None and waiting.reason in NEVER_STARTS_REASONS:
+            return f"container {container} cannot start: {waiting.reason}: {waiting.message or 'no detail'}"
+    issue = detect_pod_terminate_early_issues(pod)
+    return " ".join(issue.split()) if issue else None
+
+
 def classify_pod(pod: k8s.V1Pod | None, container: str = "base") -> PodClassification:
-    """Classify a finished shard pod from its status (pure; tests pass real ``V1Pod`` objects)."""
+    """Classify a finished shard pod from its status (pure; tests pass real ``V1Pod`` objects).
+
+    A pod whose worker never started for its configuration or image (:func:`never_started`) is
+    ``deterministic``, a try the store never saw: each spends one of the task's retries and the last
+    one fails (a transient class would relaunch the same pod for ever, docs/airflow.md).
+    """
     if pod is None or pod.status is None:
         return PodClassification(PodOutcome.RETRYABLE, "pod vanished before it reported a status")
     status = pod.status
     conditions = status.conditions or []
     disrupted = next((c for c in conditions if c.type == "DisruptionTarget" and c.status == "True"), None)
     terminated = _container_terminated(pod, container)
+    if terminated is None and status.phase in ("Pending", None) and (why := never_started(pod, container)):
+        unseen = TryFailure(FailureClass.DETERMINISTIC, why, claimed=False)
+        return PodClassification(PodOutcome.RETRYABLE, why, failure=unseen)
     code = terminated.exit_code if terminated is not None else None
     said = parse_termination_message(terminated.message if terminated is not None else None)
     if said is not None and code not in (None, EXIT_OK):
@@ -303,26 +341,39 @@ def add_pod_name_env(pod: k8s.V1Pod, container: str) -> None:
 
     The name, not the hostname, which is the node's for a pod with ``hostNetwork: true``, and cut to
     63 characters otherwise. A user's env or pod template that sets the variable to the same field
-    is kept; to anything else, it is refused (:class:`ConfigurationError`), never replaced silently:
-    the operator could no longer end a dead pod's attempts.
+    is kept; to anything else (in any of its entries: Kubernetes takes the last), it is refused
+    (:class:`ConfigurationError`), never replaced silently: the operator could no longer end a dead
+    pod's attempts (nor with ``--worker-name`` in ``worker_args``: :func:`check_worker_args`).
     """
     worker = next((c for c in pod.spec.containers if c.name == container), None)
     if worker is None:
         return
     env = list(worker.env or [])
-    for var in env:
-        if var.name != POD_NAME_ENV:
-            continue
+    ours = [var for var in env if var.name == POD_NAME_ENV]
+    for var in ours:
         ref = var.value_from.field_ref if var.value_from is not None else None
         if var.value is None and ref is not None and ref.field_path == POD_NAME_FIELD:
-            return
+            continue
         raise ConfigurationError(
             f"container {container!r} of the shard pod sets env {POD_NAME_ENV}, which the operator "
             "sets to the pod's name (its worker names its attempts after it): remove it from "
             "env_vars or the pod template"
         )
+    if ours:
+        return
     field = k8s.V1ObjectFieldSelector(field_path=POD_NAME_FIELD)
     worker.env = [*env, k8s.V1EnvVar(name=POD_NAME_ENV, value_from=k8s.V1EnvVarSource(field_ref=field))]
+
+
+def check_worker_args(worker_args: Sequence[str]) -> None:
+    """Refuse ``worker_args`` that give an option the operator sets itself
+    (:data:`~core.worker_command.OPERATOR_OPTIONS`), in any form the worker's ``argparse`` takes
+    (:class:`ConfigurationError` naming them)."""
+    if found := given_options(worker_args):
+        raise ConfigurationError(
+            f"worker_args give {', '.join(found)}, which the shard operator sets itself from the task "
+            f"and its decision: remove {', '.join(found)} from worker_args"
+        )
 
 
 def attempts_of_pod(
@@ -346,13 +397,22 @@ def attempts_of_pod(
     ]
 
 
-def pod_ended(pod: k8s.V1Pod | None) -> bool:
-    """Whether no container of ``pod`` can still run: it is gone (None), ``Succeeded`` or ``Failed``.
+def pod_ended(pod: k8s.V1Pod | None, container: str | None = None) -> bool:
+    """Whether no container of ``pod`` can still run: it is gone (None), ``Succeeded`` or ``Failed``;
+    or, with ``container`` (the worker's), whether that one terminated in a pod that never restarts
+    it (``restartPolicy: Never``, the operator's), though a sidecar keeps the pod ``Running``.
 
     A pod terminating under an eviction is still ``Running`` (its worker may be committing within
     its grace period, and ends its own attempt): not ended.
     """
-    return pod is None or (pod.status is not None and pod.status.phase in FINISHED_PHASES)
+    if pod is None or (pod.status is not None and pod.status.phase in FINISHED_PHASES):
+        return True
+    if container is None or pod.spec is None or pod.spec.restart_policy != "Never" or pod.status is None:
+        return False
+    return any(
+        s.name == container and s.state is not None and s.state.terminated is not None
+        for s in pod.status.container_statuses or []
+    )
 
 
 def unschedulable_reason(pod: k8s.V1Pod | None) -> str | None:
@@ -534,11 +594,34 @@ class _ShardTryMixin:
         """Make this try keep its worker slot (a deferrable operator stops deferring)."""
 
     def wait_in_slot(self, until: dt.datetime) -> None:
-        """Wait in this try until ``until`` (a kill ends the wait, and the try)."""
-        delay = (until - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        """Wait in this try until ``until`` (a kill ends the wait, and the try). Every
+        :data:`SLOT_CHECK_S` it reads the store: a job that stopped (cancelled, expired, failed) or
+        a shard settled meanwhile ends the wait at once, and the next run's decision ends the try."""
         assert self._ending is not None
-        if self._ending.wait(max(0.0, delay)):
-            raise AirflowException(f"shard {self.shard_index} of job {self.job_id}: killed while it waited")
+        store: Any = None
+        try:
+            while (left := (until - dt.datetime.now(dt.timezone.utc)).total_seconds()) > 0:
+                if self._ending.wait(min(left, SLOT_CHECK_S)):
+                    raise AirflowException(
+                        f"shard {self.shard_index} of job {self.job_id}: killed while it waited"
+                    )
+                try:
+                    if store is None:
+                        store = self._store()
+                    if self.settled_elsewhere(store):
+                        return
+                except Exception:  # a store that cannot be read: wait on, the next run reads it again
+                    self.log.debug("could not read shard %s while waiting", self.shard_index, exc_info=True)
+        finally:
+            if store is not None:
+                store.close()
+
+    def settled_elsewhere(self, store: Any) -> bool:
+        """Whether this try's job stopped or its shard is done or failed for good (read from ``store``)."""
+        if is_stopped(store.get_job(self.job_id).state):
+            return True
+        state = store.get_shard(self.job_id, int(self.shard_index)).state
+        return state in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE)
 
     def on_kill(self) -> None:
         if self._ending is not None:
@@ -779,8 +862,12 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         race_check_interval_s: float | None = None,
         **kwargs: Any,
     ) -> None:
-        if race_check_interval_s is not None and not race_check_interval_s > 0:
-            raise ValueError(f"race_check_interval_s must be > 0 seconds, got {race_check_interval_s!r}")
+        if race_check_interval_s is not None and not 0 < race_check_interval_s <= MAX_RACE_CHECK_S:
+            # above the bound, the watch thread's wait overflows (OverflowError): the race silently off
+            raise ValueError(
+                f"race_check_interval_s must be > 0 and <= {MAX_RACE_CHECK_S:g} seconds, got "
+                f"{race_check_interval_s!r}: pass race=False to never race"
+            )
         kwargs.setdefault("retries", SHARD_RETRIES)
         kwargs.setdefault("name", "deadline-batch-shard")
         self.race = race
@@ -861,6 +948,10 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
     def build_pod_request_obj(self, context: Any | None = None, *, dry_run: bool = False) -> k8s.V1Pod:
         """The provider's pod, its worker told the pod's name (:func:`add_pod_name_env`): a racer,
         a copy of this pod, learns its own from the same reference."""
+        try:
+            check_worker_args(self.worker_args)
+        except ConfigurationError as exc:  # no retry can fix it
+            raise AirflowFailException(str(exc)) from exc
         pod: k8s.V1Pod = super().build_pod_request_obj(context, dry_run=dry_run)
         try:
             add_pod_name_env(pod, self.base_container_name)
@@ -868,11 +959,26 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             raise AirflowFailException(str(exc)) from exc
         return pod
 
+    def is_istio_enabled(self, pod: k8s.V1Pod) -> bool:
+        """Whether this try ends with its worker's container rather than its pod (the provider then
+        stops waiting once the container completed, and judges it by the container's exit): with
+        Istio, as the provider has it, and with any container beside the worker's (a sidecar from
+        the pod template would keep the pod ``Running`` after the worker exited: the provider,
+        without an XCom sidecar, would wait for it for ever)."""
+        containers = (pod.spec.containers if pod is not None and pod.spec is not None else None) or []
+        if any(c.name != self.base_container_name for c in containers):
+            return True
+        return bool(super().is_istio_enabled(pod))
+
     def await_pod_start(self, pod: k8s.V1Pod) -> None:
         try:
             super().await_pod_start(pod)
-        except PodLaunchTimeoutException:
+        except AirflowException:  # a launch timeout, or a pod that cannot start
             self.record_capacity_wait(pod)
+            # what cleanup classifies: the pod now (the provider's read is from its creation), so
+            # that a container that cannot start is told from a wait for capacity
+            with contextlib.suppress(Exception):
+                self.remote_pod = self.pod_manager.read_pod(pod)
             raise
         self.record_capacity_wait(pod)
 
@@ -1069,7 +1175,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         Returns the attempt IDs ended.
         """
         failure = failure_class_of(found)
-        if failure is None or not pod_ended(remote):
+        if failure is None or not pod_ended(remote, self.base_container_name):
             return []
         if failure is FailureClass.CONFIGURATION:
             # a worker that knew it was configuration ended its own attempt (and stopped the job);
