@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
+import dataclasses
 import datetime as dt
 import json
 import re
@@ -106,13 +108,48 @@ def deployment(
                 **connections(store_url, s3_endpoint, cluster.kubeconfig),
             },
         )
+        setup = Deployment(airflow, cluster, bucket, store_url, str(make_url(store_url).password))
         try:
-            yield Deployment(airflow, cluster, bucket, store_url, str(make_url(store_url).password))
+            yield setup
         finally:
+            keep_post_mortem(setup, root / "post-mortem")
             stop_deployment(airflow)
             for pod in cluster.api.pods(NAMESPACE):  # a run cut short leaves pods running
                 with contextlib.suppress(Exception):
                     cluster.core_v1().delete_namespaced_pod(pod["metadata"]["name"], NAMESPACE)
+
+
+def keep_post_mortem(setup: Deployment, folder: Path) -> None:
+    """Keep what a flaky run's post-mortem needs and teardown destroys: every pod the loopback API
+    ran (its last status, its events, its output) and every attempt in the store, written next to
+    the Airflow logs (``--basetemp`` keeps them); the databases and the pods' output go at teardown.
+    """
+    folder.mkdir(exist_ok=True)
+    api = setup.cluster.api
+    with contextlib.suppress(Exception):
+        with api.lock:
+            runtimes = list(api.kubelet.pods.values())
+            pods = {r.uid: copy.deepcopy(api.pod_object((r.namespace, r.name, r.uid))) for r in runtimes}
+            output = {
+                r.uid: {c.name: b"".join(line.data for line in c.log) for c in r.containers} for r in runtimes
+            }
+        for runtime in runtimes:
+            name = f"{runtime.name}-{runtime.uid[:8]}"
+            last = {"pod": pods[runtime.uid], "events": api.events(runtime.namespace, runtime.name)}
+            (folder / f"{name}.json").write_text(json.dumps(last, indent=1, default=str))
+            for container, data in output[runtime.uid].items():
+                (folder / f"{name}.{container}.log").write_bytes(data)
+    with contextlib.suppress(Exception):
+        store = ManifestStore.open(setup.store_url)
+        try:
+            rows = [
+                dataclasses.asdict(a)
+                for job in store.list_jobs(limit=10)
+                for a in store.list_attempts(job.job_id)
+            ]
+        finally:
+            store.close()
+        (folder / "attempts.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
 def by_task(tis: list[dict]) -> dict[str, list[dict]]:
