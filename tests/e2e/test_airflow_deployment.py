@@ -104,6 +104,11 @@ def deployment(
                 "ADB_ENGINE": "echo",
                 "ADB_EXAMPLE_DIR": str(root / "example"),
                 "ADB_EXAMPLE_PREEMPT_TRIES": "1",
+                # a task parses its DAG file at start (2 s idle, 12-30+ s on two overloaded cores);
+                # past Airflow's 30 s default the try is rescheduled a minute later, or fails once
+                # its try has been rescheduled 3 times ([workers] missing_dag_retries)
+                "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120",
+                "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "150",
                 # the Kubernetes example's connections: the only place credentials are given
                 **connections(store_url, s3_endpoint, cluster.kubeconfig),
             },
