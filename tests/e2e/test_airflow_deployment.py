@@ -243,14 +243,13 @@ def test_kubernetes_dag_on_a_real_deployment_with_an_eviction(deployment: Deploy
     assert len(created) > len(tis["shard"]), [p["metadata"]["name"] for p in created]
     (evicted_pod,) = [p for p in created if p["metadata"]["name"] == evicted[0]]
     map_index = int(evicted_pod["metadata"]["labels"]["map_index"])
-    # a try of the shard classified the evicted pod as preempted (which one: preemption_seen)
+    # a try of the shard classified the evicted pod as preempted (which one: preemption_logged)
     (last_try,) = [ti["try_number"] for ti in tis["shard"] if ti["map_index"] == map_index]
-    logs_of_shard = []
+    logs_of_shard: dict[int, str] = {}
     for n in range(1, last_try + 1):
         with contextlib.suppress(FileNotFoundError):  # a try number that never ran has no file
-            logs_of_shard.append(af.task_log_file(K8S_DAG_ID, run_id, "shard", n, map_index=map_index))
-    saw_preemption = preemption_seen(evicted[0])
-    assert any(saw_preemption.search(log) for log in logs_of_shard), logs_of_shard[-1][-3000:]
+            logs_of_shard[n] = af.task_log_file(K8S_DAG_ID, run_id, "shard", n, map_index=map_index)
+    assert preemption_logged(logs_of_shard, evicted[0]), "\n".join(logs_of_shard.values())[-3000:]
     # placements: both pools used; a shard that tried Spot first was re-decided onto on-demand
     kinds = [p["spec"]["nodeSelector"][CAPACITY_TYPE] for p in created]
     assert set(kinds) == {"spot", "on-demand"}, kinds
@@ -355,19 +354,23 @@ def test_failing_the_kubernetes_run_cancels_the_job(deployment: Deployment, s3_c
         core.patch_namespaced_secret(S3_SECRET, NAMESPACE, {"data": {"ADB_ECHO_DELAY_S": None}})
 
 
-def preemption_seen(pod: str) -> re.Pattern[str]:
-    """What a shard try logs when it finds its evicted pod ``pod`` ended.
+def preemption_logged(logs: dict[int, str], pod: str) -> bool:
+    """Whether a try of the evicted pod's shard (``logs``: each try's log) classified ``pod`` as preempted.
 
     The evicted pod's own try, resumed with the pod's end by its trigger, settles it in ``cleanup``:
     ``pod preempted (pod Terminated: ...)``. Airflow 3.3 can fail that resume before the operator
     runs (the resume race, docs/airflow.md *Resuming tasks*: the trigger's event, held only
     ``min_resume_delay_s`` after the deferral, came back before a loaded scheduler had processed the
-    deferring try's exit); the next try then retires the ended pod instead of reattaching to it
-    (``retire_stale_pods``): ``pod <pod> of try 1 ended (preempted: pod Terminated: ...)``.
+    deferring try's exit); the next try then logs that Airflow ended the try, and retires the ended
+    pod instead of reattaching to it (``retire_stale_pods``): ``pod <pod> of try 1 ended
+    (preempted: pod Terminated: ...)``.
     """
-    name = re.escape(pod)
-    return re.compile(
-        rf"pod preempted \(pod Terminated|pod {name} of try \d+ ended \(preempted: pod Terminated"
+    if any("pod preempted (pod Terminated" in log for log in logs.values()):
+        return True
+    retired = re.compile(rf"pod {re.escape(pod)} of try (\d+) ended \(preempted: pod Terminated")
+    return any(
+        (found := retired.search(log)) is not None and f"try {found.group(1)} was ended by Airflow" in log
+        for log in logs.values()
     )
 
 
