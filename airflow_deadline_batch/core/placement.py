@@ -115,6 +115,16 @@ class PolicyParams:
     #: duplicate on on-demand that races it instead of stopping it, when :func:`should_speculate`
     #: says the race is expected to cost less (the simulator; the runner does not race yet)
     race_tail: bool = True
+    #: Uniform Progress as a floor on waiting (docs/simulator.md, *Sixth round*): while Spot is
+    #: missing, the waiting reserve does not send a worker on-demand while the job's committed work
+    #: is at or ahead of UP's line ``W · elapsed / window`` (:func:`up_lead_s`), where UP itself
+    #: still waits; the safety rule still decides the last safe moment. Off without the job's start
+    #: and total work
+    up_wait_floor: bool = False
+    #: ... and its mirror: a running on-demand try goes back to Spot without the return margin
+    #: (``switch_run_factor`` and the expected-cost rule still apply) once the job is ahead of UP's
+    #: line ``2 d`` from now, where UP's hysteresis returns it
+    up_return_floor: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -508,6 +518,22 @@ def line_slack_s(snapshot: JobSnapshot) -> float:
     return max(0.0, window - initial_need) * time_left / window
 
 
+def up_lead_s(snapshot: JobSnapshot, ahead_s: float = 0.0) -> float | None:
+    """Work committed beyond Uniform Progress's line ``ahead_s`` from now, in work seconds.
+
+    UP's line (*Can't Be Late*) is ``W · t / window``; committed work is ``W − remaining``. ``None``
+    when the job's start or total work is unknown.
+    """
+    total = snapshot.total_work_s
+    if snapshot.started_at is None or total is None:
+        return None
+    window = (snapshot.deadline - snapshot.started_at).total_seconds()
+    if window <= 0:
+        return None
+    elapsed = (snapshot.now - snapshot.started_at).total_seconds() + ahead_s
+    return (total - snapshot.remaining_work_s) - total * elapsed / window
+
+
 def storm_cooldown_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float | None:
     """Seconds a storm keeps fresh Spot tries off after its last fruitless try; None: no storm.
 
@@ -613,9 +639,14 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
     continuing_spot = snapshot.running and prev is PoolKind.SPOT
     continuing_od = snapshot.running and prev is PoolKind.ON_DEMAND
     line = line_slack_s(snapshot)
+    # UP's own return (its hysteresis: ahead of its line 2 d from now, with Spot there)
+    up_returns = False
+    if policy.up_return_floor and continuing_od and snapshot.spot_available:
+        lead = up_lead_s(snapshot, 2 * d)
+        up_returns = lead is not None and lead >= 0
     margin = (
         policy.return_margin_changeovers * d + policy.line_return_fraction * line
-        if prev is PoolKind.ON_DEMAND
+        if prev is PoolKind.ON_DEMAND and not up_returns
         else 0.0
     )
     spot_needs = b.spot_risk_s + margin
@@ -704,7 +735,12 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
     # Spot is missing (or too short-lived): wait for it (free, burns slack) or escalate this worker.
     if short:
         return decide(PoolKind.ON_DEMAND, "Spot is missing and the expected capacity is short")
-    if b.slack_s < spot_needs + reserve:
+    # UP waits while the job is at or ahead of its line (Spot missing, worker not on on-demand)
+    up_waits = False
+    if policy.up_wait_floor and not continuing_od and not snapshot.spot_available:
+        lead = up_lead_s(snapshot)
+        up_waits = lead is not None and lead >= 0
+    if b.slack_s < spot_needs + reserve and not up_waits:
         return decide(PoolKind.ON_DEMAND, "Spot is missing or short-lived and slack is down to its reserve")
     if continuing_od:
         return decide(PoolKind.ON_DEMAND, "keep the running on-demand try: Spot runs are too short")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,7 @@ from airflow_deadline_batch.core.placement import (
     od_need_s,
     spot_risk_s,
     spot_waste_s,
+    up_lead_s,
 )
 from airflow_deadline_batch.core.pools import PoolKind
 
@@ -330,3 +332,61 @@ def test_on_demand_tries_return_to_spot_in_doubling_rounds() -> None:
     # a fresh start (nothing to throw away) is never held back by the rule
     fresh = dict(one_starting, previous_pool=None, running=False, running_progress_s=0.0)
     assert choose_pool(snap(**fresh), rule).pool is PoolKind.SPOT
+
+
+def _late_in_the_window(**overrides: object) -> JobSnapshot:
+    """18 h into a 20 h window of 16 h of work (``d`` = 0.1 h), re-decided every 10 minutes."""
+    values: dict[str, object] = dict(
+        now=NOW,
+        deadline=NOW + dt.timedelta(hours=2),
+        started_at=NOW - dt.timedelta(hours=18),
+        total_work_s=16 * H,
+    )
+    values.update(overrides)
+    return snap(**values)
+
+
+def test_up_lead_is_committed_work_beyond_the_uniform_line() -> None:
+    # the line is 16 h x 18 / 20 = 14.4 h; 14.4 h committed (1.6 h left) is exactly on it
+    assert up_lead_s(_late_in_the_window(remaining_work_s=1.6 * H)) == pytest.approx(0.0, abs=1e-6)
+    assert up_lead_s(_late_in_the_window(remaining_work_s=1.0 * H)) == pytest.approx(0.6 * H)
+    # 0.2 h from now the line is 16 h x 18.2 / 20 = 14.56 h
+    assert up_lead_s(_late_in_the_window(remaining_work_s=1.0 * H), 0.2 * H) == pytest.approx(0.44 * H)
+    assert up_lead_s(snap()) is None  # no start / total work: unknown
+
+
+def test_the_waiting_reserve_does_not_escalate_a_job_ahead_of_the_uniform_line_with_the_floor() -> None:
+    # slack 0.3 h: above the tick (the risk of waiting), under the tick plus the reserve (0.8 x the
+    # line slack, 0.31 h); on UP's line, where UP itself still waits
+    tick = 600.0
+    on_the_line = _late_in_the_window(remaining_work_s=1.6 * H, spot_available=False)
+    default = choose_pool(on_the_line, PolicyParams(decision_interval_s=tick))
+    assert default.pool is PoolKind.ON_DEMAND and "reserve" in default.reason
+    floor = PolicyParams(decision_interval_s=tick, up_wait_floor=True)
+    assert choose_pool(on_the_line, floor).pool is PoolKind.SPOT  # waits for Spot
+    # behind the line: the reserve escalates as before
+    behind = _late_in_the_window(remaining_work_s=1.65 * H, spot_available=False)
+    assert choose_pool(behind, floor).pool is PoolKind.ON_DEMAND
+    # the safety rule still decides the last safe moment: slack under the tick escalates
+    # (19.5 h in, on the line: slack 0, under the tick)
+    end = dict(deadline=NOW + dt.timedelta(hours=0.5), started_at=NOW - dt.timedelta(hours=19.5))
+    last = _late_in_the_window(remaining_work_s=0.4 * H, spot_available=False, **end)
+    assert up_lead_s(last) == pytest.approx(0.0, abs=1e-6)
+    decision = choose_pool(last, floor)
+    assert decision.pool is PoolKind.ON_DEMAND and "worst case" in decision.reason
+
+
+def test_a_running_on_demand_try_returns_to_spot_where_uniform_progress_would_with_the_floor() -> None:
+    # slack 0.46 h covers the tick (0.17 h) but not the return margin (2 d + 0.3 x 0.39 h line
+    # slack); ahead of UP's line 2 d from now (14.56 h), where UP goes back to Spot
+    tick = 600.0
+    od = dict(previous_pool=PoolKind.ON_DEMAND, running=True, running_progress_s=60.0)
+    ahead = _late_in_the_window(remaining_work_s=1.44 * H, **od)
+    assert choose_pool(ahead, PolicyParams(decision_interval_s=tick)).pool is PoolKind.ON_DEMAND
+    floor = PolicyParams(decision_interval_s=tick, up_return_floor=True)
+    assert choose_pool(ahead, floor).pool is PoolKind.SPOT
+    # just behind that line: the margin holds it on on-demand
+    behind = _late_in_the_window(remaining_work_s=1.45 * H, **od)
+    assert choose_pool(behind, floor).pool is PoolKind.ON_DEMAND
+    # with Spot missing it stays on on-demand
+    assert choose_pool(replace(ahead, spot_available=False), floor).pool is PoolKind.ON_DEMAND

@@ -159,6 +159,26 @@ def test_slack_aware_never_misses_with_the_cost_cap_holding_workers(
     assert not result.missed, (result.finish_h, cfg.deadline_h)
 
 
+#: Uniform Progress as a floor (docs/simulator.md, *Sixth round*), alone, together, with the
+#: gang's paced returns and with the cost cap: they only relax the reserve and the return margin
+FLOORS = [
+    PolicyParams(up_wait_floor=True),
+    PolicyParams(up_return_floor=True),
+    PolicyParams(up_wait_floor=True, up_return_floor=True, return_doubling=True),
+    PolicyParams(up_wait_floor=True, up_return_floor=True, cost_cap=0.01),
+]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(), params=st.sampled_from(FLOORS), start=st.integers(0, 500))
+def test_slack_aware_never_misses_with_uniform_progress_as_a_floor(
+    scenario: tuple[Trace, SimConfig], params: PolicyParams, start: int
+) -> None:
+    trace, cfg = scenario
+    result = simulate(trace, start % len(trace.capacity), cfg, _Checked(params))
+    assert not result.missed, (result.finish_h, cfg.deadline_h)
+
+
 def _hourly(spot_hours: int) -> Trace:
     return Trace("spot-then-gone", 3600.0, (1,) * spot_hours + (0,) * 100)
 
