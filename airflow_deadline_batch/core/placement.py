@@ -650,11 +650,20 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         else 0.0
     )
     spot_needs = b.spot_risk_s + margin
-    last_safe = snapshot.now + dt.timedelta(seconds=max(0.0, b.slack_s - spot_needs))
+    room_s = b.slack_s - spot_needs  # how long a Spot try may wait for capacity
+    last_safe = snapshot.now + dt.timedelta(seconds=max(0.0, room_s))
 
     def decide(pool: PoolKind, why: str, hold: bool = False) -> PlacementDecision:
+        if pool is PoolKind.SPOT and policy.decision_interval_s is None and room_s < MIN_STARTUP_TIMEOUT_S:
+            # a try's pod waits for capacity at least the minimum startup timeout: this close to
+            # the last safe Spot start, that wait could outlast it (one decision per try, no tick)
+            pool, hold = PoolKind.ON_DEMAND, False
+            why = (
+                f"{why}, but a Spot pod's shortest wait for capacity ({MIN_STARTUP_TIMEOUT_S} s) "
+                f"would outlast the last safe Spot start ({max(0.0, room_s):.0f} s away)"
+            )
         if pool is PoolKind.SPOT:
-            timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, b.slack_s - spot_needs)))
+            timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, room_s)))
             safe: dt.datetime | None = last_safe
         else:
             timeout = max(MIN_STARTUP_TIMEOUT_S, int(max(0.0, b.slack_s)))

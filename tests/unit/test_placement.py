@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from airflow_deadline_batch.core.placement import (
     MIN_STARTUP_TIMEOUT_S,
     JobSnapshot,
+    PlacementDecision,
     PolicyParams,
     choose_pool,
     cost_room_s,
@@ -195,6 +196,25 @@ def test_past_deadline_goes_on_demand_with_minimum_timeout() -> None:
     assert decision.pool is PoolKind.ON_DEMAND
     assert decision.slack_s < 0
     assert decision.startup_timeout_s == MIN_STARTUP_TIMEOUT_S
+
+
+def test_a_try_closer_to_the_last_safe_spot_start_than_a_pods_shortest_wait_goes_on_demand() -> None:
+    # 4 h of work, 0.1 h changeover: on-demand needs 4.1 h, a fresh Spot try risks 0.35 h more
+    # (changeover + one shard); the room to wait for Spot is what is left of the deadline
+    def at_room(room_s: float, policy: PolicyParams | None = None) -> PlacementDecision:
+        deadline = NOW + dt.timedelta(seconds=4.45 * H + room_s)
+        return choose_pool(snap(deadline=deadline), policy or PolicyParams())
+
+    close = at_room(MIN_STARTUP_TIMEOUT_S - 10)
+    assert close.pool is PoolKind.ON_DEMAND and close.last_safe_spot_start is None
+    assert "shortest wait for capacity" in close.reason
+    roomy = at_room(MIN_STARTUP_TIMEOUT_S + 10)
+    assert roomy.pool is PoolKind.SPOT
+    assert roomy.last_safe_spot_start is not None
+    # the pod's wait (its startup timeout) ends by the last safe Spot start
+    assert NOW + dt.timedelta(seconds=roomy.startup_timeout_s) <= roomy.last_safe_spot_start
+    # the simulator re-decides every tick and its waiting is cut at the last safe start: unchanged
+    assert at_room(MIN_STARTUP_TIMEOUT_S - 10, PolicyParams(decision_interval_s=30)).pool is PoolKind.SPOT
 
 
 @settings(max_examples=200, deadline=None)
