@@ -29,7 +29,12 @@ from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.placement import DEFAULT_POLICY
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import TERMINAL_ATTEMPT_OUTCOMES, AttemptOutcome, is_preemption
-from airflow_deadline_batch.local.launcher import fence_dead_worker, run_worker_subprocess, start_worker
+from airflow_deadline_batch.local.launcher import (
+    WorkerProcess,
+    fence_dead_worker,
+    run_worker_subprocess,
+    start_worker,
+)
 from airflow_deadline_batch.operators.placement import TryAction, decide_for_try, read_job_view
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.store.schema import attempts
@@ -69,6 +74,21 @@ def crash_once(store_url: str, job_id: str, pause: Path, signum: signal.Signals)
         if not launched.done():
             os.kill(int(pause.read_text().split()[0]), signum)
         return launched.result(timeout=60)
+
+
+def kill_paused_worker(store_url: str, job_id: str, pause: Path) -> WorkerProcess:
+    """Start a worker of shard 0 through the launcher, SIGKILL it once it wrote microbatch 0 (not
+    committed), and return it dead, for the caller to fence."""
+    proc = start_worker(store_url, job_id, 0, pool=SPOT.name, env=paused_env(pause))
+    try:
+        wait_until(pause.exists, "the worker to write microbatch 0")
+        proc.signal(signal.SIGKILL)
+        assert proc.popen.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait()
+    return proc
 
 
 def counted(store: ManifestStore, job_id: str, later_id: str) -> dict[str, int]:
@@ -116,16 +136,7 @@ def test_a_crash_loop_on_spot_is_no_storm_and_the_launchers_kill_is_a_preemption
     assert "storm" not in decision.reason
 
     # the launcher's own kill: an injected preemption (SIGKILL, fenced as sent by the launcher)
-    pause = tmp_path / "paused-kill"
-    proc = start_worker(store_url, job_id, 0, pool=SPOT.name, env=paused_env(pause))
-    try:
-        wait_until(pause.exists, "the worker to write microbatch 0")
-        proc.signal(signal.SIGKILL)
-        assert proc.popen.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait()
+    proc = kill_paused_worker(store_url, job_id, tmp_path / "paused-kill")
     assert fence_dead_worker(store, proc, signalled=True)
     last = store.list_attempts(job_id)[-1]
     assert (last.outcome, last.failure_class) == (AttemptOutcome.ABANDONED, "preempted")

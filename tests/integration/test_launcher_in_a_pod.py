@@ -8,17 +8,15 @@ workers' attempts and their leases would lapse instead of being ended at once.
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.core.worker_command import POD_NAME_ENV
-from airflow_deadline_batch.local.launcher import fence_dead_worker, start_worker
+from airflow_deadline_batch.local.launcher import fence_dead_worker
 from airflow_deadline_batch.store import ManifestStore
-from tests.integration.test_crash_not_preemption import SPOT, paused_env, two_jobs
-from tests.integration.test_worker import wait_until
+from tests.integration.test_crash_not_preemption import kill_paused_worker, two_jobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -28,16 +26,7 @@ def test_a_launcher_in_a_pod_still_ends_its_killed_workers_attempt(
 ) -> None:
     monkeypatch.setenv(POD_NAME_ENV, "deadline-batch-run-7f3k2")  # the launcher's own pod
     job_id, _ = two_jobs(store, tmp_path)
-    pause = tmp_path / "paused"
-    proc = start_worker(store_url, job_id, 0, pool=SPOT.name, env=paused_env(pause))
-    try:
-        wait_until(pause.exists, "the worker to write microbatch 0")
-        proc.signal(signal.SIGKILL)
-        assert proc.popen.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait()
+    proc = kill_paused_worker(store_url, job_id, tmp_path / "paused")
 
     (attempt,) = store.list_attempts(job_id)
     assert attempt.worker.endswith(f":{proc.pid}") and not attempt.worker.startswith("deadline-batch-run-")
