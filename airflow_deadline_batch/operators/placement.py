@@ -55,6 +55,7 @@ from airflow_deadline_batch.core.job_view import (
     as_utc,
     build_job_view,
     finished_spot_tries,
+    is_stopped,
     pool_index,
     pool_named,
     reference_pool,
@@ -69,7 +70,7 @@ from airflow_deadline_batch.core.placement import (
     should_speculate,
 )
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
-from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, AttemptOutcome, ShardState
+from airflow_deadline_batch.core.states import TERMINAL_SHARD_STATES, AttemptOutcome, JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -370,9 +371,10 @@ def pool_spot_availability(
     }
 
 
-def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | None = None) -> TryDecision:
-    """Decide this try: skip a committed shard, stop on a stopped job, else choose the pool."""
-    job_id, index = view.job_id, shard.shard_index
+def settled_decision(job_id: str, job_state: JobState | str, shard: ShardRow) -> TryDecision | None:
+    """The decision of a try that needs no worker (its shard committed or failed for good, its job
+    stopped), or None when the shard still has to run."""
+    index = shard.shard_index
     if shard.state is ShardState.SUCCEEDED:
         return TryDecision(
             job_id,
@@ -387,13 +389,21 @@ def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | Non
             TryAction.SHARD_FAILED,
             f"shard {index} of job {job_id} failed for good: {shard.last_error or 'no detail'}",
         )
-    if view.stopped:
+    if is_stopped(job_state):
         return TryDecision(
             job_id,
             index,
             TryAction.JOB_STOPPED,
-            f"job {job_id} is {view.state.value}; shard {index} will not run",
+            f"job {job_id} is {JobState(job_state).value}; shard {index} will not run",
         )
+    return None
+
+
+def decide_for_try(view: JobView, shard: ShardRow, *, policy: PolicyParams | None = None) -> TryDecision:
+    """Decide this try: skip a committed shard, stop on a stopped job, else choose the pool."""
+    job_id, index = view.job_id, shard.shard_index
+    if (settled := settled_decision(job_id, view.state, shard)) is not None:
+        return settled
     on_demand = on_demand_pool(view)
     placement = choose_pool(placement_snapshot(view, index, on_demand, policy), policy)
     if placement.pool is PoolKind.ON_DEMAND and on_demand is not None:

@@ -96,7 +96,6 @@ from airflow_deadline_batch.core.failures import (
     backoff_s,
     classify_exit,
 )
-from airflow_deadline_batch.core.job_view import is_stopped
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
@@ -121,6 +120,7 @@ from airflow_deadline_batch.operators.placement import (
     pod_placement,
     race_decision,
     read_job_view,
+    settled_decision,
     tail_has_room,
 )
 from airflow_deadline_batch.store.rows import AttemptRow
@@ -617,11 +617,11 @@ class _ShardTryMixin:
                 store.close()
 
     def settled_elsewhere(self, store: Any) -> bool:
-        """Whether this try's job stopped or its shard is done or failed for good (read from ``store``)."""
-        if is_stopped(store.get_job(self.job_id).state):
-            return True
-        state = store.get_shard(self.job_id, int(self.shard_index)).state
-        return state in (ShardState.SUCCEEDED, ShardState.TERMINAL_FAILURE)
+        """Whether this try's job stopped or its shard is done or failed for good (read from
+        ``store``): what the next run's decision would settle without a worker."""
+        job = store.get_job(self.job_id)
+        shard = store.get_shard(self.job_id, int(self.shard_index))
+        return settled_decision(self.job_id, job.state, shard) is not None
 
     def on_kill(self) -> None:
         if self._ending is not None:
