@@ -24,19 +24,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
 from kubernetes.client import models as k8s
 
-from airflow_deadline_batch.core.clock import ManualClock
 from airflow_deadline_batch.core.failures import MAX_RESUME_DELAY_S, FailureClass, parse_resume_delay
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.worker_command import given_options, worker_arguments, worker_command
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.operators.shard import (
-    DeadlineShardPodOperator,
     LocalShardOperator,
     classify_pod,
     failure_class_of,
@@ -44,24 +41,11 @@ from airflow_deadline_batch.operators.shard import (
 )
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.worker.__main__ import build_parser
-from tests.unit.test_pod_spec import POD_NAME_REF, T0, manifest_of
+from tests.unit.test_pod_spec import POD_NAME_REF, make_operator, manifest_of
 from tests.unit.test_pod_spec import job_id as job_id  # noqa: F401 - a fixture
 from tests.unit.test_pod_spec import store_url as store_url  # noqa: F401 - a fixture
 
 ENV = "AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S"
-
-
-def pod_operator(store_url: str, job_id: str, **options: Any) -> DeadlineShardPodOperator:
-    return DeadlineShardPodOperator(
-        task_id="shard",
-        job_id=job_id,
-        shard_index=1,
-        image="worker:1",
-        namespace="batch",
-        store_url=store_url,
-        clock=ManualClock(T0),
-        **options,
-    )
 
 
 @pytest.mark.parametrize(
@@ -76,7 +60,7 @@ def pod_operator(store_url: str, job_id: str, **options: Any) -> DeadlineShardPo
 def test_a_worker_name_in_worker_args_is_refused_naming_the_fix(
     store_url: str, job_id: str, worker_args: list[str]
 ) -> None:
-    op = pod_operator(store_url, job_id, worker_args=worker_args)
+    op = make_operator(store_url, job_id, worker_args=worker_args)
     op.prepare_try()
     args = op.arguments
     # what the pod's worker would do with them: name its attempts "mine", not after its pod
@@ -112,7 +96,7 @@ def test_given_options_reads_arguments_as_the_workers_argparse_does(
 def test_options_the_operator_sets_are_refused_in_worker_args(
     store_url: str, job_id: str, worker_args: list[str]
 ) -> None:
-    op = pod_operator(store_url, job_id, worker_args=worker_args)
+    op = make_operator(store_url, job_id, worker_args=worker_args)
     op.prepare_try()
     option = worker_args[0].split("=")[0]
     with pytest.raises(AirflowFailException, match=f"remove {option} from worker_args"):
@@ -140,7 +124,7 @@ def test_a_worker_told_race_on_a_shard_nobody_holds_exits_0_without_running_it(
 
 def test_a_second_pod_name_entry_after_the_operators_own_is_refused(store_url: str, job_id: str) -> None:
     """Kubernetes takes a variable's last entry: the worker would be named ``evil:<pid>``."""
-    op = pod_operator(
+    op = make_operator(
         store_url,
         job_id,
         env_vars=[
@@ -157,7 +141,7 @@ def test_a_pod_name_from_env_from_is_overridden_by_the_operators_env(store_url: 
     """``envFrom`` (a ConfigMap or Secret defining ``ADB_POD_NAME``) loses to ``env`` in Kubernetes
     whatever the order; the operator's downward-API entry is there, once."""
     source = k8s.V1EnvFromSource(config_map_ref=k8s.V1ConfigMapEnvSource(name="has-adb-pod-name"))
-    op = pod_operator(store_url, job_id, env_from=[source])
+    op = make_operator(store_url, job_id, env_from=[source])
     op.prepare_try()
     container = manifest_of(op)["spec"]["containers"][0]
     assert container["envFrom"] == [{"configMapRef": {"name": "has-adb-pod-name"}}]
@@ -253,7 +237,7 @@ def test_a_race_check_interval_the_watch_cannot_wait_is_refused_naming_the_fix(
     with pytest.raises(
         ValueError, match="race_check_interval_s must be > 0 and <= 86400 seconds.*race=False"
     ):
-        pod_operator(store_url, job_id, race_check_interval_s=interval)
+        make_operator(store_url, job_id, race_check_interval_s=interval)
 
 
 def test_the_watch_threads_wait_overflows_past_the_bound() -> None:

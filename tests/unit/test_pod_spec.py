@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -81,7 +82,9 @@ class RecordingTaskInstance:
         self.xcom[key] = value
 
 
-def make_operator(store_url: str, job_id: str, clock: ManualClock) -> DeadlineShardPodOperator:
+def make_operator(
+    store_url: str, job_id: str, clock: ManualClock | None = None, **options: Any
+) -> DeadlineShardPodOperator:
     return DeadlineShardPodOperator(
         task_id="shard",
         job_id=job_id,
@@ -89,8 +92,9 @@ def make_operator(store_url: str, job_id: str, clock: ManualClock) -> DeadlineSh
         image="registry.example.com/deadline-batch-worker:0.1.0",
         namespace="batch",
         store_url=store_url,
-        clock=clock,
+        clock=clock or ManualClock(T0),
         labels={"team": "data"},
+        **options,
     )
 
 
@@ -187,17 +191,7 @@ def test_a_host_network_pod_from_a_template_keeps_the_users_env_and_its_worker_l
         "apiVersion: v1\nkind: Pod\nmetadata: {name: t}\nspec:\n  hostNetwork: true\n"
         "  containers:\n  - name: base\n    env: [{name: HF_HOME, value: /cache}]\n"
     )
-    op = DeadlineShardPodOperator(
-        task_id="shard",
-        job_id=job_id,
-        shard_index=1,
-        image="worker:1",
-        namespace="batch",
-        store_url=store_url,
-        clock=ManualClock(T0),
-        pod_template_file=str(template),
-        env_vars={"LOG_LEVEL": "debug"},
-    )
+    op = make_operator(store_url, job_id, pod_template_file=str(template), env_vars={"LOG_LEVEL": "debug"})
     op.prepare_try()
     manifest = manifest_of(op)
     kubernetes_validate.validate(manifest, "1.30", strict=True)
@@ -227,16 +221,7 @@ def test_the_users_own_pod_name_env_is_kept_when_it_is_the_pods_name_else_refuse
     store_url, job_id, var, kept
 ):
     template = k8s.V1Pod(spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="base", env=[var])]))
-    op = DeadlineShardPodOperator(
-        task_id="shard",
-        job_id=job_id,
-        shard_index=1,
-        image="worker:1",
-        namespace="batch",
-        store_url=store_url,
-        clock=ManualClock(T0),
-        full_pod_spec=template,
-    )
+    op = make_operator(store_url, job_id, full_pod_spec=template)
     op.prepare_try()
     if not kept:
         with pytest.raises(AirflowFailException, match="sets env ADB_POD_NAME.*remove it from env_vars"):
