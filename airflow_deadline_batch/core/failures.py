@@ -37,9 +37,12 @@ from airflow_deadline_batch.exceptions import ConfigurationError
 __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_CAP_S",
+    "LATENCY_OPTION",
+    "MAX_LATE_S",
     "MAX_RESUME_DELAY_S",
     "MIN_RESUME_DELAY_S",
     "RESUME_DELAY_OPTION",
+    "SCHEDULER_LATENCY_S",
     "FailureClass",
     "TryFailure",
     "TryLedger",
@@ -48,6 +51,9 @@ __all__ = [
     "classify_exit",
     "exit_code_for",
     "parse_resume_delay",
+    "parse_scheduler_latency",
+    "parse_seconds_option",
+    "retry_delay_bound_s",
     "spends_budget",
 ]
 
@@ -77,25 +83,48 @@ RESUME_DELAY_OPTION = "[deadline_batch] min_resume_delay_s"
 MAX_RESUME_DELAY_S = 86_400.0
 
 
-def parse_resume_delay(value: str | float | None) -> float:
-    """The resume delay an option's value sets, in seconds (unset or blank: :data:`MIN_RESUME_DELAY_S`).
+#: The latency assumed, at least, between the time a try asks Airflow to start the task again (a
+#: reschedule's date, a retry's) and the next try's placement decision: the scheduler's loop, the
+#: executor starting the task (a pod, for the KubernetesExecutor), the DAG file's parse. The shard
+#: operators learn more from what they see (``TryLedger.late_s``); :data:`LATENCY_OPTION` overrides it.
+SCHEDULER_LATENCY_S = 60.0
+#: the Airflow option that sets it (env ``AIRFLOW__DEADLINE_BATCH__SCHEDULER_LATENCY_S``)
+LATENCY_OPTION = "[deadline_batch] scheduler_latency_s"
 
-    A value that is not a number of seconds from 0 to :data:`MAX_RESUME_DELAY_S` raises
-    ``ConfigurationError`` naming the option to fix.
+
+def parse_seconds_option(
+    value: str | float | None, *, option: str, default: float, maximum: float = MAX_RESUME_DELAY_S
+) -> float:
+    """The seconds an Airflow option's value sets (unset or blank: ``default``).
+
+    ``option`` is the option as ``[section] key``. A value that is not a number of seconds from 0
+    to ``maximum`` raises ``ConfigurationError`` naming the option and its environment variable.
     """
     if value is None or (isinstance(value, str) and not value.strip()):
-        return MIN_RESUME_DELAY_S
+        return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_RESUME_DELAY_S:
+    if not math.isfinite(seconds) or not 0 <= seconds <= maximum:
+        section, key = option.strip("[").split("] ")
+        env = f"AIRFLOW__{section.upper()}__{key.upper()}"
         raise ConfigurationError(
-            f"{RESUME_DELAY_OPTION} must be a number of seconds >= 0 and <= {MAX_RESUME_DELAY_S:g}, "
-            f"got {value!r}: set it (or "
-            f"AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S) to e.g. {MIN_RESUME_DELAY_S:g}, or unset it"
+            f"{option} must be a number of seconds >= 0 and <= {maximum:g}, got {value!r}: set it "
+            f"(or {env}) to e.g. {default:g}, or unset it"
         )
     return seconds
+
+
+def parse_resume_delay(value: str | float | None) -> float:
+    """The resume delay an option's value sets, in seconds (unset or blank: :data:`MIN_RESUME_DELAY_S`)."""
+    return parse_seconds_option(value, option=RESUME_DELAY_OPTION, default=MIN_RESUME_DELAY_S)
+
+
+def parse_scheduler_latency(value: str | float | None) -> float:
+    """The scheduler latency an option's value sets, in seconds (unset or blank:
+    :data:`SCHEDULER_LATENCY_S`)."""
+    return parse_seconds_option(value, option=LATENCY_OPTION, default=SCHEDULER_LATENCY_S)
 
 
 #: our own exception classes (by name: core imports no exception module it does not need)
@@ -410,12 +439,18 @@ class TryLedger:
     tries already found lost. A try before the current one that its operator did not end was ended
     by Airflow from outside: the resume race (docs/airflow.md, *Resuming tasks*) when it had
     handed its slot back, else a killed task process or a clear.
+
+    It also times Airflow's turnaround: when a run hands its slot back or fails, the time it
+    asked to run again (``due_at``, epoch seconds); when the next run starts, how late it started
+    against that (the worst so far: ``late_s``), which the placement decision allows for.
     """
 
     started: frozenset[int] = frozenset()
     ended: frozenset[int] = frozenset()
     handed_back: frozenset[int] = frozenset()
     lost: frozenset[int] = frozenset()
+    due_at: float | None = None
+    late_s: float = 0.0
 
     def newly_lost(self, try_number: int) -> tuple[int, ...]:
         """The tries before ``try_number`` that nobody ended here and nobody found lost yet."""
@@ -431,17 +466,76 @@ class TryLedger:
             self, **{name: getattr(self, name) | frozenset(numbers) for name, numbers in tries.items()}
         )
 
-    def to_dict(self) -> dict[str, list[int]]:
-        return {field.name: sorted(getattr(self, field.name)) for field in dataclasses.fields(self)}
+    def due(self, at: float | None) -> TryLedger:
+        """This ledger with the next run due at ``at`` (epoch seconds; None: not known)."""
+        return dataclasses.replace(self, due_at=at)
+
+    def arrived(self, now: float) -> TryLedger:
+        """This ledger once a run started at ``now`` (epoch seconds): its lateness against the
+        time it was due folded into ``late_s`` (a run earlier than due counts as on time; at most
+        :data:`MAX_LATE_S`: the two times may come from two machines' clocks)."""
+        if self.due_at is None:
+            return self
+        late = min(now - self.due_at, MAX_LATE_S)
+        return dataclasses.replace(self, due_at=None, late_s=max(self.late_s, late))
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {name: sorted(getattr(self, name)) for name in _LEDGER_SETS}
+        return {**out, "due_at": self.due_at, "late_s": self.late_s}
 
     @classmethod
     def from_dict(cls, data: object) -> TryLedger:
-        """The ledger a task state store value holds (anything else: an empty ledger)."""
+        """The ledger a task state store value holds (anything else: an empty ledger; an earlier
+        version's, without times: its sets)."""
         if not isinstance(data, dict):
             return cls()
         sets = {}
-        for field in dataclasses.fields(cls):
-            numbers = data.get(field.name)
+        for name in _LEDGER_SETS:
+            numbers = data.get(name)
             if isinstance(numbers, list):
-                sets[field.name] = frozenset(int(n) for n in numbers if isinstance(n, int))
-        return cls(**sets)
+                sets[name] = frozenset(int(n) for n in numbers if isinstance(n, int))
+        due, late = _seconds(data.get("due_at")), _seconds(data.get("late_s"))
+        return cls(**sets, due_at=due, late_s=min(MAX_LATE_S, max(0.0, late or 0.0)))
+
+
+_LEDGER_SETS = ("started", "ended", "handed_back", "lost")
+#: the most lateness a ledger learns from one start (an hour): the due time was taken on the clock of
+#: the machine that ran the previous try, the start on this one's, so a skewed clock could
+#: otherwise make every later Spot try of the task look unsafe
+MAX_LATE_S = 3600.0
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as a finite number of seconds, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def retry_delay_bound_s(
+    retry_delay_s: float,
+    try_number: int,
+    *,
+    exponential_backoff: float = 0.0,
+    max_retry_delay_s: float | None = None,
+    max_task_retry_delay_s: float = 86_400.0,
+) -> float:
+    """The longest Airflow waits to start the retry after try ``try_number`` failed.
+
+    Airflow's scheduler computes it (``TaskInstance.next_retry_datetime``, which a task's process
+    cannot call): the retry delay, or with exponential backoff a deterministic draw between
+    ``b = ceil(delay × multiplier^(try − 1))`` (at least 1) and ``2 b``, capped by
+    ``[core] max_task_retry_delay`` and the task's ``max_retry_delay``. A retry policy's override
+    (Airflow 3.3's ``RetryPolicy``) is not seen here.
+    """
+    delay = max(0.0, retry_delay_s)
+    multiplier = exponential_backoff or 1.0
+    if multiplier != 1.0 and multiplier > 0:
+        try:
+            base = max(1.0, float(math.ceil(delay * multiplier ** max(0, try_number - 1))))
+        except OverflowError:
+            base = max_task_retry_delay_s
+        delay = min(2 * base - 1, max_task_retry_delay_s)
+        if max_retry_delay_s:
+            delay = min(delay, max_retry_delay_s)
+    return delay

@@ -243,6 +243,9 @@ class JobView:
     spot_shards: frozenset[int] = frozenset()
     #: the team the job belongs to (core.tenants)
     tenant: str = DEFAULT_TENANT
+    #: seconds from a try's end to the next try's decision, for the one deciding
+    #: (:attr:`core.placement.JobSnapshot.turnaround_s`; 0: none known)
+    turnaround_s: float = 0.0
 
     @property
     def stopped(self) -> bool:
@@ -290,6 +293,7 @@ class JobView:
             running=running,
             started_at=self.started_at,
             total_work_s=self.committed_work_s + remaining,
+            turnaround_s=self.turnaround_s,
         )
 
     @property

@@ -9,10 +9,11 @@ shard operator alike. The rule (docs/design.md §5), all in seconds of wall time
   covers the most slack it can burn before the next decision can still escalate (``risk``,
   :func:`spot_risk_s`); otherwise on-demand. Slack counts committed work only, so it never falls
   faster than wall time: a choice re-decided every ``g`` seconds burns at most ``g``, a Spot try
-  that holds capacity at most its changeover still to run plus one shard. So at every decision
-  going on-demand now still meets the deadline, and a job feasible on on-demand never misses (the
-  safety net of *Can't Be Late*, NSDI '24, made exact for ticks, shards and changeovers;
-  docs/simulator.md, *Why it cannot miss*).
+  that holds capacity at most its changeover still to run plus one shard (decided once per try:
+  plus the turnaround until the next try decides). So at every decision going on-demand now
+  still meets the deadline, and a job feasible on on-demand never misses (the safety net of
+  *Can't Be Late*, NSDI '24, made exact for ticks, shards and changeovers; docs/simulator.md,
+  *Why it cannot miss*).
 * **Escalation while Spot is missing**: waiting is free but burns slack. Wait while the capacity the
   job can expect (its on-demand workers plus the Spot availability times the other workers) covers
   the rate the remaining work needs; otherwise add on-demand workers one at a time (mixing).
@@ -252,6 +253,11 @@ class JobSnapshot:
     tries_mean_run_s: float | None = None
     #: of ``spot_workers``, those whose try is still in its changeover (``return_doubling``)
     spot_workers_starting: int = 0
+    #: seconds from a try's end to the next try's decision when each try is decided once (no
+    #: ``decision_interval_s``): the operator's resume or retry delay plus Airflow's latency to start
+    #: the task again, the local runner's poll. Slack burns through it with nothing running, so a
+    #: Spot try's risk includes it (:func:`spot_risk_s`); ignored with a decision interval
+    turnaround_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -265,6 +271,7 @@ class JobSnapshot:
             "notice_s",
             "spot_preemptions_per_hour",
             "running_progress_s",
+            "turnaround_s",
         ):
             value = getattr(self, name)
             if not value >= 0 or math.isinf(value):
@@ -365,7 +372,9 @@ def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) ->
 
     Without an interval (an operator decides once per try) waiting is bounded by the startup
     timeout the decision sets (:attr:`PlacementDecision.last_safe_spot_start`), so the risk is the
-    try's own.
+    try's own, plus the turnaround before the next try can decide (``turnaround_s``): a Spot try that
+    fails at its worst moment, or whose pod gives up waiting at the last safe start, leaves the next
+    decision that much later, with nothing committed meanwhile.
     """
     continuing = snapshot.running and snapshot.previous_pool is PoolKind.SPOT
     if continuing:
@@ -378,7 +387,7 @@ def spot_risk_s(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) ->
     try_worst = changeover + max(0.0, snapshot.shard_work_s / speed - snapshot.notice_s)
     interval = policy.decision_interval_s
     if interval is None:
-        return try_worst
+        return try_worst + snapshot.turnaround_s
     if snapshot.parallelism > 1 or not (snapshot.spot_available or continuing):
         return interval
     if speed < 1.0:

@@ -45,7 +45,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from airflow_deadline_batch.core.clock import Clock, SystemClock
@@ -307,7 +307,10 @@ class LocalRun:
         return decide_for_try(view, self.store.get_shard(self.job_id, index))
 
     def read_view(self) -> JobView:
-        return read_job_view(self.store, self.job_id, now=self.clock.now(), parallelism=self.options.workers)
+        """The job as the runner decides on it: a dead worker's shard is placed again at the next
+        poll, so that is the turnaround between its tries (``JobSnapshot.turnaround_s``)."""
+        view = read_job_view(self.store, self.job_id, now=self.clock.now(), parallelism=self.options.workers)
+        return replace(view, turnaround_s=self.options.poll_interval_s)
 
     def launch(self, index: int, now: float, stderr: IO[bytes]) -> None:
         """Place one shard and start its worker (or drop it: committed, failed for good, job stopped)."""

@@ -95,7 +95,9 @@ from airflow_deadline_batch.core.failures import (
     TryLedger,
     backoff_s,
     classify_exit,
+    retry_delay_bound_s,
 )
+from airflow_deadline_batch.core.job_view import JobView
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant, kueue_labels
@@ -124,7 +126,13 @@ from airflow_deadline_batch.operators.placement import (
     tail_has_room,
 )
 from airflow_deadline_batch.store.rows import AttemptRow
-from airflow_deadline_batch.triggers.pod import RACE_KEY, RUNNING, ShardPodTrigger, min_resume_delay_s
+from airflow_deadline_batch.triggers.pod import (
+    RACE_KEY,
+    RUNNING,
+    ShardPodTrigger,
+    min_resume_delay_s,
+    scheduler_latency_s,
+)
 
 #: pod / container reasons that mean the node went away under the pod (Spot reclaim, drain, shutdown)
 PREEMPTION_REASONS = frozenset(
@@ -536,6 +544,8 @@ class _ShardTryMixin:
     _ending: threading.Event | None = None
     #: the shard's spent budget and cursor when this run decided (:meth:`store_counted_run`)
     _seen: tuple[int, int] | None = None
+    #: the turnaround this run decided with (:meth:`turnaround_s`), which its race checks reuse
+    _turnaround_s: float = 0.0
 
     def run_try(self, context: Any, body: Callable[[], Any]) -> Any:
         """Run ``body`` (this run of the try) with the try's bookkeeping around it.
@@ -566,16 +576,16 @@ class _ShardTryMixin:
                 result = body()
             except AirflowRescheduleException as exc:
                 if not self._holding:
-                    self.note_try(context, handed_back=[try_number])
+                    self.note_try(context, handed_back=[try_number], due_at=exc.reschedule_date.timestamp())
                     raise
                 self.wait_in_slot(exc.reschedule_date)
                 continue
             except TaskDeferred:
                 self.note_try(context, handed_back=[try_number])
                 raise
-            except BaseException:
+            except BaseException as exc:
                 if not self._ending.is_set():  # a try Airflow kills is Airflow's to end, not ours
-                    self.note_try(context, ended=[try_number])
+                    self.note_try(context, ended=[try_number], due_at=self.retry_due(context, exc))
                 raise
             self.note_try(context, ended=[try_number])
             return result
@@ -639,15 +649,65 @@ class _ShardTryMixin:
             self.log.warning("could not read the try ledger of shard %s", self.shard_index, exc_info=True)
             return None
 
-    def note_try(self, context: Any, **tries: Sequence[int]) -> None:
-        """Add ``tries`` to the ledger (best effort: a failure is logged, the try goes on)."""
+    def note_try(self, context: Any, *, due_at: float | None = None, **tries: Sequence[int]) -> None:
+        """Add ``tries`` to the ledger, with the time the next run is due (None: none, or not known;
+        best effort: a failure is logged, the try goes on)."""
+        self.update_ledger(context, lambda ledger: ledger.with_(**tries).due(due_at))
+
+    def update_ledger(self, context: Any, change: Callable[[TryLedger], TryLedger]) -> None:
+        """Write ``change`` of the ledger back (best effort: a failure is logged, the try goes on)."""
         ledger = self.read_ledger(context)
         if ledger is None:
             return
         try:
-            context["task_state_store"].set(TRY_LEDGER_KEY, ledger.with_(**tries).to_dict())
+            context["task_state_store"].set(TRY_LEDGER_KEY, change(ledger).to_dict())
         except Exception:
             self.log.warning("could not write the try ledger of shard %s", self.shard_index, exc_info=True)
+
+    def retry_due(self, context: Any, exc: BaseException) -> float | None:
+        """When Airflow starts the retry after this try fails with ``exc`` (epoch seconds, at the
+        latest), or None when no retry follows (a success, a skip, a failure for good, no retry
+        left)."""
+        final = (AirflowFailException, AirflowSkipException)
+        if not isinstance(exc, AirflowException) or isinstance(exc, final):
+            return None
+        max_tries = _max_tries(context)
+        if max_tries is not None and _try_number(context) > max_tries:
+            return None
+        return time.time() + self.retry_wait_s(context)
+
+    def retry_wait_s(self, context: Any | None) -> float:
+        """The longest Airflow waits before the retry after this try (:func:`retry_delay_bound_s`)."""
+        delay = getattr(self, "retry_delay", None)
+        longest = getattr(self, "max_retry_delay", None)
+        return retry_delay_bound_s(
+            delay.total_seconds() if isinstance(delay, dt.timedelta) else 0.0,
+            _try_number(context) if context is not None else 1,
+            exponential_backoff=float(getattr(self, "retry_exponential_backoff", 0) or 0),
+            max_retry_delay_s=longest.total_seconds() if isinstance(longest, dt.timedelta) else None,
+        )
+
+    def turnaround_s(self, context: Any | None) -> float:
+        """Seconds from this try's end to the next try's decision, at worst
+        (:attr:`core.placement.JobSnapshot.turnaround_s`).
+
+        Airflow's last try (:meth:`holds_slot`) waits the resume delay in its slot and decides
+        again. Any other try is started again by Airflow: after the resume delay when it
+        reschedules, after its retry delay when it fails, and after the retry delay too when a
+        resumed try loses the resume race (docs/airflow.md, *Resuming tasks*); then after Airflow's
+        latency to start it: the larger of ``[deadline_batch] scheduler_latency_s`` and the latest
+        start this task instance was seen to make (:attr:`~core.failures.TryLedger.late_s`).
+        """
+        resume = self.resume_delay_s()
+        if self._holding:
+            return resume
+        try:
+            latency = scheduler_latency_s()
+        except ConfigurationError as exc:
+            raise AirflowFailException(str(exc)) from exc
+        ledger = self.read_ledger(context) if context is not None else None
+        late = 0.0 if ledger is None else ledger.late_s
+        return max(resume, self.retry_wait_s(context)) + max(latency, late)
 
     def note_lost_tries(self, context: Any, try_number: int) -> None:
         """Log (and count as ``deadline_batch.resume_races``) the earlier tries Airflow ended
@@ -670,8 +730,20 @@ class _ShardTryMixin:
                 else "its task process was killed, or the task was cleared",
             )
         emit_resume_races(self.job_id, len(races), dag_id=dag_id_of(context))
-        if lost or try_number not in ledger.started:  # a resumed run has nothing new to record
-            self.note_try(context, started=[try_number], lost=lost)
+        # how late this run started against the time its previous run asked for; after a lost try
+        # that time was the lost try's, and the retry's delay is counted apart (turnaround_s)
+        arrived = ledger.due(None) if lost else ledger.arrived(time.time())
+        if arrived.late_s > ledger.late_s:
+            self.log.info(
+                "shard %s of job %s: try %d started %.0f s after it was due; the placement allows "
+                "for Airflow's latency up to the larger of that and [deadline_batch] scheduler_latency_s",
+                self.shard_index,
+                self.job_id,
+                try_number,
+                arrived.late_s,
+            )
+        if lost or try_number not in ledger.started or arrived != ledger:
+            self.update_ledger(context, lambda _: arrived.with_(started=[try_number], lost=lost))
 
     def resume_delay_s(self) -> float:
         """``[deadline_batch] min_resume_delay_s`` (a bad value fails the task, naming the fix)."""
@@ -693,17 +765,29 @@ class _ShardTryMixin:
         except ConfigurationError as exc:  # another store than the plan's: no retry can fix it
             raise AirflowFailException(str(exc)) from exc
         now = (self.clock or SystemClock()).now()
-        view = read_job_view(store, self.job_id, now=now, pools=self.pools)
+        self._turnaround_s = self.turnaround_s(context)
+        view = self.job_view(store, now)
         self.tenant = view.tenant  # the pod's Kueue queue (DeadlineShardPodOperator with kueue=True)
         shard = store.get_shard(self.job_id, int(self.shard_index))
         self._seen = (int(shard.failures), int(shard.cursor))
         decision = decide_for_try(view, shard)
-        self.log.info("placement for shard %s of job %s: %s", self.shard_index, self.job_id, decision.reason)
+        self.log.info(
+            "placement for shard %s of job %s: %s (turnaround to the next try %.0f s)",
+            self.shard_index,
+            self.job_id,
+            decision.reason,
+            self._turnaround_s,
+        )
         emit_decision(view, decision, dag_id=dag_id_of(context))
         if context is not None:
             context["ti"].xcom_push(key="placement", value=decision.to_dict())
             DeadlineBatchProgressLink.persist(context, self.job_id)
         return decision
+
+    def job_view(self, store: Any, now: dt.datetime) -> JobView:
+        """The job as this try decides on it: the store's view with this run's turnaround."""
+        view = read_job_view(store, self.job_id, now=now, pools=self.pools)
+        return dataclasses.replace(view, turnaround_s=self._turnaround_s)
 
     def settle_failure(self, failure: FailureClass, reason: str, *, shard_failed: bool = False) -> None:
         """Raise what Airflow should do with a failed try of this class (see the module doc).
@@ -1035,6 +1119,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         says so (as the synchronous watch does), end the try once the shard is done (the Spot
         pod, the race's loser, is deleted), and otherwise defer again."""
         spot = k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=event["name"], namespace=event["namespace"]))
+        self._turnaround_s = self.turnaround_s(context)  # a resumed run: as its try decided
         try:
             if self._racer is None:
                 decision = self.racer_decision()
@@ -1456,7 +1541,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         """The racer's decision when the job is at its tail and the race rule says so, else None."""
         assert self._race_pool is not None
         store = self._race_store
-        view = read_job_view(store, self.job_id, now=(self.clock or SystemClock()).now(), pools=self.pools)
+        view = self.job_view(store, (self.clock or SystemClock()).now())
         self.tenant = view.tenant  # the racer's Kueue queue, on a resumed (deferred) try too
         shards = store.list_shards(self.job_id)
         if not tail_has_room(shards, view.parallelism):

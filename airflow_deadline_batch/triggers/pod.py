@@ -28,7 +28,11 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.triggers.pod import KubernetesPodTrigger
 from airflow.triggers.base import TriggerEvent
 
-from airflow_deadline_batch.core.failures import MIN_RESUME_DELAY_S, parse_resume_delay
+from airflow_deadline_batch.core.failures import (
+    MIN_RESUME_DELAY_S,
+    parse_resume_delay,
+    parse_scheduler_latency,
+)
 
 #: key of the tail race's state in the trigger's ``trigger_kwargs`` (echoed in every event):
 #: ``{"pool": <the Spot pool>, "racer": <racer pod name or None>, "promoted": <watching the racer>}``
@@ -44,6 +48,15 @@ def min_resume_delay_s() -> float:
     from airflow.sdk.configuration import conf
 
     return parse_resume_delay(conf.get("deadline_batch", "min_resume_delay_s", fallback=None))
+
+
+def scheduler_latency_s() -> float:
+    """Airflow's latency to start a task that is due, as the placement assumes it at least:
+    ``[deadline_batch] scheduler_latency_s`` (env ``AIRFLOW__DEADLINE_BATCH__SCHEDULER_LATENCY_S``),
+    default :data:`~core.failures.SCHEDULER_LATENCY_S`. A bad value raises ``ConfigurationError``."""
+    from airflow.sdk.configuration import conf
+
+    return parse_scheduler_latency(conf.get("deadline_batch", "scheduler_latency_s", fallback=None))
 
 
 def resume_hold_s(resume_after: float, now: float, cap_s: float = MIN_RESUME_DELAY_S) -> float:

@@ -78,6 +78,20 @@ def late_scheduler(context):
     raise RuntimeError("Server indicated the task shouldn't be running anymore")
 
 
+def disk_full_once(context):
+    # the first run's worker finds its disk full (ENOSPC: transient, rescheduled); the run Airflow
+    # resumes finds it freed
+    import os
+
+    seen = FULL + ".seen"
+    if os.path.exists(seen):
+        if os.path.exists(FULL):
+            os.unlink(FULL)
+    else:
+        open(seen, "w").close()
+        open(FULL, "w").close()
+
+
 START = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 with DAG(dag_id="resume_race", schedule=None, start_date=START) as dag:
     common = dict(
@@ -89,6 +103,10 @@ with DAG(dag_id="resume_race", schedule=None, start_date=START) as dag:
     )
     LocalShardOperator(
         task_id="shard_budget", job_id=JOBS["budget"], env={"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"}, **common
+    )
+    LocalShardOperator(  # no late scheduler: its reschedule resumes as Airflow resumes any
+        task_id="shard_resumed", job_id=JOBS["resumed"], shard_index=0, store_url=STORE, retries=1,
+        retry_delay=dt.timedelta(0), env={"ADB_FAULT_DISK_FULL": FULL}, pre_execute=disk_full_once,
     )
 """
 
@@ -142,11 +160,16 @@ def _plan(store_url: str, tmp_path: Path, name: str, max_attempts: int) -> str:
 def raced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     home = tmp_path_factory.mktemp("airflow_home")
     store_url = f"sqlite:///{home / 'store.db'}"
-    jobs = {"ok": _plan(store_url, home, "ok", 10), "budget": _plan(store_url, home, "budget", 3)}
+    jobs = {
+        "ok": _plan(store_url, home, "ok", 10),
+        "budget": _plan(store_url, home, "budget", 3),
+        "resumed": _plan(store_url, home, "resumed", 10),
+    }
     dags = home / "dags"
     dags.mkdir()
     dag_file = dags / "resume_race.py"
-    dag_file.write_text(f"STORE = {store_url!r}\nJOBS = {jobs!r}\n" + textwrap.dedent(DAG))
+    full = str(home / "disk-full")
+    dag_file.write_text(f"STORE = {store_url!r}\nJOBS = {jobs!r}\nFULL = {full!r}\n" + textwrap.dedent(DAG))
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(home),
@@ -170,7 +193,7 @@ def raced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-def _ledger(result: dict[str, Any], task_id: str) -> dict[str, list[int]]:
+def _ledger(result: dict[str, Any], task_id: str) -> dict[str, Any]:
     value = result["state_store"][f"{task_id}/{TRY_LEDGER_KEY}"]
     return dict(json.loads(value) if isinstance(value, str) else value)
 
@@ -197,3 +220,16 @@ def test_the_store_budget_not_airflow_retries_fails_a_shard(raced: dict[str, Any
     assert shard.state is ShardState.TERMINAL_FAILURE and shard.failures == 3, shard
     assert _ledger(raced, "shard_budget")["lost"] == [1]
     assert "is Airflow's last (max_tries=1): it keeps its worker slot" in raced["output"]
+
+
+def test_a_resumed_try_measures_how_late_airflow_started_it(raced: dict[str, Any]) -> None:
+    """The ledger's turnaround times through Airflow's real task state store: the preempted try
+    asked to run again at once (resume delay 0); Airflow started it later, which the placement now
+    allows for (docs/airflow.md, *Resuming tasks*). A lost try's due time is not measured."""
+    assert raced["tis"]["shard_resumed"] == [1, "success"], raced["tis"]
+    ledger = _ledger(raced, "shard_resumed")
+    assert ledger["handed_back"] == [1] and ledger["lost"] == [], ledger
+    assert ledger["due_at"] is None  # it succeeded: nothing is due
+    assert 0.0 < ledger["late_s"] < 280.0, ledger  # later than asked, within the run's time
+    assert "try 1 started" in raced["output"] and "after it was due" in raced["output"]
+    assert _ledger(raced, "shard_ok")["late_s"] == 0.0  # started after a lost try: not measured

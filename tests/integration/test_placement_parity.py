@@ -60,11 +60,27 @@ def job_id(store_url: str) -> str:
     return job.job_id
 
 
+@pytest.fixture(autouse=True)
+def same_turnaround(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one input that differs by design: the time from a try's end to the next decision (the
+    runner's poll; Airflow's delays and latency). Made equal here: the runner's poll is 0.1 s."""
+    monkeypatch.setenv("AIRFLOW__DEADLINE_BATCH__MIN_RESUME_DELAY_S", "0")
+    monkeypatch.setenv("AIRFLOW__DEADLINE_BATCH__SCHEDULER_LATENCY_S", str(RunOptions().poll_interval_s))
+
+
 def decisions(store_url: str, job_id: str, index: int, clock: ManualClock) -> list[TryDecision]:
     """The runner's decision and both shard operators' decisions for one shard, now."""
     runner = LocalRun(ManifestStore(store_url), job_id, RunOptions(workers=WORKERS), clock)
     operators = [
-        cls(task_id="shard", job_id=job_id, shard_index=index, store_url=store_url, clock=clock, **extra)
+        cls(
+            task_id="shard",
+            job_id=job_id,
+            shard_index=index,
+            store_url=store_url,
+            clock=clock,
+            retry_delay=dt.timedelta(0),
+            **extra,
+        )
         for cls, extra in ((LocalShardOperator, {}), (DeadlineShardPodOperator, {"image": "worker:0.1"}))
     ]
     return [runner.decide(index), *(op.decide() for op in operators)]

@@ -104,7 +104,14 @@ def test_the_ledger_finds_tries_nobody_here_ended() -> None:
     assert ledger.resume_races((2, 3)) == (2,)  # try 3 never handed its slot back: not the race
     assert ledger.with_(lost=[2, 3]).newly_lost(4) == ()  # each lost try is found once
     assert TryLedger.from_dict(ledger.to_dict()) == ledger
-    assert ledger.to_dict() == {"started": [1, 2, 3], "ended": [1], "handed_back": [2], "lost": []}
+    assert ledger.to_dict() == {
+        "started": [1, 2, 3],
+        "ended": [1],
+        "handed_back": [2],
+        "lost": [],
+        "due_at": None,
+        "late_s": 0.0,
+    }
     assert TryLedger.from_dict(None) == TryLedger() == TryLedger.from_dict({"ended": "x"})
 
 
@@ -123,7 +130,14 @@ def _context(try_number: int, max_tries: int, state: TaskStateStore) -> dict[str
 def test_a_try_logs_the_earlier_tries_airflow_ended(capsys: pytest.CaptureFixture[str]) -> None:
     state = TaskStateStore({TRY_LEDGER_KEY: {"started": [1, 2], "ended": [1], "handed_back": [2]}})
     assert _operator().run_try(_context(3, 5, state), lambda: "done") == "done"
-    assert state[TRY_LEDGER_KEY] == {"started": [1, 2, 3], "ended": [1, 3], "handed_back": [2], "lost": [2]}
+    assert state[TRY_LEDGER_KEY] == {
+        "started": [1, 2, 3],
+        "ended": [1, 3],
+        "handed_back": [2],
+        "lost": [2],
+        "due_at": None,  # a success: no run follows
+        "late_s": 0.0,  # a lost try's due time is not this try's
+    }
     assert (
         "try 2 was ended by Airflow, not by this operator (failed after it resumed" in capsys.readouterr().out
     )
