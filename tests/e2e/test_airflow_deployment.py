@@ -57,11 +57,15 @@ SAMPLE = REPO / "dags" / "data" / "sample_reviews.jsonl"
 RUN_TIMEOUT_S = 240.0
 #: the Kubernetes run waits for Spot until the last safe Spot start, minutes away: a longer bound
 K8S_RUN_TIMEOUT_S = 600.0
+#: Airflow's turnaround between two tries of a shard task, as the placement counts it: the resume
+#: delay (5 s; the test DAG's retry delay is 1 s) plus ``[deadline_batch] scheduler_latency_s`` (60 s)
+K8S_TURNAROUND_S = 5 + 60
 #: the Kubernetes run's deadline. The example's pools start a node in 240 s, so a Spot try needs
-#: 2 x 240 s of time left (its own start, then an on-demand start if it is lost): the first tries,
-#: decided within the first 150 s, go to Spot; once the one Spot node is reclaimed, the Spot pods
-#: still pending give up at their last safe start and their next tries go on-demand.
-K8S_DEADLINE_S = 2 * 240 + 150
+#: 2 x 240 s of time left (its own start, then an on-demand start if it is lost) plus Airflow's
+#: turnaround between the two: the first tries, decided within the first 150 s, go to Spot; once
+#: the one Spot node is reclaimed, the Spot pods still pending give up at their last safe start and
+#: their next tries go on-demand.
+K8S_DEADLINE_S = 2 * 240 + K8S_TURNAROUND_S + 150
 K8S_DAG_ID = "example_deadline_batch_kubernetes"
 K8S_TEST_DAG = Path(__file__).resolve().parent / "dags" / "example_deadline_batch_kubernetes_loopback.py"
 
