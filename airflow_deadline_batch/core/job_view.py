@@ -167,9 +167,41 @@ def shard_done_fraction(shard: ShardFields) -> float:
     return min(shard.cursor, shard.num_microbatches) / shard.num_microbatches
 
 
-def changeover_s(pools: Iterable[PoolSpec]) -> float:
-    """What a (re)launch costs in wall time: the slowest pool's startup plus its queue wait."""
-    return max((p.startup_seconds + p.queue_wait_seconds for p in pools), default=0.0)
+def changeover_s(pools: Iterable[PoolSpec], seen: Mapping[str, float] | None = None) -> float:
+    """What a (re)launch costs in wall time: the slowest pool's startup plus its queue wait, or
+    the longest start its tries were seen to take (``seen``, :func:`startup_seen_s`) when longer."""
+    seen = seen or {}
+    return max(
+        (max(p.startup_seconds + p.queue_wait_seconds, seen.get(p.name, 0.0)) for p in pools), default=0.0
+    )
+
+
+def startup_seen_s(attempts: Iterable[AttemptFields], commits: Iterable[CommitFields]) -> dict[str, float]:
+    """The longest start the job's tries were seen to take, by pool: from a try's claim to its
+    first commit, less that microbatch's own time (``elapsed_s``).
+
+    That is the worker's start after its claim (the model's load, the engine's warm-up, the
+    input's read): part of a changeover that a pool's declared ``startup_seconds`` must cover. A
+    declaration below it is wrong, and a placement that trusted it would escalate too late, so
+    :func:`changeover_s` takes the longer. Tries that never committed tell nothing here.
+    """
+    attempts = list(attempts)
+    if not attempts:
+        return {}
+    first: dict[str, CommitFields] = {}
+    for commit in commits:
+        earlier = first.get(commit.attempt_id)
+        if earlier is None or commit.committed_at < earlier.committed_at:
+            first[commit.attempt_id] = commit
+    out: dict[str, float] = {}
+    for attempt in attempts:
+        head = first.get(attempt.attempt_id)
+        if head is None or attempt.pool is None:
+            continue
+        start = (head.committed_at - attempt.started_at).total_seconds() - max(0.0, head.elapsed_s)
+        if start > out.get(attempt.pool, 0.0):
+            out[attempt.pool] = start
+    return out
 
 
 def reference_pool(pools: Sequence[PoolSpec]) -> PoolSpec:
@@ -243,6 +275,8 @@ class JobView:
     spot_shards: frozenset[int] = frozenset()
     #: the team the job belongs to (core.tenants)
     tenant: str = DEFAULT_TENANT
+    #: the longest start each pool's tries were seen to take (:func:`startup_seen_s`)
+    startup_seen_s: Mapping[str, float] = field(default_factory=dict)
     #: seconds from a try's end to the next try's decision, for the one deciding
     #: (:attr:`core.placement.JobSnapshot.turnaround_s`; 0: none known)
     turnaround_s: float = 0.0
@@ -262,7 +296,7 @@ class JobView:
 
     @property
     def changeover_s(self) -> float:
-        return changeover_s(self.pools)
+        return changeover_s(self.pools, self.startup_seen_s)
 
     def snapshot(self, shard_index: int | None = None, *, running: bool = False) -> JobSnapshot:
         """The placement inputs for one shard (by default the largest unfinished one)."""
@@ -514,6 +548,7 @@ def build_job_view(
         last_kinds[shard.shard_index] = last.kind if last is not None else None
         if shard.state is ShardState.LEASED and last is not None:
             (on_demand if last.kind is PoolKind.ON_DEMAND else on_spot).add(shard.shard_index)
+    attempts = list(attempts)
     job_tries, shard_tries = spot_tries(attempts, commits, pools, finished=finished)
     return JobView(
         job_id=job.job_id,
@@ -536,4 +571,5 @@ def build_job_view(
         shard_spot_tries=shard_tries,
         spot_shards=frozenset(on_spot),
         tenant=tenant,
+        startup_seen_s=startup_seen_s(attempts, commits),
     )

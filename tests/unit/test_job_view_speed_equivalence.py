@@ -229,6 +229,15 @@ def reference_view(
             availability[pool.name] = availability[pool.name].observe(
                 present_s=span, started_s=started.timestamp()
             )
+    startup: dict[str, float] = {}  # claim to first commit, less its microbatch, longest per pool
+    for attempt in attempts:
+        mine = sorted(
+            (c for c in commits if c.attempt_id == attempt.attempt_id), key=lambda c: c.committed_at
+        )
+        if mine and attempt.pool is not None:
+            start = (mine[0].committed_at - attempt.started_at).total_seconds() - max(0.0, mine[0].elapsed_s)
+            if start > startup.get(attempt.pool, 0.0):  # a pool none was seen to take time on: absent
+                startup[attempt.pool] = start
     return PlacementView(
         job_id=job.job_id,
         state=job.state,
@@ -250,6 +259,7 @@ def reference_view(
         shard_spot_tries=shard_tries,
         spot_shards=frozenset(on_spot),
         tenant=job.tenant,
+        startup_seen_s=startup,
         pool_tries=pool_tries,
         pool_availability=availability,
     )

@@ -43,15 +43,25 @@ class EchoEngine:
     so tests can interrupt a worker in the middle of a microbatch. Option ``delay_file`` (or env
     ``ADB_ECHO_DELAY_FILE``) names a file holding that delay, read again for every microbatch:
     writing a larger number into it slows every running worker on cue (a throughput drop).
+    Option ``load_s`` (or env ``ADB_ECHO_LOAD_S``) makes :meth:`load` take that long, as a model's
+    load does, so tests can show what a slow start does.
     """
 
     name = "echo"
 
     def __init__(
-        self, model: str | None = None, *, delay_s_per_record: float = 0.0, delay_file: str | None = None
+        self,
+        model: str | None = None,
+        *,
+        delay_s_per_record: float = 0.0,
+        delay_file: str | None = None,
+        load_s: float = 0.0,
     ) -> None:
         if delay_s_per_record < 0:
             raise ValueError(f"delay_s_per_record must be >= 0, got {delay_s_per_record}")
+        if not 0 <= load_s <= 3600:
+            raise ValueError(f"load_s must be from 0 to 3600 seconds, got {load_s}")
+        self.load_s = load_s
         self._model = model or "echo-v1"
         self.delay_s_per_record = delay_s_per_record
         self.delay_file = Path(delay_file) if delay_file else None
@@ -77,7 +87,9 @@ class EchoEngine:
         return text_digest("echo-v1")
 
     def load(self) -> None:
-        """Nothing to load."""
+        """Nothing to load; ``load_s`` of simulated loading."""
+        if self.load_s:
+            time.sleep(self.load_s)  # simulated loading, not synchronisation
 
     def generate(self, requests: Sequence[Request], params: GenerationParams) -> list[Generation]:
         results = []
@@ -135,6 +147,7 @@ def build(model: str | None, options: dict[str, Any]) -> EchoEngine:
         model,
         delay_s_per_record=option_float(options, "delay_s_per_record", 0.0, env="ADB_ECHO_DELAY_S"),
         delay_file=str(options.get("delay_file") or os.environ.get("ADB_ECHO_DELAY_FILE") or "") or None,
+        load_s=option_float(options, "load_s", 0.0, env="ADB_ECHO_LOAD_S"),
     )
 
 
