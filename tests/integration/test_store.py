@@ -26,6 +26,7 @@ from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, NewCommit
 from airflow_deadline_batch.store.engine import PING_AFTER_IDLE_S, DriverStatement, normalize_url
 from airflow_deadline_batch.store.manifest_store import RACE_TRIES
 from tests.fixtures.postgres import admin_execute
+from tests.helpers.commits import commit
 
 UTC = dt.timezone.utc
 DEADLINE = dt.datetime(2030, 1, 1, 6, 0, tzinfo=UTC)
@@ -85,21 +86,6 @@ def create(store: ManifestStore, **kwargs: object) -> JobRow:
     row, created = store.create_job(job, plan, validation)
     assert created
     return row
-
-
-def commit(store: ManifestStore, lease: Lease, seq: int, records: int = 2) -> Lease:
-    return store.commit_microbatch(
-        lease,
-        seq=seq,
-        uri=f"file:///out/attempts/{lease.attempt_id}/mb-{seq}.jsonl",
-        sha256=f"{seq:064x}",
-        records=records,
-        counts={"succeeded": records - 1, "errored": 1},
-        prompt_tokens=10 * records,
-        completion_tokens=5 * records,
-        elapsed_s=0.5,
-        model_digest="sha256:abc",
-    )
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -564,10 +550,10 @@ def test_progress_counts_only_commits(store: ManifestStore) -> None:
     claimed = store.progress(job.job_id)
     assert claimed.committed_records == 1 and claimed.attempts == 2  # attempts are not progress
 
-    commit(store, a, 0, records=2)
+    commit(store, a, 0, records=2, counts={"succeeded": 1, "errored": 1})
     store.release(a, AttemptOutcome.PREEMPTED)
-    commit(store, b, 0, records=2)
-    commit(store, b, 1, records=2)
+    commit(store, b, 0, records=2, counts={"succeeded": 1, "errored": 1})
+    commit(store, b, 1, records=2, counts={"succeeded": 1, "errored": 1})
     store.complete_shard(b)
     now = store.progress(job.job_id)
     assert (now.committed_records, now.succeeded, now.errored) == (7, 3, 4)

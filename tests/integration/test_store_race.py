@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.exceptions import LeaseLost, ShardNotClaimable, StoreError
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, NewJob, NewShard
+from tests.helpers.commits import commit
 
 pytestmark = pytest.mark.integration
 
@@ -70,21 +71,6 @@ def claim(store: ManifestStore, job: JobRow, ttl_s: float = 30.0) -> Lease:
 
 def race(store: ManifestStore, job: JobRow, ttl_s: float = 30.0) -> Lease:
     return store.claim_race(job.job_id, 0, ttl_s=ttl_s, worker="racer", pool="on-demand")
-
-
-def commit(store: ManifestStore, lease: Lease, seq: int) -> Lease:
-    return store.commit_microbatch(
-        lease,
-        seq=seq,
-        uri=f"attempts/{lease.attempt_id}/shard-00000-mb-{seq:06d}.jsonl",
-        sha256="a" * 64,
-        records=1,
-        counts={"succeeded": 1},
-        prompt_tokens=1,
-        completion_tokens=1,
-        elapsed_s=0.1,
-        model_digest=None,
-    )
 
 
 def outcomes(store: ManifestStore, job: JobRow) -> dict[str, AttemptOutcome]:

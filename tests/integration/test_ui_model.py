@@ -14,25 +14,14 @@ from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.ui import model
+from tests.helpers.commits import Microbatch, commit
 
 SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
 UTC = dt.timezone.utc
 
 
-def commit(store: ManifestStore, lease, seq: int, records: int = 4):  # type: ignore[no-untyped-def]
-    return store.commit_microbatch(
-        lease,
-        seq=seq,
-        uri=f"file:///nowhere/{lease.attempt_id}/{seq}",
-        sha256="0" * 64,
-        records=records,
-        counts={"succeeded": records},
-        prompt_tokens=400,
-        completion_tokens=400,
-        elapsed_s=2.0,
-        model_digest=None,
-        pool=None,
-    )
+#: the fixture's microbatches: four records of 400 + 400 tokens in 2 s each
+MICROBATCH: Microbatch = {"records": 4, "prompt_tokens": 400, "completion_tokens": 400, "elapsed_s": 2.0}
 
 
 @pytest.fixture()
@@ -52,11 +41,11 @@ def job(store: ManifestStore, tmp_path: Path) -> str:
         ),
     ).job_id
     first = store.claim_shard(job_id, 0, ttl_s=60, worker="w0", pool="local-spot")
-    first = commit(store, first, 0)
-    first = commit(store, first, 1)
+    first = commit(store, first, 0, **MICROBATCH)
+    first = commit(store, first, 1, **MICROBATCH)
     assert store.release(first, AttemptOutcome.PREEMPTED)
     second = store.claim_shard(job_id, 1, ttl_s=60, worker="w1", pool="local-on-demand")
-    commit(store, second, 0)
+    commit(store, second, 0, **MICROBATCH)
     return job_id
 
 
