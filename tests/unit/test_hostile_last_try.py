@@ -22,6 +22,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.operators.shard import LocalShardOperator
 from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.commits import commit_rest
 from tests.unit.test_pod_spec import job_id as job_id  # noqa: F401 - a fixture (4 shards, SQLite)
 from tests.unit.test_pod_spec import store_url as store_url  # noqa: F401 - a fixture
 
@@ -71,20 +72,7 @@ def test_the_last_try_waiting_in_its_slot_ends_promptly_when_its_job_stops_or_it
                 store.cancel_job(job_id)
             else:  # a racer of an earlier try, say, committed the shard
                 lease = store.claim_shard(job_id, 1, ttl_s=60, worker="racer:1", pool="gpu-on-demand")
-                for seq in range(lease.num_microbatches):
-                    lease = store.commit_microbatch(
-                        lease,
-                        seq=seq,
-                        uri=f"file:///out/{seq}",
-                        sha256="a" * 64,
-                        records=1,
-                        counts={"succeeded": 1},
-                        prompt_tokens=1,
-                        completion_tokens=1,
-                        elapsed_s=0.1,
-                        model_digest=None,
-                    )
-                store.complete_shard(lease)
+                store.complete_shard(commit_rest(store, lease))
             op.settle_failure(FailureClass.PREEMPTED, "SIGTERM")
         decision = op.decide()  # the second run decides as any run does
         if op.settle_without_running(decision):

@@ -18,6 +18,7 @@ from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.operators.placement import TryAction
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, PodOutcome, classify_pod
 from airflow_deadline_batch.store import ManifestStore, NewJob
+from tests.helpers.commits import commit_rest
 from tests.helpers.shards import uniform_shards
 
 T0 = dt.datetime(2026, 3, 1, 0, 0, tzinfo=dt.timezone.utc)
@@ -233,23 +234,10 @@ def test_the_users_own_pod_name_env_is_kept_when_it_is_the_pods_name_else_refuse
     assert names.count("ADB_POD_NAME") == 1
 
 
-def test_committed_shard_is_a_no_op(store_url, job_id, tmp_path):
+def test_committed_shard_is_a_no_op(store_url, job_id):
     store = ManifestStore(store_url)
     lease = store.claim_shard(job_id, 1, ttl_s=60, worker="w", pool="gpu-spot")
-    for seq in range(lease.num_microbatches):
-        store.commit_microbatch(
-            lease,
-            seq=seq,
-            uri=f"file://{tmp_path}/o{seq}",
-            sha256="a" * 64,
-            records=4,
-            counts={"succeeded": 4},
-            prompt_tokens=1,
-            completion_tokens=1,
-            elapsed_s=0.1,
-            model_digest=None,
-        )
-    store.complete_shard(lease)
+    store.complete_shard(commit_rest(store, lease))
 
     op = make_operator(store_url, job_id, ManualClock(T0))
     ti = RecordingTaskInstance()

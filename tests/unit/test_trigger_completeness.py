@@ -15,6 +15,7 @@ from airflow_deadline_batch.triggers.completeness import (
     CompletenessTrigger,
     evaluate_progress,
 )
+from tests.helpers.commits import commit
 
 NOW = dt.datetime.now(dt.timezone.utc)
 
@@ -58,19 +59,7 @@ def make_job(store: ManifestStore, shards: int = 2) -> str:
 
 def finish_shard(store: ManifestStore, job_id: str, index: int) -> None:
     lease = store.claim_shard(job_id, index, ttl_s=60, worker="w")
-    store.commit_microbatch(
-        lease,
-        seq=0,
-        uri=f"file:///out/{index}",
-        sha256="a" * 64,
-        records=2,
-        counts={"succeeded": 2},
-        prompt_tokens=1,
-        completion_tokens=1,
-        elapsed_s=0.1,
-        model_digest=None,
-    )
-    store.complete_shard(lease)
+    store.complete_shard(commit(store, lease, 0, records=2))
 
 
 def collect(trigger: CompletenessTrigger) -> list[TriggerEvent]:
