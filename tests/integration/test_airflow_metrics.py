@@ -38,6 +38,7 @@ from airflow_deadline_batch import metrics
 from airflow_deadline_batch.core.failures import FailureClass
 from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+from tests.helpers.commits import commit
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -81,25 +82,10 @@ def make_job(url: str) -> str:
     )
     spot, on_demand = pools[0].name, pools[1].name
 
-    def commit(lease: Any, index: int) -> None:
-        store.commit_microbatch(
-            lease,
-            seq=0,
-            uri=f"file:///out/{index}",
-            sha256="a" * 64,
-            records=2,
-            counts={"succeeded": 2},
-            prompt_tokens=10,
-            completion_tokens=10,
-            elapsed_s=0.1,
-            model_digest=None,
-        )
-
     preempted = store.claim_shard(job.job_id, 1, ttl_s=60, worker="w", pool=spot)
     store.fail_attempt(preempted, FailureClass.PREEMPTED, "spot reclaimed")
     lease = store.claim_shard(job.job_id, 1, ttl_s=60, worker="w", pool=spot)
-    commit(lease, 1)
-    store.complete_shard(lease)
+    store.complete_shard(commit(store, lease, 0, records=2, prompt_tokens=10, completion_tokens=10))
     store.claim_shard(job.job_id, 2, ttl_s=600, worker="w", pool=on_demand)
     return job.job_id
 

@@ -27,6 +27,7 @@ from airflow_deadline_batch.service.planning import (
     rate_pools,
 )
 from airflow_deadline_batch.store import ManifestStore, NewJob, NewShard
+from tests.helpers.commits import commit_rest
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -70,20 +71,9 @@ def earlier_job(store: ManifestStore, *, model: str, commits: int, tokens_per_s:
         None,
     )
     lease = store.claim_shard(job.job_id, 0, ttl_s=60, worker="w", pool=CPU.name)
-    for seq in range(commits):
-        lease = store.commit_microbatch(
-            lease,
-            seq=seq,
-            uri=f"/data/{model}/{seq}",
-            sha256="0" * 64,
-            records=1,
-            counts={"succeeded": 1},
-            prompt_tokens=800,
-            completion_tokens=200,
-            elapsed_s=1000 / tokens_per_s,
-            model_digest=None,
-            pool=CPU.name,
-        )
+    commit_rest(
+        store, lease, prompt_tokens=800, completion_tokens=200, elapsed_s=1000 / tokens_per_s, pool=CPU.name
+    )
     return job.job_id
 
 

@@ -20,6 +20,7 @@ from airflow_deadline_batch.exceptions import AdmissionRejected
 from airflow_deadline_batch.service.planning import PlanRequest, PlanResult, plan_job
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
 from airflow_deadline_batch.store.schema import jobs
+from tests.helpers.commits import commit
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -238,19 +239,7 @@ def test_held_work_is_rerated_by_the_throughput_its_commits_measured(
     lease = store.claim_shard(plan.job_id, 0, ttl_s=60, worker="test", pool="shared")
     # one microbatch that ran ten times slower than the pool's nominal rates
     slow_s = 10 * (shards[0].est_work_s / shards[0].num_microbatches)
-    store.commit_microbatch(
-        lease,
-        seq=0,
-        uri="file:///mb0",
-        sha256="a" * 64,
-        records=1,
-        counts={"succeeded": 1},
-        prompt_tokens=70,
-        completion_tokens=36,
-        elapsed_s=slow_s,
-        model_digest=None,
-        pool="shared",
-    )
+    commit(store, lease, 0, prompt_tokens=70, completion_tokens=36, elapsed_s=slow_s, pool="shared")
     view = read_job_view(store, plan.job_id, now=dt.datetime.now(UTC))
     assert view.work_scale > 1.0  # one slow microbatch moves the calibrated rate a step
     [after] = capacity_view(store.admission_snapshot("ads"), until)
