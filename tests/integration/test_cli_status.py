@@ -13,6 +13,7 @@ from airflow_deadline_batch.core.calibration import prior_tokens_per_s
 from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.commits import commit
 
 SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
 
@@ -81,17 +82,14 @@ def test_status_shows_the_rates_measured_from_committed_microbatches(
     # microbatches at a tenth of the Spot pool's nominal rate for their mix of tokens
     nominal = prior_tokens_per_s(pools[0], 0.5)
     for seq in range(3):
-        lease = store.commit_microbatch(
+        lease = commit(
+            store,
             lease,
-            seq=seq,
-            uri=f"file:///out/{seq}",
-            sha256="0" * 64,
+            seq,
             records=4,
-            counts={"succeeded": 4},
             prompt_tokens=4000,
             completion_tokens=4000,
             elapsed_s=10 * 8000 / nominal,
-            model_digest=None,
             pool="local-spot",
         )
     store.close()

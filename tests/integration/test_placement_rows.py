@@ -16,6 +16,7 @@ from airflow_deadline_batch.exceptions import JobNotFound
 from airflow_deadline_batch.operators.placement import decide_for_try, job_view_of, read_job_view
 from airflow_deadline_batch.store import ManifestStore, NewJob
 from airflow_deadline_batch.store.placement_rows import AttemptFacts, CommitFacts
+from tests.helpers.commits import commit
 from tests.helpers.shards import uniform_shards
 
 UTC = dt.timezone.utc
@@ -51,17 +52,14 @@ def run_tries(store: ManifestStore, job_id: str) -> None:
         pool = POOLS[n % 3].name
         lease = store.claim_shard(job_id, n % 6, ttl_s=600, worker=f"w{n}", pool=pool)
         if n % 3 == 1:
-            store.commit_microbatch(
+            commit(
+                store,
                 lease,
-                seq=lease.cursor,
-                uri=f"/out/{n}",
-                sha256="0" * 64,
+                lease.cursor,
                 records=10,
-                counts={"ok": 10},
                 prompt_tokens=3000 + n,
                 completion_tokens=1500 + 7 * n,
                 elapsed_s=2.5 + n / 10,
-                model_digest=None,
                 pool=pool,
             )
         if n < 12:

@@ -17,6 +17,7 @@ import pytest
 
 from airflow_deadline_batch.exceptions import LeaseLost, ShardNotClaimable, StoreError
 from airflow_deadline_batch.store import Lease, ManifestStore, NewJob, NewShard
+from tests.helpers.commits import commit
 
 pytestmark = pytest.mark.integration
 
@@ -106,18 +107,7 @@ def test_exactly_one_commit_per_seq_when_two_processes_race(store: ManifestStore
 
     def race(racer_store: ManifestStore, seq: int) -> str:
         try:
-            racer_store.commit_microbatch(
-                lease,
-                seq=seq,
-                uri=f"file:///out/mb-{seq}",
-                sha256="a" * 64,
-                records=1,
-                counts={"succeeded": 1},
-                prompt_tokens=1,
-                completion_tokens=1,
-                elapsed_s=0.1,
-                model_digest=None,
-            )
+            commit(racer_store, lease, seq)
         except StoreError as exc:
             return "refused" if "duplicate or out-of-order" in str(exc) else f"error: {exc}"
         return "committed"
@@ -180,18 +170,7 @@ def test_no_commit_lands_after_a_concurrent_cancel_returns(store: ManifestStore,
         lease = leases[round_]
         for seq in range(microbatches):
             try:
-                lease = racer_store.commit_microbatch(
-                    lease,
-                    seq=seq,
-                    uri=f"file:///out/mb-{seq}",
-                    sha256="a" * 64,
-                    records=1,
-                    counts={"succeeded": 1},
-                    prompt_tokens=1,
-                    completion_tokens=1,
-                    elapsed_s=0.0,
-                    model_digest=None,
-                )
+                lease = commit(racer_store, lease, seq)
             except LeaseLost as exc:
                 return f"{seq} ({'job is cancelled' in str(exc)})"
         return "never fenced"
