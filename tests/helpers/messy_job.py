@@ -34,6 +34,7 @@ from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.worker.worker import object_key
+from tests.helpers.commits import commit
 from tests.helpers.inputs import mixed_input
 
 MICROBATCH = 5
@@ -68,9 +69,10 @@ def _commit(
         results.sort(key=lambda rec: (len(rec.output or ""), -rec.line))
     data = encode_results(results)
     uri = output.put_bytes(object_key(lease.attempt_id, shard.shard_index, seq), data)
-    store.commit_microbatch(
+    commit(
+        store,
         lease,
-        seq=seq,
+        seq,
         uri=uri,
         sha256=sha256_hex(data),
         records=len(results),
