@@ -13,6 +13,7 @@ from airflow_deadline_batch.local.runner import LocalRun, RunOptions
 from airflow_deadline_batch.operators.placement import TryAction, TryDecision
 from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, LocalShardOperator
 from airflow_deadline_batch.store import ManifestStore, NewJob
+from tests.helpers.commits import Microbatch, commit
 from tests.helpers.shards import uniform_shards
 
 T0 = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
@@ -86,20 +87,8 @@ def decisions(store_url: str, job_id: str, index: int, clock: ManualClock) -> li
     return [runner.decide(index), *(op.decide() for op in operators)]
 
 
-def commit(store: ManifestStore, lease, seq: int, pool: str, elapsed_s: float):
-    return store.commit_microbatch(
-        lease,
-        seq=seq,
-        uri=f"file:///out/{lease.shard_index}/{seq}",
-        sha256="0" * 64,
-        records=2,
-        counts={"succeeded": 2},
-        prompt_tokens=6000,
-        completion_tokens=6000,
-        elapsed_s=elapsed_s,
-        model_digest=None,
-        pool=pool,
-    )
+#: what the parity's measured rates read of each commit
+MICROBATCH: Microbatch = {"records": 2, "prompt_tokens": 6000, "completion_tokens": 6000}
 
 
 def test_runner_and_operators_decide_alike_as_the_job_runs(store_url: str, job_id: str) -> None:
@@ -113,11 +102,11 @@ def test_runner_and_operators_decide_alike_as_the_job_runs(store_url: str, job_i
 
     # shard 0 commits two slow microbatches on Spot and is preempted; shard 1 runs on on-demand
     lease = store.claim_shard(job_id, 0, ttl_s=60, worker="w0", pool=SPOT.name)
-    lease = commit(store, lease, 0, SPOT.name, elapsed_s=400.0)
-    lease = commit(store, lease, 1, SPOT.name, elapsed_s=400.0)
+    lease = commit(store, lease, 0, pool=SPOT.name, elapsed_s=400.0, **MICROBATCH)
+    lease = commit(store, lease, 1, pool=SPOT.name, elapsed_s=400.0, **MICROBATCH)
     store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
     on_demand = store.claim_shard(job_id, 1, ttl_s=3600, worker="w1", pool=ON_DEMAND.name)
-    commit(store, on_demand, 0, ON_DEMAND.name, elapsed_s=300.0)
+    commit(store, on_demand, 0, pool=ON_DEMAND.name, elapsed_s=300.0, **MICROBATCH)
     clock.advance(1800)
     later = decisions(store_url, job_id, 0, clock)
     assert later[0].action is TryAction.RUN
@@ -162,7 +151,7 @@ def test_runner_and_operators_escalate_alike_in_a_preemption_storm(store_url: st
 
     # a Spot try that commits ends the storm for everyone
     lease = store.claim_shard(job_id, 1, ttl_s=60, worker="w1", pool=SPOT.name)
-    lease = commit(store, lease, 0, SPOT.name, elapsed_s=1.0)
+    lease = commit(store, lease, 0, pool=SPOT.name, elapsed_s=1.0, **MICROBATCH)
     store.release(lease, AttemptOutcome.PREEMPTED, "spot reclaimed")
     over = decisions(store_url, job_id, 2, clock)
     assert "preemption storm" not in over[0].reason and over[1:] == [over[0], over[0]]
