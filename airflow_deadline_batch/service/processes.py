@@ -209,7 +209,8 @@ def _child(parent: int) -> None:
         try:
             result = function(*args)
         except (OSError, DeadlineBatchError) as exc:
-            traceback.print_exc()
+            with contextlib.suppress(OSError):  # stderr's file may be on the disk that is full
+                traceback.print_exc()
             result = _Raised(exc)
         stdout.write(pickle.dumps(result))
         stdout.flush()
