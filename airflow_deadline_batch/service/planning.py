@@ -704,6 +704,8 @@ class _InputScan:
             works.close()
             with (directory / "kept-spool").open("rb") as spool:
                 shutil.copyfileobj(spool, self.spool)
+            for name in ("kept-line", "kept-end", "kept-invalid", "kept-work", "kept-spool"):
+                (directory / name).unlink()  # copied: the disk holds one copy, not two, from here
         self.gpu_seconds = gpu_seconds
 
     def summary(self) -> WorkSummary:
@@ -747,9 +749,13 @@ def _rewrite_part(part: _ScanPart, duplicates: str) -> _KeptPart:
     dup_records = Column(directory / "duplicate-records", "q")
     with (directory / "kept-spool").open("wb") as spool:
         errors = _merge_errors(part, read_duplicates(Path(duplicates)), spool, invalid, dup_records)
+    (directory / "errors").unlink()  # each file deleted once rewritten: the spill's peak is lower
     records, prompt_tokens, output_tokens = _keep_records(part, dup_records.seal(), lines, ends, works)
     for column in (*kept, dup_records):
         column.close()
+    for name, _ in _COLUMNS:
+        (directory / name).unlink()
+    dup_records.path.unlink()
     return _KeptPart(str(directory), records, errors, prompt_tokens, output_tokens)
 
 
@@ -929,8 +935,8 @@ def _scan_input(
 #: what a write says when its disk (or quota, or ``ulimit -f``) has no room left: only the spill
 #: files are written while the input is scanned, so these are theirs
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-#: bytes of spill files per line, about (docs/benchmarks.md "Hostile planning"): a record's numbers
-#: and ID, an invalid line's outcome three times over (scanned, rewritten, joined)
+#: bytes of spill files per line at their peak, about (measured on a full tmpfs: docs/benchmarks.md
+#: "Hostile planning"): a record's numbers and ID; an invalid line's outcome twice over
 _SPILL_BYTES_PER_LINE = 100
 _SPILL_BYTES_PER_INVALID_LINE = 700
 
