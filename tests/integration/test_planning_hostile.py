@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +187,70 @@ def test_the_cli_says_a_full_spill_in_one_line_and_exits_2(tmp_path: Path) -> No
     assert done.stderr.startswith("deadline-batch: error: planning ")
     assert "raise the limit (ulimit -f)" in done.stderr
     assert list(spill.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """A tmpfs of the given size in MB: a disk that really fills up (skipped where mounting is not
+    allowed, as for a user without root); unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(megabytes: int) -> Path:
+        target = tmp_path / f"disk-{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(target)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_full_disk_under_the_spill_fails_in_one_line_and_leaves_it_empty(
+    tmp_path: Path, small_disk: Callable[[int], Path], processes: int
+) -> None:
+    """Bug: ``OSError: [Errno 28] No space left on device`` (one process) or "a planning process
+    (_scan_part) exited 1" with no cause at all (several: the child's traceback could not be
+    written either, its stderr's file being on the full disk)."""
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(b"".join(b'{"id": "r%d", "prompt": "x"}\n' % i for i in range(200_000)))
+    disk = small_disk(4)  # the spill takes about 13 MB
+    error, _ = _driver_error(_start_driver(tmp_path, disk, path, processes=processes))
+    assert error["error"] == "ConfigurationError"
+    message = error["message"]
+    assert "\n" not in message
+    assert f"temporary files in {disk} ran out of room (No space left on device)" in message
+    assert "200,000 lines: about 20 MB" in message
+    assert message.endswith("free space there or set TMPDIR to a directory on a larger disk")
+    assert list(disk.iterdir()) == []
+    assert _jobs(tmp_path) == []
+
+
+def test_each_outcome_of_an_invalid_line_is_on_disk_at_most_twice(
+    tmp_path: Path, small_disk: Callable[[int], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: the scan's provisional outcomes, the rewritten ones and the joined ones were all on
+    disk at the end (about 880 bytes an invalid line); each file is now deleted once copied
+    (about 600), so 200,000 invalid lines plan in 145 MB."""
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(b"".join(b'{"id": "r%d"}\n' % i for i in range(200_000)))  # no prompt: invalid
+    disk = small_disk(145)
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    analysis = analyze_input(_request(path))
+    try:
+        assert (analysis.work.records, analysis.work.invalid) == (0, 200_000)
+        assert dict(analysis.errors_by_code) == {"invalid_record": 200_000}
+    finally:
+        analysis.close()
+    assert list(disk.iterdir()) == []
 
 
 # -- 2. processes killed ----------------------------------------------------------------------------
