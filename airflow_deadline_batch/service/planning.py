@@ -83,6 +83,7 @@ from airflow_deadline_batch.service.spill import (
     DuplicateFinder,
     IdSpill,
     PartitionFiles,
+    SpillDirectory,
     check_partitions,
     combine,
     read_duplicates,
@@ -629,8 +630,8 @@ class _InputScan:
     """
 
     def __init__(self, *, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="deadline-batch-plan-")
-        self.directory = Path(self._tmp.name)
+        self._tmp = SpillDirectory()  # a killed planner's is deleted by the next one
+        self.directory = self._tmp.path
         self._memory_budget = memory_budget
         # the records and invalid lines that stand, and the totals
         self.lines = Column(self.directory / "line", "q")

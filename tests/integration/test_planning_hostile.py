@@ -291,10 +291,13 @@ def test_a_scan_process_killed_mid_scan_fails_the_plan_naming_the_signal(
     assert _jobs(tmp_path) == []
 
 
-def test_a_killed_planner_takes_its_scan_processes_with_it(tmp_path: Path, slow_input: Path) -> None:
-    """Bug: a planner SIGKILLed mid-scan left its scan processes scanning on, orphaned, for the
-    rest of their ranges (here tens of seconds; hours of CPU for a large input). Now they die
-    with it. Its spill directory stays: nothing that ran can delete it after a SIGKILL."""
+def test_a_killed_planner_takes_its_scan_processes_with_it_and_the_next_deletes_its_spill(
+    tmp_path: Path, slow_input: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bugs: a planner SIGKILLed mid-scan left its scan processes scanning on, orphaned, for the
+    rest of their ranges (here tens of seconds; hours of CPU for a large input), and its spill
+    directory for good. Now they die with it, and the next plan in that TMPDIR deletes the
+    directory (nothing can before: the planner that owned it is gone)."""
     spill = tmp_path / "spill"
     driver = _start_driver(tmp_path, spill, slow_input, processes=2)
     try:
@@ -309,7 +312,34 @@ def test_a_killed_planner_takes_its_scan_processes_with_it(tmp_path: Path, slow_
         return not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
 
     wait_for(all_gone, timeout_s=5, what="the orphaned scan processes to end")
-    assert [p.name.startswith("deadline-batch-plan-") for p in spill.iterdir()] == [True]
+    [abandoned] = spill.iterdir()
+    assert abandoned.name.startswith("deadline-batch-plan-") and any(abandoned.glob("part-*/*"))
+    monkeypatch.setattr(tempfile, "tempdir", str(spill))
+    path = tmp_path / "next.jsonl"
+    path.write_bytes(SAMPLE.read_bytes())
+    analyze_input(_request(path)).close()
+    assert list(spill.iterdir()) == []
+
+
+def test_a_live_planner_s_spill_is_left_alone_by_the_next(
+    tmp_path: Path, slow_input: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held by design: only a directory whose owner's lock is free is deleted."""
+    spill = tmp_path / "spill"
+    driver = _start_driver(tmp_path, spill, slow_input, processes=2)
+    try:
+        wait_for(lambda: _scanning(spill), timeout_s=60, what="both ranges being scanned")
+        [live] = spill.iterdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(spill))
+        path = tmp_path / "next.jsonl"
+        path.write_bytes(SAMPLE.read_bytes())
+        analyze_input(_request(path)).close()
+        assert list(spill.iterdir()) == [live]
+        assert (live / "owner.lock").exists() and any(live.glob("part-*/*"))
+        assert driver.poll() is None
+    finally:
+        driver.kill()
+        driver.communicate()
 
 
 def test_a_scan_process_killed_between_rounds_fails_the_plan_naming_the_signal(tmp_path: Path) -> None:
