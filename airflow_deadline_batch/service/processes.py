@@ -23,6 +23,7 @@ import ctypes
 import importlib
 import os
 import pickle
+import selectors
 import signal
 import subprocess
 import sys
@@ -92,7 +93,8 @@ class Processes:
         ``function`` must be a module-level function; arguments and results must pickle. The
         function's module is imported in every child before any argument is computed: an item
         of ``calls`` that is a callable is called then, in order. A child that fails raises
-        ``RuntimeError`` with the end of its stderr (its traceback); the pool is then closed.
+        ``RuntimeError`` with the end of its stderr (its traceback), or its ``OSError`` or
+        ``DeadlineBatchError``, as soon as it fails; the pool is then closed (the others killed).
         """
         if len(calls) > len(self._children):
             raise ValueError(f"{len(calls)} calls for {len(self._children)} processes: at most one each")
@@ -103,10 +105,25 @@ class Processes:
                 _send(child, errors, target[1], pickle.dumps(target))
             for (child, errors), args in zip(children, calls, strict=True):
                 _send(child, errors, target[1], pickle.dumps(args() if callable(args) else args))
-            return [self._result(child, errors, target[1]) for child, errors in children]
+            return self._results(children, target[1])
         except BaseException:
             self.close(kill=True)
             raise
+
+    def _results(self, children: list[tuple[subprocess.Popen[bytes], IO[bytes]]], name: str) -> list[Any]:
+        """The children's results, read as each comes: a child that dies (or fails) is known at
+        once, not after the children before it have finished their calls."""
+        results: list[Any] = [None] * len(children)
+        with selectors.DefaultSelector() as waiting:  # not select(): descriptors may pass 1024
+            for k, (child, _) in enumerate(children):
+                assert child.stdout is not None
+                waiting.register(child.stdout, selectors.EVENT_READ, k)
+            while waiting.get_map():
+                for key, _ in waiting.select():  # a result's first bytes, or the end of the output
+                    waiting.unregister(key.fileobj)
+                    child, errors = children[key.data]
+                    results[key.data] = self._result(child, errors, name)
+        return results
 
     @staticmethod
     def _result(child: subprocess.Popen[bytes], errors: IO[bytes], name: str) -> Any:
