@@ -190,16 +190,17 @@ def test_the_cli_says_a_full_spill_in_one_line_and_exits_2(tmp_path: Path) -> No
 
 
 @pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """A tmpfs of the given size in MB: a disk that really fills up (skipped where mounting is not
-    allowed, as for a user without root); unmounted after the test."""
+def small_disk(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """A tmpfs of the given size in MB (read-only with ``read_only``): a disk that really fills up
+    (skipped where mounting is not allowed, as for a user without root); unmounted after the test."""
     mounted: list[Path] = []
 
-    def mount(megabytes: int) -> Path:
+    def mount(megabytes: int, *, read_only: bool = False) -> Path:
         target = tmp_path / f"disk-{len(mounted)}"
         target.mkdir()
+        options = f"size={megabytes}m" + (",ro" if read_only else "")
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(target)],
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
             capture_output=True,
             text=True,
         )
@@ -215,7 +216,7 @@ def small_disk(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_full_disk_under_the_spill_fails_in_one_line_and_leaves_it_empty(
-    tmp_path: Path, small_disk: Callable[[int], Path], processes: int
+    tmp_path: Path, small_disk: Callable[..., Path], processes: int
 ) -> None:
     """Bug: ``OSError: [Errno 28] No space left on device`` (one process) or "a planning process
     (_scan_part) exited 1" with no cause at all (several: the child's traceback could not be
@@ -234,8 +235,26 @@ def test_a_full_disk_under_the_spill_fails_in_one_line_and_leaves_it_empty(
     assert _jobs(tmp_path) == []
 
 
+def test_a_read_only_spill_directory_fails_in_one_line_naming_tmpdir(
+    tmp_path: Path, small_disk: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: a raw ``OSError: [Errno 30] Read-only file system``. (An unwritable TMPDIR set before
+    the first temporary file is passed over by Python for /tmp; one that turns read-only later,
+    as a remount does, is what planning meets.)"""
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(SAMPLE.read_bytes())
+    disk = small_disk(1, read_only=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(disk))
+    with pytest.raises(ConfigurationError) as raised:
+        analyze_input(_request(path))
+    assert str(raised.value) == (
+        f"planning cannot write its temporary files in {disk} (Read-only file system): "
+        "set TMPDIR to a writable directory with room for them"
+    )
+
+
 def test_each_outcome_of_an_invalid_line_is_on_disk_at_most_twice(
-    tmp_path: Path, small_disk: Callable[[int], Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, small_disk: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bug: the scan's provisional outcomes, the rewritten ones and the joined ones were all on
     disk at the end (about 880 bytes an invalid line); each file is now deleted once copied
@@ -329,7 +348,7 @@ def test_a_killed_planner_takes_its_scan_processes_with_it_and_the_next_deletes_
 def test_a_live_planner_s_spill_is_left_alone_by_the_next(
     tmp_path: Path, slow_input: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Held by design: only a directory whose owner's lock is free is deleted."""
+    """Guards the sweep: only a directory whose owner's lock is free is deleted, never a live one."""
     spill = tmp_path / "spill"
     driver = _start_driver(tmp_path, spill, slow_input, processes=2)
     try:
