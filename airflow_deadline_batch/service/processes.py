@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import os
 import pickle
 import selectors
 import signal
@@ -35,9 +36,10 @@ from airflow_deadline_batch.exceptions import DeadlineBatchError
 
 __all__ = ["Processes", "run_in_processes"]
 
+#: the child's program, with the parent's process ID (``{parent}``) to watch
 _BOOT = (
     "import pickle, sys; sys.path[:0] = pickle.load(sys.stdin.buffer); "
-    "from airflow_deadline_batch.service.processes import _child; _child()"
+    "from airflow_deadline_batch.service.processes import _child; _child({parent})"
 )
 _PR_SET_PDEATHSIG = 1
 
@@ -63,7 +65,7 @@ class Processes:
             for _ in range(count):
                 stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close(); a file, so no pipe fills up
                 child = subprocess.Popen(
-                    [sys.executable, "-c", _BOOT],
+                    [sys.executable, "-c", _BOOT.format(parent=os.getpid())],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=stderr,
@@ -200,18 +202,19 @@ class _Raised:
         self.error = error
 
 
-def _die_with_parent() -> None:
-    """Have the kernel kill this process when the thread that started it ends (Linux only). A
-    parent gone before this took effect is no matter: this child then finds its stdin ended."""
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when the thread that started it ends (Linux only)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
-def _child() -> None:
+def _child(parent: int) -> None:
     """The child's side: for each function named on stdin, read its arguments, write its result
     to stdout; until stdin ends. An ``OSError`` or :class:`DeadlineBatchError` goes back as the
     result (:class:`_Raised`), its traceback to stderr."""
-    _die_with_parent()
+    _die_with_parent(parent)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         try:
