@@ -206,7 +206,7 @@ def _die_with_parent(parent: int) -> None:
     """Have the kernel kill this process when the thread that started it ends (Linux only)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
+    if os.getppid() != parent:  # it died before the request took effect, its call perhaps in the pipe
         os._exit(1)
 
 
