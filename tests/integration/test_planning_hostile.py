@@ -383,18 +383,26 @@ def test_a_scan_process_killed_between_rounds_fails_the_plan_naming_the_signal(t
 # -- 3. the input changed under the plan ------------------------------------------------------------
 
 
-def _plan_changing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, **overrides: Any) -> Any:
-    """Plan a copy of the sample, ``change(path)`` once it is validated and before it is hashed."""
+def _plan_changing(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: Any,
+    *,
+    after: str = "analyze_input",
+    **overrides: Any,
+) -> Any:
+    """Plan a copy of the sample, ``change(path)`` once planning's step ``after`` is done (by
+    default the validation, before the hashing)."""
     path = tmp_path / "input.jsonl"
     path.write_bytes(SAMPLE.read_bytes())
-    validate = planning.analyze_input
+    step = getattr(planning, after)
 
-    def validate_then_change(*args: Any, **kwargs: Any) -> Any:
-        analysis = validate(*args, **kwargs)
+    def step_then_change(*args: Any, **kwargs: Any) -> Any:
+        done = step(*args, **kwargs)
         change(path)
-        return analysis
+        return done
 
-    monkeypatch.setattr(planning, "analyze_input", validate_then_change)
+    monkeypatch.setattr(planning, after, step_then_change)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         with pytest.raises(InputError, match="changed while it was being planned"):
@@ -450,6 +458,16 @@ def test_an_input_appended_truncated_or_replaced_after_validation_is_refused(
     """Held: size and inode changes were caught, also with several scan processes."""
     monkeypatch.setattr(planning, "PARALLEL_MIN_BYTES", 1)
     _plan_changing(tmp_path, monkeypatch, change, scan_processes=processes)
+
+
+@pytest.mark.parametrize("change", [_append, _truncate, _replace], ids=["append", "truncate", "replace"])
+def test_an_input_changed_between_cutting_its_ranges_and_scanning_them_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any
+) -> None:
+    """Held: ranges cut from the old file and scanned in the new (a range past the end of a
+    truncated file reads nothing) plan nothing, and end in the same one-line refusal."""
+    monkeypatch.setattr(planning, "PARALLEL_MIN_BYTES", 1)
+    _plan_changing(tmp_path, monkeypatch, change, after="_line_ranges", scan_processes=3)
 
 
 # -- 4. garbage -------------------------------------------------------------------------------------
