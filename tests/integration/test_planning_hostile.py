@@ -46,7 +46,7 @@ from airflow_deadline_batch.store import ManifestStore
 args = json.loads(sys.argv[1])
 planning.PARALLEL_MIN_BYTES = 1  # as many scan processes as asked, whatever the input's size
 store = ManifestStore.open(args["store"])
-store.list_jobs()
+store.list_jobs()  # the database file written before the file size limit, which would stop it
 if args.get("fsize"):
     resource.setrlimit(resource.RLIMIT_FSIZE, (args["fsize"], args["fsize"]))
 request = planning.PlanRequest(
@@ -67,7 +67,7 @@ print(json.dumps({"job_id": result.job_id}))
 """
 
 #: a valid line that the fast paths decline (a content part): the reference validator's pace,
-#: so a scan of a few hundred thousand takes seconds, long enough to be interrupted
+#: so a scan of many takes seconds, long enough to be interrupted
 SLOW_LINE = b'{"id": "r%d", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}\n'
 
 
