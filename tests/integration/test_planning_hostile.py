@@ -366,6 +366,43 @@ def test_a_live_planner_s_spill_is_left_alone_by_the_next(
         driver.communicate()
 
 
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_the_cli_stopped_mid_scan_ends_its_scan_processes_and_deletes_its_spill(
+    tmp_path: Path, slow_input: Path, name: str, code: int
+) -> None:
+    """Held: ``deadline-batch plan`` stopped by SIGTERM or SIGINT while its processes scan says
+    so in one line, with its exit code; no process and no spill file stay."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    boot = (
+        "import sys; from airflow_deadline_batch.service import planning; "
+        "planning.PARALLEL_MIN_BYTES = 1; "  # a process per core, whatever the input's size
+        "from airflow_deadline_batch.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    cli = subprocess.Popen(
+        [sys.executable, "-c", boot, "plan", str(slow_input), "--deadline", "+100h"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spill)},
+    )
+    try:
+        wait_for(lambda: any(spill.glob("*/part-*/errors")), timeout_s=60, what="the scan to begin")
+        children = _scan_processes_of(cli.pid)
+        cli.send_signal(signal.Signals[name])
+        _, stderr = cli.communicate(timeout=60)
+    finally:
+        cli.kill()
+        cli.wait()
+    assert cli.returncode == code
+    assert stderr == (
+        f"deadline-batch: stopped by {name}; no job was recorded; rerun the command to start it\n"
+    )
+    # one process per core: none on a one-core machine
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+    assert list(spill.iterdir()) == []
+
+
 def test_a_scan_process_killed_between_rounds_fails_the_plan_naming_the_signal(tmp_path: Path) -> None:
     """Bug: a scan process gone when the next round (the duplicate check) is sent to it raised a
     bare ``BrokenPipeError``; now the same error as a death mid-call."""
