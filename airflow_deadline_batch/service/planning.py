@@ -12,8 +12,10 @@ Shared by the ``deadline-batch`` CLI and ``DeadlineBatchOperator``.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import functools
 import hashlib
 import io
@@ -22,6 +24,7 @@ import math
 import operator
 import os
 import shutil
+import stat
 import tempfile
 from array import array
 from collections import Counter
@@ -80,6 +83,7 @@ from airflow_deadline_batch.service.spill import (
     DuplicateFinder,
     IdSpill,
     PartitionFiles,
+    SpillDirectory,
     check_partitions,
     combine,
     read_duplicates,
@@ -168,6 +172,11 @@ class PlanRequest:
             raise ConfigurationError(
                 f"memory_budget_mb must be a positive integer, got {self.memory_budget_mb!r}"
             )
+        if self.memory_budget_mb > (machine_mb := _machine_memory_mb()):
+            raise ConfigurationError(
+                f"memory_budget_mb {self.memory_budget_mb} is more than this machine's memory "
+                f"({machine_mb} MB): give at most that (default {DEFAULT_MEMORY_BUDGET >> 20})"
+            )
         if self.scan_processes is not None and self.scan_processes < 1:
             raise ConfigurationError(f"scan_processes must be >= 1 or None, got {self.scan_processes}")
         if not 1 <= self.max_shards <= 100_000:
@@ -187,6 +196,14 @@ class PlanRequest:
         """The pool whose measured rates convert tokens to GPU-seconds (Spot first)."""
         spot = [p for p in self.pools if p.kind is PoolKind.SPOT]
         return (spot or list(self.pools))[0]
+
+
+def _machine_memory_mb() -> int:
+    """The machine's physical memory in MB (unbounded where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (AttributeError, ValueError, OSError):
+        return 1 << 62
 
 
 @dataclass(frozen=True)
@@ -537,10 +554,27 @@ class _RangeReader(io.RawIOBase):
         super().close()
 
 
+def _open_local(path: str, buffering: int = -1) -> BinaryIO:
+    """A local input, opened for reading; refused unless it is a regular file. Each range, count
+    and hash opens the path anew: a FIFO put in its place after it was checked would block the
+    open, and the plan, for ever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigurationError(
+                f"{path} is not a regular file (a FIFO, device or socket): give a file's path", uri=path
+            )
+        os.set_blocking(fd, True)
+        return cast("BinaryIO", os.fdopen(fd, "rb", buffering=buffering))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _scan_part(job: _PartJob) -> _ScanPart:
     """Scan one byte range of a local file (run in a worker process)."""
     assert job.path is not None and job.byte_end is not None
-    raw = open(job.path, "rb", buffering=0)  # noqa: SIM115 - the reader closes it
+    raw = _open_local(job.path, buffering=0)
     raw.seek(job.byte_start)
     with io.BufferedReader(_RangeReader(raw, job.byte_end - job.byte_start), buffer_size=1 << 20) as stream:
         return _scan_lines(stream, job)
@@ -549,7 +583,7 @@ def _scan_part(job: _PartJob) -> _ScanPart:
 def _count_newlines(path: str, start: int, end: int) -> int:
     """Newlines in ``[start, end)`` of a local file."""
     count = 0
-    with open(path, "rb") as file:
+    with _open_local(path) as file:
         file.seek(start)
         left = end - start
         while left > 0 and (chunk := file.read(min(_READ_CHUNK, left))):
@@ -561,7 +595,7 @@ def _count_newlines(path: str, start: int, end: int) -> int:
 def _line_ranges(path: str, size: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` byte ranges of about equal size, each starting right after a newline (or at 0)."""
     starts = [0]
-    with open(path, "rb") as file:
+    with _open_local(path) as file:
         for k in range(1, parts):
             position = max(k * size // parts, starts[-1])
             file.seek(position)
@@ -596,8 +630,8 @@ class _InputScan:
     """
 
     def __init__(self, *, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
-        self._tmp = tempfile.TemporaryDirectory(prefix="deadline-batch-plan-")
-        self.directory = Path(self._tmp.name)
+        self._tmp = SpillDirectory()  # a killed planner's is deleted by the next one
+        self.directory = self._tmp.path
         self._memory_budget = memory_budget
         # the records and invalid lines that stand, and the totals
         self.lines = Column(self.directory / "line", "q")
@@ -671,6 +705,8 @@ class _InputScan:
             works.close()
             with (directory / "kept-spool").open("rb") as spool:
                 shutil.copyfileobj(spool, self.spool)
+            for name in ("kept-line", "kept-end", "kept-invalid", "kept-work", "kept-spool"):
+                (directory / name).unlink()  # copied: the disk holds one copy, not two, from here
         self.gpu_seconds = gpu_seconds
 
     def summary(self) -> WorkSummary:
@@ -714,9 +750,13 @@ def _rewrite_part(part: _ScanPart, duplicates: str) -> _KeptPart:
     dup_records = Column(directory / "duplicate-records", "q")
     with (directory / "kept-spool").open("wb") as spool:
         errors = _merge_errors(part, read_duplicates(Path(duplicates)), spool, invalid, dup_records)
+    (directory / "errors").unlink()  # each file deleted once rewritten: the spill's peak is lower
     records, prompt_tokens, output_tokens = _keep_records(part, dup_records.seal(), lines, ends, works)
     for column in (*kept, dup_records):
         column.close()
+    for name, _ in _COLUMNS:
+        (directory / name).unlink()
+    dup_records.path.unlink()
     return _KeptPart(str(directory), records, errors, prompt_tokens, output_tokens)
 
 
@@ -850,9 +890,14 @@ def _scan_input(
     closes the scan; on an error it is closed here."""
     # lines whose body asks for what the job's engine cannot honour are refused here, per line
     limits = dataclasses.replace(request.limits, engine=request.engine)
-    scan = _InputScan(memory_budget=request.memory_budget_mb * 1024 * 1024)
+    path = _local_path(request.input_uri)
+    if path is not None:
+        _stat_input(request.input_uri, path)
     try:
-        path = _local_path(request.input_uri)
+        scan = _InputScan(memory_budget=request.memory_budget_mb * 1024 * 1024)
+    except OSError as exc:
+        raise _spill_error(exc, request.input_uri, path) from None
+    try:
         processes = _scan_processes(request, path)
 
         def job(index: int, start: int, end: int | None, first_line: int) -> _PartJob:
@@ -877,11 +922,50 @@ def _scan_input(
             if on_scanned is not None:
                 on_scanned()
             scan.finish(parts)
-    except BaseException:
+    except BaseException as exc:
         scan.close()
         scan.spool.close()
+        if isinstance(exc, OSError) and (
+            exc.errno in _NO_ROOM or str(exc.filename or "").startswith(str(scan.directory))
+        ):
+            raise _spill_error(exc, request.input_uri, path) from None
         raise
     return scan
+
+
+#: what a write says when its disk (or quota, or ``ulimit -f``) has no room left: only the spill
+#: files are written while the input is scanned, so these are theirs
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: bytes of spill files per line at their peak, about (measured on a full tmpfs: docs/benchmarks.md
+#: "Hostile planning"): a record's numbers and ID; an invalid line's outcome twice over
+_SPILL_BYTES_PER_LINE = 100
+_SPILL_BYTES_PER_INVALID_LINE = 700
+
+
+def _spill_error(exc: OSError, input_uri: str, path: str | None) -> ConfigurationError:
+    """The one-line error for spill files that could not be written: where they go, what they
+    need, and the fix (the setting that moves them is ``TMPDIR``)."""
+    where = tempfile.gettempdir()
+    if exc.errno not in _NO_ROOM:
+        return ConfigurationError(
+            f"planning cannot write its temporary files in {where} ({exc.strerror}): "
+            "set TMPDIR to a writable directory with room for them"
+        )
+    need = ""
+    if path is not None:  # the error path only: a count at about a second a gigabyte
+        with contextlib.suppress(OSError):
+            lines = _count_newlines(path, 0, os.stat(path).st_size)
+            need = f" ({lines:,} lines: about {math.ceil(lines * _SPILL_BYTES_PER_LINE / 2**20):,} MB)"
+    if exc.errno == errno.EFBIG:
+        cause, fix = f"{exc.strerror}: the file size limit", "raise the limit (ulimit -f)"
+    else:
+        cause, fix = str(exc.strerror), "free space there or set TMPDIR to a directory on a larger disk"
+    return ConfigurationError(
+        f"planning {input_uri}: its temporary files in {where} ran out of room ({cause}); they take "
+        f"about {_SPILL_BYTES_PER_LINE} bytes a line{need}, {_SPILL_BYTES_PER_INVALID_LINE} an "
+        f"invalid one: {fix}",
+        uri=input_uri,
+    )
 
 
 def _scan_parallel(
@@ -1063,12 +1147,12 @@ def _hash_spans(path: str, spans: list[tuple[int, int]]) -> list[str]:
     digests = []
     buffer = bytearray(_READ_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
+    with _open_local(path, buffering=0) as file:
         for start, end in spans:
             file.seek(start)
             digest = hashlib.sha256()
             left = end - start
-            while left > 0 and (got := file.readinto(view[: min(_READ_CHUNK, left)])):
+            while left > 0 and (got := file.readinto(view[: min(_READ_CHUNK, left)])):  # type: ignore[attr-defined]
                 digest.update(view[:got])
                 left -= got
             digests.append(digest.hexdigest())
@@ -1248,18 +1332,37 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
 
 
 def _input_version(storage: Any, key: str) -> tuple[Any, ...]:
-    """What changes when the input is rewritten: size, and for a local file its inode and mtime.
+    """What changes when the input is rewritten: size, and for a local file its inode, mtime and
+    ctime (a rewrite that sets the mtime back, as ``touch -r`` or ``rsync --times`` do, still
+    moves the ctime, which only the kernel sets).
 
     Planning reads the input more than once (validation, then range hashes); a rewrite between
     the reads would give shards checksums of bytes that were never validated.
     """
     try:
         if isinstance(storage, LocalStorage):
-            st = (storage.root / key).stat()
-            return (st.st_size, st.st_ino, st.st_mtime_ns)
+            st = _stat_input(storage.uri(key), str(storage.root / key))
+            return (st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
         return (storage.size(key),)
-    except (FileNotFoundError, ObjectNotFound):
+    except ObjectNotFound:
         raise InputError(f"input {storage.uri(key)} does not exist: check the path or URI") from None
+
+
+def _stat_input(input_uri: str, path: str) -> os.stat_result:
+    """A local input's status; what cannot be planned at all (missing, a directory, a loop of
+    symbolic links, unreadable) refused with one line naming the fix. A FIFO or device is
+    refused by the storage when it is opened, without blocking."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(f"input {input_uri} does not exist: check the path or URI") from None
+    except OSError as exc:
+        loop = exc.errno == errno.ELOOP
+        what = "is a loop of symbolic links" if loop else f"cannot be read ({exc.strerror})"
+        raise InputError(f"input {input_uri} {what}: give the path of a JSON Lines file") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(f"input {input_uri} is a directory: give the path of a JSON Lines file in it")
+    return st
 
 
 def _record(

@@ -9,25 +9,39 @@ writes the result as a pickle on stdout, until its stdin ends (:class:`Processes
 for several rounds); the parent's ``sys.path`` goes first, so what imports here imports there.
 The function's module is imported before the arguments are read, so arguments that take a
 while to compute (a callable in ``calls``) are computed while the children start.
+
+A child's ``OSError`` (a full disk, say) or deliberate error (:class:`DeadlineBatchError`) is raised
+again in the parent as itself, so the caller handles it as if the call had run there. On Linux a
+child dies with the thread that started it (``PR_SET_PDEATHSIG``): a parent killed outright
+(SIGKILL, the OOM killer) leaves no child scanning on for minutes with nobody to read its result.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
+import os
 import pickle
+import selectors
+import signal
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from airflow_deadline_batch.exceptions import DeadlineBatchError
+
 __all__ = ["Processes", "run_in_processes"]
 
+#: the child's program, with the parent's process ID (``{parent}``) to watch
 _BOOT = (
     "import pickle, sys; sys.path[:0] = pickle.load(sys.stdin.buffer); "
-    "from airflow_deadline_batch.service.processes import _child; _child()"
+    "from airflow_deadline_batch.service.processes import _child; _child({parent})"
 )
+_PR_SET_PDEATHSIG = 1
 
 #: a call's arguments, or a callable that returns them (computed once every child has started)
 Call = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
@@ -39,7 +53,8 @@ class Processes:
     Planning scans the input's byte ranges in them, then checks the spilled IDs' partitions and
     rewrites each range without its duplicates in the same processes, so the later rounds cost
     no start-up. Use as a context manager: leaving
-    it ends the children (killing any still running after a failure).
+    it ends the children (killing any still running after a failure). Use it on the thread that
+    made it: on Linux the children die when that thread ends.
     """
 
     def __init__(self, count: int) -> None:
@@ -50,7 +65,7 @@ class Processes:
             for _ in range(count):
                 stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close(); a file, so no pipe fills up
                 child = subprocess.Popen(
-                    [sys.executable, "-c", _BOOT],
+                    [sys.executable, "-c", _BOOT.format(parent=os.getpid())],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=stderr,
@@ -78,36 +93,48 @@ class Processes:
         ``function`` must be a module-level function; arguments and results must pickle. The
         function's module is imported in every child before any argument is computed: an item
         of ``calls`` that is a callable is called then, in order. A child that fails raises
-        ``RuntimeError`` with the end of its stderr (its traceback); the pool is then closed.
+        ``RuntimeError`` with the end of its stderr (its traceback), or its ``OSError`` or
+        ``DeadlineBatchError``, as soon as it fails; the pool is then closed (the others killed).
         """
         if len(calls) > len(self._children):
             raise ValueError(f"{len(calls)} calls for {len(self._children)} processes: at most one each")
         target = (function.__module__, function.__qualname__)
         children = self._children[: len(calls)]
         try:
-            for child, _ in children:
-                assert child.stdin is not None
-                child.stdin.write(pickle.dumps(target))
-                child.stdin.flush()
-            for (child, _), args in zip(children, calls, strict=True):
-                assert child.stdin is not None
-                child.stdin.write(pickle.dumps(args() if callable(args) else args))
-                child.stdin.flush()
-            return [self._result(child, errors, target[1]) for child, errors in children]
+            for child, errors in children:
+                _send(child, errors, target[1], pickle.dumps(target))
+            for (child, errors), args in zip(children, calls, strict=True):
+                _send(child, errors, target[1], pickle.dumps(args() if callable(args) else args))
+            return self._results(children, target[1])
         except BaseException:
             self.close(kill=True)
             raise
+
+    def _results(self, children: list[tuple[subprocess.Popen[bytes], IO[bytes]]], name: str) -> list[Any]:
+        """The children's results, read as each comes: a child that dies (or fails) is known at
+        once, not after the children before it have finished their calls."""
+        results: list[Any] = [None] * len(children)
+        with selectors.DefaultSelector() as waiting:  # not select(): descriptors may pass 1024
+            for k, (child, _) in enumerate(children):
+                assert child.stdout is not None
+                waiting.register(child.stdout, selectors.EVENT_READ, k)
+            while waiting.get_map():
+                for key, _ in waiting.select():  # a result's first bytes, or the end of the output
+                    waiting.unregister(key.fileobj)
+                    child, errors = children[key.data]
+                    results[key.data] = self._result(child, errors, name)
+        return results
 
     @staticmethod
     def _result(child: subprocess.Popen[bytes], errors: IO[bytes], name: str) -> Any:
         assert child.stdout is not None
         try:
-            return pickle.load(child.stdout)
+            result = pickle.load(child.stdout)
         except EOFError:
-            child.wait()
-            errors.seek(0)
-            tail = errors.read().decode(errors="replace")[-2000:]
-            raise RuntimeError(f"a planning process ({name}) exited {child.returncode}:\n{tail}") from None
+            raise _ended(child, errors, name) from None
+        if isinstance(result, _Raised):
+            raise result.error
+        return result
 
     def close(self, *, kill: bool = False) -> None:
         """End the children: stdin closed, so they exit once idle (``kill``: at once, after a failure)."""
@@ -136,9 +163,58 @@ def run_in_processes(function: Callable[..., Any], calls: Sequence[Call]) -> lis
         return processes.map(function, calls)
 
 
-def _child() -> None:
+def _send(child: subprocess.Popen[bytes], errors: IO[bytes], name: str, data: bytes) -> None:
+    """Write ``data`` to a child's stdin; a child that is gone raises as :meth:`Processes._result` does."""
+    assert child.stdin is not None
+    try:
+        child.stdin.write(data)
+        child.stdin.flush()
+    except BrokenPipeError:
+        raise _ended(child, errors, name) from None
+
+
+def _ended(child: subprocess.Popen[bytes], errors: IO[bytes], name: str) -> RuntimeError:
+    """The error for a child that ended without a result: how it ended, then its stderr's end."""
+    child.wait()
+    errors.seek(0)
+    tail = errors.read().decode(errors="replace")[-2000:]
+    code = child.returncode
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:  # a real-time signal: no name
+            how = f"was killed by signal {-code}"
+        if -code == signal.SIGKILL:  # nobody here sends it: an operator, or the kernel out of memory
+            how += (
+                " (as the kernel does when memory runs out: give planning more memory or fewer"
+                " scan_processes)"
+            )
+        how += "; plan again"
+    else:
+        how = f"exited {code}"
+    return RuntimeError(f"a planning process ({name}) {how}\n{tail}".rstrip("\n"))
+
+
+class _Raised:
+    """A child's error to raise again in the parent (:func:`_child`)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when the thread that started it ends (Linux only)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect, its call perhaps in the pipe
+        os._exit(1)
+
+
+def _child(parent: int) -> None:
     """The child's side: for each function named on stdin, read its arguments, write its result
-    to stdout; until stdin ends."""
+    to stdout; until stdin ends. An ``OSError`` or :class:`DeadlineBatchError` goes back as the
+    result (:class:`_Raised`), its traceback to stderr."""
+    _die_with_parent(parent)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         try:
@@ -147,5 +223,11 @@ def _child() -> None:
             return
         function = getattr(importlib.import_module(module), name)
         args = pickle.load(stdin)
-        stdout.write(pickle.dumps(function(*args)))
+        try:
+            result = function(*args)
+        except (OSError, DeadlineBatchError) as exc:
+            with contextlib.suppress(OSError):  # stderr's file may be on the disk that is full
+                traceback.print_exc()
+            result = _Raised(exc)
+        stdout.write(pickle.dumps(result))
         stdout.flush()

@@ -10,14 +10,22 @@ Two pieces, both append-only while the input is read and read back in chunks aft
   (a partition too big for the memory budget is split again by another hash first). The first
   line of an ID in a partition is the first line of that ID in the input, so the verdicts are
   the in-memory ones, exactly: IDs are compared in full, never by digest.
+
+They live in a :class:`SpillDirectory` under the temporary directory (``TMPDIR``), which a planner
+killed outright cannot delete: the next planner there does.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import heapq
 import marshal
+import os
 import shutil
+import stat
+import tempfile
+import weakref
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,9 +42,11 @@ __all__ = [
     "DuplicateFinder",
     "IdSpill",
     "PartitionFiles",
+    "SpillDirectory",
     "check_partitions",
     "combine",
     "read_duplicates",
+    "sweep_abandoned",
 ]
 
 #: planning's default memory budget for its duplicate check (docs/benchmarks.md)
@@ -46,6 +56,90 @@ CHUNK_ROWS = 1 << 16
 #: estimated bytes of RAM per distinct ID in a set, on top of the ID's own bytes
 _SET_ENTRY_BYTES = 112
 _TYPECODES = {"q": np.int64, "d": np.float64}
+#: a spill directory's name starts so (in the temporary directory)
+SPILL_PREFIX = "deadline-batch-plan-"
+#: the lock file its planner holds locked while it lives (:class:`SpillDirectory`)
+_LOCK = "owner.lock"
+
+
+class SpillDirectory:
+    """A planner's spill directory under the temporary directory (``TMPDIR``), locked while it lives.
+
+    Its planner holds an exclusive ``flock`` on the directory's lock file until :meth:`cleanup`.
+    The kernel drops the lock when the process ends, however it ends, so a directory whose lock
+    can be taken is one whose planner was killed outright (SIGKILL, the OOM killer) and could not
+    delete it: a new spill directory first deletes those (:func:`sweep_abandoned`). The lock file
+    appears already locked (locked under another name, then renamed), so no sweeper sees a live
+    planner's directory unlocked; one without it (being made, or on a file system without locks)
+    is never swept.
+    """
+
+    def __init__(self) -> None:
+        parent = tempfile.gettempdir()
+        sweep_abandoned(parent)
+        self.path = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=parent))
+        try:
+            lock = _take_lock(self.path)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        # as TemporaryDirectory: deleted at exit too, if nobody called cleanup()
+        self._finalizer = weakref.finalize(self, _remove, self.path, lock)
+
+    def cleanup(self) -> None:
+        """Delete the directory, then release its lock."""
+        self._finalizer()
+
+
+def _take_lock(directory: Path) -> int | None:
+    """Lock a new spill directory's lock file; the descriptor (None where locks are unsupported)."""
+    staging = directory / f".{_LOCK}"
+    fd = os.open(staging, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a file system without locks: the directory is never swept
+        os.close(fd)
+        return None
+    try:
+        os.rename(staging, directory / _LOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove(path: Path, lock: int | None) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if lock is not None:
+        os.close(lock)  # after the files are gone: a sweeper finds nothing half deleted
+
+
+def sweep_abandoned(parent: str) -> list[Path]:
+    """Delete the spill directories in ``parent`` (this user's) whose planner is gone: their lock
+    file unlocked. Those of live planners, and anything else, are left alone. The ones deleted."""
+    swept: list[Path] = []
+    try:
+        entries = [entry for entry in os.scandir(parent) if entry.name.startswith(SPILL_PREFIX)]
+    except OSError:
+        return swept
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(entry.path, _LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone, or no lock file: being made, or not a planner's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live planner holds it
+            continue
+        else:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            swept.append(Path(entry.path))
+        finally:
+            os.close(fd)
+    return swept
 
 
 class Column:
