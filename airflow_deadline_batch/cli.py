@@ -554,6 +554,15 @@ def _resolve_key(
         n += 1
 
 
+def _absolute(path: str) -> str:
+    """``path`` made absolute, its symlinks resolved where they can be (a symlink loop stays as
+    given, for planning to refuse it by name: ``resolve`` raises ``RuntimeError`` on one)."""
+    try:
+        return str(Path(path).resolve())
+    except (RuntimeError, OSError):
+        return os.path.abspath(path)
+
+
 def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanRequest:
     from airflow_deadline_batch.service.planning import PlanRequest
 
@@ -580,7 +589,7 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         extra["idempotency_key"] = args.idempotency_key
     if getattr(args, "lease_ttl", None):
         extra["lease_ttl_s"] = args.lease_ttl
-    input_uri = args.input if "://" in args.input else str(Path(args.input).resolve())
+    input_uri = args.input if "://" in args.input else _absolute(args.input)
     return PlanRequest(
         input_uri=input_uri,
         deadline=deadline,

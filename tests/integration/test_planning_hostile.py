@@ -535,6 +535,32 @@ def test_a_symlink_loop_is_refused_in_one_line(tmp_path: Path) -> None:
     store.close()
 
 
+def test_the_cli_refuses_a_symlink_loop_in_one_line(tmp_path: Path) -> None:
+    """Bug: ``deadline-batch plan`` resolved the path first, and ``Path.resolve`` raised
+    ``RuntimeError: Symlink loop`` (exit 4) before planning could say what it is."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "airflow_deadline_batch.cli",
+            "plan",
+            str(tmp_path / "a"),
+            "--deadline",
+            "+1h",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,  # its default store and output go here
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "is a loop of symbolic links" in done.stderr
+
+
 @pytest.mark.timeout(60)
 def test_a_fifo_and_a_device_are_refused_without_blocking(tmp_path: Path) -> None:
     """Held: never opened for a blocking read (a FIFO without a writer would hang it)."""
