@@ -1,0 +1,45 @@
+"""A hostile review of the pools' seen starts (``core.job_view.startup_seen_s``, session 23).
+
+Each test states a way the seen starts were wrong and fails on the code before its fix. The rows
+are the store's own row types (``store.placement_rows``) with the stamps each case needs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from airflow_deadline_batch.core.job_view import changeover_s, startup_seen_s
+from airflow_deadline_batch.core.states import AttemptOutcome
+from airflow_deadline_batch.store.placement_rows import AttemptFacts, CommitFacts
+from tests.unit.test_pod_spec import ON_DEMAND, SPOT, T0
+
+
+def _attempt(pool: str, started: dt.datetime) -> AttemptFacts:
+    return AttemptFacts("a1", 0, pool, started, None, AttemptOutcome.RUNNING, None, None)
+
+
+def _commit(at: dt.datetime, elapsed_s: float = 10.0) -> CommitFacts:
+    return CommitFacts("a1", None, 1, 1, 1, elapsed_s, at)
+
+
+def test_a_start_seen_on_a_pool_named_by_its_kind_raises_the_changeover() -> None:
+    """Every other fold of the view resolves an attempt's pool by name, else by kind
+    (``core.job_view.pool_index``); the seen starts were looked up by name only, so a worker run
+    with ``--pool spot`` taught the changeover nothing (120 s declared, 600 s seen)."""
+    seen = startup_seen_s([_attempt("spot", T0)], [_commit(T0 + dt.timedelta(seconds=610))])
+    assert seen == {"spot": 600.0}
+    assert changeover_s((SPOT, ON_DEMAND), seen) == 600.0
+    assert changeover_s((SPOT, ON_DEMAND), {"gpu-spot": 300.0, "spot": 600.0}) == 600.0
+    assert changeover_s((SPOT, ON_DEMAND), {"a pool the job no longer has": 5000.0}) == 120.0
+
+
+def test_a_timezone_naive_stamp_is_named_not_a_type_error() -> None:
+    """Rows from a fake or an older store may carry naive datetimes; as the other folds of the
+    view, the seen starts name the field instead of failing every decision with ``TypeError``."""
+    naive = T0.replace(tzinfo=None)
+    with pytest.raises(ValueError, match="started_at must be timezone-aware"):
+        startup_seen_s([_attempt(SPOT.name, naive)], [_commit(T0)])
+    with pytest.raises(ValueError, match="committed_at must be timezone-aware"):
+        startup_seen_s([_attempt(SPOT.name, T0)], [_commit(naive)])
