@@ -43,3 +43,22 @@ def test_a_timezone_naive_stamp_is_named_not_a_type_error() -> None:
         startup_seen_s([_attempt(SPOT.name, naive)], [_commit(T0)])
     with pytest.raises(ValueError, match="committed_at must be timezone-aware"):
         startup_seen_s([_attempt(SPOT.name, T0)], [_commit(naive)])
+
+
+def test_each_attempt_is_timed_from_its_own_claim_to_its_own_first_commit() -> None:
+    """What held (a guard): a takeover of an expired lease, a racer or an attempt resumed at a
+    later cursor is timed from its own claim to its own first commit, never to another attempt's;
+    the plan's validation commit (attempt ``plan``, shard -1) has no attempt row and counts for
+    nothing; an attempt that never committed tells nothing."""
+    first = AttemptFacts("a1", 0, SPOT.name, T0, T0, AttemptOutcome.LOST_LEASE, None, None)
+    takeover = AttemptFacts(
+        "a2", 0, SPOT.name, T0 + dt.timedelta(seconds=500), None, AttemptOutcome.RUNNING, None, None
+    )
+    silent = AttemptFacts("a3", 1, ON_DEMAND.name, T0, None, AttemptOutcome.RUNNING, None, None)
+    commits = [
+        CommitFacts("a1", SPOT.name, 1, 1, 1, 10.0, T0 + dt.timedelta(seconds=100)),
+        CommitFacts("a1", SPOT.name, 1, 1, 1, 10.0, T0 + dt.timedelta(seconds=700)),  # only its first counts
+        CommitFacts("a2", SPOT.name, 1, 1, 1, 10.0, T0 + dt.timedelta(seconds=530)),
+        CommitFacts("plan", None, 1, 1, 1, 0.0, T0 + dt.timedelta(hours=5)),
+    ]
+    assert startup_seen_s([first, takeover, silent], commits) == {SPOT.name: 90.0}
