@@ -506,10 +506,14 @@ MAX_LATE_S = 3600.0
 
 
 def _seconds(value: object) -> float | None:
-    """``value`` as a finite number of seconds, or None."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
+    """``value`` as a finite number of seconds, or None (an int too large for a float too)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) else None
 
 
 def retry_delay_bound_s(

@@ -169,11 +169,19 @@ def shard_done_fraction(shard: ShardFields) -> float:
 
 def changeover_s(pools: Iterable[PoolSpec], seen: Mapping[str, float] | None = None) -> float:
     """What a (re)launch costs in wall time: the slowest pool's startup plus its queue wait, or
-    the longest start its tries were seen to take (``seen``, :func:`startup_seen_s`) when longer."""
-    seen = seen or {}
-    return max(
-        (max(p.startup_seconds + p.queue_wait_seconds, seen.get(p.name, 0.0)) for p in pools), default=0.0
-    )
+    the longest start its tries were seen to take (``seen``, :func:`startup_seen_s`) when longer.
+
+    ``seen`` is keyed by the attempts' pools, resolved as every other pool of the view (by name,
+    else by kind: :func:`pool_index`); a pool the job no longer has counts for nothing."""
+    pools = tuple(pools)
+    worst = {p.name: p.startup_seconds + p.queue_wait_seconds for p in pools}
+    if seen:
+        index = pool_index(pools)
+        for name, start in seen.items():
+            pool = index.get(name)
+            if pool is not None and start > worst[pool.name]:
+                worst[pool.name] = start
+    return max(worst.values(), default=0.0)
 
 
 def startup_seen_s(attempts: Iterable[AttemptFields], commits: Iterable[CommitFields]) -> dict[str, float]:
@@ -198,7 +206,8 @@ def startup_seen_s(attempts: Iterable[AttemptFields], commits: Iterable[CommitFi
         head = first.get(attempt.attempt_id)
         if head is None or attempt.pool is None:
             continue
-        start = (head.committed_at - attempt.started_at).total_seconds() - max(0.0, head.elapsed_s)
+        took = as_utc(head.committed_at, "committed_at") - as_utc(attempt.started_at, "started_at")
+        start = took.total_seconds() - max(0.0, head.elapsed_s)
         if start > out.get(attempt.pool, 0.0):
             out[attempt.pool] = start
     return out

@@ -255,7 +255,8 @@ class JobSnapshot:
     spot_workers_starting: int = 0
     #: seconds from a try's end to the next try's decision when each try is decided once (no
     #: ``decision_interval_s``): the operator's resume or retry delay plus Airflow's latency to start
-    #: the task again, the local runner's poll. Slack burns through it with nothing running, so a
+    #: the task again (a deferred try's end first reaches a worker through its trigger's poll and a
+    #: resume), the local runner's poll. Slack burns through it with nothing running, so a
     #: Spot try's risk includes it (:func:`spot_risk_s`); ignored with a decision interval
     turnaround_s: float = 0.0
 

@@ -546,6 +546,9 @@ class _ShardTryMixin:
     _seen: tuple[int, int] | None = None
     #: the turnaround this run decided with (:meth:`turnaround_s`), which its race checks reuse
     _turnaround_s: float = 0.0
+    #: the latest start this task instance was seen to make (its ledger's ``late_s``, read by
+    #: :meth:`note_lost_tries` when the run starts): part of :meth:`latency_s`
+    _late_s: float = 0.0
 
     def run_try(self, context: Any, body: Callable[[], Any]) -> Any:
         """Run ``body`` (this run of the try) with the try's bookkeeping around it.
@@ -667,9 +670,9 @@ class _ShardTryMixin:
     def retry_due(self, context: Any, exc: BaseException) -> float | None:
         """When Airflow starts the retry after this try fails with ``exc`` (epoch seconds, at the
         latest), or None when no retry follows (a success, a skip, a failure for good, no retry
-        left)."""
+        left). Airflow retries any exception but those that fail or skip the task for good."""
         final = (AirflowFailException, AirflowSkipException)
-        if not isinstance(exc, AirflowException) or isinstance(exc, final):
+        if not isinstance(exc, Exception) or isinstance(exc, final):
             return None
         max_tries = _max_tries(context)
         if max_tries is not None and _try_number(context) > max_tries:
@@ -695,25 +698,42 @@ class _ShardTryMixin:
         again. Any other try is started again by Airflow: after the resume delay when it
         reschedules, after its retry delay when it fails, and after the retry delay too when a
         resumed try loses the resume race (docs/airflow.md, *Resuming tasks*); then after Airflow's
-        latency to start it: the larger of ``[deadline_batch] scheduler_latency_s`` and the latest
-        start this task instance was seen to make (:attr:`~core.failures.TryLedger.late_s`).
+        latency to start it (:meth:`latency_s`). A transient failure's longer backoff is bounded
+        so that it fits (:meth:`settle_failure`).
+
+        A deferred try (``deferrable``) learns of its pod's end only through its trigger: the
+        trigger's poll (``poll_interval``; its event held to the resume delay after the deferral),
+        then Airflow's latency to resume the task, which then reschedules or fails. A deferred
+        try that may race (``race`` not False) is resumed for each race check: its pod can end
+        just as it is, and the next trigger sees that end one more latency later.
         """
         resume = self.resume_delay_s()
         if self._holding:
             return resume
+        latency = self.latency_s()
+        turnaround = max(resume, self.retry_wait_s(context)) + latency
+        if getattr(self, "deferrable", False):
+            turnaround += max(float(getattr(self, "poll_interval", 0.0) or 0.0), resume) + latency
+            if getattr(self, "race", False) is not False:
+                turnaround += latency
+        return turnaround
+
+    def latency_s(self) -> float:
+        """Airflow's latency to start a task that is due, as this run counts it: the larger of
+        ``[deadline_batch] scheduler_latency_s`` and the latest start this task instance was seen
+        to make (:attr:`~core.failures.TryLedger.late_s`). A bad option fails the task, naming it."""
         try:
             latency = scheduler_latency_s()
         except ConfigurationError as exc:
             raise AirflowFailException(str(exc)) from exc
-        ledger = self.read_ledger(context) if context is not None else None
-        late = 0.0 if ledger is None else ledger.late_s
-        return max(resume, self.retry_wait_s(context)) + max(latency, late)
+        return max(latency, self._late_s)
 
     def note_lost_tries(self, context: Any, try_number: int) -> None:
         """Log (and count as ``deadline_batch.resume_races``) the earlier tries Airflow ended
         without this operator ending them; record this try's start."""
         ledger = self.read_ledger(context)
         if ledger is None:
+            self._late_s = 0.0
             return
         lost = ledger.newly_lost(try_number)
         races = ledger.resume_races(lost)
@@ -733,6 +753,7 @@ class _ShardTryMixin:
         # how late this run started against the time its previous run asked for; after a lost try
         # that time was the lost try's, and the retry's delay is counted apart (turnaround_s)
         arrived = ledger.due(None) if lost else ledger.arrived(time.time())
+        self._late_s = arrived.late_s
         if arrived.late_s > ledger.late_s:
             self.log.info(
                 "shard %s of job %s: try %d started %.0f s after it was due; the placement allows "
@@ -806,10 +827,16 @@ class _ShardTryMixin:
                 f"{where} {failure.value}: {reason}; the next try re-decides its pool from the slack left"
             )
         delay = self.resume_delay_s()
-        if failure is FailureClass.TRANSIENT:
-            delay = max(delay, backoff_s(self.transient_in_a_row(), slack_s=self.slack_s()))
-        elif failure is FailureClass.DETERMINISTIC:
-            delay = max(delay, backoff_s(self.budget_spent(), slack_s=self.slack_s()))
+        if failure in (FailureClass.TRANSIENT, FailureClass.DETERMINISTIC):
+            # a backoff longer than the resume delay may use only the slack that Airflow's latency
+            # to start the next run leaves (none for the last try, which waits in its slot): the
+            # decision allowed a turnaround of the resume or retry delay plus that latency, so a
+            # longer backoff could otherwise bring the next decision past on-demand's last chance
+            slack = self.slack_s()
+            if slack is not None and not self._holding:
+                slack -= self.latency_s()
+            n = self.transient_in_a_row() if failure is FailureClass.TRANSIENT else self.budget_spent()
+            delay = max(delay, backoff_s(n, slack_s=slack))
         self.log.warning(
             "%s %s (%s): %s in %.0f s, no retry spent",
             where,
