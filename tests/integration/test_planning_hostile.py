@@ -510,27 +510,36 @@ def test_an_input_changed_between_cutting_its_ranges_and_scanning_them_is_refuse
 # -- 4. garbage -------------------------------------------------------------------------------------
 
 
-def test_a_directory_is_refused_as_a_directory(tmp_path: Path) -> None:
-    """Bug: "input ... does not exist" for a directory that exists."""
+def _a_directory(tmp_path: Path) -> Path:
     (tmp_path / "in").mkdir()
-    with pytest.raises(InputError, match=r"is a directory: give the path of a JSON Lines file in it$"):
-        analyze_input(_request(tmp_path / "in"))
-    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
-    with pytest.raises(InputError, match="is a directory"):
-        plan_job(store, _request(tmp_path / "in"))
-    assert store.list_jobs() == []
-    store.close()
+    return tmp_path / "in"
 
 
-def test_a_symlink_loop_is_refused_in_one_line(tmp_path: Path) -> None:
-    """Bug: a raw ``OSError: [Errno 40] Too many levels of symbolic links`` (exit 4 from the CLI)."""
+def _a_symlink_loop(tmp_path: Path) -> Path:
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
-    with pytest.raises(InputError, match="is a loop of symbolic links: give the path of a JSON Lines file"):
-        analyze_input(_request(tmp_path / "a"))
+    return tmp_path / "a"
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        # Bug: "input ... does not exist" for a directory that exists
+        (_a_directory, r"is a directory: give the path of a JSON Lines file in it$"),
+        # Bug: a raw ``OSError: [Errno 40] Too many levels of symbolic links`` (exit 4 from the CLI)
+        (_a_symlink_loop, r"is a loop of symbolic links: give the path of a JSON Lines file$"),
+    ],
+    ids=["directory", "symlink loop"],
+)
+def test_what_is_no_file_is_refused_as_what_it_is(
+    tmp_path: Path, make: Callable[[Path], Path], said: str
+) -> None:
+    path = make(tmp_path)
+    with pytest.raises(InputError, match=said):
+        analyze_input(_request(path))
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
-    with pytest.raises(InputError, match="loop of symbolic links"):
-        plan_job(store, _request(tmp_path / "a"))
+    with pytest.raises(InputError, match=said):
+        plan_job(store, _request(path))
     assert store.list_jobs() == []
     store.close()
 
@@ -538,15 +547,14 @@ def test_a_symlink_loop_is_refused_in_one_line(tmp_path: Path) -> None:
 def test_the_cli_refuses_a_symlink_loop_in_one_line(tmp_path: Path) -> None:
     """Bug: ``deadline-batch plan`` resolved the path first, and ``Path.resolve`` raised
     ``RuntimeError: Symlink loop`` (exit 4) before planning could say what it is."""
-    (tmp_path / "a").symlink_to(tmp_path / "b")
-    (tmp_path / "b").symlink_to(tmp_path / "a")
+    loop = _a_symlink_loop(tmp_path)
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "airflow_deadline_batch.cli",
             "plan",
-            str(tmp_path / "a"),
+            str(loop),
             "--deadline",
             "+1h",
         ],
