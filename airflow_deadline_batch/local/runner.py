@@ -625,7 +625,11 @@ class LocalRun:
         delay = 0.0
         if failure.failure in (FailureClass.TRANSIENT, FailureClass.DETERMINISTIC) and not failure.progressed:
             n = self.failures_in_a_row[index] = self.failures_in_a_row.get(index, 0) + 1
-            delay = backoff_s(n, cap_s=self.options.backoff_cap_s, slack_s=self.slack_s())
+            # the slack less the poll that relaunches it: the turnaround the decision allowed
+            slack = self.slack_s()
+            if slack is not None:
+                slack -= self.options.poll_interval_s
+            delay = backoff_s(n, cap_s=self.options.backoff_cap_s, slack_s=slack)
             log.warning(
                 "shard %05d: %s failure (%s); retrying in %.1fs",
                 index,

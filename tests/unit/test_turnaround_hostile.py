@@ -21,8 +21,10 @@ from airflow_deadline_batch.core.failures import (
     MIN_RESUME_DELAY_S,
     SCHEDULER_LATENCY_S,
     FailureClass,
+    TryFailure,
     TryLedger,
 )
+from airflow_deadline_batch.local.runner import LocalRun, RunOptions
 from airflow_deadline_batch.operators.placement import read_job_view
 from airflow_deadline_batch.operators.shard import TRY_LEDGER_KEY
 from airflow_deadline_batch.store import ManifestStore
@@ -140,3 +142,20 @@ def test_a_ledger_with_an_int_too_large_for_a_float_reads_as_nothing() -> None:
     context: dict[str, Any] = _context(2, 5, {TRY_LEDGER_KEY: {"due_at": huge, "started": [1], "ended": [1]}})
     _operator().run_try(context, lambda: None)
     assert TryLedger.from_dict(context["task_state_store"][TRY_LEDGER_KEY]).ended == {1, 2}
+
+
+def test_the_local_runners_backoff_leaves_its_poll_before_the_relaunch(store_url: str, job_id: str) -> None:
+    """The local runner relaunches a failed shard at its next poll, the turnaround its decisions
+    allow: with less slack than one poll left, a transient failure's backoff must take none of it.
+    Before, it took up to min(its bound, the whole slack)."""
+    store = ManifestStore(store_url)
+    left = 3.0
+    slack_at_t0 = read_job_view(store, job_id, now=T0, parallelism=2).slack_s
+    clock = ManualClock(T0 + dt.timedelta(seconds=slack_at_t0 - left))
+    run = LocalRun(store, job_id, RunOptions(workers=2, poll_interval_s=5.0), clock)
+    assert run.slack_s() == pytest.approx(left)
+    random.seed(11)
+    for _ in range(10):
+        run.failures_in_a_row[1] = 3  # a bound of min(30 s, 4 s, the slack) before the poll is taken
+        run.settle(1, TryFailure(FailureClass.TRANSIENT, "S3 unreachable", claimed=True), now=100.0)
+        assert run.not_before[1] == 100.0  # relaunched at the next poll, no backoff beyond it
