@@ -1332,18 +1332,16 @@ def plan_job(store: ManifestStore, request: PlanRequest, *, clock: Clock | None 
 
 
 def _input_version(storage: Any, key: str) -> tuple[Any, ...]:
-    """What changes when the input is rewritten: size, and for a local file its inode, mtime and
-    ctime (a rewrite that sets the mtime back, as ``touch -r`` or ``rsync --times`` do, still
-    moves the ctime, which only the kernel sets).
+    """What changes when the input is rewritten (the storage's ``version``: a local file's size,
+    inode, mtime and ctime; an S3 object's size, ETag and version ID).
 
     Planning reads the input more than once (validation, then range hashes); a rewrite between
     the reads would give shards checksums of bytes that were never validated.
     """
     try:
-        if isinstance(storage, LocalStorage):
-            st = _stat_input(storage.uri(key), str(storage.root / key))
-            return (st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-        return (storage.size(key),)
+        if isinstance(storage, LocalStorage):  # what cannot be planned at all, refused by name
+            _stat_input(storage.uri(key), str(storage.root / key))
+        return tuple(storage.version(key))
     except ObjectNotFound:
         raise InputError(f"input {storage.uri(key)} does not exist: check the path or URI") from None
 

@@ -53,6 +53,11 @@ class ObjectStorage(Protocol):
         """The object's length in bytes; ``ObjectNotFound`` if missing."""
         ...
 
+    def version(self, key: str) -> tuple[object, ...]:
+        """What changes when the object is rewritten (equal before and after: the same bytes,
+        as far as the storage can tell); ``ObjectNotFound`` if missing."""
+        ...
+
     def exists(self, key: str) -> bool:
         """Whether the object exists."""
         ...

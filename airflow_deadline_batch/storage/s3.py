@@ -215,12 +215,20 @@ class S3Storage:
         return io.BufferedReader(raw, buffer_size=CHUNK_SIZE)
 
     def size(self, key: str) -> int:
+        return int(self._head(key)["ContentLength"])
+
+    def version(self, key: str) -> tuple[object, ...]:
+        """Size, ETag and version ID (on a versioned bucket): an object replaced by one of the same
+        size with other bytes has another ETag."""
+        head = self._head(key)
+        return (int(head["ContentLength"]), head.get("ETag"), head.get("VersionId"))
+
+    def _head(self, key: str) -> dict[str, Any]:
         uri = self.uri(key)
         try:
-            response = self._client.head_object(Bucket=self.bucket, Key=self._object_key(key))
+            return dict(self._client.head_object(Bucket=self.bucket, Key=self._object_key(key)))
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             raise _translate(exc, "stat", uri, self.bucket) from exc
-        return int(response["ContentLength"])
 
     def exists(self, key: str) -> bool:
         try:

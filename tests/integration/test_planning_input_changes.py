@@ -42,3 +42,35 @@ def test_a_same_length_rewrite_between_the_planning_passes_is_refused(
         planning.plan_job(store, request)
     assert store.list_jobs() == []
     store.close()
+
+
+def test_an_s3_input_replaced_by_one_of_the_same_size_between_the_passes_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_client: Any, s3_bucket: str
+) -> None:
+    """The check read only an S3 object's size, so a replacement of the same length between the
+    validating pass and the range hashes planned a job whose shard hashes were of bytes never
+    validated; the object's ETag now joins it (``S3Storage.version``)."""
+    key = "batches/input.jsonl"
+    data = SAMPLE.read_bytes()
+    s3_client.put_object(Bucket=s3_bucket, Key=key, Body=data)
+    validate = planning.analyze_input
+
+    def validate_then_replace(*args: Any, **kwargs: Any) -> Any:
+        analysis = validate(*args, **kwargs)
+        replaced = data.replace(b"review-0003", b"review-0004", 1)  # same length: a new duplicate
+        s3_client.put_object(Bucket=s3_bucket, Key=key, Body=replaced)
+        return analysis
+
+    monkeypatch.setattr(planning, "analyze_input", validate_then_replace)
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    request = planning.PlanRequest(
+        input_uri=f"s3://{s3_bucket}/{key}",
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+    )
+    with pytest.raises(InputError, match="changed while it was being planned"):
+        planning.plan_job(store, request)
+    assert store.list_jobs() == []
+    store.close()
