@@ -16,6 +16,17 @@ from airflow_deadline_batch.store import ManifestStore
 SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
 
 
+def _request(input_uri: str, tmp_path: Path) -> planning.PlanRequest:
+    """A plan of ``input_uri`` due in an hour, on the echo engine's local pools."""
+    return planning.PlanRequest(
+        input_uri=input_uri,
+        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        output_uri=str(tmp_path / "out"),
+        engine="echo",
+        pools=default_local_pools("echo"),
+    )
+
+
 def test_a_same_length_rewrite_between_the_planning_passes_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -31,15 +42,8 @@ def test_a_same_length_rewrite_between_the_planning_passes_is_refused(
 
     monkeypatch.setattr(planning, "analyze_input", validate_then_rewrite)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
-    request = planning.PlanRequest(
-        input_uri=str(path),
-        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
-        output_uri=str(tmp_path / "out"),
-        engine="echo",
-        pools=default_local_pools("echo"),
-    )
     with pytest.raises(InputError, match="changed while it was being planned"):
-        planning.plan_job(store, request)
+        planning.plan_job(store, _request(str(path), tmp_path))
     assert store.list_jobs() == []
     store.close()
 
@@ -63,14 +67,7 @@ def test_an_s3_input_replaced_by_one_of_the_same_size_between_the_passes_is_refu
 
     monkeypatch.setattr(planning, "analyze_input", validate_then_replace)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
-    request = planning.PlanRequest(
-        input_uri=f"s3://{s3_bucket}/{key}",
-        deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
-        output_uri=str(tmp_path / "out"),
-        engine="echo",
-        pools=default_local_pools("echo"),
-    )
     with pytest.raises(InputError, match="changed while it was being planned"):
-        planning.plan_job(store, request)
+        planning.plan_job(store, _request(f"s3://{s3_bucket}/{key}", tmp_path))
     assert store.list_jobs() == []
     store.close()
