@@ -644,10 +644,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "target_shard_s": round(analysis.target_shard_s, 3),
             "capacity": room.to_dict(),
         }
+        by_code = ", ".join(f"{code} {n}" for code, n in sorted(analysis.errors_by_code.items()))
         text = report.summary() + (
             f"\ntenant: {analysis.request.tenant}"
             f"\nrecords: {analysis.work.records}, invalid lines: {analysis.work.invalid}"
-            f" {dict(analysis.errors_by_code) or ''}, shards: {len(analysis.cuts)}\n"
+            + (f" ({by_code})" if by_code else "")
+            + f", shards: {len(analysis.cuts)}\n"
+            + ("" if analysis.work.records or analysis.work.invalid else _EMPTY_INPUT)
             + "\n".join(room.lines())
         )
         _emit(args, payload, text)
@@ -659,6 +662,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_REJECTED
     finally:
         analysis.close()
+
+
+#: what ``plan`` says of an input without a line to answer: its job would publish an empty manifest,
+#: which is right for an empty night but is usually an upstream export that failed
+_EMPTY_INPUT = (
+    "note: the input holds no record (it is empty or blank lines only); its job would publish an"
+    " empty manifest. If it should hold records, check what writes it.\n"
+)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

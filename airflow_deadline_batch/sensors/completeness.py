@@ -12,7 +12,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from airflow.sdk import Asset, BaseSensorOperator
+from airflow.sdk import Asset, BaseSensorOperator, TriggerRule
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from airflow_deadline_batch.core.clock import UTC, SystemClock
@@ -59,6 +59,11 @@ class CompletenessSensor(BaseSensorOperator):
     :param manifest_asset: the Asset to emit (default: one per DAG and task).
     :param risk_notifier: called once when the job's deadline is predicted to be at risk.
     :param parallelism: workers the job runs at once, for the risk prediction (default: the job's).
+
+    Its ``trigger_rule`` defaults to ``none_failed``: placed after the shard tasks
+    (``plan >> shards >> done``), it still runs when they were skipped, as Airflow skips a mapped
+    task whose plan returned no shard (an empty input, or one whose every line is invalid), so that
+    job's manifest is published too; a failed plan still leaves it ``upstream_failed``.
     """
 
     template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
@@ -81,6 +86,7 @@ class CompletenessSensor(BaseSensorOperator):
         parallelism: int | None = None,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("trigger_rule", TriggerRule.NONE_FAILED)
         super().__init__(poke_interval=poke_interval, **kwargs)
         if not job_id and not plan_task_id:
             raise ValueError(f"{self.task_id}: give job_id or plan_task_id (the task that planned the job)")

@@ -197,6 +197,25 @@ def test_plan_feasible_deadline_exits_0(sample: Path, tmp_path: Path) -> None:
     assert payload["shards"] >= 1
 
 
+def test_plan_text_counts_invalid_lines_by_code_and_says_when_nothing_is_left(tmp_path: Path) -> None:
+    mixed = mixed_input(40, seed=5, bad_fraction=0.2)
+    codes: dict[str, int] = {}
+    for outcome in mixed.expected:
+        if outcome.status == "errored":
+            codes[outcome.code] = codes.get(outcome.code, 0) + 1
+    result = run_cli("plan", str(mixed.write(tmp_path / "mixed.jsonl")), "--deadline", "+2h", cwd=tmp_path)
+    assert result.code == 3, result.describe()  # rejected for its invalid fraction: still counted
+    by_code = ", ".join(f"{code} {n}" for code, n in sorted(codes.items()))
+    assert f"invalid lines: {sum(codes.values())} ({by_code}), shards: " in result.stdout, result.describe()
+    assert "holds no record" not in result.stdout
+
+    (tmp_path / "blank.jsonl").write_bytes(b"\n \n")
+    empty = run_cli("plan", str(tmp_path / "blank.jsonl"), "--deadline", "+2h", cwd=tmp_path)
+    assert empty.code == 0, empty.describe()  # an empty night is a job: its manifest is empty
+    assert "records: 0, invalid lines: 0, shards: 0" in empty.stdout, empty.describe()
+    assert "note: the input holds no record" in empty.stdout
+
+
 def _assert_rejected_and_nothing_ran(result_code: int, payload: dict, store_url: str, output: Path) -> str:
     assert result_code == 3
     assert payload["state"] == "rejected"

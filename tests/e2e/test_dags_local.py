@@ -109,3 +109,23 @@ def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(airflow_e
         assert set(states(result, task_id)) <= {"upstream_failed"}, result
     assert result["manifest"] is None and result["asset_events"] == []
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("manifest.json"))
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
+def test_an_input_without_records_still_publishes_its_manifest(airflow_env, tmp_path, content):
+    """The plan returns no shard, so Airflow skips the mapped shard task; the sensor after it runs
+    anyway (its trigger rule is ``none_failed``) and publishes the job's empty manifest, and the
+    downstream task reads it. Before, the skip reached the sensor: no manifest, the job left admitted."""
+    source = tmp_path / "tonight.jsonl"
+    source.write_bytes(content)
+    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(source)}
+    code, result, output = run_dag(airflow_env, conf)
+
+    assert code == 0 and result["state"] == "success", output[-5000:]
+    assert states(result, "plan") == ["success"] and set(states(result, "shard")) == {"skipped"}
+    assert states(result, "verify") == ["success"] and states(result, "summarise") == ["success"]
+    assert result["job_state"] == "completed" and result["manifest"]
+    manifest = json.loads(file_path(result["manifest"]).read_text())
+    assert sum(manifest["outcomes"].values()) == 0 and manifest["shards"] == []
+    (event,) = result["asset_events"]
+    assert event["extra"]["records"] == 0
