@@ -553,8 +553,8 @@ _LEDGER_SETS = ("started", "ended", "handed_back", "lost")
 #: look unsafe
 MAX_LATE_S = 3600.0
 #: the latenesses a ledger keeps (its window): :attr:`TryLedger.late_s` takes the second largest
-#: of them (and the latest), so a slow scheduler is remembered for this many starts after its second
-#: slow start, and one outlier for none after the next start
+#: of them (and the latest), so a lateness seen at two starts is remembered while both are among the
+#: last this many, and one outlier not after the next start
 LATE_SAMPLES = 8
 
 
