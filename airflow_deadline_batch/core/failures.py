@@ -38,6 +38,7 @@ __all__ = [
     "BACKOFF_BASE_S",
     "BACKOFF_CAP_S",
     "LATENCY_OPTION",
+    "LATE_SAMPLES",
     "MAX_LATE_S",
     "MAX_RESUME_DELAY_S",
     "MIN_RESUME_DELAY_S",
@@ -50,6 +51,7 @@ __all__ = [
     "classify_exception",
     "classify_exit",
     "exit_code_for",
+    "finite_seconds",
     "parse_resume_delay",
     "parse_scheduler_latency",
     "parse_seconds_option",
@@ -441,8 +443,11 @@ class TryLedger:
     handed its slot back, else a killed task process or a clear.
 
     It also times Airflow's turnaround: when a run hands its slot back or fails, the time it
-    asked to run again (``due_at``, epoch seconds); when the next run starts, how late it started
-    against that (the worst so far: ``late_s``), which the placement decision allows for.
+    asked to run again (``due_at``, epoch seconds) and the task instance's ``max_tries`` then
+    (``due_max_tries``: Airflow's clear changes it, nothing else does); when the next run starts,
+    or a deferred run resumes, how late it came against that (``late``: the last
+    :data:`LATE_SAMPLES`, oldest first). The placement allows for :attr:`late_s`, an estimate that
+    one outlier (a paused DAG, a one-off stall) moves for the run that saw it only.
     """
 
     started: frozenset[int] = frozenset()
@@ -450,7 +455,20 @@ class TryLedger:
     handed_back: frozenset[int] = frozenset()
     lost: frozenset[int] = frozenset()
     due_at: float | None = None
-    late_s: float = 0.0
+    due_max_tries: int | None = None
+    late: tuple[float, ...] = ()
+
+    @property
+    def late_s(self) -> float:
+        """Airflow's lateness to allow for: the larger of the latest sample (a scheduler slow now
+        is likely slow at the next start) and the second largest of :attr:`late` (an older slow
+        start counts only while another of the last :data:`LATE_SAMPLES` was as slow). So one
+        outlier counts until the next start, and a scheduler slow at two of the last
+        :data:`LATE_SAMPLES` starts counts as long as both are in the window. 0 with no sample."""
+        if not self.late:
+            return 0.0
+        second = sorted(self.late)[-2] if len(self.late) > 1 else 0.0
+        return max(self.late[-1], second)
 
     def newly_lost(self, try_number: int) -> tuple[int, ...]:
         """The tries before ``try_number`` that nobody ended here and nobody found lost yet."""
@@ -466,27 +484,47 @@ class TryLedger:
             self, **{name: getattr(self, name) | frozenset(numbers) for name, numbers in tries.items()}
         )
 
-    def due(self, at: float | None) -> TryLedger:
-        """This ledger with the next run due at ``at`` (epoch seconds; None: not known)."""
-        return dataclasses.replace(self, due_at=at)
+    def due(self, at: float | None, *, max_tries: int | None = None) -> TryLedger:
+        """This ledger with the next run due at ``at`` (epoch seconds; None: not known), asked for
+        while the task instance's ``max_tries`` was ``max_tries`` (None: not known)."""
+        return dataclasses.replace(self, due_at=at, due_max_tries=max_tries if at is not None else None)
 
-    def arrived(self, now: float) -> TryLedger:
-        """This ledger once a run started at ``now`` (epoch seconds): its lateness against the
-        time it was due folded into ``late_s`` (a run earlier than due counts as on time; at most
-        :data:`MAX_LATE_S`: the two times may come from two machines' clocks)."""
+    def cleared_since_due(self, max_tries: int | None) -> bool:
+        """Whether the task instance was cleared since its next run was asked for: its ``max_tries``
+        (``max_tries`` now) changed. Airflow's clear sets it to the try number plus the task's
+        retries, which is more than any earlier try's clear set; nothing else changes it."""
+        return self.due_max_tries is not None and max_tries is not None and max_tries != self.due_max_tries
+
+    def arrived(self, now: float, *, max_tries: int | None = None) -> TryLedger:
+        """This ledger once a run started at ``now`` (epoch seconds) with the task instance's
+        ``max_tries`` at ``max_tries``: its lateness against the time it was due is the newest
+        sample (a run earlier than due counts as on time; at most :data:`MAX_LATE_S`: the two
+        times may come from two machines' clocks). A start after a clear is no sample: the
+        clear, not the scheduler, decided when it came (:meth:`cleared_since_due`)."""
         if self.due_at is None:
             return self
-        late = min(now - self.due_at, MAX_LATE_S)
-        return dataclasses.replace(self, due_at=None, late_s=max(self.late_s, late))
+        if self.cleared_since_due(max_tries):
+            return self.due(None)
+        late = min(max(now - self.due_at, 0.0), MAX_LATE_S)
+        return dataclasses.replace(self.due(None), late=(*self.late, late)[-LATE_SAMPLES:])
 
     def to_dict(self) -> dict[str, object]:
+        """The task state store's value. ``late_s`` is the estimate (what an earlier version reads
+        as its worst lateness so far); ``late`` and ``due_max_tries`` are written only when set,
+        so a ledger that never learned anything is stored as an earlier version stored it."""
         out: dict[str, object] = {name: sorted(getattr(self, name)) for name in _LEDGER_SETS}
-        return {**out, "due_at": self.due_at, "late_s": self.late_s}
+        out.update(due_at=self.due_at, late_s=self.late_s)
+        if self.due_max_tries is not None:
+            out["due_max_tries"] = self.due_max_tries
+        if self.late:
+            out["late"] = list(self.late)
+        return out
 
     @classmethod
     def from_dict(cls, data: object) -> TryLedger:
-        """The ledger a task state store value holds (anything else: an empty ledger; an earlier
-        version's, without times: its sets)."""
+        """The ledger a task state store value holds (anything else: an empty ledger). An earlier
+        version's, without times: its sets; with ``late_s`` (its worst lateness) but no ``late``:
+        that worst as the one sample."""
         if not isinstance(data, dict):
             return cls()
         sets = {}
@@ -494,19 +532,34 @@ class TryLedger:
             numbers = data.get(name)
             if isinstance(numbers, list):
                 sets[name] = frozenset(int(n) for n in numbers if isinstance(n, int))
-        due, late = _seconds(data.get("due_at")), _seconds(data.get("late_s"))
-        return cls(**sets, due_at=due, late_s=min(MAX_LATE_S, max(0.0, late or 0.0)))
+        samples = data.get("late")
+        if isinstance(samples, list):
+            found = (finite_seconds(n) for n in samples)
+            late = tuple(min(MAX_LATE_S, max(0.0, n)) for n in found if n is not None)[-LATE_SAMPLES:]
+        else:
+            worst = min(MAX_LATE_S, max(0.0, finite_seconds(data.get("late_s")) or 0.0))
+            late = (worst,) if worst > 0 else ()
+        due = finite_seconds(data.get("due_at"))
+        mark = data.get("due_max_tries")
+        if not isinstance(mark, int) or isinstance(mark, bool) or due is None:
+            mark = None
+        return cls(**sets, due_at=due, due_max_tries=mark, late=late)
 
 
 _LEDGER_SETS = ("started", "ended", "handed_back", "lost")
 #: the most lateness a ledger learns from one start (an hour): the due time was taken on the clock of
-#: the machine that ran the previous try, the start on this one's, so a skewed clock could
-#: otherwise make every later Spot try of the task look unsafe
+#: the machine that ran the previous try (or of the triggerer that fired a deferred try's event),
+#: the start on this one's, so a skewed clock could otherwise make every later Spot try of the task
+#: look unsafe
 MAX_LATE_S = 3600.0
+#: the latenesses a ledger keeps (its window): :attr:`TryLedger.late_s` takes the second largest
+#: of them (and the latest), so a lateness seen at two starts is remembered while both are among the
+#: last this many, and one outlier not after the next start
+LATE_SAMPLES = 8
 
 
-def _seconds(value: object) -> float | None:
-    """``value`` as a finite number of seconds, or None (an int too large for a float too)."""
+def finite_seconds(value: object) -> float | None:
+    """``value`` as a finite number of seconds, or None (a bool, an int too large for a float too)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     try:

@@ -95,6 +95,7 @@ from airflow_deadline_batch.core.failures import (
     TryLedger,
     backoff_s,
     classify_exit,
+    finite_seconds,
     retry_delay_bound_s,
 )
 from airflow_deadline_batch.core.job_view import JobView
@@ -127,6 +128,7 @@ from airflow_deadline_batch.operators.placement import (
 )
 from airflow_deadline_batch.store.rows import AttemptRow
 from airflow_deadline_batch.triggers.pod import (
+    FIRED_AT_KEY,
     RACE_KEY,
     RUNNING,
     ShardPodTrigger,
@@ -546,22 +548,23 @@ class _ShardTryMixin:
     _seen: tuple[int, int] | None = None
     #: the turnaround this run decided with (:meth:`turnaround_s`), which its race checks reuse
     _turnaround_s: float = 0.0
-    #: the latest start this task instance was seen to make (its ledger's ``late_s``, read by
-    #: :meth:`note_lost_tries` when the run starts): part of :meth:`latency_s`
+    #: how late Airflow was seen to start or resume this task instance (its ledger's ``late_s``,
+    #: read by :meth:`note_lost_tries` when the run starts): part of :meth:`latency_s`
     _late_s: float = 0.0
 
-    def run_try(self, context: Any, body: Callable[[], Any]) -> Any:
+    def run_try(self, context: Any, body: Callable[[], Any], *, fired_at: float | None = None) -> Any:
         """Run ``body`` (this run of the try) with the try's bookkeeping around it.
 
         First, the tries before this one that Airflow ended without this operator ending them are
-        found in the task's :class:`~core.failures.TryLedger` (:meth:`note_lost_tries`). Then, on
+        found in the task's :class:`~core.failures.TryLedger`, and this run's lateness is timed
+        (:meth:`note_lost_tries`; ``fired_at``: when the trigger of a resumed deferral fired). Then, on
         the try that :meth:`holds_slot`, a reschedule never hands the slot back: the try waits here
         and runs ``body`` again, so no resume (and no resume race) can end Airflow's last try
         while the store's budget still allows another (docs/airflow.md, *Resuming tasks*).
         """
         try_number = _try_number(context)
         self._ending = threading.Event()
-        self.note_lost_tries(context, try_number)
+        self.note_lost_tries(context, try_number, fired_at=fired_at)
         self._holding = self.holds_slot(context)
         if self._holding:
             self.log.warning(
@@ -655,7 +658,8 @@ class _ShardTryMixin:
     def note_try(self, context: Any, *, due_at: float | None = None, **tries: Sequence[int]) -> None:
         """Add ``tries`` to the ledger, with the time the next run is due (None: none, or not known;
         best effort: a failure is logged, the try goes on)."""
-        self.update_ledger(context, lambda ledger: ledger.with_(**tries).due(due_at))
+        max_tries = _max_tries(context)
+        self.update_ledger(context, lambda ledger: ledger.with_(**tries).due(due_at, max_tries=max_tries))
 
     def update_ledger(self, context: Any, change: Callable[[TryLedger], TryLedger]) -> None:
         """Write ``change`` of the ledger back (best effort: a failure is logged, the try goes on)."""
@@ -719,18 +723,21 @@ class _ShardTryMixin:
         return turnaround
 
     def latency_s(self) -> float:
-        """Airflow's latency to start a task that is due, as this run counts it: the larger of
-        ``[deadline_batch] scheduler_latency_s`` and the latest start this task instance was seen
-        to make (:attr:`~core.failures.TryLedger.late_s`). A bad option fails the task, naming it."""
+        """Airflow's latency to start (or resume) a task that is due, as this run counts it: the
+        larger of ``[deadline_batch] scheduler_latency_s`` and the lateness this task instance's
+        starts and resumes were seen to have (:attr:`~core.failures.TryLedger.late_s`: robust to
+        one outlier). A bad option fails the task, naming it."""
         try:
             latency = scheduler_latency_s()
         except ConfigurationError as exc:
             raise AirflowFailException(str(exc)) from exc
         return max(latency, self._late_s)
 
-    def note_lost_tries(self, context: Any, try_number: int) -> None:
+    def note_lost_tries(self, context: Any, try_number: int, *, fired_at: float | None = None) -> None:
         """Log (and count as ``deadline_batch.resume_races``) the earlier tries Airflow ended
-        without this operator ending them; record this try's start."""
+        without this operator ending them; record this try's start and how late it came: against
+        the time its previous run asked for, or, resuming a deferral, the time its trigger fired
+        (``fired_at``, the triggerer's clock)."""
         ledger = self.read_ledger(context)
         if ledger is None:
             self._late_s = 0.0
@@ -752,15 +759,27 @@ class _ShardTryMixin:
         emit_resume_races(self.job_id, len(races), dag_id=dag_id_of(context))
         # how late this run started against the time its previous run asked for; after a lost try
         # that time was the lost try's, and the retry's delay is counted apart (turnaround_s)
-        arrived = ledger.due(None) if lost else ledger.arrived(time.time())
+        max_tries = _max_tries(context)
+        due = ledger.due(fired_at, max_tries=max_tries) if fired_at is not None else ledger
+        arrived = ledger.due(None) if lost else due.arrived(time.time(), max_tries=max_tries)
         self._late_s = arrived.late_s
-        if arrived.late_s > ledger.late_s:
+        if not lost and due.cleared_since_due(max_tries):
             self.log.info(
-                "shard %s of job %s: try %d started %.0f s after it was due; the placement allows "
-                "for Airflow's latency up to the larger of that and [deadline_batch] scheduler_latency_s",
+                "shard %s of job %s: try %d started after the task was cleared; how late it started "
+                "is the clear's doing, not Airflow's latency, and is not counted",
                 self.shard_index,
                 self.job_id,
                 try_number,
+            )
+        elif arrived.late_s > ledger.late_s:
+            self.log.info(
+                "shard %s of job %s: try %d %s %.0f s after it was due; the placement allows for "
+                "Airflow's latency up to the larger of %.0f s and [deadline_batch] scheduler_latency_s",
+                self.shard_index,
+                self.job_id,
+                try_number,
+                "resumed" if fired_at is not None else "started",
+                arrived.late[-1],
                 arrived.late_s,
             )
         if lost or try_number not in ledger.started or arrived != ledger:
@@ -1436,7 +1455,9 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any) -> Any:
         resume = super().resume_execution
-        return self.run_try(context, lambda: resume(next_method, next_kwargs, context))
+        event = (next_kwargs or {}).get("event")
+        fired = finite_seconds(event.get(FIRED_AT_KEY)) if isinstance(event, dict) else None
+        return self.run_try(context, lambda: resume(next_method, next_kwargs, context), fired_at=fired)
 
     def keep_slot(self) -> None:
         self.deferrable = False  # waits for its pod in this worker slot, as a synchronous try

@@ -9,7 +9,8 @@ came back as a failed try, spending a retry, and the next try reattached to the 
 (docs/kubernetes.md, *Deferrable shard pods*). This subclass watches the pod exactly as the
 provider's does and holds the event until ``resume_after`` (the deferral plus the resume delay,
 :func:`min_resume_delay_s`: ``[deadline_batch] min_resume_delay_s``, default
-``core.failures.MIN_RESUME_DELAY_S``).
+``core.failures.MIN_RESUME_DELAY_S``). Every event carries the time it fired (``FIRED_AT_KEY``), from
+which the resumed task learns how late Airflow resumed it.
 
 The tail race in deferrable mode (docs/kubernetes.md, *The tail race*): with
 ``race_check_interval_s`` the trigger also yields a ``running`` event once the pod has run that
@@ -39,6 +40,9 @@ from airflow_deadline_batch.core.failures import (
 RACE_KEY = "deadline_batch_race"
 #: status of the event a racing try's trigger yields while its pod still runs
 RUNNING = "running"
+#: key of the time (epoch seconds, the triggerer's clock) the trigger yielded its event, in every
+#: event: the resumed task learns from it how late Airflow resumed it (``core.failures.TryLedger``)
+FIRED_AT_KEY = "deadline_batch_fired_at"
 
 
 def min_resume_delay_s() -> float:
@@ -136,6 +140,8 @@ class ShardPodTrigger(KubernetesPodTrigger):
         if (hold := resume_hold_s(self.resume_after, time.time(), self.hold_cap_s())) > 0:
             self.log.info("resuming the task in %.1f s", hold)
             await asyncio.sleep(hold)
+        if isinstance(event.payload, dict):  # stamped as it fires: the resume is due from now on
+            event = TriggerEvent({**event.payload, FIRED_AT_KEY: time.time()})
         yield event
 
     def hold_cap_s(self) -> float:

@@ -280,8 +280,8 @@ def test_the_ledger_learns_no_more_than_an_hour_and_reads_garbage_as_nothing() -
     """The due time and the start may come from two machines' clocks; a task state store value may
     be anything an earlier version or a person wrote."""
     assert TryLedger(due_at=0.0).arrived(1e9).late_s == MAX_LATE_S  # a clock years off
-    assert TryLedger(due_at=100.0, late_s=40.0).arrived(90.0).late_s == 40.0  # early: on time
-    assert TryLedger(due_at=100.0, late_s=40.0).arrived(190.0) == TryLedger(late_s=90.0)
+    assert TryLedger(due_at=100.0, late=(40.0,)).arrived(90.0).late == (40.0, 0.0)  # early: on time
+    assert TryLedger(due_at=100.0, late=(40.0,)).arrived(190.0) == TryLedger(late=(40.0, 90.0))
     assert TryLedger.from_dict({"due_at": "soon", "late_s": float("nan")}) == TryLedger()
     assert TryLedger.from_dict({"due_at": True, "late_s": -5}) == TryLedger()
     assert TryLedger.from_dict({"late_s": 1e12}).late_s == MAX_LATE_S
