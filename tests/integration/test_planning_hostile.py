@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -696,13 +697,104 @@ def test_a_memory_budget_that_is_no_positive_integer_is_refused(tmp_path: Path, 
 
 def test_a_memory_budget_above_the_machine_s_memory_is_refused(tmp_path: Path) -> None:
     """Bug: accepted, and then no budget at all (the duplicate check never splits a partition):
-    a typo of a few zeros is now refused, naming the machine's memory."""
-    machine_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    _request(tmp_path / "input.jsonl", memory_budget_mb=machine_mb)
-    with pytest.raises(ConfigurationError, match=rf"is more than this machine's memory \({machine_mb} MB\)"):
-        _request(tmp_path / "input.jsonl", memory_budget_mb=machine_mb + 1)
-    with pytest.raises(ConfigurationError, match="more than this machine's memory"):
+    a typo of a few zeros is now refused, naming the bound (the machine's memory, or a smaller
+    cgroup limit where this runs in one: the tests below give each its own files)."""
+    bound_mb, bound = planning.memory_bound_mb()
+    _request(tmp_path / "input.jsonl", memory_budget_mb=bound_mb)
+    with pytest.raises(ConfigurationError, match=rf"is more than {re.escape(bound)} \({bound_mb} MB\)"):
+        _request(tmp_path / "input.jsonl", memory_budget_mb=bound_mb + 1)
+    with pytest.raises(ConfigurationError, match="is more than"):
         _request(tmp_path / "input.jsonl", memory_budget_mb=10**30)
+
+
+#: the machine's physical memory in MB, the bound where no cgroup limit is smaller
+MACHINE_MB = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def _fake_root(tmp_path: Path, membership: str, limits: dict[str, str]) -> Path:
+    """A file system root with ``/proc/self/cgroup`` and each of ``limits`` (path: content)."""
+    root = tmp_path / "root"
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(membership)
+    for name, value in limits.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(value + "\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("membership", "limits", "bound_mb", "bound"),
+    [
+        pytest.param(  # a Kubernetes pod with its own cgroup namespace: "/" is its cgroup
+            "0::/\n",
+            {"sys/fs/cgroup/memory.max": str(512 << 20)},
+            512,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory.max)",
+            id="v2",
+        ),
+        pytest.param(  # the tightest of the process's cgroup and those above it; "max" is none
+            "0::/kubepods/pod-a/ctr\n",
+            {
+                "sys/fs/cgroup/memory.max": "max",
+                "sys/fs/cgroup/kubepods/pod-a/memory.max": str(300 << 20),
+                "sys/fs/cgroup/kubepods/pod-a/ctr/memory.max": "max",
+            },
+            300,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/kubepods/pod-a/memory.max)",
+            id="v2-nested",
+        ),
+        pytest.param(  # v1 without a cgroup namespace: the path is not under the mount, its top is
+            "12:pids:/docker/c1\n4:memory:/docker/c1\n0::/\n",
+            {"sys/fs/cgroup/memory/memory.limit_in_bytes": str(256 << 20)},
+            256,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory/memory.limit_in_bytes)",
+            id="v1",
+        ),
+        pytest.param(  # v1 beside another controller; v1's "no limit" is a huge number
+            "4:cpu,memory:/batch\n",
+            {
+                "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+                "sys/fs/cgroup/memory/batch/memory.limit_in_bytes": str(200 << 20),
+            },
+            200,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory/batch/memory.limit_in_bytes)",
+            id="v1-nested",
+        ),
+        pytest.param(
+            "0::/\n", {"sys/fs/cgroup/memory.max": "max"}, MACHINE_MB, "this machine's memory", id="v2-none"
+        ),
+        pytest.param(
+            "4:memory:/\n",
+            {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712"},
+            MACHINE_MB,
+            "this machine's memory",
+            id="v1-none",
+        ),
+        pytest.param(  # a limit above the machine's memory: the machine's is the bound
+            "0::/\n",
+            {"sys/fs/cgroup/memory.max": str((MACHINE_MB + 1024) << 20)},
+            MACHINE_MB,
+            "this machine's memory",
+            id="limit-above-ram",
+        ),
+        pytest.param("", {}, MACHINE_MB, "this machine's memory", id="no-cgroup"),
+    ],
+)
+def test_a_memory_budget_above_the_cgroup_limit_is_refused_naming_it(
+    tmp_path: Path, membership: str, limits: dict[str, str], bound_mb: int, bound: str
+) -> None:
+    """Bug: only physical memory was read, so in a Kubernetes pod a budget above the pod's limit
+    was accepted and the out-of-memory killer ended the plan. Now the smaller of the two bounds,
+    named in the one line."""
+    root = _fake_root(tmp_path, membership, limits)
+    assert planning.memory_bound_mb(root) == (bound_mb, bound)
+    planning.check_memory_budget(bound_mb, root)
+    with pytest.raises(ConfigurationError) as refused:
+        planning.check_memory_budget(bound_mb + 1, root)
+    assert str(refused.value) == (
+        f"memory_budget_mb {bound_mb + 1} is more than {bound} ({bound_mb} MB): give at most that "
+        "(default 512)"
+    )
 
 
 @pytest.mark.parametrize("processes", [1, 3])
