@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -416,6 +417,99 @@ def test_a_scan_process_killed_between_rounds_fails_the_plan_naming_the_signal(t
         wait_for(lambda: dead.status() == psutil.STATUS_ZOMBIE, timeout_s=30, what="the child to die")
         with pytest.raises(RuntimeError, match=r"^a planning process \(getpid\) was killed by SIGKILL"):
             workers.map(os.getpid, [(), ()])
+
+
+def _stopped(proc: psutil.Process) -> bool:
+    return proc.status() == psutil.STATUS_STOPPED
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_scan_process_stopped_mid_scan_fails_the_plan_naming_it(tmp_path: Path, slow_input: Path) -> None:
+    """Bug: a scan process stopped with SIGSTOP neither answered nor died, and the plan waited for
+    it for ever. Now the plan fails in one line naming its PID and the fix, within a couple of
+    the wait's looks (a second each) of the stop; both scan processes are ended, the spill deleted,
+    no job."""
+    spill = tmp_path / "spill"
+    driver = _start_driver(tmp_path, spill, slow_input, processes=2)
+    try:
+        wait_for(lambda: _scanning(spill), timeout_s=60, what="both ranges being scanned")
+        children = _scan_processes_of(driver.pid)
+        assert len(children) == 2
+        children[1].send_signal(signal.SIGSTOP)
+        stdout, _ = driver.communicate(timeout=60)  # before: no end
+        assert driver.returncode == 1
+        error = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        driver.kill()
+        driver.wait()
+    assert error == {
+        "error": "RuntimeError",
+        "message": f"a planning process (_scan_part, PID {children[1].pid}) was stopped by a signal "
+        "(SIGSTOP or SIGTSTP) and would never finish, so the plan was ended: plan again and let its "
+        "processes run (kill -CONT resumes a stopped one)",
+    }
+    assert all(_gone(c.pid) for c in children)
+    assert list(spill.iterdir()) == []
+    assert _jobs(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_scan_process_stopped_between_rounds_fails_the_next_round(tmp_path: Path) -> None:
+    """Bug: as above, for a process stopped while idle (between the scan and the duplicate check)."""
+    from airflow_deadline_batch.service.processes import Processes
+
+    with Processes(2) as workers:
+        pids = workers.map(os.getpid, [(), ()])
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: _stopped(psutil.Process(pids[1])), timeout_s=30, what="the child to stop")
+        with pytest.raises(RuntimeError, match=rf"^a planning process \(getpid, PID {pids[1]}\) was stopped"):
+            workers.map(os.getpid, [(), ()])
+    assert _gone(pids[1]) and _gone(pids[0])
+
+
+def test_the_cli_suspended_and_resumed_with_its_scan_processes_plans_on(
+    tmp_path: Path, slow_input: Path
+) -> None:
+    """Held: the stop check fails only a child left stopped, not a job stopped and continued as a
+    whole (Ctrl-Z, then ``fg``: a stop, then SIGCONT, to the CLI's process group, the planner and its
+    scan processes) while they scan: the plan goes on to its report. SIGSTOP stands for a terminal's
+    SIGTSTP, which the kernel drops for a process group without one."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    boot = (
+        "import sys; from airflow_deadline_batch.service import planning; "
+        "planning.PARALLEL_MIN_BYTES = 1; "  # a process per core, whatever the input's size
+        "from airflow_deadline_batch.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    cli = subprocess.Popen(
+        [sys.executable, "-c", boot, "plan", str(slow_input), "--deadline", "+100h"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spill)},
+        cwd=tmp_path,
+        start_new_session=True,  # a process group of its own, as a shell's job
+    )
+    try:
+        wait_for(lambda: any(spill.glob("*/part-*/errors")), timeout_s=60, what="the scan to begin")
+        group = [psutil.Process(cli.pid), *_scan_processes_of(cli.pid)]
+        os.killpg(cli.pid, signal.SIGSTOP)
+        wait_for(lambda: all(_stopped(p) for p in group), timeout_s=30, what="the job to stop")
+        time.sleep(3)  # the case itself, not a wait: a job left stopped for longer than two looks
+        os.killpg(cli.pid, signal.SIGCONT)
+        stdout, stderr = cli.communicate(timeout=240)
+    finally:
+        cli.kill()
+        cli.wait()
+    assert cli.returncode == 0, stderr
+    assert "work: 1,600,000 valid records" in stdout
+    assert list(spill.iterdir()) == []
 
 
 # -- 3. the input changed under the plan ------------------------------------------------------------
