@@ -251,6 +251,8 @@ def _cgroup_memory_limit_files(root: Path) -> Iterator[Path]:
         else:
             continue
         parts = [part for part in own.strip().split("/") if part]
+        if ".." in parts:  # a cgroup outside this namespace's view: only the mount's top is read
+            parts = []
         for depth in range(len(parts), -1, -1):
             yield top.joinpath(*parts[:depth], name)
 

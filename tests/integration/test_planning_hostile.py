@@ -854,6 +854,13 @@ def _fake_root(tmp_path: Path, membership: str, limits: dict[str, str]) -> Path:
             "the memory limit of this process's cgroup (/sys/fs/cgroup/memory/batch/memory.limit_in_bytes)",
             id="v1-nested",
         ),
+        pytest.param(  # a path outside the namespace's view reads nothing above the mount
+            "0::/../../escape\n",
+            {"sys/fs/cgroup/memory.max": str(400 << 20), "sys/escape/memory.max": str(100 << 20)},
+            400,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory.max)",
+            id="v2-outside-namespace",
+        ),
         pytest.param(
             "0::/\n", {"sys/fs/cgroup/memory.max": "max"}, MACHINE_MB, "this machine's memory", id="v2-none"
         ),
