@@ -1,7 +1,8 @@
 """Provider registration: what Airflow's ProvidersManager learns about this package.
 
 Imported by Airflow at start-up through the ``apache_airflow_provider`` entry point, so it must stay
-cheap: plain literals only, no Airflow (or any heavy) import.
+cheap: plain literals and the option declarations (:mod:`airflow_deadline_batch.config`), no Airflow
+(or any heavy) import.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow_deadline_batch import __version__
+from airflow_deadline_batch.config import provider_config
 
 PACKAGE_NAME = "airflow-deadline-batch"
 INTEGRATION = "Deadline Batch"
@@ -77,4 +79,5 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "extra-links": ["airflow_deadline_batch.links.progress.DeadlineBatchProgressLink"],
         "notifications": ["airflow_deadline_batch.notifiers.deadline_risk.DeadlineRiskNotifier"],
+        "config": provider_config(),
     }

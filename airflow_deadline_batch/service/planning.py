@@ -172,11 +172,7 @@ class PlanRequest:
             raise ConfigurationError(
                 f"memory_budget_mb must be a positive integer, got {self.memory_budget_mb!r}"
             )
-        if self.memory_budget_mb > (machine_mb := _machine_memory_mb()):
-            raise ConfigurationError(
-                f"memory_budget_mb {self.memory_budget_mb} is more than this machine's memory "
-                f"({machine_mb} MB): give at most that (default {DEFAULT_MEMORY_BUDGET >> 20})"
-            )
+        check_memory_budget(self.memory_budget_mb)
         if self.scan_processes is not None and self.scan_processes < 1:
             raise ConfigurationError(f"scan_processes must be >= 1 or None, got {self.scan_processes}")
         if not 1 <= self.max_shards <= 100_000:
@@ -198,12 +194,67 @@ class PlanRequest:
         return (spot or list(self.pools))[0]
 
 
-def _machine_memory_mb() -> int:
-    """The machine's physical memory in MB (unbounded where the platform does not say)."""
+def check_memory_budget(budget_mb: int, root: Path = Path("/")) -> None:
+    """Refuse a memory budget above what this process may use (:func:`memory_bound_mb`), in one
+    line naming the bound that refused it. ``root``: as for :func:`memory_bound_mb`."""
+    bound_mb, bound = memory_bound_mb(root)
+    if budget_mb > bound_mb:
+        raise ConfigurationError(
+            f"memory_budget_mb {budget_mb} is more than {bound} ({bound_mb} MB): give at most that "
+            f"(default {DEFAULT_MEMORY_BUDGET >> 20})"
+        )
+
+
+def memory_bound_mb(root: Path = Path("/")) -> tuple[int, str]:
+    """The memory this process may use, in MB, and what bounds it, in words: the machine's physical
+    memory, or the tightest cgroup limit on the process where that is smaller (the one the kernel's
+    out-of-memory killer enforces in a container, a Kubernetes pod's ``resources.limits.memory``).
+
+    The limits read are those of the process's own cgroup (``/proc/self/cgroup``) and of each cgroup
+    above it: v2's ``memory.max`` (``max``: none) under ``/sys/fs/cgroup``, v1's
+    ``memory.limit_in_bytes`` (a huge value: none) under ``/sys/fs/cgroup/memory``. In a container
+    that sees only its own cgroup (a cgroup namespace) its path is ``/`` and the mount's top files
+    are its limits. ``root`` is the file system's root: a test's directory of fake files.
+    """
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    except (AttributeError, ValueError, OSError):
-        return 1 << 62
+        bound_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (AttributeError, ValueError, OSError):  # the platform does not say
+        bound_mb = 1 << 62
+    bound = "this machine's memory"
+    for path in _cgroup_memory_limit_files(root):
+        try:
+            value = path.read_text().strip()
+        except OSError:  # no such cgroup here (another namespace's path), or no v1/v2 controller
+            continue
+        if not value.isdigit():  # "max"
+            continue
+        if (limit_mb := int(value) >> 20) < bound_mb:
+            where = f"/{path.relative_to(root)}"
+            bound_mb, bound = limit_mb, f"the memory limit of this process's cgroup ({where})"
+    return bound_mb, bound
+
+
+def _cgroup_memory_limit_files(root: Path) -> Iterator[Path]:
+    """The memory-limit files of this process's cgroups and their ancestors (v2 and v1), whether or
+    not they exist."""
+    try:
+        membership = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:  # not Linux
+        return
+    for line in membership:  # "<id>:<controllers>:<path>"; v2's is "0::<path>"
+        _, _, rest = line.partition(":")
+        controllers, _, own = rest.partition(":")
+        if controllers == "":
+            top, name = root / "sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            top, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in own.strip().split("/") if part]
+        if ".." in parts:  # a cgroup outside this namespace's view: only the mount's top is read
+            parts = []
+        for depth in range(len(parts), -1, -1):
+            yield top.joinpath(*parts[:depth], name)
 
 
 @dataclass(frozen=True)

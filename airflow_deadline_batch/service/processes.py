@@ -43,6 +43,10 @@ _BOOT = (
 )
 _PR_SET_PDEATHSIG = 1
 
+#: seconds without a result after which the children owed one are checked for a stop (a look in
+#: ``/proc`` each): the pace of the check, not a time limit
+STOP_CHECK_S = 1.0
+
 #: a call's arguments, or a callable that returns them (computed once every child has started)
 Call = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
 
@@ -112,17 +116,30 @@ class Processes:
 
     def _results(self, children: list[tuple[subprocess.Popen[bytes], IO[bytes]]], name: str) -> list[Any]:
         """The children's results, read as each comes: a child that dies (or fails) is known at
-        once, not after the children before it have finished their calls."""
+        once, not after the children before it have finished their calls.
+
+        A child stopped by a signal (``kill -STOP``) neither answers nor dies, so the wait would
+        last for ever: when nothing has come for :data:`STOP_CHECK_S`, the children still owed a
+        result are looked up in ``/proc``, and one seen stopped at two such looks in a row fails
+        the call (:func:`_stopped`). No time limit: a child that runs is waited on however long."""
         results: list[Any] = [None] * len(children)
+        stopped: set[int] = set()  # children seen stopped at the last look
         with selectors.DefaultSelector() as waiting:  # not select(): descriptors may pass 1024
             for k, (child, _) in enumerate(children):
                 assert child.stdout is not None
                 waiting.register(child.stdout, selectors.EVENT_READ, k)
             while waiting.get_map():
-                for key, _ in waiting.select():  # a result's first bytes, or the end of the output
+                ready = waiting.select(STOP_CHECK_S)  # a result's first bytes, or the output's end
+                for key, _ in ready:
                     waiting.unregister(key.fileobj)
                     child, errors = children[key.data]
                     results[key.data] = self._result(child, errors, name)
+                if not ready:
+                    owed = [key.data for key in waiting.get_map().values()]
+                    seen = {k for k in owed if _state(children[k][0].pid) == "T"}
+                    if held := seen & stopped:
+                        raise _stopped(children[min(held)][0], name)
+                    stopped = seen
         return results
 
     @staticmethod
@@ -193,6 +210,31 @@ def _ended(child: subprocess.Popen[bytes], errors: IO[bytes], name: str) -> Runt
     else:
         how = f"exited {code}"
     return RuntimeError(f"a planning process ({name}) {how}\n{tail}".rstrip("\n"))
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from ``/proc/<pid>/stat`` (``T``: stopped by a signal; ``t``:
+    stopped by a debugger that traces it), or None where that cannot be read (not Linux, gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()  # after "<pid> (<name>)": a name may hold ") "
+    except OSError:
+        return None
+    return fields[0].decode() if fields else None
+
+
+def _stopped(child: subprocess.Popen[bytes], name: str) -> RuntimeError:
+    """The error for a child stopped by a signal: it would never answer, so the call ends.
+
+    Only ``T``: a stop by ``SIGSTOP`` (or ``SIGTSTP``, ``SIGTTIN``, ``SIGTTOU``) that nobody has
+    ended. A stop seen once may be a ``kill -CONT`` (the shell's ``fg`` after Ctrl-Z stopped the
+    planner with its children) on its way, so it takes two looks in a row; a debugger's stop
+    (``t``) is the debugger's to end, and is waited on."""
+    return RuntimeError(
+        f"a planning process ({name}, PID {child.pid}) was stopped by a signal (SIGSTOP or SIGTSTP) "
+        "and would never finish, so the plan was ended: plan again and let its processes run (kill "
+        "-CONT resumes a stopped one)"
+    )
 
 
 class _Raised:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -417,6 +419,99 @@ def test_a_scan_process_killed_between_rounds_fails_the_plan_naming_the_signal(t
             workers.map(os.getpid, [(), ()])
 
 
+def _stopped(proc: psutil.Process) -> bool:
+    return proc.status() == psutil.STATUS_STOPPED
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_scan_process_stopped_mid_scan_fails_the_plan_naming_it(tmp_path: Path, slow_input: Path) -> None:
+    """Bug: a scan process stopped with SIGSTOP neither answered nor died, and the plan waited for
+    it for ever. Now the plan fails in one line naming its PID and the fix, within a couple of
+    the wait's looks (a second each) of the stop; both scan processes are ended, the spill deleted,
+    no job."""
+    spill = tmp_path / "spill"
+    driver = _start_driver(tmp_path, spill, slow_input, processes=2)
+    try:
+        wait_for(lambda: _scanning(spill), timeout_s=60, what="both ranges being scanned")
+        children = _scan_processes_of(driver.pid)
+        assert len(children) == 2
+        children[1].send_signal(signal.SIGSTOP)
+        stdout, _ = driver.communicate(timeout=60)  # before: no end
+        assert driver.returncode == 1
+        error = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        driver.kill()
+        driver.wait()
+    assert error == {
+        "error": "RuntimeError",
+        "message": f"a planning process (_scan_part, PID {children[1].pid}) was stopped by a signal "
+        "(SIGSTOP or SIGTSTP) and would never finish, so the plan was ended: plan again and let its "
+        "processes run (kill -CONT resumes a stopped one)",
+    }
+    assert all(_gone(c.pid) for c in children)
+    assert list(spill.iterdir()) == []
+    assert _jobs(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_scan_process_stopped_between_rounds_fails_the_next_round(tmp_path: Path) -> None:
+    """Bug: as above, for a process stopped while idle (between the scan and the duplicate check)."""
+    from airflow_deadline_batch.service.processes import Processes
+
+    with Processes(2) as workers:
+        pids = workers.map(os.getpid, [(), ()])
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: _stopped(psutil.Process(pids[1])), timeout_s=30, what="the child to stop")
+        with pytest.raises(RuntimeError, match=rf"^a planning process \(getpid, PID {pids[1]}\) was stopped"):
+            workers.map(os.getpid, [(), ()])
+    assert _gone(pids[1]) and _gone(pids[0])
+
+
+def test_the_cli_suspended_and_resumed_with_its_scan_processes_plans_on(
+    tmp_path: Path, slow_input: Path
+) -> None:
+    """Held: the stop check fails only a child left stopped, not a job stopped and continued as a
+    whole (Ctrl-Z, then ``fg``: a stop, then SIGCONT, to the CLI's process group, the planner and its
+    scan processes) while they scan: the plan goes on to its report. SIGSTOP stands for a terminal's
+    SIGTSTP, which the kernel drops for a process group without one."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    boot = (
+        "import sys; from airflow_deadline_batch.service import planning; "
+        "planning.PARALLEL_MIN_BYTES = 1; "  # a process per core, whatever the input's size
+        "from airflow_deadline_batch.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    cli = subprocess.Popen(
+        [sys.executable, "-c", boot, "plan", str(slow_input), "--deadline", "+100h"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spill)},
+        cwd=tmp_path,
+        start_new_session=True,  # a process group of its own, as a shell's job
+    )
+    try:
+        wait_for(lambda: any(spill.glob("*/part-*/errors")), timeout_s=60, what="the scan to begin")
+        group = [psutil.Process(cli.pid), *_scan_processes_of(cli.pid)]
+        os.killpg(cli.pid, signal.SIGSTOP)
+        wait_for(lambda: all(_stopped(p) for p in group), timeout_s=30, what="the job to stop")
+        time.sleep(3)  # the case itself, not a wait: a job left stopped for longer than two looks
+        os.killpg(cli.pid, signal.SIGCONT)
+        stdout, stderr = cli.communicate(timeout=240)
+    finally:
+        cli.kill()
+        cli.wait()
+    assert cli.returncode == 0, stderr
+    assert "work: 1,600,000 valid records" in stdout
+    assert list(spill.iterdir()) == []
+
+
 # -- 3. the input changed under the plan ------------------------------------------------------------
 
 
@@ -696,13 +791,111 @@ def test_a_memory_budget_that_is_no_positive_integer_is_refused(tmp_path: Path, 
 
 def test_a_memory_budget_above_the_machine_s_memory_is_refused(tmp_path: Path) -> None:
     """Bug: accepted, and then no budget at all (the duplicate check never splits a partition):
-    a typo of a few zeros is now refused, naming the machine's memory."""
-    machine_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
-    _request(tmp_path / "input.jsonl", memory_budget_mb=machine_mb)
-    with pytest.raises(ConfigurationError, match=rf"is more than this machine's memory \({machine_mb} MB\)"):
-        _request(tmp_path / "input.jsonl", memory_budget_mb=machine_mb + 1)
-    with pytest.raises(ConfigurationError, match="more than this machine's memory"):
+    a typo of a few zeros is now refused, naming the bound (the machine's memory, or a smaller
+    cgroup limit where this runs in one: the tests below give each its own files)."""
+    bound_mb, bound = planning.memory_bound_mb()
+    _request(tmp_path / "input.jsonl", memory_budget_mb=bound_mb)
+    with pytest.raises(ConfigurationError, match=rf"is more than {re.escape(bound)} \({bound_mb} MB\)"):
+        _request(tmp_path / "input.jsonl", memory_budget_mb=bound_mb + 1)
+    with pytest.raises(ConfigurationError, match="is more than"):
         _request(tmp_path / "input.jsonl", memory_budget_mb=10**30)
+
+
+#: the machine's physical memory in MB, the bound where no cgroup limit is smaller
+MACHINE_MB = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+def _fake_root(tmp_path: Path, membership: str, limits: dict[str, str]) -> Path:
+    """A file system root with ``/proc/self/cgroup`` and each of ``limits`` (path: content)."""
+    root = tmp_path / "root"
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text(membership)
+    for name, value in limits.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(value + "\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("membership", "limits", "bound_mb", "bound"),
+    [
+        pytest.param(  # a Kubernetes pod with its own cgroup namespace: "/" is its cgroup
+            "0::/\n",
+            {"sys/fs/cgroup/memory.max": str(512 << 20)},
+            512,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory.max)",
+            id="v2",
+        ),
+        pytest.param(  # the tightest of the process's cgroup and those above it; "max" is none
+            "0::/kubepods/pod-a/ctr\n",
+            {
+                "sys/fs/cgroup/memory.max": "max",
+                "sys/fs/cgroup/kubepods/pod-a/memory.max": str(300 << 20),
+                "sys/fs/cgroup/kubepods/pod-a/ctr/memory.max": "max",
+            },
+            300,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/kubepods/pod-a/memory.max)",
+            id="v2-nested",
+        ),
+        pytest.param(  # v1 without a cgroup namespace: the path is not under the mount, its top is
+            "12:pids:/docker/c1\n4:memory:/docker/c1\n0::/\n",
+            {"sys/fs/cgroup/memory/memory.limit_in_bytes": str(256 << 20)},
+            256,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory/memory.limit_in_bytes)",
+            id="v1",
+        ),
+        pytest.param(  # v1 beside another controller; v1's "no limit" is a huge number
+            "4:cpu,memory:/batch\n",
+            {
+                "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712",
+                "sys/fs/cgroup/memory/batch/memory.limit_in_bytes": str(200 << 20),
+            },
+            200,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory/batch/memory.limit_in_bytes)",
+            id="v1-nested",
+        ),
+        pytest.param(  # a path outside the namespace's view reads nothing above the mount
+            "0::/../../escape\n",
+            {"sys/fs/cgroup/memory.max": str(400 << 20), "sys/escape/memory.max": str(100 << 20)},
+            400,
+            "the memory limit of this process's cgroup (/sys/fs/cgroup/memory.max)",
+            id="v2-outside-namespace",
+        ),
+        pytest.param(
+            "0::/\n", {"sys/fs/cgroup/memory.max": "max"}, MACHINE_MB, "this machine's memory", id="v2-none"
+        ),
+        pytest.param(
+            "4:memory:/\n",
+            {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712"},
+            MACHINE_MB,
+            "this machine's memory",
+            id="v1-none",
+        ),
+        pytest.param(  # a limit above the machine's memory: the machine's is the bound
+            "0::/\n",
+            {"sys/fs/cgroup/memory.max": str((MACHINE_MB + 1024) << 20)},
+            MACHINE_MB,
+            "this machine's memory",
+            id="limit-above-ram",
+        ),
+        pytest.param("", {}, MACHINE_MB, "this machine's memory", id="no-cgroup"),
+    ],
+)
+def test_a_memory_budget_above_the_cgroup_limit_is_refused_naming_it(
+    tmp_path: Path, membership: str, limits: dict[str, str], bound_mb: int, bound: str
+) -> None:
+    """Bug: only physical memory was read, so in a Kubernetes pod a budget above the pod's limit
+    was accepted and the out-of-memory killer ended the plan. Now the smaller of the two bounds,
+    named in the one line."""
+    root = _fake_root(tmp_path, membership, limits)
+    assert planning.memory_bound_mb(root) == (bound_mb, bound)
+    planning.check_memory_budget(bound_mb, root)
+    with pytest.raises(ConfigurationError) as refused:
+        planning.check_memory_budget(bound_mb + 1, root)
+    assert str(refused.value) == (
+        f"memory_budget_mb {bound_mb + 1} is more than {bound} ({bound_mb} MB): give at most that "
+        "(default 512)"
+    )
 
 
 @pytest.mark.parametrize("processes", [1, 3])
