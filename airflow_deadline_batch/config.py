@@ -15,9 +15,12 @@ from typing import Any
 
 from airflow_deadline_batch.core.failures import MAX_RESUME_DELAY_S, MIN_RESUME_DELAY_S, SCHEDULER_LATENCY_S
 
-__all__ = ["OPTIONS", "SECTION", "Option", "provider_config"]
+__all__ = ["DEFAULT_BATCH_DAG_ID", "DEFAULT_PLAN_TASK_ID", "OPTIONS", "SECTION", "Option", "provider_config"]
 
 SECTION = "deadline_batch"
+#: the DAG the OpenAI Batch API runs a batch as, and its plan task (``api.openai_batches``)
+DEFAULT_BATCH_DAG_ID = "example_deadline_batch_local"
+DEFAULT_PLAN_TASK_ID = "plan"
 #: the provider version that declared the options (each existed since it)
 _FIRST_VERSION = "0.1.0"
 
@@ -96,9 +99,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "batch_dag_id",
         "string",
-        # the Batch API's default (api.openai_batches.DEFAULT_BATCH_DAG_ID, which imports FastAPI:
-        # not imported here); tests/unit/test_provider_config.py holds the two equal
-        "example_deadline_batch_local",
+        DEFAULT_BATCH_DAG_ID,
         "The DAG each Batch API batch runs: it must accept the params ``input_uri``, ``output_uri`` "
         "and ``deadline`` and plan with ``DeadlineBatchOperator``.\n",
         example="nightly_batch",
@@ -107,7 +108,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "batch_plan_task_id",
         "string",
-        "plan",  # api.openai_batches.DEFAULT_PLAN_TASK_ID, as above
+        DEFAULT_PLAN_TASK_ID,
         "The task ID of that DAG's ``DeadlineBatchOperator``: a batch's job is the one with "
         "idempotency key ``{dag_id}/{run_id}/{task_id}``.\n",
         env="ADB_BATCH_PLAN_TASK_ID",

@@ -48,6 +48,7 @@ from airflow_deadline_batch.api.status import (
     UNFINISHED_JOB_STATES,
     batch_status,
 )
+from airflow_deadline_batch.config import DEFAULT_BATCH_DAG_ID, DEFAULT_PLAN_TASK_ID
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.storage.base import ObjectStorage
@@ -56,8 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 UTC = dt.timezone.utc
 
-DEFAULT_BATCH_DAG_ID = "example_deadline_batch_local"
-DEFAULT_PLAN_TASK_ID = "plan"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 #: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
 _WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
@@ -104,7 +103,9 @@ def batch_dag_id() -> str:
 
 
 def plan_task_id() -> str:
-    return _setting("ADB_BATCH_PLAN_TASK_ID", "batch_plan_task_id", DEFAULT_PLAN_TASK_ID) or "plan"
+    return (
+        _setting("ADB_BATCH_PLAN_TASK_ID", "batch_plan_task_id", DEFAULT_PLAN_TASK_ID) or DEFAULT_PLAN_TASK_ID
+    )
 
 
 @functools.lru_cache(maxsize=4)

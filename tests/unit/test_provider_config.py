@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import airflow_deadline_batch
-from airflow_deadline_batch.config import OPTIONS, SECTION
+from airflow_deadline_batch.config import DEFAULT_BATCH_DAG_ID, DEFAULT_PLAN_TASK_ID, OPTIONS, SECTION
 from airflow_deadline_batch.core.failures import (
     MIN_RESUME_DELAY_S,
     SCHEDULER_LATENCY_S,
@@ -36,8 +36,6 @@ def _airflow(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_airflow_config_get_value_gives_each_option_s_default(tmp_path: Path) -> None:
     """Bug: ``airflow config get-value deadline_batch scheduler_latency_s`` printed nothing (the
     options were not declared). Now each option with a default gives it, and it is the code's."""
-    from airflow_deadline_batch.api.openai_batches import DEFAULT_BATCH_DAG_ID, DEFAULT_PLAN_TASK_ID
-
     expected = {
         "min_resume_delay_s": MIN_RESUME_DELAY_S,
         "scheduler_latency_s": SCHEDULER_LATENCY_S,
