@@ -25,17 +25,20 @@ import msgspec
 import pytest
 import structlog
 from airflow.jobs.triggerer_job_runner import TriggerCommsDecoder, TriggerRunner
+from airflow.sdk.exceptions import AirflowFailException
 from airflow.sdk.execution_time import task_runner
 from airflow.sdk.execution_time.comms import DagRunStateResult, _RequestFrame, _ResponseFrame
 from structlog.testing import capture_logs
 
 from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.sensors.completeness import CompletenessSensor
 from airflow_deadline_batch.storage import open_storage
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.triggers.completeness import CompletenessTrigger
 from tests.helpers.messy_job import build_messy_job
 from tests.helpers.outcomes import read_manifest, read_outcomes
 from tests.helpers.waiting import wait_for
+from tests.integration.test_airflow_connections import Run
 
 pytestmark = pytest.mark.integration
 WAIT_S = 60.0
@@ -207,3 +210,19 @@ def test_a_run_that_did_not_fail_leaves_the_job_running(
     assert line["trigger_id"] == TRIGGER_ID
     job = store.get_job(job_id)
     assert job.state is JobState.RUNNING and job.manifest_uri is None and job.error is None
+
+
+def test_a_cancelled_job_left_unpublished_is_published_by_the_sensors_next_try(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """The recovery docs/airflow.md names when ``on_kill`` could not publish (storage down past
+    its retries, the triggerer stopped): clearing the sensor. Its next try publishes the
+    cancelled manifest, then fails saying the job was cancelled."""
+    job_id = build_messy_job(store, tmp_path)
+    store.cancel_job(job_id, reason=f"its DAG run {DAG_ID}/{RUN_ID} failed")
+    sensor = CompletenessSensor(task_id="verify", job_id=job_id, store_url=store.url)
+    with pytest.raises(AirflowFailException, match=f"job {job_id} ended cancelled; its manifest "):
+        sensor.execute(Run().context("verify"))
+    job = store.get_job(job_id)
+    assert job.state is JobState.CANCELLED and job.manifest_uri
+    assert len(read_outcomes(read_manifest(job.manifest_uri))) == job.input_lines
