@@ -16,6 +16,7 @@ import contextlib
 import shutil
 import socket
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +87,12 @@ def store(tmp_path: Path) -> Iterator[ManifestStore]:
         s.close()
 
 
+@pytest.fixture(autouse=True)
+def supervisor_comms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The task SDK's channel to the supervisor, which each test sets, is put back afterwards."""
+    monkeypatch.setattr(task_runner, "SUPERVISOR_COMMS", None, raising=False)
+
+
 @pytest.fixture()
 def logs() -> Iterator[list[dict[str, Any]]]:
     """Every structlog event, with the context variables the triggerer routes a line by."""
@@ -119,12 +126,14 @@ async def kill_in_the_runner(
     runner = TriggerRunner()
     task = asyncio.create_task(runner.run_trigger(TRIGGER_ID, trigger))
     runner.triggers[TRIGGER_ID] = {"task": task, "name": "verify", "events": 0, "is_watcher": False}
+    started = time.monotonic()
     while not said(logs, "trigger verify starting"):  # then it waits: its first poll is an hour away
+        assert time.monotonic() - started < WAIT_S, "the trigger did not start"
         await asyncio.sleep(0.01)
     runner.to_cancel.append(TRIGGER_ID)
     await runner.cancel_triggers()
     if cancel_again:
-        await asyncio.to_thread(supervisor.asked.wait, WAIT_S)
+        assert await asyncio.to_thread(supervisor.asked.wait, WAIT_S), "on_kill did not ask the run's state"
         runner.to_cancel.append(TRIGGER_ID)
         await runner.cancel_triggers()
     supervisor.answer.set()
@@ -133,6 +142,10 @@ async def kill_in_the_runner(
     assert task.cancelled() and (await runner.cleanup_finished_triggers()) == [TRIGGER_ID]
     comms._reader_task.cancel()
     writer.close()
+    await writer.wait_closed()
+    await asyncio.to_thread(supervisor.thread.join, WAIT_S)  # it reads the end of the stream
+    assert not supervisor.thread.is_alive()
+    supervisor.sock.close()
 
 
 def make_trigger(store: ManifestStore, job_id: str) -> CompletenessTrigger:
