@@ -320,7 +320,9 @@ class CompletenessTrigger(BaseTrigger):
                 with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits
                     loop.call_soon_threadsafe(_resolve, ended)
 
-        # the thread logs with the trigger's context (its ID routes the lines to the trigger's log)
+        # the thread logs with the trigger's context (its ID routes the lines to the trigger's log);
+        # a daemon, so a stopping triggerer never hangs on it: a job it leaves cancelled without a
+        # manifest is published by `deadline-batch cancel` or the sensor's next try (docs/airflow.md)
         context = contextvars.copy_context()
         threading.Thread(target=context.run, args=(work,), name=f"cancel-{self.job_id}", daemon=True).start()
         try:
