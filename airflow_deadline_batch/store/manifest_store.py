@@ -500,14 +500,17 @@ class ManifestStore:
 
         return self._tx(change)
 
-    def cancel_job(self, job_id: str) -> JobRow:
-        """Cancel the job; live leases then fail on their next heartbeat or commit."""
+    def cancel_job(self, job_id: str, *, reason: str | None = None) -> JobRow:
+        """Cancel the job; live leases then fail on their next heartbeat or commit.
+
+        ``reason`` (why, who asked) becomes the job's ``error``, which progress and status show.
+        """
 
         def cancel(conn: Connection) -> JobRow:
             job = self._job(conn, job_id, lock=True)
             if job.state is JobState.CANCELLED:
                 return job
-            return self._set_job_state(conn, job, JobState.CANCELLED)
+            return self._set_job_state(conn, job, JobState.CANCELLED, error=reason)
 
         return self._tx(cancel)
 

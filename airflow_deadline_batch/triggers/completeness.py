@@ -8,14 +8,17 @@ becomes an ``error`` event so the sensor can report it instead of the triggerer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import datetime as dt
 import enum
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from tenacity import RetryCallState, Retrying, stop_after_attempt, wait_exponential
 
 from airflow_deadline_batch.core.clock import UTC, ensure_aware
 from airflow_deadline_batch.core.job_view import JobView, is_stopped
@@ -24,6 +27,8 @@ from airflow_deadline_batch.metrics import emit_view
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import ManifestStore
+
+_T = TypeVar("_T")
 
 
 class CompletenessStatus(str, enum.Enum):
@@ -292,12 +297,50 @@ class CompletenessTrigger(BaseTrigger):
         away. The job then stops leasing, its running attempts are fenced (their next heartbeat
         or commit is refused, so they stop) and its ``cancelled`` manifest is published: every
         committed outcome, ``cancelled`` for every other record.
+
+        The work runs in a thread of its own, started before the first ``await``: Airflow 3.3's
+        triggerer cancels the trigger again at each of its loops (about every second) until it
+        has ended, and the second cancel ends ``on_kill`` wherever it waits. An ``await`` on the
+        DAG run's state or on the publication was cut short there, so a loaded triggerer could
+        leave a failed run's job running, or cancelled without its manifest, and log nothing.
+        Here a cancelled ``on_kill`` only stops waiting: the thread finishes the cancellation and
+        logs its outcome (in the trigger's log while Airflow keeps it open, in the triggerer's
+        log after that).
         """
         ti = self.task_instance
         if ti is None:
             return
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def work() -> None:
+            try:
+                self._cancel_if_run_failed(ti.dag_id, ti.run_id)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits
+                    loop.call_soon_threadsafe(_resolve, ended)
+
+        # the thread logs with the trigger's context (its ID routes the lines to the trigger's log);
+        # a daemon, so a stopping triggerer never hangs on it: a job it leaves cancelled without a
+        # manifest is published by `deadline-batch cancel` or the sensor's next try (docs/airflow.md)
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(work,), name=f"cancel-{self.job_id}", daemon=True).start()
         try:
-            state = await asyncio.to_thread(_dag_run_state, ti.dag_id, ti.run_id)
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            self.log.info(
+                "job %s: Airflow stopped waiting for on_kill; the cancellation goes on", self.job_id
+            )
+            raise
+
+    def _cancel_if_run_failed(self, dag_id: str, run_id: str) -> None:
+        """Cancel the job and publish its manifest if the DAG run failed; log what was done.
+
+        Each step is retried (:data:`_ON_KILL_RETRIES`): a store, S3 or triggerer hiccup must not
+        leave a failed run's job running, or cancelled without its manifest.
+        """
+        try:
+            state = self._retrying("asking the DAG run's state", lambda: _dag_run_state(dag_id, run_id))
         except Exception as exc:  # never raise from on_kill: say why nothing was cancelled
             self.log.warning("job %s: not cancelled; the DAG run's state is unknown: %s", self.job_id, exc)
             return
@@ -305,21 +348,46 @@ class CompletenessTrigger(BaseTrigger):
             self.log.info("job %s: left running (the DAG run is %s, not failed)", self.job_id, state)
             return
         try:
-            manifest = await asyncio.to_thread(self._cancel_and_publish)
+            store = self._retrying("opening the store", self._open_store)
+            reason = f"its DAG run {dag_id}/{run_id} failed"
+            self._retrying("cancelling", lambda: store.cancel_job(self.job_id, reason=reason))
         except Exception as exc:
-            self.log.warning("job %s: cancelling after its DAG run failed did not end: %s", self.job_id, exc)
+            self.log.error("job %s: not cancelled after its DAG run failed: %s", self.job_id, exc)
+            return
+        try:
+            manifest = self._retrying("publishing the cancelled manifest", lambda: self._publish(store))
+        except Exception as exc:
+            self.log.error(
+                "job %s cancelled (its DAG run failed), but its manifest was not published: %s; publish "
+                "it with `deadline-batch cancel %s` or by clearing the sensor",
+                self.job_id,
+                exc,
+                self.job_id,
+            )
             return
         self.log.info("job %s cancelled (its DAG run failed); manifest %s", self.job_id, manifest)
 
-    def _cancel_and_publish(self) -> str | None:
+    def _retrying(self, what: str, step: Callable[[], _T]) -> _T:
+        """``step()``, tried again (:data:`_ON_KILL_RETRIES`) while it raises, each failure logged."""
+
+        def say(retry: RetryCallState) -> None:
+            wait = retry.next_action.sleep if retry.next_action else 0.0
+            exc = retry.outcome.exception() if retry.outcome else None
+            self.log.warning("job %s: %s failed: %s; trying again in %.0f s", self.job_id, what, exc, wait)
+
+        return Retrying(**_ON_KILL_RETRIES, before_sleep=say)(step)
+
+    def _publish(self, store: ManifestStore) -> str:
+        """Publish the cancelled job's manifest; its URI (an error if finalization published none)."""
         from airflow_deadline_batch.hooks.s3 import connection_s3
         from airflow_deadline_batch.service.finalize import finalize_job
 
-        store = self._open_store()
-        store.cancel_job(self.job_id)
         # S3 clients are routed process-wide (storage.s3.use_client): one finalization at a time
         with _PUBLISHING, connection_s3(self.aws_conn_id):
-            return finalize_job(store, self.job_id).manifest_uri
+            result = finalize_job(store, self.job_id)
+        if result.manifest_uri is None:
+            raise RuntimeError(f"the job is {result.state.value} and unpublished: {result.report.summary()}")
+        return result.manifest_uri
 
 
 #: serialises :meth:`CompletenessTrigger.on_kill` publications in the triggerer (see there)
@@ -332,3 +400,16 @@ def _dag_run_state(dag_id: str, run_id: str) -> str:
 
     state = RuntimeTaskInstance.get_dagrun_state(dag_id=dag_id, run_id=run_id)
     return str(getattr(state, "value", state))  # a DagRunState (a str enum) or its value
+
+
+#: how :meth:`CompletenessTrigger.on_kill` retries each of its steps: 5 tries over about 30 s
+_ON_KILL_RETRIES: dict[str, Any] = {
+    "stop": stop_after_attempt(5),
+    "wait": wait_exponential(multiplier=2, max=16),
+    "reraise": True,
+}
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

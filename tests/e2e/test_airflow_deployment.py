@@ -132,8 +132,9 @@ def deployment(
 
 def keep_post_mortem(setup: Deployment, folder: Path) -> None:
     """Keep what a flaky run's post-mortem needs and teardown destroys: every pod the loopback API
-    ran (its last status, its events, its output) and every attempt in the store, written next to
-    the Airflow logs (``--basetemp`` keeps them); the databases and the pods' output go at teardown.
+    ran (its last status, its events, its output), every job (its state, error and manifest) and
+    attempt in the store, written next to the Airflow logs (``--basetemp`` keeps them); the
+    databases and the pods' output go at teardown.
     """
     folder.mkdir(exist_ok=True)
     api = setup.cluster.api
@@ -153,13 +154,13 @@ def keep_post_mortem(setup: Deployment, folder: Path) -> None:
     with contextlib.suppress(Exception):
         store = ManifestStore.open(setup.store_url)
         try:
-            rows = [
-                dataclasses.asdict(a)
-                for job in store.list_jobs(limit=10)
-                for a in store.list_attempts(job.job_id)
-            ]
+            jobs = store.list_jobs(limit=10)
+            rows = [dataclasses.asdict(a) for job in jobs for a in store.list_attempts(job.job_id)]
         finally:
             store.close()
+        (folder / "jobs.json").write_text(
+            json.dumps([dataclasses.asdict(j) for j in jobs], indent=1, default=str)
+        )
         (folder / "attempts.json").write_text(json.dumps(rows, indent=1, default=str))
 
 
@@ -343,7 +344,7 @@ def test_failing_the_kubernetes_run_cancels_the_job(deployment: Deployment, s3_c
                 timeout_s=120,
                 what="the cancelled manifest",
             )
-            assert job.state.value == "cancelled"
+            assert job.state.value == "cancelled" and job.error == f"its DAG run {K8S_DAG_ID}/{run_id} failed"
             report = verify_job(store, job_id)
             assert report.complete, report.summary()
         finally:
