@@ -183,12 +183,20 @@ class ShardPodTrigger(KubernetesPodTrigger):
                 )
 
     async def on_kill(self) -> None:
-        """Delete the pod (the provider's), and this try's racer pod if it has one."""
-        await super().on_kill()
+        """Delete the pod (the provider's), and this try's racer pod if it has one.
+
+        Both deletions are asked at once and shielded: Airflow 3.3's triggerer cancels a cancelled
+        trigger again at each of its loops until it has ended, and that second cancel, arriving while
+        ``on_kill`` waited on the first deletion, left the racer pod running (holding its GPU).
+        """
         race = self.trigger_kwargs.get(RACE_KEY)
         racer = race.get("racer") if isinstance(race, dict) and not race.get("promoted") else None
-        if not racer or self._fired_event:
-            return
+        deletions = [super().on_kill()]
+        if racer and not self._fired_event:
+            deletions.append(self._delete_racer(racer))
+        await asyncio.shield(asyncio.gather(*deletions))
+
+    async def _delete_racer(self, racer: str) -> None:
         self.log.info("Deleting racer pod %s in namespace %s.", racer, self.pod_namespace)
         try:
             await self.hook.delete_pod(

@@ -365,6 +365,32 @@ def test_killing_a_deferred_racing_try_deletes_both_its_pods(
     assert racer["metadata"]["name"] in {p["metadata"]["name"] for p in api.created_pods}
 
 
+def test_killing_a_deferred_racing_try_deletes_both_pods_though_airflow_cancels_on_kill_again(
+    racing_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
+) -> None:
+    """Airflow 3.3's triggerer cancels a cancelled trigger again at each of its loops until it has
+    ended, so ``on_kill`` is itself cancelled as soon as it waits. Before, it waited on the Spot
+    pod's deletion before asking for the racer's, and the racer pod kept running."""
+    api, ns = racing_k8s.api, racing_k8s.namespace
+    store_secret(racing_k8s, tail.job.store_url)
+    _, deferred, racer, _ = start_race(racing_k8s, tail, tmp_path / "stalled", racer_env={})
+    trigger = ShardPodTrigger(**deferred.trigger.serialize()[1])
+
+    async def killed_and_cancelled_again() -> None:
+        kill = asyncio.ensure_future(trigger.on_kill())
+        await asyncio.sleep(0)  # one loop turn: on_kill runs to its first wait (no time passes)
+        kill.cancel("__airflow_user_action__")  # the triggerer's next loop
+        with pytest.raises(asyncio.CancelledError):
+            await kill
+        # the triggerer's event loop goes on running: so does this one while the pods go
+        for pod in api.created_pods:
+            await asyncio.to_thread(api.wait_for_deletion, ns, pod["metadata"]["name"], timeout_s=WAIT_S)
+
+    asyncio.run(killed_and_cancelled_again())
+    assert len(api.created_pods) == 2 and no_pod_left(api, ns)
+    assert racer["metadata"]["name"] in {p["metadata"]["name"] for p in api.created_pods}
+
+
 def test_a_deferred_try_whose_spot_pod_is_reclaimed_waits_for_its_racer_in_the_triggerer(
     racing_k8s: LoopbackCluster, tail: Tail, tmp_path: Path
 ) -> None:
