@@ -147,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="only stop the job; whoever finalizes it (the runner, the sensor) publishes",
             )
+            p.add_argument(
+                "--reason",
+                default=None,
+                help="why, kept as the job's error (status and the UI show it); default: who, where",
+            )
     _add_tenant_parsers(sub)
     export = sub.add_parser(
         "export", help="write a published job's outcomes as OpenAI Batch output, error and retry files"
@@ -917,7 +922,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.finalize import finalize_job
 
     store = _open_store(args)
-    job = store.cancel_job(args.job_id)
+    job = store.cancel_job(args.job_id, reason=args.reason or _cancelled_by())
     stopped = f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit"
     if args.no_publish:
         _emit(args, {"job_id": job.job_id, "state": job.state.value, "manifest": None}, stopped)
@@ -933,6 +938,18 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
     _emit(args, payload, f"{stopped}\nmanifest: {result.manifest_uri or 'not published'} ({counts})")
     return EXIT_OK if result.manifest_uri else EXIT_INCOMPLETE
+
+
+def _cancelled_by() -> str:
+    """The default reason of ``deadline-batch cancel``: who ran it, on which machine."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this UID (a container's arbitrary user)
+        user = f"uid {os.getuid()}"
+    return f"cancelled with deadline-batch cancel by {user} on {socket.gethostname()}"
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -621,6 +621,9 @@ def test_cancel_of_an_orphaned_job_publishes_its_cancelled_manifest(tmp_path: Pa
     assert sum(1 for r in outcomes.values() if r["status"] == "cancelled") == result["outcomes"]["cancelled"]
     verify = run_cli("verify", job_id, "--store", store_url, "--json", cwd=tmp_path)
     assert verify.json()["published"] is True and verify.json()["manifest"] == result["manifest"]
+    # who cancelled it is the job's error, which status shows
+    status = run_cli("status", job_id, "--store", store_url, cwd=tmp_path)
+    assert "stopped because: cancelled with deadline-batch cancel by " in status.stdout, status.describe()
     # cancelling again is a no-op that answers the same manifest
     again = run_cli("cancel", job_id, "--store", store_url, "--json", cwd=tmp_path)
     assert again.code == 0 and again.json()["manifest"] == result["manifest"]
