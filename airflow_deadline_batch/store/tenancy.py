@@ -103,11 +103,18 @@ def read_snapshot(conn: Connection, tenant: str, now: dt.datetime) -> TenancySna
     held = tuple(_held_work(conn, now)) if capacity else ()
     period: tuple[JobCost, ...] = ()
     if quota is not None and quota.budget is not None and quota.budget_period_s:
-        since = now - dt.timedelta(seconds=quota.budget_period_s)
-        period = tuple(_period_jobs(conn, tenant, since))
+        period = tuple(_period_jobs(conn, tenant, _period_start(now, quota.budget_period_s)))
     return TenancySnapshot(
         now=now, tenant=tenant, capacity=capacity, quota=quota, held=held, period_jobs=period
     )
+
+
+def _period_start(now: dt.datetime, period_s: float) -> dt.datetime:
+    """``now - period_s``; a period reaching back before the calendar begins counts every job."""
+    try:
+        return now - dt.timedelta(seconds=period_s)
+    except OverflowError:
+        return dt.datetime.min.replace(tzinfo=dt.timezone.utc)
 
 
 def _held_work(conn: Connection, now: dt.datetime) -> Iterable[HeldWork]:

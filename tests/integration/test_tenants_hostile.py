@@ -1,0 +1,34 @@
+"""A hostile tenant: budgets reaching back past the calendar, cancelled jobs, absurd limits, a huge ledger."""
+
+from __future__ import annotations
+
+import datetime as dt
+import gc
+import tracemalloc
+from pathlib import Path
+
+import orjson
+import pytest
+import sqlalchemy as sa
+
+from airflow_deadline_batch.cli import main
+from airflow_deadline_batch.service.finalize import finalize_job
+from airflow_deadline_batch.service.planning import plan_job
+from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
+from airflow_deadline_batch.store.schema import usage
+from tests.integration.test_shared_admission import _rejected, _request
+
+pytestmark = pytest.mark.integration
+UTC = dt.timezone.utc
+
+
+def test_a_budget_period_longer_than_the_calendar_counts_every_job(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """`quota set --period +1000000d` is accepted; admission used to raise OverflowError for every job."""
+    first = plan_job(store, _request(tmp_path, "ads"))
+    cost = float(first.report.chosen.cost_units)  # type: ignore[union-attr]
+    store.set_quota(TenantQuotaRow(tenant="ads", budget=cost * 2.5, budget_period_s=1e6 * 86400))
+    assert plan_job(store, _request(tmp_path, "ads")).created
+    refused = _rejected(store, _request(tmp_path, "ads"))
+    assert f"{2 * cost:.2f} spent or reserved" in refused.message
