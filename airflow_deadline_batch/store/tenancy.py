@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.job_view import build_job_view, shard_done_fraction
-from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.core.states import TERMINAL_JOB_STATES, JobState, ShardState
 from airflow_deadline_batch.store.leases import attempt_pool
 from airflow_deadline_batch.store.rows import (
     CommitRow,
@@ -28,6 +28,7 @@ from airflow_deadline_batch.store.rows import (
     UsageRow,
 )
 from airflow_deadline_batch.store.schema import (
+    attempts,
     commits,
     db_epoch,
     jobs,
@@ -65,7 +66,8 @@ class HeldWork:
 
 @dataclass(frozen=True, kw_only=True)
 class JobCost:
-    """A tenant's job in the budget period: its projected cost, and its settled cost once settled."""
+    """A tenant's job in the budget period: its projected cost, and its settled cost once settled
+    (0 once it finished without any attempt: nothing ran, so the ledger has no row of it)."""
 
     job_id: str
     admission: Mapping[str, Any] | None
@@ -174,8 +176,9 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
     settled = (
         sa.select(usage.c.job_id, sa.func.sum(usage.c.cost).label("cost")).group_by(usage.c.job_id).subquery()
     )
+    ran = sa.exists().where(attempts.c.job_id == jobs.c.job_id)
     query = (
-        sa.select(jobs.c.job_id, jobs.c.admission, settled.c.cost)
+        sa.select(jobs.c.job_id, jobs.c.admission, jobs.c.state, settled.c.cost, ran.label("ran"))
         .select_from(jobs.outerjoin(settled, settled.c.job_id == jobs.c.job_id))
         .where(
             jobs.c.tenant == tenant,
@@ -183,12 +186,12 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
             jobs.c.state != JobState.REJECTED.value,
         )
     )
+    finished = {s.value for s in TERMINAL_JOB_STATES}
     for row in conn.execute(query):
-        yield JobCost(
-            job_id=row.job_id,
-            admission=row.admission,
-            settled_cost=None if row.cost is None else float(row.cost),
-        )
+        cost = None if row.cost is None else float(row.cost)
+        if cost is None and row.state in finished and not row.ran:
+            cost = 0.0  # finished before any attempt (cancelled while it waited): it spent nothing
+        yield JobCost(job_id=row.job_id, admission=row.admission, settled_cost=cost)
 
 
 def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[tuple[str, Any]]:

@@ -32,3 +32,21 @@ def test_a_budget_period_longer_than_the_calendar_counts_every_job(
     assert plan_job(store, _request(tmp_path, "ads")).created
     refused = _rejected(store, _request(tmp_path, "ads"))
     assert f"{2 * cost:.2f} spent or reserved" in refused.message
+
+
+def test_a_job_cancelled_before_it_ran_charges_nothing_to_the_budget(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Finalized without an attempt, it has no ledger row: it was charged its projected cost until the
+    period rolled, so the tenant could not resubmit the job it had just cancelled."""
+    first = plan_job(store, _request(tmp_path, "ads"))
+    cost = float(first.report.chosen.cost_units)  # type: ignore[union-attr]
+    store.set_quota(TenantQuotaRow(tenant="ads", budget=cost * 1.5, budget_period_s=86400))
+    store.cancel_job(first.job_id)
+    finalize_job(store, first.job_id)
+    assert store.job_usage(first.job_id) == []
+    second = plan_job(store, _request(tmp_path, "ads"))
+    assert second.created
+    # the admitted job still holds its projected cost: a third does not fit
+    refused = _rejected(store, _request(tmp_path, "ads"))
+    assert f"{cost:.2f} spent or reserved" in refused.message
