@@ -247,6 +247,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         until = parse_deadline(args.until, now)
     except ValueError as exc:
         raise ConfigurationError(f"--until {args.until}: {exc}") from None
+    except OverflowError:
+        msg = f"--until {args.until}: beyond the calendar; use a nearer one (+7d)"
+        raise ConfigurationError(msg) from None
     pools = capacity_view(store.admission_snapshot(DEFAULT_TENANT), until)
     lines = [f"shared capacity until {until.isoformat(timespec='seconds')}:"]
     out = []
@@ -300,6 +303,11 @@ def cmd_quota(args: argparse.Namespace) -> int:
     if args.action == "set":
         try:
             period = parse_duration(args.period).total_seconds() if args.budget is not None else None
+        except OverflowError:
+            raise ConfigurationError(f"--period {args.period}: too long; use a shorter one (+30d)") from None
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        try:
             row = store.set_quota(
                 TenantQuotaRow(
                     tenant=args.tenant,
@@ -314,11 +322,15 @@ def cmd_quota(args: argparse.Namespace) -> int:
             raise _usage_error(exc) from None
         rows = [row]
     elif args.action == "delete":
-        gone = store.delete_quota(args.tenant)
+        try:
+            tenant = check_tenant(args.tenant)  # the name `set` stored (` ads` is ads)
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        gone = store.delete_quota(tenant)
         _emit(
             args,
-            {"tenant": args.tenant, "deleted": gone},
-            f"tenant {args.tenant}: " + ("quota removed" if gone else "had no quota"),
+            {"tenant": tenant, "deleted": gone},
+            f"tenant {tenant}: " + ("quota removed" if gone else "had no quota"),
         )
         return EXIT_OK
     else:
@@ -364,6 +376,10 @@ def _parse_since(text: str | None, now: dt.datetime) -> dt.datetime | None:
             return now - parse_duration("+" + value.lstrip("+-"))
         except ValueError as exc:
             raise ConfigurationError(f"--since {text}: {exc}") from None
+        except OverflowError:
+            raise ConfigurationError(
+                f"--since {text}: reaches back before the calendar; leave --since out for everything"
+            ) from None
     try:
         return parse_deadline(value, now)
     except ValueError:

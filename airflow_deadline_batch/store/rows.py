@@ -424,6 +424,8 @@ class TenantQuotaRow:
             # `not value >= 0` also refuses NaN, which every comparison would otherwise let through
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"tenant {self.tenant}: {name} must be a finite number >= 0, got {value}")
+            if name != "budget" and value is not None and value > MAX_POOL_GPUS:  # a 32-bit column
+                raise ValueError(f"tenant {self.tenant}: {name} must be <= {MAX_POOL_GPUS}, got {value}")
         if self.budget is not None and not (self.budget_period_s or 0) > 0:
             raise ValueError(f"tenant {self.tenant}: a budget needs a period (budget_period_s > 0)")
 

@@ -50,3 +50,41 @@ def test_a_job_cancelled_before_it_ran_charges_nothing_to_the_budget(
     # the admitted job still holds its projected cost: a third does not fit
     refused = _rejected(store, _request(tmp_path, "ads"))
     assert f"{cost:.2f} spent or reserved" in refused.message
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["quota", "set", "ads", "--budget", "9", "--period", "+99999999999d"],
+            "--period +99999999999d: too",
+        ),
+        (["quota", "set", "ads", "--spot-gpus", "99999999999"], "spot_gpus must be <= 2147483647"),
+        (["quota", "set", "ads", "--on-demand-gpus", "1" + "0" * 30], "on_demand_gpus must be <= 2147483647"),
+        (["capacity", "list", "--until", "+99999999999d"], "--until +99999999999d: beyond the calendar"),
+        (["usage", "--since", "1000000d"], "--since 1000000d: reaches back before the calendar"),
+        (["usage", "--since", "99999999999d"], "leave --since out for everything"),
+        (["quota", "delete", "ADS"], "tenant 'ADS' is not a valid name"),
+    ],
+)
+def test_values_beyond_the_calendar_or_the_columns_are_refused_in_one_line(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    ManifestStore.open(url).close()
+    assert main([*args, "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_quota_delete_removes_the_quota_set_under_the_same_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`quota set " ads"` stores ads; `quota delete " ads"` said "had no quota" and left it in force."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    assert main(["quota", "set", " ads", "--spot-gpus", "1", "--store", url]) == 0
+    assert main(["quota", "delete", " ads", "--store", url]) == 0
+    assert "tenant ads: quota removed" in capsys.readouterr().out
+    store = ManifestStore.open(url)
+    assert store.list_quotas() == []
+    store.close()
