@@ -401,7 +401,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
     store = _open_store(args)
-    report = usage_by_tenant(store.usage(tenant=tenant, since=since))
+    report = usage_by_tenant(*store.usage_totals(tenant=tenant, since=since))
     payload = {
         "since": since.isoformat() if since else None,
         "tenant": tenant,

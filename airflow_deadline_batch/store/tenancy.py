@@ -251,14 +251,73 @@ def job_usage(conn: Connection, job_id: str) -> list[UsageRow]:
     return [UsageRow.from_row(r) for r in conn.execute(query)]
 
 
-def tenant_usage(conn: Connection, tenant: str | None, since: dt.datetime | None) -> list[UsageRow]:
-    query = sa.select(usage)
+def _usage_of(query: sa.Select[Any], tenant: str | None, since: dt.datetime | None) -> sa.Select[Any]:
     if tenant is not None:
         query = query.where(usage.c.tenant == tenant)
     if since is not None:
         query = query.where(usage.c.started_at >= since)
+    return query
+
+
+def tenant_usage(conn: Connection, tenant: str | None, since: dt.datetime | None) -> list[UsageRow]:
+    query = _usage_of(sa.select(usage), tenant, since)
     query = query.order_by(usage.c.tenant, usage.c.started_at, usage.c.attempt_id)
     return [UsageRow.from_row(r) for r in conn.execute(query)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolUsageTotal:
+    """The ledger summed over one tenant's attempts on one pool (``pool`` None: not recorded)."""
+
+    tenant: str
+    pool: str | None
+    attempts: int
+    prompt_tokens: int
+    completion_tokens: int
+    superseded_records: int
+    gpu_seconds: float
+    cost: float
+
+
+def usage_totals(
+    conn: Connection, tenant: str | None, since: dt.datetime | None
+) -> tuple[list[PoolUsageTotal], dict[str, int]]:
+    """The ledger summed per tenant and pool by the database, and each tenant's number of jobs.
+
+    ``deadline-batch usage`` reads these few rows, not one per attempt: a tenant with a million
+    settled attempts must not need a million rows in memory.
+    """
+    c = usage.c
+    sums = _usage_of(
+        sa.select(
+            c.tenant,
+            c.pool,
+            sa.func.count().label("attempts"),
+            sa.func.sum(c.prompt_tokens).label("prompt_tokens"),
+            sa.func.sum(c.completion_tokens).label("completion_tokens"),
+            sa.func.sum(c.superseded_records).label("superseded_records"),
+            sa.func.sum(c.gpu_seconds).label("gpu_seconds"),
+            sa.func.sum(c.cost).label("cost"),
+        ),
+        tenant,
+        since,
+    ).group_by(c.tenant, c.pool)
+    totals = [
+        PoolUsageTotal(
+            tenant=row.tenant,
+            pool=row.pool,
+            attempts=int(row.attempts),
+            prompt_tokens=int(row.prompt_tokens),  # PostgreSQL sums bigints as numeric
+            completion_tokens=int(row.completion_tokens),
+            superseded_records=int(row.superseded_records),
+            gpu_seconds=float(row.gpu_seconds),
+            cost=float(row.cost),
+        )
+        for row in conn.execute(sums)
+    ]
+    jobs_of = _usage_of(sa.select(c.tenant, sa.func.count(sa.distinct(c.job_id))), tenant, since)
+    jobs = {row[0]: int(row[1]) for row in conn.execute(jobs_of.group_by(c.tenant))}
+    return totals, jobs
 
 
 # -- capacity and quotas -----------------------------------------------------------------------------

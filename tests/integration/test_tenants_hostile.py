@@ -88,3 +88,63 @@ def test_quota_delete_removes_the_quota_set_under_the_same_name(
     store = ManifestStore.open(url)
     assert store.list_quotas() == []
     store.close()
+
+
+def _seed_ledger(url: str, attempts: int) -> None:
+    """``attempts`` settled attempts of 100 jobs of two tenants on two pools (one bulk insert)."""
+    ManifestStore.open(url).close()
+    now = dt.datetime.now(UTC)
+    rows = [
+        {
+            "attempt_id": f"a-{i:09d}",
+            "job_id": f"j-{i % 100:03d}",
+            "tenant": "ads" if i % 100 < 75 else "search",
+            "shard_index": i,
+            "pool": "spot-a100" if i % 2 else None,
+            "pool_kind": "spot" if i % 2 else None,
+            "price_per_gpu_hour": 3.6,
+            "outcome": "succeeded",
+            "prompt_tokens": 1000,
+            "completion_tokens": 100,
+            "committed_records": 10,
+            "superseded_records": i % 3,
+            "gpu_seconds": 10.0,
+            "cost": 0.01,
+            "started_at": now,
+            "ended_at": now,
+            "settled_at": now,
+        }
+        for i in range(attempts)
+    ]
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(usage), rows)
+    engine.dispose()
+
+
+def test_usage_of_a_huge_ledger_is_summed_by_the_database_not_in_memory(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deadline-batch usage` loaded one object per attempt: ~1 GB for a million attempts."""
+    n = 60_000
+    _seed_ledger(store_url, n)
+    assert main(["usage", "--store", store_url, "--json"]) == 0  # warm: imports, compiled queries
+    capsys.readouterr()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        assert main(["usage", "--store", store_url, "--json"]) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    data = orjson.loads(capsys.readouterr().out.splitlines()[-1])
+    by_tenant = {t["tenant"]: t for t in data["tenants"]}
+    ads, search = by_tenant["ads"], by_tenant["search"]
+    assert (ads["attempts"], ads["jobs"], search["attempts"], search["jobs"]) == (45_000, 75, 15_000, 25)
+    assert ads["prompt_tokens"] == 45_000_000 and ads["completion_tokens"] == 4_500_000
+    assert ads["superseded_records"] + search["superseded_records"] == n  # i % 3 sums to n
+    assert ads["gpu_seconds"] == pytest.approx(450_000.0) and search["cost"] == pytest.approx(150.0)
+    # residues 0..74 of 100 hold 37 odd (spot-a100) and 38 even (no pool recorded) ones
+    assert (ads["pools"]["spot-a100"]["attempts"], ads["pools"]["unknown"]["attempts"]) == (22_200, 22_800)
+    # one object per attempt takes well over 30 MB here; the sums take a few rows
+    assert peak < 5_000_000, f"peak {peak / 1e6:.1f} MB for {n} attempts"
