@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import multiprocessing as mp
 import tracemalloc
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from airflow_deadline_batch.service.finalize import finalize_job
 from airflow_deadline_batch.service.planning import plan_job
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
 from airflow_deadline_batch.store.schema import usage
-from tests.integration.test_shared_admission import _rejected, _request
+from tests.integration.test_shared_admission import RACERS, _rejected, _request, _submit
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -148,3 +149,28 @@ def test_usage_of_a_huge_ledger_is_summed_by_the_database_not_in_memory(
     assert (ads["pools"]["spot-a100"]["attempts"], ads["pools"]["unknown"]["attempts"]) == (22_200, 22_800)
     # one object per attempt takes well over 30 MB here; the sums take a few rows
     assert peak < 5_000_000, f"peak {peak / 1e6:.1f} MB for {n} attempts"
+
+
+def test_racing_submissions_of_one_tenant_never_exceed_its_budget(store_url: str, tmp_path: Path) -> None:
+    """Real processes submit the tenant's jobs at once; a budget of 1.5 jobs admits exactly one."""
+    store = ManifestStore.open(store_url)
+    probe = plan_job(store, _request(tmp_path, "probe"))  # the same request's projected cost
+    cost = float(probe.report.chosen.cost_units)  # type: ignore[union-attr]
+    store.set_quota(TenantQuotaRow(tenant="ads", budget=cost * 1.5, budget_period_s=86400))
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_submit, args=(store_url, str(tmp_path / "out"), "ads", barrier, results))
+        for _ in range(RACERS)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=240) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * RACERS
+    assert sorted(verdict for verdict, _ in outcomes) == ["admitted"] + ["rejected"] * (RACERS - 1)
+    ads = [j for j in store.list_jobs() if j.tenant == "ads"]
+    assert sorted(j.state.value for j in ads) == ["admitted"] + ["rejected"] * (RACERS - 1)
+    store.close()
