@@ -257,13 +257,17 @@ class PoolCapacity:
 def capacity_view(
     snapshot: TenancySnapshot, until: dt.datetime, policy: AdmissionPolicy | None = None
 ) -> list[PoolCapacity]:
-    """Each managed pool with the work admitted jobs hold on it and its free capacity until ``until``."""
+    """Each managed pool with the work admitted jobs hold on it and its free capacity until ``until``.
+
+    A job whose deadline has passed holds nothing, as in admission (it expires at its deadline).
+    """
     policy = policy or AdmissionPolicy()
     window = (until - snapshot.now).total_seconds()
+    live = [held for held in snapshot.held if held.deadline > snapshot.now]
     out = []
     for pool, gpus in sorted(snapshot.capacity.items()):
         reservations = []
-        for held in snapshot.held:
+        for held in live:
             managed = [p for p in held.pools if p in snapshot.capacity]
             if pool in managed:
                 share = reserved_gpu_seconds(

@@ -16,7 +16,7 @@ from airflow_deadline_batch.cli import main
 from airflow_deadline_batch.service.finalize import finalize_job
 from airflow_deadline_batch.service.planning import plan_job
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
-from airflow_deadline_batch.store.schema import usage
+from airflow_deadline_batch.store.schema import jobs, usage
 from tests.integration.test_shared_admission import RACERS, _rejected, _request, _submit
 
 pytestmark = pytest.mark.integration
@@ -173,4 +173,28 @@ def test_racing_submissions_of_one_tenant_never_exceed_its_budget(store_url: str
     assert sorted(verdict for verdict, _ in outcomes) == ["admitted"] + ["rejected"] * (RACERS - 1)
     ads = [j for j in store.list_jobs() if j.tenant == "ads"]
     assert sorted(j.state.value for j in ads) == ["admitted"] + ["rejected"] * (RACERS - 1)
+    store.close()
+
+
+def test_capacity_list_shows_no_reservation_for_a_job_past_its_deadline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job whose runner died stays `admitted` past its deadline: admission leaves its work out,
+    `capacity list` showed it holding its whole reservation and the pool's free capacity without it."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(url)
+    store.set_capacity("shared", 2)
+    gone = plan_job(store, _request(tmp_path, "ads"))
+    live = plan_job(store, _request(tmp_path, "search"))
+    past = dt.datetime.now(UTC) - dt.timedelta(minutes=1)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.update(jobs).where(jobs.c.job_id == gone.job_id).values(deadline=past))
+    engine.dispose()
+    assert main(["capacity", "list", "--store", url, "--until", "+1h", "--json"]) == 0
+    [pool] = orjson.loads(capsys.readouterr().out.splitlines()[-1])["pools"]
+    assert [r["job_id"] for r in pool["reservations"]] == [live.job_id]
+    assert pool["free_gpu_s_until"] == pytest.approx(2 * 3600 / 1.1 - pool["reserved_gpu_s"], rel=0.01)
+    # admission agrees: the expired job's work is free for a third job
+    assert plan_job(store, _request(tmp_path, "ads")).created
     store.close()
