@@ -216,6 +216,19 @@ def _usage_error(exc: ValueError) -> ConfigurationError:
     return ConfigurationError(str(exc))
 
 
+def _named_tenant(text: str) -> str:
+    """A tenant named on the command line: an empty name is a mistake (an unset shell variable), not
+    the ``default`` tenant that a job submitted without one belongs to."""
+    if not text.strip():
+        raise ConfigurationError(
+            f"tenant name is empty: name it (jobs submitted without a tenant belong to {DEFAULT_TENANT!r})"
+        )
+    try:
+        return check_tenant(text)
+    except ValueError as exc:
+        raise _usage_error(exc) from None
+
+
 def _open_admin_store(args: argparse.Namespace) -> ManifestStore:
     """``capacity``/``quota``: ``set`` may come before any job, so it creates the store if needed."""
     if args.action == "set":
@@ -299,6 +312,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.core.deadlines import parse_duration
     from airflow_deadline_batch.store import TenantQuotaRow
 
+    tenant = "" if args.action == "list" else _named_tenant(args.tenant)
     store = _open_admin_store(args)
     if args.action == "set":
         try:
@@ -310,7 +324,7 @@ def cmd_quota(args: argparse.Namespace) -> int:
         try:
             row = store.set_quota(
                 TenantQuotaRow(
-                    tenant=args.tenant,
+                    tenant=tenant,
                     spot_gpus=args.spot_gpus,
                     on_demand_gpus=args.on_demand_gpus,
                     budget=args.budget,
@@ -322,10 +336,6 @@ def cmd_quota(args: argparse.Namespace) -> int:
             raise _usage_error(exc) from None
         rows = [row]
     elif args.action == "delete":
-        try:
-            tenant = check_tenant(args.tenant)  # the name `set` stored (` ads` is ads)
-        except ValueError as exc:
-            raise _usage_error(exc) from None
         gone = store.delete_quota(tenant)
         _emit(
             args,
@@ -394,12 +404,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
     now = SystemClock().now()
     since = _parse_since(args.since, now)
-    tenant = None
-    if args.tenant is not None:
-        try:
-            tenant = check_tenant(args.tenant)
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
+    tenant = None if args.tenant is None else _named_tenant(args.tenant)
     store = _open_store(args)
     report = usage_by_tenant(*store.usage_totals(tenant=tenant, since=since))
     payload = {

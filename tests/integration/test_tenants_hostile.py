@@ -66,9 +66,13 @@ def test_a_job_cancelled_before_it_ran_charges_nothing_to_the_budget(
         (["usage", "--since", "1000000d"], "--since 1000000d: reaches back before the calendar"),
         (["usage", "--since", "99999999999d"], "leave --since out for everything"),
         (["quota", "delete", "ADS"], "tenant 'ADS' is not a valid name"),
+        # an unset shell variable ("$TEAM") set the budget of the default tenant, every untagged job's
+        (["quota", "set", "", "--budget", "5"], "tenant name is empty: name it"),
+        (["quota", "delete", " "], "tenant name is empty: name it"),
+        (["usage", "--tenant", ""], "tenant name is empty: name it"),
     ],
 )
-def test_values_beyond_the_calendar_or_the_columns_are_refused_in_one_line(
+def test_values_beyond_the_calendar_or_the_columns_and_empty_names_are_refused_in_one_line(
     tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = f"sqlite:///{tmp_path / 'store.db'}"
