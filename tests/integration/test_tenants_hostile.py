@@ -82,6 +82,17 @@ def test_values_beyond_the_calendar_or_the_columns_and_empty_names_are_refused_i
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_capacity_refuses_a_pool_name_longer_than_its_column(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SQLite stored it; PostgreSQL refused it as an unreachable store ("check the --store URL")."""
+    ManifestStore.open(store_url).close()
+    assert main(["capacity", "set", "p" * 129, "--gpus", "2", "--store", store_url]) == 2
+    err = capsys.readouterr().err
+    assert "pool name must be at most 128 characters, got 129" in err and "--store" not in err
+    assert main(["capacity", "set", "p" * 128, "--gpus", "2", "--store", store_url]) == 0
+
+
 def test_quota_delete_removes_the_quota_set_under_the_same_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
