@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import gc
+import math
 import multiprocessing as mp
 import tracemalloc
 from pathlib import Path
@@ -17,7 +19,7 @@ from airflow_deadline_batch.service.finalize import finalize_job
 from airflow_deadline_batch.service.planning import plan_job
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
 from airflow_deadline_batch.store.schema import jobs, usage
-from tests.integration.test_shared_admission import RACERS, _rejected, _request, _submit
+from tests.integration.test_shared_admission import RACERS, SHARED, _rejected, _request, _submit
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -51,6 +53,23 @@ def test_a_job_cancelled_before_it_ran_charges_nothing_to_the_budget(
     # the admitted job still holds its projected cost: a third does not fit
     refused = _rejected(store, _request(tmp_path, "ads"))
     assert f"{cost:.2f} spent or reserved" in refused.message
+
+
+@pytest.mark.parametrize("price", [math.nan, math.inf])
+def test_a_pool_price_that_is_no_amount_does_not_pass_the_budget(tmp_path: Path, price: float) -> None:
+    """A NaN price (pools given in Python, as to the Airflow operator) made the projected cost 0 to
+    the budget, which then admitted the job whatever it was; the ledger settled its cost as NaN.
+    SQLite only: PostgreSQL's JSON refuses a job config holding a NaN (PoolSpec should refuse it)."""
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
+    store.set_quota(TenantQuotaRow(tenant="ads", budget=0.01, budget_period_s=86400))
+    request = dataclasses.replace(
+        _request(tmp_path, "ads"), pools=(dataclasses.replace(SHARED, price_per_gpu_hour=price),)
+    )
+    refused = _rejected(store, request)
+    assert f"this job's projected cost is {price}, not an amount" in refused.message
+    free = dataclasses.replace(request, pools=(dataclasses.replace(SHARED, price_per_gpu_hour=0.0),))
+    assert plan_job(store, free).created  # the budget still admits what it can price
+    store.close()
 
 
 @pytest.mark.parametrize(
