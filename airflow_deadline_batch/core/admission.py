@@ -576,7 +576,7 @@ def budget_refusal(
     if not math.isfinite(cost):  # NaN passes no comparison: it would pass every budget
         return (
             f"rejected by tenant {tenant}'s budget: this job's projected cost is {cost}, not an amount; "
-            "give each of its pools a finite price_per_gpu_hour"
+            "give each of its pools a finite price_per_gpu_hour and finite rates"
         )
     used = math.fsum(spent)
     if used + cost <= budget + 1e-9:
