@@ -221,6 +221,19 @@ def _usage_error(exc: ValueError) -> ConfigurationError:
     return ConfigurationError(str(exc))
 
 
+def _named_tenant(text: str) -> str:
+    """A tenant named on the command line: an empty name is a mistake (an unset shell variable), not
+    the ``default`` tenant that a job submitted without one belongs to."""
+    if not text.strip():
+        raise ConfigurationError(
+            f"tenant name is empty: name it (jobs submitted without a tenant belong to {DEFAULT_TENANT!r})"
+        )
+    try:
+        return check_tenant(text)
+    except ValueError as exc:
+        raise _usage_error(exc) from None
+
+
 def _open_admin_store(args: argparse.Namespace) -> ManifestStore:
     """``capacity``/``quota``: ``set`` may come before any job, so it creates the store if needed."""
     if args.action == "set":
@@ -252,6 +265,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         until = parse_deadline(args.until, now)
     except ValueError as exc:
         raise ConfigurationError(f"--until {args.until}: {exc}") from None
+    except OverflowError:
+        msg = f"--until {args.until}: beyond the calendar; use a nearer one (+7d)"
+        raise ConfigurationError(msg) from None
     pools = capacity_view(store.admission_snapshot(DEFAULT_TENANT), until)
     lines = [f"shared capacity until {until.isoformat(timespec='seconds')}:"]
     out = []
@@ -301,13 +317,19 @@ def cmd_quota(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.core.deadlines import parse_duration
     from airflow_deadline_batch.store import TenantQuotaRow
 
+    tenant = "" if args.action == "list" else _named_tenant(args.tenant)
     store = _open_admin_store(args)
     if args.action == "set":
         try:
             period = parse_duration(args.period).total_seconds() if args.budget is not None else None
+        except OverflowError:
+            raise ConfigurationError(f"--period {args.period}: too long; use a shorter one (+30d)") from None
+        except ValueError as exc:
+            raise _usage_error(exc) from None
+        try:
             row = store.set_quota(
                 TenantQuotaRow(
-                    tenant=args.tenant,
+                    tenant=tenant,
                     spot_gpus=args.spot_gpus,
                     on_demand_gpus=args.on_demand_gpus,
                     budget=args.budget,
@@ -319,11 +341,11 @@ def cmd_quota(args: argparse.Namespace) -> int:
             raise _usage_error(exc) from None
         rows = [row]
     elif args.action == "delete":
-        gone = store.delete_quota(args.tenant)
+        gone = store.delete_quota(tenant)
         _emit(
             args,
-            {"tenant": args.tenant, "deleted": gone},
-            f"tenant {args.tenant}: " + ("quota removed" if gone else "had no quota"),
+            {"tenant": tenant, "deleted": gone},
+            f"tenant {tenant}: " + ("quota removed" if gone else "had no quota"),
         )
         return EXIT_OK
     else:
@@ -369,6 +391,10 @@ def _parse_since(text: str | None, now: dt.datetime) -> dt.datetime | None:
             return now - parse_duration("+" + value.lstrip("+-"))
         except ValueError as exc:
             raise ConfigurationError(f"--since {text}: {exc}") from None
+        except OverflowError:
+            raise ConfigurationError(
+                f"--since {text}: reaches back before the calendar; leave --since out for everything"
+            ) from None
     try:
         return parse_deadline(value, now)
     except ValueError:
@@ -383,14 +409,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
     now = SystemClock().now()
     since = _parse_since(args.since, now)
-    tenant = None
-    if args.tenant is not None:
-        try:
-            tenant = check_tenant(args.tenant)
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
+    tenant = None if args.tenant is None else _named_tenant(args.tenant)
     store = _open_store(args)
-    report = usage_by_tenant(store.usage(tenant=tenant, since=since))
+    report = usage_by_tenant(*store.usage_totals(tenant=tenant, since=since))
     payload = {
         "since": since.isoformat() if since else None,
         "tenant": tenant,

@@ -573,6 +573,11 @@ def budget_refusal(
     """Why a job of ``cost`` breaks the tenant's budget for the period (None: it fits)."""
     if budget is None:
         return None
+    if not math.isfinite(cost):  # NaN passes no comparison: it would pass every budget
+        return (
+            f"rejected by tenant {tenant}'s budget: this job's projected cost is {cost}, not an amount; "
+            "give each of its pools a finite price_per_gpu_hour and finite rates"
+        )
     used = math.fsum(spent)
     if used + cost <= budget + 1e-9:
         return None

@@ -10,6 +10,7 @@ judged alone by ``core.feasibility``, as before tenants existed (docs/tenants.md
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -112,7 +113,7 @@ def _refusals(
             left -= take
         limits = {"spot": quota.spot_gpus, "on_demand": quota.on_demand_gpus}
         reasons += gpu_quota_refusals(snapshot.tenant, plan_gpus, limits)
-        cost = projected_cost({"chosen": chosen.to_dict()})
+        cost = float(chosen.cost_units)  # as planned: a budget refuses a cost that is no amount
         spent = [
             j.settled_cost if j.settled_cost is not None else projected_cost(j.admission)
             for j in snapshot.period_jobs
@@ -120,7 +121,7 @@ def _refusals(
         refusal = budget_refusal(snapshot.tenant, cost, spent, quota.budget, quota.budget_period_s)
         if refusal is not None:
             reasons.append(refusal)
-        details["projected_cost"] = cost
+        details["projected_cost"] = cost if math.isfinite(cost) else None
     if chosen is not None and any(p.name in snapshot.capacity for p in pools):
         new = Demand(
             job_id=job_id,
@@ -257,13 +258,17 @@ class PoolCapacity:
 def capacity_view(
     snapshot: TenancySnapshot, until: dt.datetime, policy: AdmissionPolicy | None = None
 ) -> list[PoolCapacity]:
-    """Each managed pool with the work admitted jobs hold on it and its free capacity until ``until``."""
+    """Each managed pool with the work admitted jobs hold on it and its free capacity until ``until``.
+
+    A job whose deadline has passed holds nothing, as in admission (it expires at its deadline).
+    """
     policy = policy or AdmissionPolicy()
     window = (until - snapshot.now).total_seconds()
+    live = [held for held in snapshot.held if held.deadline > snapshot.now]
     out = []
     for pool, gpus in sorted(snapshot.capacity.items()):
         reservations = []
-        for held in snapshot.held:
+        for held in live:
             managed = [p for p in held.pools if p in snapshot.capacity]
             if pool in managed:
                 share = reserved_gpu_seconds(

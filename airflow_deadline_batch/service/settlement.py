@@ -28,6 +28,7 @@ from airflow_deadline_batch.exceptions import ObjectNotFound
 if TYPE_CHECKING:
     from airflow_deadline_batch.storage.base import ObjectStorage
     from airflow_deadline_batch.store import AttemptRow, CommitRow, JobRow, ManifestStore, UsageRow
+    from airflow_deadline_batch.store.tenancy import PoolUsageTotal
 
 #: ``attempts/<attempt_id>/shard-<index>-mb-<seq>.jsonl`` (docs/internals.md, object keys)
 _ATTEMPT_KEY = re.compile(r"^attempts/(?P<attempt>[^/]+)/shard-\d+-mb-\d+\.jsonl$")
@@ -185,27 +186,33 @@ class TenantUsage:
         }
 
 
-def usage_by_tenant(rows: Iterable[UsageRow]) -> list[TenantUsage]:
-    """The ledger summed per tenant, with each pool's share, tenants by name."""
-    tenants: dict[str, list[UsageRow]] = {}
-    for row in rows:
-        tenants.setdefault(row.tenant, []).append(row)
+def usage_by_tenant(pools: Iterable[PoolUsageTotal], jobs: Mapping[str, int]) -> list[TenantUsage]:
+    """The ledger's sums per tenant and pool (``ManifestStore.usage_totals``) as a report, by tenant."""
+    tenants: dict[str, dict[str, list[PoolUsageTotal]]] = {}
+    for total in pools:
+        tenants.setdefault(total.tenant, {}).setdefault(total.pool or "unknown", []).append(total)
     report = []
     for tenant, own in sorted(tenants.items()):
-        pools: dict[str, list[UsageRow]] = {}
-        for row in own:
-            pools.setdefault(row.pool or "unknown", []).append(row)
+        parts = [t for p in own.values() for t in p]
         report.append(
             TenantUsage(
-                usage=totals(tenant, own),
-                jobs=len({r.job_id for r in own}),
+                usage=SettledUsage(
+                    tenant=tenant,
+                    attempts=sum(t.attempts for t in parts),
+                    prompt_tokens=sum(t.prompt_tokens for t in parts),
+                    completion_tokens=sum(t.completion_tokens for t in parts),
+                    superseded_records=sum(t.superseded_records for t in parts),
+                    gpu_seconds=math.fsum(t.gpu_seconds for t in parts),
+                    cost=math.fsum(t.cost for t in parts),
+                ),
+                jobs=jobs.get(tenant, 0),
                 pools={
                     name: PoolUsage(
-                        attempts=len(p),
-                        gpu_seconds=math.fsum(r.gpu_seconds for r in p),
-                        cost=math.fsum(r.cost for r in p),
+                        attempts=sum(t.attempts for t in p),
+                        gpu_seconds=math.fsum(t.gpu_seconds for t in p),
+                        cost=math.fsum(t.cost for t in p),
                     )
-                    for name, p in sorted(pools.items())
+                    for name, p in sorted(own.items())
                 },
             )
         )

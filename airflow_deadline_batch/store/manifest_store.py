@@ -1157,6 +1157,12 @@ class ManifestStore:
         """Settled usage of attempts started at or after ``since``, of one tenant or of all."""
         return self._tx(lambda conn: tenancy.tenant_usage(conn, tenant, since), write=False)
 
+    def usage_totals(
+        self, *, tenant: str | None = None, since: dt.datetime | None = None
+    ) -> tuple[list[tenancy.PoolUsageTotal], dict[str, int]]:
+        """:meth:`usage` summed per tenant and pool by the database, and each tenant's job count."""
+        return self._tx(lambda conn: tenancy.usage_totals(conn, tenant, since), write=False)
+
     def explain_rejection(self, job_id: str, admission: Mapping[str, Any]) -> JobRow:
         """Replace a rejected job's admission report by the fuller one searched after the lock.
 

@@ -15,6 +15,8 @@ from airflow_deadline_batch.core.tenants import DEFAULT_TENANT, check_tenant
 
 #: the most GPUs a pool's ``capacity`` row holds (a 32-bit INTEGER column on PostgreSQL)
 MAX_POOL_GPUS = 2**31 - 1
+#: the longest pool name a ``capacity`` row holds (its VARCHAR(128) column, as the attempts' pool)
+MAX_POOL_NAME = 128
 
 #: defaults when a job's config omits them
 DEFAULT_MAX_ATTEMPTS = 5
@@ -391,6 +393,8 @@ class PoolCapacityRow:
     def __post_init__(self) -> None:
         if not self.pool:
             raise ValueError("pool name must not be empty")
+        if len(self.pool) > MAX_POOL_NAME:
+            raise ValueError(f"pool name must be at most {MAX_POOL_NAME} characters, got {len(self.pool)}")
         if self.gpus < 0:
             raise ValueError(f"pool {self.pool!r}: gpus must be >= 0, got {self.gpus}")
         if self.gpus > MAX_POOL_GPUS:
@@ -424,6 +428,8 @@ class TenantQuotaRow:
             # `not value >= 0` also refuses NaN, which every comparison would otherwise let through
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"tenant {self.tenant}: {name} must be a finite number >= 0, got {value}")
+            if name != "budget" and value is not None and value > MAX_POOL_GPUS:  # a 32-bit column
+                raise ValueError(f"tenant {self.tenant}: {name} must be <= {MAX_POOL_GPUS}, got {value}")
         if self.budget is not None and not (self.budget_period_s or 0) > 0:
             raise ValueError(f"tenant {self.tenant}: a budget needs a period (budget_period_s > 0)")
 

@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.job_view import build_job_view, shard_done_fraction
-from airflow_deadline_batch.core.states import JobState, ShardState
+from airflow_deadline_batch.core.states import TERMINAL_JOB_STATES, JobState, ShardState
 from airflow_deadline_batch.store.leases import attempt_pool
 from airflow_deadline_batch.store.rows import (
     CommitRow,
@@ -28,6 +28,7 @@ from airflow_deadline_batch.store.rows import (
     UsageRow,
 )
 from airflow_deadline_batch.store.schema import (
+    attempts,
     commits,
     db_epoch,
     jobs,
@@ -65,7 +66,8 @@ class HeldWork:
 
 @dataclass(frozen=True, kw_only=True)
 class JobCost:
-    """A tenant's job in the budget period: its projected cost, and its settled cost once settled."""
+    """A tenant's job in the budget period: its projected cost, and its settled cost once settled
+    (0 once it finished without any attempt: nothing ran, so the ledger has no row of it)."""
 
     job_id: str
     admission: Mapping[str, Any] | None
@@ -103,11 +105,18 @@ def read_snapshot(conn: Connection, tenant: str, now: dt.datetime) -> TenancySna
     held = tuple(_held_work(conn, now)) if capacity else ()
     period: tuple[JobCost, ...] = ()
     if quota is not None and quota.budget is not None and quota.budget_period_s:
-        since = now - dt.timedelta(seconds=quota.budget_period_s)
-        period = tuple(_period_jobs(conn, tenant, since))
+        period = tuple(_period_jobs(conn, tenant, _period_start(now, quota.budget_period_s)))
     return TenancySnapshot(
         now=now, tenant=tenant, capacity=capacity, quota=quota, held=held, period_jobs=period
     )
+
+
+def _period_start(now: dt.datetime, period_s: float) -> dt.datetime:
+    """``now - period_s``; a period reaching back before the calendar begins counts every job."""
+    try:
+        return now - dt.timedelta(seconds=period_s)
+    except OverflowError:
+        return dt.datetime.min.replace(tzinfo=dt.timezone.utc)
 
 
 def _held_work(conn: Connection, now: dt.datetime) -> Iterable[HeldWork]:
@@ -167,8 +176,9 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
     settled = (
         sa.select(usage.c.job_id, sa.func.sum(usage.c.cost).label("cost")).group_by(usage.c.job_id).subquery()
     )
+    ran = sa.exists().where(attempts.c.job_id == jobs.c.job_id)
     query = (
-        sa.select(jobs.c.job_id, jobs.c.admission, settled.c.cost)
+        sa.select(jobs.c.job_id, jobs.c.admission, jobs.c.state, settled.c.cost, ran.label("ran"))
         .select_from(jobs.outerjoin(settled, settled.c.job_id == jobs.c.job_id))
         .where(
             jobs.c.tenant == tenant,
@@ -176,12 +186,12 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
             jobs.c.state != JobState.REJECTED.value,
         )
     )
+    finished = {s.value for s in TERMINAL_JOB_STATES}
     for row in conn.execute(query):
-        yield JobCost(
-            job_id=row.job_id,
-            admission=row.admission,
-            settled_cost=None if row.cost is None else float(row.cost),
-        )
+        cost = None if row.cost is None else float(row.cost)
+        if cost is None and row.state in finished and not row.ran:
+            cost = 0.0  # finished before any attempt (cancelled while it waited): it spent nothing
+        yield JobCost(job_id=row.job_id, admission=row.admission, settled_cost=cost)
 
 
 def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[tuple[str, Any]]:
@@ -241,14 +251,73 @@ def job_usage(conn: Connection, job_id: str) -> list[UsageRow]:
     return [UsageRow.from_row(r) for r in conn.execute(query)]
 
 
-def tenant_usage(conn: Connection, tenant: str | None, since: dt.datetime | None) -> list[UsageRow]:
-    query = sa.select(usage)
+def _usage_of(query: sa.Select[Any], tenant: str | None, since: dt.datetime | None) -> sa.Select[Any]:
     if tenant is not None:
         query = query.where(usage.c.tenant == tenant)
     if since is not None:
         query = query.where(usage.c.started_at >= since)
+    return query
+
+
+def tenant_usage(conn: Connection, tenant: str | None, since: dt.datetime | None) -> list[UsageRow]:
+    query = _usage_of(sa.select(usage), tenant, since)
     query = query.order_by(usage.c.tenant, usage.c.started_at, usage.c.attempt_id)
     return [UsageRow.from_row(r) for r in conn.execute(query)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolUsageTotal:
+    """The ledger summed over one tenant's attempts on one pool (``pool`` None: not recorded)."""
+
+    tenant: str
+    pool: str | None
+    attempts: int
+    prompt_tokens: int
+    completion_tokens: int
+    superseded_records: int
+    gpu_seconds: float
+    cost: float
+
+
+def usage_totals(
+    conn: Connection, tenant: str | None, since: dt.datetime | None
+) -> tuple[list[PoolUsageTotal], dict[str, int]]:
+    """The ledger summed per tenant and pool by the database, and each tenant's number of jobs.
+
+    ``deadline-batch usage`` reads these few rows, not one per attempt: a tenant with a million
+    settled attempts must not need a million rows in memory.
+    """
+    c = usage.c
+    sums = _usage_of(
+        sa.select(
+            c.tenant,
+            c.pool,
+            sa.func.count().label("attempts"),
+            sa.func.sum(c.prompt_tokens).label("prompt_tokens"),
+            sa.func.sum(c.completion_tokens).label("completion_tokens"),
+            sa.func.sum(c.superseded_records).label("superseded_records"),
+            sa.func.sum(c.gpu_seconds).label("gpu_seconds"),
+            sa.func.sum(c.cost).label("cost"),
+        ),
+        tenant,
+        since,
+    ).group_by(c.tenant, c.pool)
+    totals = [
+        PoolUsageTotal(
+            tenant=row.tenant,
+            pool=row.pool,
+            attempts=int(row.attempts),
+            prompt_tokens=int(row.prompt_tokens),  # PostgreSQL sums bigints as numeric
+            completion_tokens=int(row.completion_tokens),
+            superseded_records=int(row.superseded_records),
+            gpu_seconds=float(row.gpu_seconds),
+            cost=float(row.cost),
+        )
+        for row in conn.execute(sums)
+    ]
+    jobs_of = _usage_of(sa.select(c.tenant, sa.func.count(sa.distinct(c.job_id))), tenant, since)
+    jobs = {row[0]: int(row[1]) for row in conn.execute(jobs_of.group_by(c.tenant))}
+    return totals, jobs
 
 
 # -- capacity and quotas -----------------------------------------------------------------------------
