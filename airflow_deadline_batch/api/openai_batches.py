@@ -39,8 +39,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import orjson
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.core_api.security import get_user
-from fastapi import APIRouter, Body, Depends, File, Form, HTTPException, Request, UploadFile
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Body, Depends, File, Form, HTTPException, Request, Response, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 
 from airflow_deadline_batch.api.status import (
     PUBLISHED_JOB_STATES,
@@ -470,15 +472,16 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
 
     match = _WINDOW.match(completion_window or "")
     if not match:
-        raise HTTPException(
-            status_code=400,
-            detail=f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+        raise Refused(
+            400,
+            f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+            param="completion_window",
         )
     amount, unit = int(match[1]), match[2]
     try:
         at = parse_deadline(str(metadata.get("deadline") or f"+{amount}{unit}"), now=_now())
     except ValueError as exc:
-        raise HTTPException(status_code=400, detail=f"metadata.deadline: {exc}") from exc
+        raise Refused(400, f"metadata.deadline: {exc}", param="metadata.deadline") from exc
     # an instant, not ``+24h``: the window runs from the request, not from when the plan task starts
     return at.astimezone(UTC).isoformat(), _ts(at) or 0
 
@@ -530,13 +533,68 @@ def _trigger(request: Request, dag_id: str, run_id: str, conf: dict[str, Any]) -
         raise HTTPException(status_code=response.status_code, detail=f"triggering {dag_id}: {detail}")
 
 
+# -- errors -------------------------------------------------------------------------------------------
+class Refused(HTTPException):
+    """An HTTP error that names the request field at fault (OpenAI's ``error.param``)."""
+
+    def __init__(self, status_code: int, detail: str, *, param: str | None = None) -> None:
+        super().__init__(status_code=status_code, detail=detail)
+        self.param = param
+
+
+def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: the SDK's exceptions carry ``message`` (in their text), ``type``,
+    ``param`` and ``code``; FastAPI's ``{"detail": ...}`` left them with only the status code."""
+    kind = "server_error" if status_code >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _invalid_request(exc: RequestValidationError) -> tuple[str, str | None]:
+    """FastAPI's validation errors (a missing form field, a query parameter that is not a number,
+    a body that is not a JSON object) as one message, and the first field at fault."""
+    problems, param = [], None
+    for error in exc.errors():
+        where = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path")]
+        param = param or (".".join(where) or None)
+        problems.append(f"{'.'.join(where) or 'body'}: {error.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(problems), param
+
+
+class OpenAIErrorRoute(APIRoute):
+    """A route whose errors have OpenAI's shape: ``HTTPException`` (including Airflow's 401/403 from
+    ``get_user``) keeps its status and headers, a request FastAPI cannot validate is a 400 (OpenAI's
+    status for it, not 422), and an unexpected exception is a 500 naming it (and logged)."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                response: Response = await handler(request)
+                return response
+            except HTTPException as exc:
+                body = error_body(exc.status_code, str(exc.detail), getattr(exc, "param", None))
+                return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+            except RequestValidationError as exc:
+                message, param = _invalid_request(exc)
+                return JSONResponse(error_body(400, message, param), status_code=400)
+            except Exception as exc:
+                log.exception("%s %s failed", request.method, request.url.path)
+                message = (
+                    f"the front door failed: {type(exc).__name__}: {exc} (the api-server's log has more)"
+                )
+                return JSONResponse(error_body(500, message), status_code=500)
+
+        return route
+
+
 # -- the routes ---------------------------------------------------------------------------------------
 def create_router() -> APIRouter:
     """The ``/openai/v1`` routes; every one needs an Airflow login (``get_user``)."""
     from airflow_deadline_batch.ui.access import may_read
     from airflow_deadline_batch.ui.model import DagRunRef
 
-    router = APIRouter()
+    router = APIRouter(route_class=OpenAIErrorRoute)
     user_dep = Depends(get_user)
 
     def readable_batch(batch_id: str, user: BaseUser) -> dict[str, Any]:
@@ -554,7 +612,7 @@ def create_router() -> APIRouter:
         user: BaseUser = user_dep,
     ) -> dict[str, Any]:
         if purpose != "batch":
-            raise HTTPException(status_code=400, detail=f"purpose must be 'batch', got {purpose!r}")
+            raise Refused(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
         file_id = f"file-{uuid.uuid4().hex}"
         storage = _files()
         file.file.seek(0, os.SEEK_END)
@@ -600,15 +658,21 @@ def create_router() -> APIRouter:
     ) -> dict[str, Any]:
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
-            raise HTTPException(status_code=400, detail=f"endpoint must be one of {', '.join(ENDPOINTS)}")
+            raise Refused(
+                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
+            )
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict):
-            raise HTTPException(status_code=400, detail="metadata must be an object")
+            raise Refused(400, "metadata must be an object", param="metadata")
         window = str(body.get("completion_window") or "")
         deadline, expires_at = _deadline(window, metadata)
-        input_meta = _file_meta(str(body.get("input_file_id") or ""))
+        if not body.get("input_file_id"):
+            raise Refused(
+                400, "input_file_id is required: upload the requests with POST /files", param="input_file_id"
+            )
+        input_meta = _file_meta(str(body["input_file_id"]))
         if input_meta.get("purpose") != "batch":
-            raise HTTPException(status_code=400, detail=f"file {input_meta['id']} was not uploaded for batch")
+            raise Refused(400, f"file {input_meta['id']} was not uploaded for batch", param="input_file_id")
         storage = _files()
         batch_id = f"batch_{uuid.uuid4().hex}"
         dag_id = batch_dag_id()
@@ -670,5 +734,12 @@ def create_router() -> APIRouter:
             batch = {**batch, "cancel_requested_at": _ts(_now())}
             _write_json(_files(), _sidecar_key(batch_id), batch)
         return _batch_object(batch)  # cancels the job when it exists (else on a later read)
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    def not_served(path: str, request: Request, user: BaseUser = user_dep) -> None:
+        """Whatever else the SDK may ask (``GET /files``, ``DELETE /files/{id}``, another API): an
+        OpenAI 404 that says so, where the router's own answer had no message for the SDK."""
+        detail = f"Invalid URL ({request.method} /{path}): not served here (docs/openai.md lists them)"
+        raise HTTPException(status_code=404, detail=detail)
 
     return router

@@ -1,0 +1,217 @@
+"""The OpenAI front door against a hostile client: the official SDK over real HTTP (docs/openai.md).
+
+The provider's routes are served by uvicorn on loopback in this process; Airflow's login is answered
+by a fixed user (``alice``, who may not read ``secret_dag``), the files store is a local folder, the
+manifest store and Airflow's metadata database are migrated SQLite files. Airflow's REST API,
+which ``POST /batches`` calls to trigger the run, is stood in for by a route on the same server
+that records what it was sent (the run itself is not started: jobs are run by the local runner).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import uvicorn
+from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+from airflow.api_fastapi.core_api.security import get_user
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from openai import OpenAI
+
+from airflow_deadline_batch.api import openai_batches
+from airflow_deadline_batch.plugins import progress
+from tests.helpers.waiting import wait_for
+
+
+@dataclass
+class FrontDoor:
+    url: str
+    files: Path
+    server: uvicorn.Server
+    triggered: list[dict[str, Any]] = field(default_factory=list)
+    #: the status Airflow's REST API answers a trigger with (2xx: the run is created)
+    trigger_status: int = 200
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/openai/v1", api_key="token", timeout=60.0, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def airflow_db() -> None:
+    from airflow.utils.db import initdb
+
+    initdb()
+
+
+@pytest.fixture()
+def door(airflow_db: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FrontDoor]:
+    from airflow.api_fastapi import app as airflow_app
+
+    from airflow_deadline_batch.store import ManifestStore
+
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    ManifestStore.open(store_url, migrate=True).close()
+    monkeypatch.setenv("ADB_STORE_URL", store_url)
+    monkeypatch.delenv("ADB_STORE_CONN_ID", raising=False)
+    progress.reset_store()
+    files = tmp_path / "files"
+    monkeypatch.setenv("ADB_FILES_URI", str(files))
+    openai_batches._open_files.cache_clear()
+    monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER", "tests.fixtures.ui_auth_manager.DagDenyingAuthManager")
+    monkeypatch.setenv("ADB_TEST_DENIED_DAGS", "alice:secret_dag")
+    monkeypatch.setattr(airflow_app._AuthManagerState, "instance", None)
+    airflow_app.create_auth_manager()
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("ADB_AIRFLOW_API_URL", url)
+    server = uvicorn.Server(uvicorn.Config(app := FastAPI(), log_level="warning", lifespan="off"))
+    front = FrontDoor(url, files, server)
+
+    app.include_router(openai_batches.create_router(), prefix="/openai/v1")
+    app.dependency_overrides[get_user] = lambda: SimpleAuthManagerUser(username="alice", role="admin")
+
+    @app.post("/api/v2/dags/{dag_id}/dagRuns")
+    async def trigger(dag_id: str, request: Request) -> JSONResponse:  # Airflow's REST API
+        body = await request.json()
+        if front.trigger_status >= 300:
+            return JSONResponse({"detail": "Forbidden"}, status_code=front.trigger_status)
+        front.triggered.append({"dag_id": dag_id, **body})
+        set_run_state(dag_id, body["dag_run_id"], "queued")
+        return JSONResponse({"dag_id": dag_id, "dag_run_id": body["dag_run_id"]})
+
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout_s=30, what="uvicorn to start")
+    try:
+        yield front
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        openai_batches._open_files.cache_clear()
+        progress.reset_store()
+
+
+def requests_file(count: int, prefix: str = "r") -> bytes:
+    lines = [
+        {
+            "custom_id": f"{prefix}-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "echo", "messages": [{"role": "user", "content": f"say {i}"}]},
+        }
+        for i in range(count)
+    ]
+    return b"".join(orjson.dumps(line) + b"\n" for line in lines)
+
+
+def set_run_state(dag_id: str, run_id: str, state: str) -> None:
+    """Create the DAG run in Airflow's metadata database, or set its state."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState
+
+    with create_session() as session:
+        run = session.query(DagRun).filter_by(dag_id=dag_id, run_id=run_id).one_or_none()
+        if run is None:
+            session.add(DagRun(dag_id=dag_id, run_id=run_id, state=DagRunState(state), run_type="manual"))
+        else:
+            run.state = DagRunState(state)
+
+
+def run_batch(door: FrontDoor, batch_id: str, tmp_path: Path, **plan: Any) -> Any:
+    """Run the batch's job as its DAG's plan task would (the local runner, echo workers)."""
+    import datetime as dt
+    import os
+
+    from airflow_deadline_batch.core.pools import default_local_pools
+    from airflow_deadline_batch.local.runner import RunOptions, run_job
+    from airflow_deadline_batch.service.planning import PlanRequest
+    from airflow_deadline_batch.store import ManifestStore
+
+    conf = next(t["conf"] for t in door.triggered if t["dag_run_id"] == batch_id)
+    request = PlanRequest(
+        input_uri=conf["input_uri"],
+        deadline=dt.datetime.fromisoformat(conf["deadline"]),
+        output_uri=conf["output_uri"],
+        engine="echo",
+        pools=default_local_pools("echo"),
+        workers=1,
+        idempotency_key=f"example_deadline_batch_local/{batch_id}/plan",
+        **plan,
+    )
+    store = ManifestStore.open(os.environ["ADB_STORE_URL"])
+    try:
+        return run_job(store, request, RunOptions(workers=1, worker_log=str(tmp_path / "w.log")))
+    finally:
+        store.close()
+
+
+def create_batch(client: OpenAI, data: bytes, **kwargs: Any) -> Any:
+    uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", **kwargs
+    )
+
+
+def openai_error(response: Any) -> dict[str, Any]:
+    """The OpenAI error body of a raw response, checked for OpenAI's shape."""
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return dict(body["error"])
+
+
+def test_every_error_reaches_the_sdk_as_openais_error_with_its_message(door: FrontDoor) -> None:
+    client = door.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")  # type: ignore[arg-type]
+    # the SDK puts the body's message in the exception's text (before: "Error code: 400" alone)
+    assert "purpose must be 'batch', got 'fine-tune'" in str(refused.value)
+    assert (refused.value.type, refused.value.param) == ("invalid_request_error", "purpose")
+    with pytest.raises(openai.NotFoundError, match="no such file: file-nope"):
+        client.files.content("file-nope")
+    with pytest.raises(openai.NotFoundError, match="no such batch: batch_nope"):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError, match="endpoint must be one of") as endpoint:
+        client.batches.create(input_file_id="file-x", endpoint="/v1/embeddings", completion_window="24h")
+    assert endpoint.value.param == "endpoint"
+    with pytest.raises(openai.BadRequestError, match="input_file_id is required") as missing:
+        client.batches.create(input_file_id="", endpoint="/v1/chat/completions", completion_window="24h")
+    assert missing.value.param == "input_file_id"
+    # what FastAPI validates is a 400 (OpenAI's status), not a 422 of FastAPI's shape
+    with pytest.raises(openai.BadRequestError, match="limit") as limit:
+        client.batches.list(limit="ten")  # type: ignore[arg-type]
+    assert limit.value.param == "limit"
+    no_file = httpx.post(f"{door.url}/openai/v1/files", data={"purpose": "batch"})
+    assert no_file.status_code == 400 and openai_error(no_file)["param"] == "file"
+    not_json = httpx.post(
+        f"{door.url}/openai/v1/batches", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert not_json.status_code == 400
+    assert "JSON" in openai_error(not_json)["message"]
+    a_list = httpx.post(f"{door.url}/openai/v1/batches", json=["input_file_id"])
+    assert a_list.status_code == 400 and "dictionary" in openai_error(a_list)["message"]
+
+
+def test_what_is_not_served_is_an_openai_404(door: FrontDoor) -> None:
+    client = door.client()
+    with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(GET /files\): not served here"):
+        client.files.list()
+    uploaded = client.files.create(file=("in.jsonl", b"{}\n"), purpose="batch")
+    with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(DELETE /files/file-"):
+        client.files.delete(uploaded.id)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.embeddings.create(model="m", input="x")
+    assert client.files.retrieve(uploaded.id).id == uploaded.id  # nothing was deleted
