@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 UTC = dt.timezone.utc
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: OpenAI's limits on a batch's ``metadata``: pairs, key and value lengths (strings only)
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 #: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
 _WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
@@ -466,6 +468,37 @@ def _may_edit_runs(user: BaseUser, dag_id: str) -> bool:
 
 
 # -- deadline and triggering --------------------------------------------------------------------------
+def _metadata(value: Any) -> dict[str, str]:
+    """The request's ``metadata`` within OpenAI's limits: up to 16 pairs of strings, keys up to 64
+    characters, values up to 512 (a nested object or a number is refused, not stringified)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Refused(400, "metadata must be an object of strings", param="metadata")
+    if len(value) > METADATA_PAIRS:
+        raise Refused(
+            400, f"metadata has {len(value)} pairs: at most {METADATA_PAIRS} are allowed", param="metadata"
+        )
+    for key, item in value.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise Refused(
+                400,
+                f"metadata key {key[:20]!r}... is longer than {METADATA_KEY_CHARS} characters",
+                param="metadata",
+            )
+        if not isinstance(item, str):
+            raise Refused(
+                400, f"metadata.{key} must be a string, got {type(item).__name__}", param=f"metadata.{key}"
+            )
+        if len(item) > METADATA_VALUE_CHARS:
+            raise Refused(
+                400,
+                f"metadata.{key} is {len(item)} characters long: at most {METADATA_VALUE_CHARS} are allowed",
+                param=f"metadata.{key}",
+            )
+    return dict(value)
+
+
 def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, int]:
     """The DAG's ``deadline`` param and ``expires_at``: ``metadata.deadline`` if given, else the window."""
     from airflow_deadline_batch.core.deadlines import parse_deadline
@@ -478,10 +511,18 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
             param="completion_window",
         )
     amount, unit = int(match[1]), match[2]
+    given = metadata.get("deadline")
     try:
-        at = parse_deadline(str(metadata.get("deadline") or f"+{amount}{unit}"), now=_now())
+        at = parse_deadline(str(given or f"+{amount}{unit}"), now=_now())
     except ValueError as exc:
         raise Refused(400, f"metadata.deadline: {exc}", param="metadata.deadline") from exc
+    except OverflowError:  # a duration past what a datetime holds (year 9999)
+        param = "metadata.deadline" if given else "completion_window"
+        raise Refused(
+            400,
+            f"{param} {given or completion_window!r} is past the year 9999: give a nearer one",
+            param=param,
+        ) from None
     # an instant, not ``+24h``: the window runs from the request, not from when the plan task starts
     return at.astimezone(UTC).isoformat(), _ts(at) or 0
 
@@ -661,9 +702,7 @@ def create_router() -> APIRouter:
             raise Refused(
                 400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
             )
-        metadata = body.get("metadata") or {}
-        if not isinstance(metadata, dict):
-            raise Refused(400, "metadata must be an object", param="metadata")
+        metadata = _metadata(body.get("metadata"))
         window = str(body.get("completion_window") or "")
         deadline, expires_at = _deadline(window, metadata)
         if not body.get("input_file_id"):
@@ -689,7 +728,7 @@ def create_router() -> APIRouter:
             "endpoint": endpoint,
             "input_file_id": input_meta["id"],
             "completion_window": window,
-            "metadata": {str(k): str(v) for k, v in metadata.items()},
+            "metadata": metadata,
             "created_at": _ts(_now()),
             "expires_at": expires_at,
             "conf": conf,

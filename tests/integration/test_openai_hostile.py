@@ -205,6 +205,65 @@ def test_every_error_reaches_the_sdk_as_openais_error_with_its_message(door: Fro
     assert a_list.status_code == 400 and "dictionary" in openai_error(a_list)["message"]
 
 
+@pytest.mark.parametrize(
+    ("window", "metadata", "param"),
+    [
+        ("99999999999h", None, "completion_window"),
+        ("24h", {"deadline": "+99999999999h"}, "metadata.deadline"),
+        ("24h", {"deadline": "+999999999d"}, "metadata.deadline"),
+    ],
+)
+def test_a_deadline_past_what_a_datetime_holds_is_a_400(
+    door: FrontDoor, window: str, metadata: dict[str, str] | None, param: str
+) -> None:
+    client = door.client()
+    uploaded = client.files.create(file=("in.jsonl", requests_file(1)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="past the year 9999") as refused:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window=window,  # type: ignore[arg-type]
+            metadata=metadata,
+        )
+    assert refused.value.param == param
+    assert client.batches.list().data == [] and door.triggered == []
+    # the connection is still usable: an unhandled error used to reset the SDK's kept-alive one
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message", "param"),
+    [
+        ({str(i): "v" for i in range(17)}, "17 pairs: at most 16", "metadata"),
+        ({"k" * 65: "v"}, "longer than 64 characters", "metadata"),
+        ({"note": "v" * 513}, "513 characters long: at most 512", "metadata.note"),
+        ({"team": {"name": "ads"}}, "metadata.team must be a string, got dict", "metadata.team"),
+        ({"priority": 3}, "metadata.priority must be a string, got int", "metadata.priority"),
+        (["deadline", "+2h"], "metadata must be an object", "metadata"),
+    ],
+)
+def test_metadata_is_held_to_openais_limits(door: FrontDoor, metadata: Any, message: str, param: str) -> None:
+    client = door.client()
+    uploaded = client.files.create(file=("in.jsonl", requests_file(1)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match=message) as refused:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata=metadata,
+        )
+    assert refused.value.param == param
+    assert door.triggered == []
+    at_the_limits = {f"k{i:02d}" + "k" * 61: "v" * 512 for i in range(16)}
+    created = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=at_the_limits,
+    )
+    assert client.batches.retrieve(created.id).metadata == at_the_limits
+
+
 def test_what_is_not_served_is_an_openai_404(door: FrontDoor) -> None:
     client = door.client()
     with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(GET /files\): not served here"):
