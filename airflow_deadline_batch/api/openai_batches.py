@@ -166,6 +166,13 @@ def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _filename(given: str | None) -> str:
+    """The upload's name as a file object shows it: its last path segment (``/`` or ``\\``) without
+    control characters; ``input.jsonl`` when nothing is left (``../``, ``..``). It names no key."""
+    name = "".join(c for c in re.split(r"[/\\]", given or "")[-1] if c.isprintable())
+    return name if name not in ("", ".", "..") else "input.jsonl"
+
+
 def _checked_id(value: str, what: str) -> str:
     if not _ID.match(value):
         raise HTTPException(status_code=404, detail=f"no such {what}: {value!r}")
@@ -666,7 +673,7 @@ def create_router() -> APIRouter:
             "id": file_id,
             "bytes": size,
             "created_at": _ts(_now()),
-            "filename": os.path.basename(file.filename or "input.jsonl"),
+            "filename": _filename(file.filename),
             "purpose": purpose,
             "owner": user.get_name(),
         }

@@ -264,6 +264,23 @@ def test_metadata_is_held_to_openais_limits(door: FrontDoor, metadata: Any, mess
     assert client.batches.retrieve(created.id).metadata == at_the_limits
 
 
+@pytest.mark.parametrize(
+    ("sent", "shown"),
+    [
+        ("../../etc/in.jsonl", "in.jsonl"),
+        ("..\\..\\in.jsonl", "in.jsonl"),
+        ("../", "input.jsonl"),
+        ("..", "input.jsonl"),
+    ],
+)
+def test_an_uploads_name_is_its_last_segment_or_a_default(door: FrontDoor, sent: str, shown: str) -> None:
+    client = door.client()
+    uploaded = client.files.create(file=(sent, b"{}\n"), purpose="batch")
+    assert uploaded.filename == shown  # before: "" for "../" and ".." for ".."
+    assert client.files.retrieve(uploaded.id).filename == shown
+    assert sorted(p.name for p in (door.files / "files" / uploaded.id).iterdir()) == ["content", "meta.json"]
+
+
 def test_what_is_not_served_is_an_openai_404(door: FrontDoor) -> None:
     client = door.client()
     with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(GET /files\): not served here"):
