@@ -217,6 +217,14 @@ def record_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
     _write_json(storage, _sidecar_key(batch["id"]), batch)
 
 
+def forget_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
+    """Remove a batch whose run was never created (Airflow refused it, or was unreachable): its
+    sidecar, then its pointer (a pointer without a sidecar is skipped meanwhile), so that a create
+    the client saw fail is not listed, ``validating`` for ever."""
+    storage.delete(_sidecar_key(batch["id"]))
+    storage.delete(index_key(batch["id"], int(batch["created_at"])))
+
+
 def _index_once(storage: ObjectStorage) -> None:
     """Give sidecars written before the index existed their pointers, once per files store.
 
@@ -740,10 +748,15 @@ def create_router() -> APIRouter:
             "expires_at": expires_at,
             "conf": conf,
         }
-        # the sidecar first: a run without one could never be found again, a sidecar without a run
-        # is reported ``failed`` (no such run) and is harmless
+        # the sidecar first: a run without one could never be found again
         record_batch(storage, batch)
-        _trigger(request, dag_id, batch_id, conf)
+        try:
+            _trigger(request, dag_id, batch_id, conf)
+        except HTTPException:
+            if _dag_run(dag_id, batch_id).state is None:  # refused, or never reached Airflow
+                forget_batch(storage, batch)
+                raise
+            log.warning("batch %s: its run was triggered, but Airflow's answer was an error", batch_id)
         return _batch_object(batch)
 
     @router.get("/batches/{batch_id}")
@@ -776,9 +789,16 @@ def create_router() -> APIRouter:
         batch = readable_batch(batch_id, user)
         if not _may_edit_runs(user, batch["dag_id"]):
             raise HTTPException(status_code=403, detail="Forbidden")
-        if not batch.get("cancel_requested_at"):
-            batch = {**batch, "cancel_requested_at": _ts(_now())}
-            _write_json(_files(), _sidecar_key(batch_id), batch)
+        current = _batch_object(batch)
+        if current["terminal"] or batch.get("cancel_requested_at"):
+            # an ended batch keeps its status (a failed one read ``cancelled`` once asked); a second
+            # cancel changes nothing
+            return current
+        batch = {
+            **(_read_json(_files(), _sidecar_key(batch_id)) or batch),
+            "cancel_requested_at": _ts(_now()),
+        }
+        _write_json(_files(), _sidecar_key(batch_id), batch)
         return _batch_object(batch)  # cancels the job when it exists (else on a later read)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])

@@ -264,6 +264,54 @@ def test_metadata_is_held_to_openais_limits(door: FrontDoor, metadata: Any, mess
     assert client.batches.retrieve(created.id).metadata == at_the_limits
 
 
+def test_a_run_airflow_refuses_leaves_no_batch(door: FrontDoor) -> None:
+    client = door.client()
+    uploaded = client.files.create(file=("in.jsonl", requests_file(1)), purpose="batch")
+    door.trigger_status = 403  # the caller may not trigger the DAG
+    with pytest.raises(
+        openai.PermissionDeniedError, match="triggering example_deadline_batch_local: Forbidden"
+    ):
+        client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    # before: its sidecar stayed, listed as validating for ever
+    assert client.batches.list().data == []
+    assert not list((door.files / "batches").glob("*.json"))
+    door.trigger_status = 200
+    created = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert [b.id for b in client.batches.list().data] == [created.id]
+
+
+def test_cancel_twice_and_cancel_after_the_end_keep_the_status(door: FrontDoor, tmp_path: Path) -> None:
+    client = door.client()
+    # before the run starts (no job yet): cancelling, and a second cancel changes nothing
+    queued = create_batch(client, requests_file(2))
+    first = client.batches.cancel(queued.id)
+    assert first.status == "cancelling" and first.cancelling_at is not None
+    second = client.batches.cancel(queued.id)
+    assert (second.status, second.cancelling_at) == ("cancelling", first.cancelling_at)
+    set_run_state("example_deadline_batch_local", queued.id, "success")  # it ended without a job
+    assert client.batches.retrieve(queued.id).status == "cancelled"
+
+    # a run that failed before planning: a cancel afterwards leaves it failed (before: cancelled)
+    failed = create_batch(client, requests_file(2))
+    set_run_state("example_deadline_batch_local", failed.id, "failed")
+    assert client.batches.retrieve(failed.id).status == "failed"
+    after = client.batches.cancel(failed.id)
+    assert (after.status, after.cancelling_at, after.cancelled_at) == ("failed", None, None)
+    assert client.batches.retrieve(failed.id).status == "failed"
+
+    # a completed batch stays completed, with no cancelling_at
+    done = create_batch(client, requests_file(3))
+    run_batch(door, done.id, tmp_path)
+    completed = client.batches.cancel(done.id)
+    assert (completed.status, completed.cancelling_at) == ("completed", None)
+    assert completed.request_counts is not None and completed.request_counts.completed == 3
+    assert completed.output_file_id is not None
+
+
 @pytest.mark.parametrize(
     ("sent", "shown"),
     [
