@@ -312,6 +312,51 @@ def test_cancel_twice_and_cancel_after_the_end_keep_the_status(door: FrontDoor, 
     assert completed.output_file_id is not None
 
 
+def test_empty_blank_and_all_failed_inputs_complete_with_their_counts(
+    door: FrontDoor, tmp_path: Path
+) -> None:
+    client = door.client()
+    for data in (b"", b"\n\r\n  \n"):
+        batch = create_batch(client, data)
+        assert run_batch(door, batch.id, tmp_path).state == "completed"
+        got = client.batches.retrieve(batch.id)
+        assert got.status == "completed" and got.completed_at is not None
+        assert got.request_counts is not None
+        assert (got.request_counts.total, got.request_counts.completed, got.request_counts.failed) == (
+            0,
+            0,
+            0,
+        )
+        assert (got.output_file_id, got.error_file_id) == (None, None)  # no line, no file
+
+    # binary junk, a BOM, CRLF, a duplicate custom_id: every line fails, none is lost
+    good = requests_file(1, "dup").rstrip(b"\n")
+    data = (
+        b"\xef\xbb\xbf"
+        + bytes(range(1, 256)).replace(b"\n", b"")
+        + b"\r\n[]\r\n{}\r\n"
+        + good
+        + b"\r\n"
+        + good
+    )
+    batch = create_batch(client, data)
+    run_batch(door, batch.id, tmp_path, max_invalid_fraction=1.0)
+    got = client.batches.retrieve(batch.id)
+    assert got.status == "completed"
+    assert got.request_counts is not None
+    assert (got.request_counts.total, got.request_counts.completed, got.request_counts.failed) == (5, 1, 4)
+    assert got.output_file_id and got.error_file_id
+    errors = [orjson.loads(line) for line in client.files.content(got.error_file_id).content.splitlines()]
+    assert [e["response"]["body"]["error"]["code"] for e in errors] == [
+        "invalid_encoding",
+        "invalid_record",
+        "missing_id",
+        "duplicate_id",
+    ]
+    output = [orjson.loads(line) for line in client.files.content(got.output_file_id).content.splitlines()]
+    assert [line["custom_id"] for line in output] == ["dup-0"]
+
+
 @pytest.mark.parametrize(
     ("sent", "shown"),
     [
@@ -327,6 +372,96 @@ def test_an_uploads_name_is_its_last_segment_or_a_default(door: FrontDoor, sent:
     assert uploaded.filename == shown  # before: "" for "../" and ".." for ".."
     assert client.files.retrieve(uploaded.id).filename == shown
     assert sorted(p.name for p in (door.files / "files" / uploaded.id).iterdir()) == ["content", "meta.json"]
+
+
+def test_an_upload_cut_off_mid_stream_leaves_nothing(door: FrontDoor) -> None:
+    boundary = "hostileboundary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="cut.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    port = int(door.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /openai/v1/files HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Type: multipart/form-data; boundary={boundary}\r\n".encode()
+            + f"Content-Length: {len(head) + 4 * 1024 * 1024}\r\n\r\n".encode()
+            + head
+            + requests_file(2000)[: 1024 * 1024]  # a quarter of what it announced
+        )
+    # the server has seen the client go and finished with its request
+    state = door.server.server_state
+    wait_for(lambda: not state.connections and not state.tasks, timeout_s=30, what="the cut request to end")
+    assert not (door.files / "files").exists() or not any((door.files / "files").iterdir())
+    # the next upload is whole
+    whole = door.client().files.create(file=("whole.jsonl", requests_file(3)), purpose="batch")
+    assert [p.name for p in (door.files / "files").iterdir()] == [whole.id]
+
+
+def test_a_50_mb_line_round_trips_byte_for_byte(door: FrontDoor) -> None:
+    client = door.client()
+    line = (
+        b'{"custom_id": "big", "body": {"messages": [{"role": "user", "content": "'
+        + b"x" * (50 << 20)
+        + b'"}]}}'
+    )
+    uploaded = client.files.create(file=("big.jsonl", line), purpose="batch")
+    assert uploaded.bytes == len(line)
+    assert client.files.content(uploaded.id).content == line
+
+
+def test_concurrent_creates_pagination_edges_and_files_not_yours(door: FrontDoor, tmp_path: Path) -> None:
+    import concurrent.futures
+
+    client = door.client()
+    uploaded = client.files.create(file=("in.jsonl", requests_file(2)), purpose="batch")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        created = list(
+            pool.map(
+                lambda _: client.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                ),
+                range(4),
+            )
+        )
+    ids = {b.id for b in created}
+    assert len(ids) == 4 and {t["dag_run_id"] for t in door.triggered} == ids
+    assert {t["conf"]["input_uri"] for t in door.triggered} == {
+        str(door.files / "files" / uploaded.id / "content")
+    }
+    listed = [b.id for b in client.batches.list(limit=100).data]
+    assert sorted(listed) == sorted(ids)
+    for limit in (0, -1):  # below 1: one batch a page
+        page = client.batches.list(limit=limit)
+        assert [b.id for b in page.data] == listed[:1] and page.has_more is True
+    assert [b.id for b in client.batches.list(limit=1000).data] == listed  # above 100: 100
+    last = client.batches.list(after=listed[-1])
+    assert (last.data, last.has_more) == ([], False)
+    assert [b.id for b in client.batches.list(after=listed[0], limit=2).data] == listed[1:3]
+    assert [b.id for b in client.batches.list(limit=1).iter_pages().__next__().data] == listed[:1]
+    assert [b.id for b in client.batches.list(limit=1)] == listed  # the SDK's auto-pagination
+
+    # an exported file of a batch whose DAG alice may not read: 403, not its bytes
+    secret = openai_batches._read_json(openai_batches._files(), f"batches/{created[0].id}.json")
+    assert secret is not None
+    openai_batches._write_json(
+        openai_batches._files(), f"batches/{created[0].id}.json", {**secret, "dag_id": "secret_dag"}
+    )
+    run_batch(door, created[1].id, tmp_path)
+    output_id = client.batches.retrieve(created[1].id).output_file_id
+    assert output_id is not None
+    meta = openai_batches._read_json(openai_batches._files(), f"files/{output_id}/meta.json")
+    assert meta is not None
+    openai_batches._write_json(
+        openai_batches._files(), f"files/{output_id}/meta.json", {**meta, "batch_id": created[0].id}
+    )
+    with pytest.raises(openai.PermissionDeniedError):
+        client.files.content(output_id)
+    with pytest.raises(openai.NotFoundError, match="no such file"):
+        client.files.content("file-" + "0" * 32)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.files.content("../batches")  # a path, not an ID: no route reads it
 
 
 def test_what_is_not_served_is_an_openai_404(door: FrontDoor) -> None:
