@@ -690,7 +690,10 @@ def create_router() -> APIRouter:
 
     @router.get("/files/{file_id}")
     def get_file(file_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
-        return _file_object(_file_meta(file_id))
+        meta = _file_meta(file_id)
+        if meta.get("batch_id"):  # an exported file: as its content, only for readers of its batch
+            readable_batch(str(meta["batch_id"]), user)
+        return _file_object(meta)
 
     @router.get("/files/{file_id}/content")
     def file_content(file_id: str, user: BaseUser = user_dep) -> StreamingResponse:

@@ -458,6 +458,8 @@ def test_concurrent_creates_pagination_edges_and_files_not_yours(door: FrontDoor
     )
     with pytest.raises(openai.PermissionDeniedError):
         client.files.content(output_id)
+    with pytest.raises(openai.PermissionDeniedError):  # nor its name and size (before: they were shown)
+        client.files.retrieve(output_id)
     with pytest.raises(openai.NotFoundError, match="no such file"):
         client.files.content("file-" + "0" * 32)
     with pytest.raises(openai.NotFoundError, match="not served here"):
