@@ -43,6 +43,7 @@ from fastapi import APIRouter, Body, Depends, File, Form, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_deadline_batch.api.status import (
     PUBLISHED_JOB_STATES,
@@ -628,7 +629,7 @@ class OpenAIErrorRoute(APIRoute):
             try:
                 response: Response = await handler(request)
                 return response
-            except HTTPException as exc:
+            except StarletteHTTPException as exc:  # FastAPI's, and Starlette's for a body it cannot parse
                 body = error_body(exc.status_code, str(exc.detail), getattr(exc, "param", None))
                 return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
             except RequestValidationError as exc:

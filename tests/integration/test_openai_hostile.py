@@ -201,6 +201,13 @@ def test_every_error_reaches_the_sdk_as_openais_error_with_its_message(door: Fro
     )
     assert not_json.status_code == 400
     assert "JSON" in openai_error(not_json)["message"]
+    torn = httpx.post(
+        f"{door.url}/openai/v1/files",
+        content=b"--b\r\nContent-Disposition: form-data; name=purpose\r\n\r\nbatch\r\n--b--\r\n",
+        headers={"content-type": "multipart/form-data"},  # no boundary
+    )
+    assert torn.status_code == 400, torn.text  # before: a 500 "the front door failed"
+    assert openai_error(torn)["message"] == "Missing boundary in multipart."
     a_list = httpx.post(f"{door.url}/openai/v1/batches", json=["input_file_id"])
     assert a_list.status_code == 400 and "dictionary" in openai_error(a_list)["message"]
 
