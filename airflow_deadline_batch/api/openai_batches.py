@@ -539,6 +539,10 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
             f"{param} {given or completion_window!r} is past the year 9999: give a nearer one",
             param=param,
         ) from None
+    if at <= _now():  # the plan would reject it, and the batch would read only "DAG run ... ended failed"
+        raise Refused(
+            400, f"metadata.deadline {given!r} has passed: give a later one", param="metadata.deadline"
+        )
     # an instant, not ``+24h``: the window runs from the request, not from when the plan task starts
     return at.astimezone(UTC).isoformat(), _ts(at) or 0
 

@@ -238,6 +238,20 @@ def test_a_deadline_past_what_a_datetime_holds_is_a_400(
     assert client.files.retrieve(uploaded.id).id == uploaded.id
 
 
+def test_a_deadline_that_has_passed_is_a_400(door: FrontDoor) -> None:
+    client = door.client()
+    uploaded = client.files.create(file=("in.jsonl", requests_file(1)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="'2000-01-01T00:00:00Z' has passed") as refused:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"deadline": "2000-01-01T00:00:00Z"},
+        )
+    assert refused.value.param == "metadata.deadline"
+    assert door.triggered == [] and client.batches.list().data == []
+
+
 @pytest.mark.parametrize(
     ("metadata", "message", "param"),
     [
