@@ -132,6 +132,7 @@ def test_anonymous_requests_get_401(front_door: FrontDoor) -> None:
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(front_door.url + path, timeout=30)
         assert caught.value.code == 401, path
+        assert json.loads(caught.value.read())["error"]["type"] == "invalid_request_error", path
     request = urllib.request.Request(
         front_door.url + "/batches",
         data=b'{"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}',
@@ -149,10 +150,12 @@ def test_triggering_needs_airflow_permission(front_door: FrontDoor) -> None:
 
     viewer = front_door.client("viewer")
     uploaded = viewer.files.create(file=("v.jsonl", requests_file(1, "v")), purpose="batch")
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.PermissionDeniedError, match="triggering example_deadline_batch_local"):
         viewer.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
+    # Airflow made no run: no batch is left behind (it was listed as validating for ever)
+    assert uploaded.id not in {b.input_file_id for b in viewer.batches.list(limit=100).data}
 
 
 def test_sdk_upload_batch_poll_download(front_door: FrontDoor) -> None:
