@@ -318,7 +318,13 @@ def _store() -> ManifestStore:
     return plugin_store()
 
 
-def _job(batch: dict[str, Any]) -> JobRow | None:
+#: jobs, newest first, a failed run's batch looks through for the job its plan rejected (as the jobs
+#: view's run tab does)
+REJECTED_SCAN_LIMIT = 500
+
+
+def _job(batch: dict[str, Any], run_state: str | None) -> JobRow | None:
+    from airflow_deadline_batch.core.ids import submitted_key
     from airflow_deadline_batch.exceptions import JobNotFound
 
     store = _store()
@@ -327,7 +333,23 @@ def _job(batch: dict[str, Any]) -> JobRow | None:
             return store.get_job(str(batch["job_id"]))
         except JobNotFound:
             return None
-    return store.get_job_by_idempotency_key(f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}")
+    key = f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}"
+    job = store.get_job_by_idempotency_key(key)
+    if job is None and run_state == "failed":
+        # a job rejected at admission gives its key up: found among the latest jobs, and recorded,
+        # so the batch's error is the rejection's reason rather than "DAG run ... ended failed"
+        job = next(
+            (
+                row
+                for row in store.list_jobs(limit=REJECTED_SCAN_LIMIT)
+                if row.state.value == "rejected" and submitted_key(row.idempotency_key or "") == key
+            ),
+            None,
+        )
+        if job is not None:
+            current = _read_json(_files(), _sidecar_key(batch["id"])) or batch
+            _write_json(_files(), _sidecar_key(batch["id"]), {**current, "job_id": job.job_id})
+    return job
 
 
 _export_lock = threading.Lock()
@@ -409,10 +431,24 @@ def _request_counts(job: JobRow | None, batch: dict[str, Any]) -> dict[str, int]
     return {"total": progress.total_records, "completed": progress.succeeded, "failed": progress.errored}
 
 
+def _failure(job: JobRow | None) -> str | None:
+    """Why the job failed: its error, or for a job rejected at admission the admission's reasons."""
+    if job is None:
+        return None
+    if job.error:
+        return job.error
+    if job.state.value == "rejected" and job.admission:
+        reasons = "; ".join(str(r) for r in job.admission.get("reasons") or ()) or "no reason recorded"
+        return (
+            f"job {job.job_id} rejected at admission ({job.admission.get('verdict', 'rejected')}): {reasons}"
+        )
+    return None
+
+
 def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     """Refresh the batch from its run and job (export, deferred cancel) and shape it as OpenAI does."""
     run = _dag_run(batch["dag_id"], batch["run_id"])
-    job = _job(batch)
+    job = _job(batch, run.state)
     if job is not None and batch.get("cancel_requested_at") and job.state.value in UNFINISHED_JOB_STATES:
         _cancel_job(job.job_id)  # asked before the job existed, or a cancel cut short
         job = _store().get_job(job.job_id)
@@ -434,7 +470,7 @@ def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     done_at = (batch.get("exported") or {}).get("at")
     errors = None
     if status == "failed":
-        message = (job.error if job is not None else None) or f"DAG run {batch['run_id']} ended {run.state}"
+        message = _failure(job) or f"DAG run {batch['run_id']} ended {run.state}"
         errors = {
             "object": "list",
             "data": [{"code": "batch_failed", "message": message, "line": None, "param": None}],

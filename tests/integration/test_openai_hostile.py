@@ -333,6 +333,24 @@ def test_cancel_twice_and_cancel_after_the_end_keep_the_status(door: FrontDoor, 
     assert completed.output_file_id is not None
 
 
+def test_a_batch_rejected_at_admission_says_why(door: FrontDoor, tmp_path: Path) -> None:
+    from airflow_deadline_batch.exceptions import AdmissionRejected
+
+    client = door.client()
+    batch = create_batch(client, bytes(range(256)) * 4 + b"\n" + requests_file(1))  # half the lines junk
+    with pytest.raises(AdmissionRejected):
+        run_batch(door, batch.id, tmp_path)  # the plan task fails, and with it the run
+    set_run_state("example_deadline_batch_local", batch.id, "failed")
+    got = client.batches.retrieve(batch.id)
+    assert got.status == "failed" and got.job_id is not None
+    assert got.errors is not None and got.errors.data
+    # the admission's reason (before: "DAG run <id> ended failed")
+    assert "5 of 6 lines are invalid" in (got.errors.data[0].message or ""), got.errors
+    assert client.batches.list().data[0].job_id == got.job_id  # recorded: found again without a scan
+    sidecar = orjson.loads((door.files / "batches" / f"{batch.id}.json").read_bytes())
+    assert sidecar["job_id"] == got.job_id
+
+
 def test_empty_blank_and_all_failed_inputs_complete_with_their_counts(
     door: FrontDoor, tmp_path: Path
 ) -> None:
