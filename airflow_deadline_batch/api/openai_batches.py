@@ -39,8 +39,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import orjson
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.core_api.security import get_user
-from fastapi import APIRouter, Body, Depends, File, Form, HTTPException, Request, UploadFile
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Body, Depends, File, Form, HTTPException, Request, Response, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow_deadline_batch.api.status import (
     PUBLISHED_JOB_STATES,
@@ -58,6 +61,8 @@ log = logging.getLogger(__name__)
 UTC = dt.timezone.utc
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: OpenAI's limits on a batch's ``metadata``: pairs, key and value lengths (strings only)
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 #: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
 _WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
@@ -162,6 +167,13 @@ def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _filename(given: str | None) -> str:
+    """The upload's name as a file object shows it: its last path segment (``/`` or ``\\``) without
+    control characters; ``input.jsonl`` when nothing is left (``../``, ``..``). It names no key."""
+    name = "".join(c for c in re.split(r"[/\\]", given or "")[-1] if c.isprintable())
+    return name if name not in ("", ".", "..") else "input.jsonl"
+
+
 def _checked_id(value: str, what: str) -> str:
     if not _ID.match(value):
         raise HTTPException(status_code=404, detail=f"no such {what}: {value!r}")
@@ -204,6 +216,14 @@ def record_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
     its process died between the two writes) is skipped by listings."""
     storage.put_bytes(index_key(batch["id"], int(batch["created_at"])), b"")
     _write_json(storage, _sidecar_key(batch["id"]), batch)
+
+
+def forget_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
+    """Remove a batch whose run was never created (Airflow refused it, or was unreachable): its
+    sidecar, then its pointer (a pointer without a sidecar is skipped meanwhile), so that a create
+    the client saw fail is not listed, ``validating`` for ever."""
+    storage.delete(_sidecar_key(batch["id"]))
+    storage.delete(index_key(batch["id"], int(batch["created_at"])))
 
 
 def _index_once(storage: ObjectStorage) -> None:
@@ -298,7 +318,13 @@ def _store() -> ManifestStore:
     return plugin_store()
 
 
-def _job(batch: dict[str, Any]) -> JobRow | None:
+#: jobs, newest first, a failed run's batch looks through for the job its plan rejected (as the jobs
+#: view's run tab does)
+REJECTED_SCAN_LIMIT = 500
+
+
+def _job(batch: dict[str, Any], run_state: str | None) -> JobRow | None:
+    from airflow_deadline_batch.core.ids import submitted_key
     from airflow_deadline_batch.exceptions import JobNotFound
 
     store = _store()
@@ -307,7 +333,23 @@ def _job(batch: dict[str, Any]) -> JobRow | None:
             return store.get_job(str(batch["job_id"]))
         except JobNotFound:
             return None
-    return store.get_job_by_idempotency_key(f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}")
+    key = f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}"
+    job = store.get_job_by_idempotency_key(key)
+    if job is None and run_state == "failed":
+        # a job rejected at admission gives its key up: found among the latest jobs, and recorded,
+        # so the batch's error is the rejection's reason rather than "DAG run ... ended failed"
+        job = next(
+            (
+                row
+                for row in store.list_jobs(limit=REJECTED_SCAN_LIMIT)
+                if row.state.value == "rejected" and submitted_key(row.idempotency_key or "") == key
+            ),
+            None,
+        )
+        if job is not None:
+            current = _read_json(_files(), _sidecar_key(batch["id"])) or batch
+            _write_json(_files(), _sidecar_key(batch["id"]), {**current, "job_id": job.job_id})
+    return job
 
 
 _export_lock = threading.Lock()
@@ -389,10 +431,24 @@ def _request_counts(job: JobRow | None, batch: dict[str, Any]) -> dict[str, int]
     return {"total": progress.total_records, "completed": progress.succeeded, "failed": progress.errored}
 
 
+def _failure(job: JobRow | None) -> str | None:
+    """Why the job failed: its error, or for a job rejected at admission the admission's reasons."""
+    if job is None:
+        return None
+    if job.error:
+        return job.error
+    if job.state.value == "rejected" and job.admission:
+        reasons = "; ".join(str(r) for r in job.admission.get("reasons") or ()) or "no reason recorded"
+        return (
+            f"job {job.job_id} rejected at admission ({job.admission.get('verdict', 'rejected')}): {reasons}"
+        )
+    return None
+
+
 def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     """Refresh the batch from its run and job (export, deferred cancel) and shape it as OpenAI does."""
     run = _dag_run(batch["dag_id"], batch["run_id"])
-    job = _job(batch)
+    job = _job(batch, run.state)
     if job is not None and batch.get("cancel_requested_at") and job.state.value in UNFINISHED_JOB_STATES:
         _cancel_job(job.job_id)  # asked before the job existed, or a cancel cut short
         job = _store().get_job(job.job_id)
@@ -414,7 +470,7 @@ def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     done_at = (batch.get("exported") or {}).get("at")
     errors = None
     if status == "failed":
-        message = (job.error if job is not None else None) or f"DAG run {batch['run_id']} ended {run.state}"
+        message = _failure(job) or f"DAG run {batch['run_id']} ended {run.state}"
         errors = {
             "object": "list",
             "data": [{"code": "batch_failed", "message": message, "line": None, "param": None}],
@@ -464,21 +520,65 @@ def _may_edit_runs(user: BaseUser, dag_id: str) -> bool:
 
 
 # -- deadline and triggering --------------------------------------------------------------------------
+def _metadata(value: Any) -> dict[str, str]:
+    """The request's ``metadata`` within OpenAI's limits: up to 16 pairs of strings, keys up to 64
+    characters, values up to 512 (a nested object or a number is refused, not stringified)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Refused(400, "metadata must be an object of strings", param="metadata")
+    if len(value) > METADATA_PAIRS:
+        raise Refused(
+            400, f"metadata has {len(value)} pairs: at most {METADATA_PAIRS} are allowed", param="metadata"
+        )
+    for key, item in value.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise Refused(
+                400,
+                f"metadata key {key[:20]!r}... is longer than {METADATA_KEY_CHARS} characters",
+                param="metadata",
+            )
+        if not isinstance(item, str):
+            raise Refused(
+                400, f"metadata.{key} must be a string, got {type(item).__name__}", param=f"metadata.{key}"
+            )
+        if len(item) > METADATA_VALUE_CHARS:
+            raise Refused(
+                400,
+                f"metadata.{key} is {len(item)} characters long: at most {METADATA_VALUE_CHARS} are allowed",
+                param=f"metadata.{key}",
+            )
+    return dict(value)
+
+
 def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, int]:
     """The DAG's ``deadline`` param and ``expires_at``: ``metadata.deadline`` if given, else the window."""
     from airflow_deadline_batch.core.deadlines import parse_deadline
 
     match = _WINDOW.match(completion_window or "")
     if not match:
-        raise HTTPException(
-            status_code=400,
-            detail=f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+        raise Refused(
+            400,
+            f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+            param="completion_window",
         )
     amount, unit = int(match[1]), match[2]
+    given = metadata.get("deadline")
     try:
-        at = parse_deadline(str(metadata.get("deadline") or f"+{amount}{unit}"), now=_now())
+        at = parse_deadline(str(given or f"+{amount}{unit}"), now=_now())
     except ValueError as exc:
-        raise HTTPException(status_code=400, detail=f"metadata.deadline: {exc}") from exc
+        raise Refused(400, f"metadata.deadline: {exc}", param="metadata.deadline") from exc
+    except OverflowError:  # a duration past what a datetime holds (year 9999)
+        param = "metadata.deadline" if given else "completion_window"
+        raise Refused(
+            400,
+            f"{param} {given or completion_window!r} is past the year 9999: give a nearer one",
+            param=param,
+        ) from None
+    if at <= _now():  # the plan would reject it, and the batch would read only "DAG run ... ended failed"
+        raise Refused(
+            400, f"metadata.deadline {given!r} has passed: give a later one", param="metadata.deadline"
+        )
     # an instant, not ``+24h``: the window runs from the request, not from when the plan task starts
     return at.astimezone(UTC).isoformat(), _ts(at) or 0
 
@@ -530,13 +630,68 @@ def _trigger(request: Request, dag_id: str, run_id: str, conf: dict[str, Any]) -
         raise HTTPException(status_code=response.status_code, detail=f"triggering {dag_id}: {detail}")
 
 
+# -- errors -------------------------------------------------------------------------------------------
+class Refused(HTTPException):
+    """An HTTP error that names the request field at fault (OpenAI's ``error.param``)."""
+
+    def __init__(self, status_code: int, detail: str, *, param: str | None = None) -> None:
+        super().__init__(status_code=status_code, detail=detail)
+        self.param = param
+
+
+def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: the SDK's exceptions carry ``message`` (in their text), ``type``,
+    ``param`` and ``code``; FastAPI's ``{"detail": ...}`` left them with only the status code."""
+    kind = "server_error" if status_code >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _invalid_request(exc: RequestValidationError) -> tuple[str, str | None]:
+    """FastAPI's validation errors (a missing form field, a query parameter that is not a number,
+    a body that is not a JSON object) as one message, and the first field at fault."""
+    problems, param = [], None
+    for error in exc.errors():
+        where = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path")]
+        param = param or (".".join(where) or None)
+        problems.append(f"{'.'.join(where) or 'body'}: {error.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(problems), param
+
+
+class OpenAIErrorRoute(APIRoute):
+    """A route whose errors have OpenAI's shape: ``HTTPException`` (including Airflow's 401/403 from
+    ``get_user``) keeps its status and headers, a request FastAPI cannot validate is a 400 (OpenAI's
+    status for it, not 422), and an unexpected exception is a 500 naming it (and logged)."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                response: Response = await handler(request)
+                return response
+            except StarletteHTTPException as exc:  # FastAPI's, and Starlette's for a body it cannot parse
+                body = error_body(exc.status_code, str(exc.detail), getattr(exc, "param", None))
+                return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+            except RequestValidationError as exc:
+                message, param = _invalid_request(exc)
+                return JSONResponse(error_body(400, message, param), status_code=400)
+            except Exception as exc:
+                log.exception("%s %s failed", request.method, request.url.path)
+                message = (
+                    f"the front door failed: {type(exc).__name__}: {exc} (the api-server's log has more)"
+                )
+                return JSONResponse(error_body(500, message), status_code=500)
+
+        return route
+
+
 # -- the routes ---------------------------------------------------------------------------------------
 def create_router() -> APIRouter:
     """The ``/openai/v1`` routes; every one needs an Airflow login (``get_user``)."""
     from airflow_deadline_batch.ui.access import may_read
     from airflow_deadline_batch.ui.model import DagRunRef
 
-    router = APIRouter()
+    router = APIRouter(route_class=OpenAIErrorRoute)
     user_dep = Depends(get_user)
 
     def readable_batch(batch_id: str, user: BaseUser) -> dict[str, Any]:
@@ -554,7 +709,7 @@ def create_router() -> APIRouter:
         user: BaseUser = user_dep,
     ) -> dict[str, Any]:
         if purpose != "batch":
-            raise HTTPException(status_code=400, detail=f"purpose must be 'batch', got {purpose!r}")
+            raise Refused(400, f"purpose must be 'batch', got {purpose!r}", param="purpose")
         file_id = f"file-{uuid.uuid4().hex}"
         storage = _files()
         file.file.seek(0, os.SEEK_END)
@@ -567,7 +722,7 @@ def create_router() -> APIRouter:
             "id": file_id,
             "bytes": size,
             "created_at": _ts(_now()),
-            "filename": os.path.basename(file.filename or "input.jsonl"),
+            "filename": _filename(file.filename),
             "purpose": purpose,
             "owner": user.get_name(),
         }
@@ -576,7 +731,10 @@ def create_router() -> APIRouter:
 
     @router.get("/files/{file_id}")
     def get_file(file_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
-        return _file_object(_file_meta(file_id))
+        meta = _file_meta(file_id)
+        if meta.get("batch_id"):  # an exported file: as its content, only for readers of its batch
+            readable_batch(str(meta["batch_id"]), user)
+        return _file_object(meta)
 
     @router.get("/files/{file_id}/content")
     def file_content(file_id: str, user: BaseUser = user_dep) -> StreamingResponse:
@@ -600,15 +758,19 @@ def create_router() -> APIRouter:
     ) -> dict[str, Any]:
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
-            raise HTTPException(status_code=400, detail=f"endpoint must be one of {', '.join(ENDPOINTS)}")
-        metadata = body.get("metadata") or {}
-        if not isinstance(metadata, dict):
-            raise HTTPException(status_code=400, detail="metadata must be an object")
+            raise Refused(
+                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
+            )
+        metadata = _metadata(body.get("metadata"))
         window = str(body.get("completion_window") or "")
         deadline, expires_at = _deadline(window, metadata)
-        input_meta = _file_meta(str(body.get("input_file_id") or ""))
+        if not body.get("input_file_id"):
+            raise Refused(
+                400, "input_file_id is required: upload the requests with POST /files", param="input_file_id"
+            )
+        input_meta = _file_meta(str(body["input_file_id"]))
         if input_meta.get("purpose") != "batch":
-            raise HTTPException(status_code=400, detail=f"file {input_meta['id']} was not uploaded for batch")
+            raise Refused(400, f"file {input_meta['id']} was not uploaded for batch", param="input_file_id")
         storage = _files()
         batch_id = f"batch_{uuid.uuid4().hex}"
         dag_id = batch_dag_id()
@@ -625,15 +787,20 @@ def create_router() -> APIRouter:
             "endpoint": endpoint,
             "input_file_id": input_meta["id"],
             "completion_window": window,
-            "metadata": {str(k): str(v) for k, v in metadata.items()},
+            "metadata": metadata,
             "created_at": _ts(_now()),
             "expires_at": expires_at,
             "conf": conf,
         }
-        # the sidecar first: a run without one could never be found again, a sidecar without a run
-        # is reported ``failed`` (no such run) and is harmless
+        # the sidecar first: a run without one could never be found again
         record_batch(storage, batch)
-        _trigger(request, dag_id, batch_id, conf)
+        try:
+            _trigger(request, dag_id, batch_id, conf)
+        except HTTPException:
+            if _dag_run(dag_id, batch_id).state is None:  # refused, or never reached Airflow
+                forget_batch(storage, batch)
+                raise
+            log.warning("batch %s: its run was triggered, but Airflow's answer was an error", batch_id)
         return _batch_object(batch)
 
     @router.get("/batches/{batch_id}")
@@ -666,9 +833,23 @@ def create_router() -> APIRouter:
         batch = readable_batch(batch_id, user)
         if not _may_edit_runs(user, batch["dag_id"]):
             raise HTTPException(status_code=403, detail="Forbidden")
-        if not batch.get("cancel_requested_at"):
-            batch = {**batch, "cancel_requested_at": _ts(_now())}
-            _write_json(_files(), _sidecar_key(batch_id), batch)
+        current = _batch_object(batch)
+        if current["terminal"] or batch.get("cancel_requested_at"):
+            # an ended batch keeps its status (a failed one read ``cancelled`` once asked); a second
+            # cancel changes nothing
+            return current
+        batch = {
+            **(_read_json(_files(), _sidecar_key(batch_id)) or batch),
+            "cancel_requested_at": _ts(_now()),
+        }
+        _write_json(_files(), _sidecar_key(batch_id), batch)
         return _batch_object(batch)  # cancels the job when it exists (else on a later read)
+
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    def not_served(path: str, request: Request, user: BaseUser = user_dep) -> None:
+        """Whatever else the SDK may ask (``GET /files``, ``DELETE /files/{id}``, another API): an
+        OpenAI 404 that says so, where the router's own answer had no message for the SDK."""
+        detail = f"Invalid URL ({request.method} /{path}): not served here (docs/openai.md lists them)"
+        raise HTTPException(status_code=404, detail=detail)
 
     return router

@@ -40,6 +40,7 @@ DAG_ID = "example_deadline_batch_local"
 #: seconds per record in the echo engine: the cancel test's batch runs for minutes, the small one for seconds
 ECHO_DELAY_S = 0.1
 BATCH_TIMEOUT_S = 300.0
+TERMINAL = ("completed", "failed", "expired", "cancelled")
 #: SimpleAuthManager users: the SDK logs in as ``admin``; ``viewer`` may read runs but not trigger them
 PASSWORDS = {"admin": "admin-pw", "viewer": "viewer-pw"}
 
@@ -132,6 +133,7 @@ def test_anonymous_requests_get_401(front_door: FrontDoor) -> None:
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(front_door.url + path, timeout=30)
         assert caught.value.code == 401, path
+        assert json.loads(caught.value.read())["error"]["type"] == "invalid_request_error", path
     request = urllib.request.Request(
         front_door.url + "/batches",
         data=b'{"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}',
@@ -149,10 +151,12 @@ def test_triggering_needs_airflow_permission(front_door: FrontDoor) -> None:
 
     viewer = front_door.client("viewer")
     uploaded = viewer.files.create(file=("v.jsonl", requests_file(1, "v")), purpose="batch")
-    with pytest.raises(openai.PermissionDeniedError):
+    with pytest.raises(openai.PermissionDeniedError, match="triggering example_deadline_batch_local"):
         viewer.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
+    # Airflow made no run: no batch is left behind (it was listed as validating for ever)
+    assert uploaded.id not in {b.input_file_id for b in viewer.batches.list(limit=100).data}
 
 
 def test_sdk_upload_batch_poll_download(front_door: FrontDoor) -> None:
@@ -192,6 +196,23 @@ def test_sdk_upload_batch_poll_download(front_door: FrontDoor) -> None:
     assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in output)
     assert client.files.retrieve(done.output_file_id).filename == "output.jsonl"
     assert batch.id in [b.id for b in client.batches.list(limit=100).data]
+
+
+@pytest.mark.parametrize("data", [b"", b"\n  \r\n"], ids=["empty", "blank-lines"])
+def test_sdk_batch_of_an_input_without_records_completes(front_door: FrontDoor, data: bytes) -> None:
+    """The plan returns no shard, the shard task is skipped and the sensor still publishes: the
+    batch completes with no request and no file (it stayed in_progress while the sensor was skipped)."""
+    client = front_door.client()
+    uploaded = client.files.create(file=("empty.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_batch(front_door, client, batch.id, lambda b: b.status in TERMINAL, "a terminal status")
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (0, 0, 0)
+    assert (done.output_file_id, done.error_file_id, done.errors) == (None, None, None)
+    assert front_door.airflow.wait_for_run(DAG_ID, batch.id, timeout_s=BATCH_TIMEOUT_S)["state"] == "success"
 
 
 def test_sdk_cancel_mid_run_ends_cancelled_with_partial_output(front_door: FrontDoor) -> None:

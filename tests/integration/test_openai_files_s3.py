@@ -71,4 +71,4 @@ def test_unknown_and_malformed_file_ids_are_404_on_s3(client: TestClient) -> Non
         "/openai/v1/files", files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "fine-tune"}
     )
     assert refused.status_code == 400
-    assert "purpose must be 'batch'" in refused.json()["detail"]
+    assert "purpose must be 'batch'" in refused.json()["error"]["message"]
