@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +45,14 @@ class PoolSpec:
         if not self.name:
             raise ValueError("pool name must not be empty")
         object.__setattr__(self, "kind", PoolKind(self.kind))
-        if self.gpus < 1:
+        if not self.gpus >= 1:  # `not >=` refuses NaN too, which passes every comparison
             raise ValueError(f"pool {self.name!r}: gpus must be >= 1, got {self.gpus}")
+        # NaN or infinity (pools given in Python) would price a job at NaN, which passes any budget
         for attr in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-            if getattr(self, attr) <= 0:
-                raise ValueError(f"pool {self.name!r}: {attr} must be > 0")
+            if not (getattr(self, attr) > 0 and math.isfinite(getattr(self, attr))):
+                raise ValueError(
+                    f"pool {self.name!r}: {attr} must be a finite number > 0, got {getattr(self, attr)}"
+                )
         for attr in (
             "price_per_gpu_hour",
             "startup_seconds",
@@ -56,8 +60,10 @@ class PoolSpec:
             "preemptions_per_hour",
             "preemption_notice_seconds",
         ):
-            if getattr(self, attr) < 0:
-                raise ValueError(f"pool {self.name!r}: {attr} must be >= 0")
+            if not (getattr(self, attr) >= 0 and math.isfinite(getattr(self, attr))):
+                raise ValueError(
+                    f"pool {self.name!r}: {attr} must be a finite number >= 0, got {getattr(self, attr)}"
+                )
         object.__setattr__(self, "tolerations", tuple(dict(t) for t in self.tolerations))
 
     @property

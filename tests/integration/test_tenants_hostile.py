@@ -56,16 +56,19 @@ def test_a_job_cancelled_before_it_ran_charges_nothing_to_the_budget(
 
 
 @pytest.mark.parametrize("price", [math.nan, math.inf])
-def test_a_pool_price_that_is_no_amount_does_not_pass_the_budget(tmp_path: Path, price: float) -> None:
-    """A NaN price (pools given in Python, as to the Airflow operator) made the projected cost 0 to
-    the budget, which then admitted the job whatever it was; the ledger settled its cost as NaN.
-    SQLite only: PostgreSQL's JSON refuses a job config holding a NaN (PoolSpec should refuse it)."""
+def test_a_pool_price_that_is_no_amount_is_refused(tmp_path: Path, price: float) -> None:
+    """A NaN price (pools given in Python, as to the Airflow operator) made the projected cost NaN,
+    which passed any budget (it read as 0), and the ledger settled its cost as NaN; PostgreSQL's JSON
+    refused the job's config with a raw DataError. The pool is refused when it is built, and the
+    budget refuses a cost that is no amount whatever made it so."""
+    with pytest.raises(ValueError, match=f"price_per_gpu_hour must be a finite number >= 0, got {price}"):
+        dataclasses.replace(SHARED, price_per_gpu_hour=price)
     store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}")
     store.set_quota(TenantQuotaRow(tenant="ads", budget=0.01, budget_period_s=86400))
-    request = dataclasses.replace(
-        _request(tmp_path, "ads"), pools=(dataclasses.replace(SHARED, price_per_gpu_hour=price),)
-    )
-    refused = _rejected(store, request)
+    request = _request(tmp_path, "ads")
+    unpriced = dataclasses.replace(SHARED, price_per_gpu_hour=0.0)
+    object.__setattr__(unpriced, "price_per_gpu_hour", price)  # past the check, as an older pool row
+    refused = _rejected(store, dataclasses.replace(request, pools=(unpriced,)))
     assert f"this job's projected cost is {price}, not an amount" in refused.message
     free = dataclasses.replace(request, pools=(dataclasses.replace(SHARED, price_per_gpu_hour=0.0),))
     assert plan_job(store, free).created  # the budget still admits what it can price
