@@ -106,6 +106,24 @@ def _start_driver(tmp_path: Path, spill: Path, input_path: Path, **args: Any) ->
     )
 
 
+def _start_plan_cli(input_path: Path, spill: Path, **popen: Any) -> subprocess.Popen[str]:
+    """``deadline-batch plan`` of ``input_path`` in a process of its own, spilling under ``spill``,
+    with a scan process per core whatever the input's size."""
+    boot = (
+        "import sys; from airflow_deadline_batch.service import planning; "
+        "planning.PARALLEL_MIN_BYTES = 1; "
+        "from airflow_deadline_batch.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", boot, "plan", str(input_path), "--deadline", "+100h"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spill)},
+        **popen,
+    )
+
+
 def _driver_error(driver: subprocess.Popen[str]) -> tuple[dict[str, Any], str]:
     stdout, stderr = driver.communicate(timeout=120)
     assert driver.returncode == 1, (stdout, stderr)
@@ -376,18 +394,7 @@ def test_the_cli_stopped_mid_scan_ends_its_scan_processes_and_deletes_its_spill(
     so in one line, with its exit code; no process and no spill file stay."""
     spill = tmp_path / "spill"
     spill.mkdir()
-    boot = (
-        "import sys; from airflow_deadline_batch.service import planning; "
-        "planning.PARALLEL_MIN_BYTES = 1; "  # a process per core, whatever the input's size
-        "from airflow_deadline_batch.cli import main; sys.exit(main(sys.argv[1:]))"
-    )
-    cli = subprocess.Popen(
-        [sys.executable, "-c", boot, "plan", str(slow_input), "--deadline", "+100h"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spill)},
-    )
+    cli = _start_plan_cli(slow_input, spill)
     try:
         wait_for(lambda: any(spill.glob("*/part-*/errors")), timeout_s=60, what="the scan to begin")
         children = _scan_processes_of(cli.pid)
@@ -482,20 +489,7 @@ def test_the_cli_suspended_and_resumed_with_its_scan_processes_plans_on(
     SIGTSTP, which the kernel drops for a process group without one."""
     spill = tmp_path / "spill"
     spill.mkdir()
-    boot = (
-        "import sys; from airflow_deadline_batch.service import planning; "
-        "planning.PARALLEL_MIN_BYTES = 1; "  # a process per core, whatever the input's size
-        "from airflow_deadline_batch.cli import main; sys.exit(main(sys.argv[1:]))"
-    )
-    cli = subprocess.Popen(
-        [sys.executable, "-c", boot, "plan", str(slow_input), "--deadline", "+100h"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spill)},
-        cwd=tmp_path,
-        start_new_session=True,  # a process group of its own, as a shell's job
-    )
+    cli = _start_plan_cli(slow_input, spill, cwd=tmp_path, start_new_session=True)  # a shell's job
     try:
         wait_for(lambda: any(spill.glob("*/part-*/errors")), timeout_s=60, what="the scan to begin")
         group = [psutil.Process(cli.pid), *_scan_processes_of(cli.pid)]

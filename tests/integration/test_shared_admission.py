@@ -170,23 +170,31 @@ def _submit(
 RACERS = 5
 
 
-def test_concurrent_admissions_never_overcommit_a_pool(store_url: str, tmp_path: Path) -> None:
-    """Real processes submit at once; the pool takes two jobs, whoever wins, never three."""
-    store = ManifestStore.open(store_url)
-    store.set_capacity("shared", 2)
+def race_submissions(
+    url: str, out: Path, tenants: list[str], key: str | None = None
+) -> list[tuple[str, str]]:
+    """Real processes, one per tenant in ``tenants``, submit at once (a barrier); each one's
+    verdict (``admitted``/``rejected``) and job, once every process has exited cleanly."""
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(RACERS)
+    barrier = ctx.Barrier(len(tenants))
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_submit, args=(store_url, str(tmp_path / "out"), f"t{i}", barrier, results))
-        for i in range(RACERS)
+        ctx.Process(target=_submit, args=(url, str(out), tenant, barrier, results, key)) for tenant in tenants
     ]
     for proc in procs:
         proc.start()
     outcomes = [results.get(timeout=240) for _ in procs]
     for proc in procs:
         proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * RACERS
+    assert [p.exitcode for p in procs] == [0] * len(tenants)
+    return outcomes
+
+
+def test_concurrent_admissions_never_overcommit_a_pool(store_url: str, tmp_path: Path) -> None:
+    """Real processes submit at once; the pool takes two jobs, whoever wins, never three."""
+    store = ManifestStore.open(store_url)
+    store.set_capacity("shared", 2)
+    outcomes = race_submissions(store_url, tmp_path / "out", [f"t{i}" for i in range(RACERS)])
     admitted = [job for verdict, job in outcomes if verdict == "admitted"]
     assert len(admitted) == 2, outcomes
     states = sorted(j.state.value for j in store.list_jobs())
@@ -202,21 +210,7 @@ def test_concurrent_resubmissions_of_a_rejected_key_make_one_live_job(store_url:
     plan_job(store, _request(tmp_path, "ads"))
     refused = _rejected(store, _request(tmp_path, "ads", key="retry-me"))
     store.set_job_state(first.job_id, JobState.CANCELLED)  # capacity frees for one more job
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(RACERS)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_submit, args=(store_url, str(tmp_path / "out"), "ads", barrier, results, "retry-me")
-        )
-        for _ in range(RACERS)
-    ]
-    for proc in procs:
-        proc.start()
-    outcomes = [results.get(timeout=240) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * RACERS
+    outcomes = race_submissions(store_url, tmp_path / "out", ["ads"] * RACERS, key="retry-me")
     assert {verdict for verdict, _ in outcomes} == {"admitted"}, outcomes
     (live,) = {job for _, job in outcomes}  # every racer got the one job that holds the key
     assert live != refused.fields["job_id"]

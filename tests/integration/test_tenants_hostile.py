@@ -6,7 +6,6 @@ import dataclasses
 import datetime as dt
 import gc
 import math
-import multiprocessing as mp
 import tracemalloc
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from airflow_deadline_batch.service.finalize import finalize_job
 from airflow_deadline_batch.service.planning import plan_job
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
 from airflow_deadline_batch.store.schema import jobs, usage
-from tests.integration.test_shared_admission import RACERS, SHARED, _rejected, _request, _submit
+from tests.integration.test_shared_admission import RACERS, SHARED, _rejected, _request, race_submissions
 
 pytestmark = pytest.mark.integration
 UTC = dt.timezone.utc
@@ -194,19 +193,7 @@ def test_racing_submissions_of_one_tenant_never_exceed_its_budget(store_url: str
     probe = plan_job(store, _request(tmp_path, "probe"))  # the same request's projected cost
     cost = float(probe.report.chosen.cost_units)  # type: ignore[union-attr]
     store.set_quota(TenantQuotaRow(tenant="ads", budget=cost * 1.5, budget_period_s=86400))
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(RACERS)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_submit, args=(store_url, str(tmp_path / "out"), "ads", barrier, results))
-        for _ in range(RACERS)
-    ]
-    for proc in procs:
-        proc.start()
-    outcomes = [results.get(timeout=240) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * RACERS
+    outcomes = race_submissions(store_url, tmp_path / "out", ["ads"] * RACERS)
     assert sorted(verdict for verdict, _ in outcomes) == ["admitted"] + ["rejected"] * (RACERS - 1)
     ads = [j for j in store.list_jobs() if j.tenant == "ads"]
     assert sorted(j.state.value for j in ads) == ["admitted"] + ["rejected"] * (RACERS - 1)
