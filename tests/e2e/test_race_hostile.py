@@ -150,7 +150,10 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
 ) -> None:
     store_url = pg_store_url
     store = ManifestStore.open(store_url)
-    job_id = plan(store, tmp_path, ttl_s=4.0, lines=36)
+    # the primary's pause stops its heartbeat, so the racer must start and race within one lease:
+    # 4 s was too short for a racer process starting on a loaded machine (it found the lease lapsed,
+    # "nothing to race", and never claimed)
+    job_id = plan(store, tmp_path, ttl_s=10.0, lines=36)
     stalled = tmp_path / "stalled"
     procs: list[subprocess.Popen[bytes]] = []
     try:
