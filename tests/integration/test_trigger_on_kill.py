@@ -140,6 +140,11 @@ async def kill_in_the_runner(
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, WAIT_S)
     assert task.cancelled() and (await runner.cleanup_finished_triggers()) == [TRIGGER_ID]
+    # a triggerer's loop and comms reader live on after the trigger has ended, serving the thread
+    # that finishes the cancellation; here they are torn down only once that thread is done
+    for thread in [t for t in threading.enumerate() if t.name == f"cancel-{trigger.job_id}"]:
+        await asyncio.to_thread(thread.join, WAIT_S * 3)
+        assert not thread.is_alive(), "the cancellation thread did not finish"
     comms._reader_task.cancel()
     writer.close()
     await writer.wait_closed()
