@@ -5,8 +5,9 @@ every child (a script without an ``if __name__ == "__main__"`` guard plans again
 Airflow's entry point imports Airflow in each), and ``fork`` copies a process that may have other
 threads running (the planner hashes the input on one). Each child here is ``python -c`` that,
 for each call, imports only the function's module, reads its arguments as a pickle on stdin and
-writes the result as a pickle on stdout, until its stdin ends (:class:`Processes` keeps children
-for several rounds); the parent's ``sys.path`` goes first, so what imports here imports there.
+writes the result on stdout (its pickle's length, then the pickle), until its stdin ends
+(:class:`Processes` keeps children for several rounds); the parent's ``sys.path`` goes first,
+so what imports here imports there.
 The function's module is imported before the arguments are read, so arguments that take a
 while to compute (a callable in ``calls``) are computed while the children start.
 
@@ -121,19 +122,28 @@ class Processes:
         A child stopped by a signal (``kill -STOP``) neither answers nor dies, so the wait would
         last for ever: when nothing has come for :data:`STOP_CHECK_S`, the children still owed a
         result are looked up in ``/proc``, and one seen stopped at two such looks in a row fails
-        the call (:func:`_stopped`). No time limit: a child that runs is waited on however long."""
+        the call (:func:`_stopped`). No time limit: a child that runs is waited on however long.
+        A result is read as it arrives, without blocking (a frame: its length, then its pickle), so
+        a child stopped halfway through writing one is caught by the same looks."""
         results: list[Any] = [None] * len(children)
+        frames = [bytearray() for _ in children]  # what has come of each child's frame so far
         stopped: set[int] = set()  # children seen stopped at the last look
         with selectors.DefaultSelector() as waiting:  # not select(): descriptors may pass 1024
             for k, (child, _) in enumerate(children):
                 assert child.stdout is not None
-                waiting.register(child.stdout, selectors.EVENT_READ, k)
+                waiting.register(child.stdout.fileno(), selectors.EVENT_READ, k)
             while waiting.get_map():
-                ready = waiting.select(STOP_CHECK_S)  # a result's first bytes, or the output's end
+                ready = waiting.select(STOP_CHECK_S)  # a result's bytes, or the output's end
                 for key, _ in ready:
-                    waiting.unregister(key.fileobj)
-                    child, errors = children[key.data]
-                    results[key.data] = self._result(child, errors, name)
+                    k, frame = key.data, frames[key.data]
+                    child, errors = children[k]
+                    chunk = os.read(key.fd, _frame_missing(frame))
+                    if not chunk:
+                        raise _ended(child, errors, name)
+                    frame += chunk
+                    if _frame_missing(frame) == 0:
+                        waiting.unregister(key.fd)
+                        results[k] = _unframe(frame)
                 if not ready:
                     owed = [key.data for key in waiting.get_map().values()]
                     seen = {k for k in owed if _state(children[k][0].pid) == "T"}
@@ -141,17 +151,6 @@ class Processes:
                         raise _stopped(children[min(held)][0], name)
                     stopped = seen
         return results
-
-    @staticmethod
-    def _result(child: subprocess.Popen[bytes], errors: IO[bytes], name: str) -> Any:
-        assert child.stdout is not None
-        try:
-            result = pickle.load(child.stdout)
-        except EOFError:
-            raise _ended(child, errors, name) from None
-        if isinstance(result, _Raised):
-            raise result.error
-        return result
 
     def close(self, *, kill: bool = False) -> None:
         """End the children: stdin closed, so they exit once idle (``kill``: at once, after a failure)."""
@@ -181,7 +180,7 @@ def run_in_processes(function: Callable[..., Any], calls: Sequence[Call]) -> lis
 
 
 def _send(child: subprocess.Popen[bytes], errors: IO[bytes], name: str, data: bytes) -> None:
-    """Write ``data`` to a child's stdin; a child that is gone raises as :meth:`Processes._result` does."""
+    """Write ``data`` to a child's stdin; a child that is gone raises as one that ends without a result."""
     assert child.stdin is not None
     try:
         child.stdin.write(data)
@@ -237,6 +236,28 @@ def _stopped(child: subprocess.Popen[bytes], name: str) -> RuntimeError:
     )
 
 
+#: a result frame's header: the length of the pickle that follows
+_LENGTH_BYTES = 8
+#: the most bytes read from a child's output at once
+_READ_BYTES = 1 << 20
+
+
+def _frame_missing(frame: bytearray) -> int:
+    """How many more bytes a result frame needs (at most :data:`_READ_BYTES`); 0 once complete."""
+    if len(frame) < _LENGTH_BYTES:
+        return _LENGTH_BYTES - len(frame)
+    size = _LENGTH_BYTES + int.from_bytes(frame[:_LENGTH_BYTES], "big")
+    return min(size - len(frame), _READ_BYTES)
+
+
+def _unframe(frame: bytearray) -> Any:
+    """A complete frame's result; a child's error (:class:`_Raised`) is raised as itself."""
+    result = pickle.loads(memoryview(frame)[_LENGTH_BYTES:])
+    if isinstance(result, _Raised):
+        raise result.error
+    return result
+
+
 class _Raised:
     """A child's error to raise again in the parent (:func:`_child`)."""
 
@@ -271,5 +292,7 @@ def _child(parent: int) -> None:
             with contextlib.suppress(OSError):  # stderr's file may be on the disk that is full
                 traceback.print_exc()
             result = _Raised(exc)
-        stdout.write(pickle.dumps(result))
+        data = pickle.dumps(result)
+        stdout.write(len(data).to_bytes(_LENGTH_BYTES, "big"))
+        stdout.write(data)
         stdout.flush()

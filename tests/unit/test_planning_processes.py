@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from airflow_deadline_batch.service.processes import run_in_processes
+from airflow_deadline_batch.service.processes import Processes, run_in_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,3 +64,31 @@ def test_a_failure_computing_arguments_stops_the_children() -> None:
 
     with pytest.raises(OSError, match="input vanished"):
         run_in_processes(math.factorial, [(3,), broken])
+
+
+def write_half_a_result_and_stop() -> None:
+    """In a child: write the start of a result frame (a 100-byte pickle announced, 10 bytes sent),
+    then stop as ``kill -STOP`` would stop it there."""
+    sys.stdout.buffer.write((100).to_bytes(8, "big") + b"\x80" * 10)
+    sys.stdout.buffer.flush()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+@pytest.mark.timeout(120)
+def test_a_child_stopped_halfway_through_writing_its_result_fails_the_call() -> None:
+    """Bug: the result was read with a blocking ``pickle.load`` once its first bytes came, so a
+    child stopped in the middle of writing it hung the plan for ever (the stop check never ran).
+    Now the frame is read as it arrives and the stopped child is named; the others are ended."""
+    with Processes(2) as workers:
+        pids = workers.map(os.getpid, [(), ()])
+        stopped = r"^a planning process \(write_half_a_result_and_stop, PID \d+\) was stopped by a signal"
+        with pytest.raises(RuntimeError, match=stopped):
+            workers.map(write_half_a_result_and_stop, [(), ()])
+    for pid in pids:  # killed, not left stopped
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_result_larger_than_a_pipe_comes_back_whole() -> None:
+    """A result of several megabytes is read in pieces, and comes back equal."""
+    assert run_in_processes(bytes, [(3_000_000,), (5,)]) == [bytes(3_000_000), bytes(5)]
