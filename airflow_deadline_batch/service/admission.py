@@ -49,6 +49,8 @@ class SharedAdmission:
     report: AdmissionReport
     pools: tuple[PoolSpec, ...]
     policy: AdmissionPolicy
+    #: skip shared capacity's deadline test (the quota and the budget still hold)
+    deadline_waived: bool = False
     #: the snapshot of the last refusal (a retried transaction refuses again on a fresh one)
     refused_on: TenancySnapshot | None = None
 
@@ -66,7 +68,9 @@ class SharedAdmission:
         return self._rejection(self.refused_on, explain=True)
 
     def _rejection(self, snapshot: TenancySnapshot, *, explain: bool) -> Mapping[str, Any] | None:
-        reasons, details = _refusals(self.job_id, self.report, self.pools, snapshot, self.policy, explain)
+        reasons, details = _refusals(
+            self.job_id, self.report, self.pools, snapshot, self.policy, explain, not self.deadline_waived
+        )
         if not reasons:
             return None
         data = self.report.to_dict()
@@ -85,9 +89,13 @@ def shared_admission(
     pools: tuple[PoolSpec, ...],
     *,
     policy: AdmissionPolicy | None = None,
+    deadline_waived: bool = False,
 ) -> SharedAdmission:
-    """The check ``create_job`` runs: None admits, a report (plain values) rejects."""
-    return SharedAdmission(job_id, report, pools, policy or AdmissionPolicy())
+    """The check ``create_job`` runs: None admits, a report (plain values) rejects.
+
+    ``deadline_waived`` (``PlanRequest.allow_infeasible``): shared capacity's deadline test is
+    skipped, as the job's own deadline verdict is; its tenant's GPU quota and budget still hold."""
+    return SharedAdmission(job_id, report, pools, policy or AdmissionPolicy(), deadline_waived)
 
 
 def _refusals(
@@ -97,6 +105,7 @@ def _refusals(
     snapshot: TenancySnapshot,
     policy: AdmissionPolicy,
     explain: bool = True,
+    deadline: bool = True,
 ) -> tuple[list[str], dict[str, Any]]:
     reasons: list[str] = []
     details: dict[str, Any] = {"tenant": snapshot.tenant}
@@ -122,7 +131,7 @@ def _refusals(
         if refusal is not None:
             reasons.append(refusal)
         details["projected_cost"] = cost if math.isfinite(cost) else None
-    if chosen is not None and any(p.name in snapshot.capacity for p in pools):
+    if deadline and chosen is not None and any(p.name in snapshot.capacity for p in pools):
         new = Demand(
             job_id=job_id,
             tenant=snapshot.tenant,

@@ -132,6 +132,8 @@ class PlanRequest:
     max_shards: int = 1024
     prompt_template_version: str = "v1"
     limits: ValidationLimits = field(default_factory=ValidationLimits)
+    #: admit a job whose deadline looks infeasible (alone or on shared capacity); its tenant's GPU
+    #: quota and budget still hold, and invalid input is still refused
     allow_infeasible: bool = False
     tenant: str = DEFAULT_TENANT
     #: planning's memory budget for the duplicate-ID check (its spill files take the rest)
@@ -1493,7 +1495,7 @@ def _record(
             counts={"errored": analysis.work.invalid},
         )
     # shared capacity, the tenant's quota and budget are checked as the job is recorded
-    admit = None if request.allow_infeasible else shared_admission(job_id, report, request.pools)
+    admit = shared_admission(job_id, report, request.pools, deadline_waived=request.allow_infeasible)
     job, created = store.create_job(new_job, shards, validation, admit=admit)
     if created and job.state is JobState.REJECTED and admit is not None:
         # what would admit it, searched after the admission lock is released, on the same snapshot

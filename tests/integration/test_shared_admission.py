@@ -143,6 +143,25 @@ def test_a_plan_above_the_tenant_gpu_quota_is_rejected(store: ManifestStore, tmp
     assert plan_job(store, _request(tmp_path, "ads", workers=1, minutes=90)).created
 
 
+def test_allowing_an_infeasible_deadline_still_holds_the_quota_and_the_budget(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Bug: ``PlanRequest.allow_infeasible`` skipped the whole shared admission, so a job could
+    pass its tenant's GPU quota and budget. It waives the deadline only: full shared capacity
+    admits it, the quota and the budget refuse it."""
+    store.set_capacity("shared", 2)
+    plan_job(store, _request(tmp_path, "search"))
+    plan_job(store, _request(tmp_path, "search"))
+    waived = replace(_request(tmp_path, "ads", key="ads/full"), allow_infeasible=True)
+    assert plan_job(store, waived).created  # the shared pool is full: the deadline test is waived
+    store.set_quota(TenantQuotaRow(tenant="ads", on_demand_gpus=1))
+    refused = _rejected(store, replace(waived, idempotency_key="ads/quota"))
+    assert "needs 2 on_demand GPU(s) at once, the quota allows 1" in refused.message
+    store.set_quota(TenantQuotaRow(tenant="ads", budget=0.0, budget_period_s=86400))
+    refused = _rejected(store, replace(waived, idempotency_key="ads/budget"))
+    assert "budget" in refused.message
+
+
 def _submit(
     url: str, out: str, tenant: str, barrier: object, results: object, key: str | None = None
 ) -> None:
