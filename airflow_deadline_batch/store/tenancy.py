@@ -334,6 +334,8 @@ def reserve_launch(
     if conn.dialect.name == "postgresql":
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": LAUNCH_LOCK_KEY})
     r = launch_reservations.c
+    if conn.execute(sa.select(r.reservation_id).where(r.reservation_id == reservation_id)).first():
+        return True  # a retry of a transaction whose commit was not acknowledged: it is ours already
     conn.execute(sa.delete(launch_reservations).where(r.expires_at < now))
     held, claimed = gpus_held(conn, tenant, now)
     if claimed:

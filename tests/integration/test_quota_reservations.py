@@ -20,13 +20,16 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from airflow_deadline_batch.core.clock import SystemClock
 from airflow_deadline_batch.core.pools import PoolKind, default_local_pools
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.local.runner import LocalRun, RunOptions, _stop_all
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
-from airflow_deadline_batch.store import JobRow, ManifestStore, NewJob, NewShard, TenantQuotaRow
+from airflow_deadline_batch.store import JobRow, ManifestStore, NewJob, NewShard, TenantQuotaRow, tenancy
+from airflow_deadline_batch.store.schema import db_epoch
 from tests.helpers.inputs import mixed_input
 from tests.helpers.waiting import wait_for
 
@@ -147,6 +150,31 @@ def test_a_reservation_not_renewed_expires_and_renewal_keeps_it(store: ManifestS
     wait_for(lambda: store.db_time() > expires, timeout_s=10, what="the reservation to expire")
     assert store.tenant_gpus_in_use(TENANT) == {}
     assert _reserve(store, job, 1, runner="next") is not None
+
+
+def test_a_reservation_retried_after_an_unacknowledged_commit_counts_once(store: ManifestStore) -> None:
+    """The store retries a transaction whose commit it did not see: the same reservation again."""
+    store.set_quota(TenantQuotaRow(tenant=TENANT, spot_gpus=1))
+    job = _job(store)
+
+    def reserve(conn: Connection) -> bool:
+        now = float(conn.execute(sa.select(db_epoch())).scalar_one())
+        return tenancy.reserve_launch(
+            conn,
+            reservation_id="r-retried",
+            tenant=TENANT,
+            kind="spot",
+            job_id=job.job_id,
+            shard_index=0,
+            pool="spot",
+            runner="run",
+            now=now,
+            ttl_s=30.0,
+        )
+
+    assert store._tx(reserve)  # test-only: one transaction of the store's, as its retry runs it
+    assert store._tx(reserve)
+    assert store.tenant_gpus_in_use(TENANT) == {"spot": 1}
 
 
 @pytest.mark.parametrize("ttl_s", [0.0, -1.0, float("nan"), float("inf")])
