@@ -21,6 +21,11 @@ asks the store's dispatcher for a slot and starts when granted, least slack firs
 tenants' weighted fair shares (``core.dispatch``, docs/tenants.md "Dispatch"); its slot goes
 back when its worker ends, and all of the run's requests are withdrawn when the run stops.
 
+The tenant's GPU quota (docs/tenants.md "Quotas and budgets") is taken launch by launch: every
+worker, racers included, first reserves its GPU in the store (the check and the reservation in
+one serialized transaction, counted across all the tenant's jobs and runs until the worker's
+claim shows), renewed while it runs and given back when it ends.
+
 The tail race (issue 13, docs/simulator.md "The tail race"): once no shard waits for a worker and
 a worker slot is free, a running Spot try that the safety rule would now escalate races a
 duplicate on the on-demand pool (``worker --race``: a racing lease beside its own) when

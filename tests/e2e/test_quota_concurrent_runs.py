@@ -1,8 +1,8 @@
 """Two ``deadline-batch run`` processes of one tenant share its GPU quota from start to finish.
 
 Two jobs of tenant ``ads`` run at once, each in its own process with its own workers, under a
-quota of one Spot and one on-demand GPU. Every launch reserves its GPU (docs/tenants.md, "Launch
-reservations"), gives it back when its worker ends and takes it again for the next shard: at no
+quota of one Spot and one on-demand GPU. Every launch reserves its GPU (docs/tenants.md, "Quotas
+and budgets"), gives it back when its worker ends and takes it again for the next shard: at no
 moment do the two jobs' attempts hold more than one GPU of a kind, both complete, and nothing is
 left reserved. (The race at the very moment of a launch, before a claim shows, is pinned
 deterministically by tests/integration/test_quota_reservations.py.)
