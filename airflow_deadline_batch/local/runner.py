@@ -21,6 +21,11 @@ asks the store's dispatcher for a slot and starts when granted, least slack firs
 tenants' weighted fair shares (``core.dispatch``, docs/tenants.md "Dispatch"); its slot goes
 back when its worker ends, and all of the run's requests are withdrawn when the run stops.
 
+The tenant's GPU quota (docs/tenants.md "Quotas and budgets") is taken launch by launch: every
+worker, racers included, first reserves its GPU in the store (the check and the reservation in
+one serialized transaction, counted across all the tenant's jobs and runs until the worker's
+claim shows), renewed while it runs and given back when it ends.
+
 The tail race (issue 13, docs/simulator.md "The tail race"): once no shard waits for a worker and
 a worker slot is free, a running Spot try that the safety rule would now escalate races a
 duplicate on the on-demand pool (``worker --race``: a racing lease beside its own) when
@@ -40,6 +45,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import uuid
@@ -128,6 +134,8 @@ class _Running:
     signalled: bool = False
     #: the worker holds a dispatcher slot of a managed pool, given back when it ends
     dispatched: bool = False
+    #: its GPU of the tenant's quota (``ManifestStore.reserve_launch``), given back when it ends
+    reservation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,10 +251,11 @@ class LocalRun:
         self.managed: frozenset[str] = frozenset()
         self.managed_read_at = -math.inf
         self.next_renew = 0.0
+        self.next_launch_renew = 0.0
         self.next_redecide = 0.0
         self.dispatch_used = False
-        #: names this run's dispatch rows: a second run of the same job neither launches on nor
-        #: gives back this run's slots
+        #: names this run's dispatch rows and launch reservations: a second run of the same job
+        #: neither launches on nor gives back this run's slots, and counts its workers in the quota
         self.run_id = uuid.uuid4().hex
 
     def work_until_done(self, on_progress: Callable[[Progress], None] | None) -> None:
@@ -259,6 +268,7 @@ class LocalRun:
                     self.deadline_passed = True
                     break
                 self.poll_dispatch(now)
+                self.renew_launches(now)
                 self.redecide_waiting(now)
                 self.launch_ready(now, stderr)
                 self.race_tail(now, stderr)
@@ -272,6 +282,7 @@ class LocalRun:
             _stop_all(self.raw_store, self.running, self.grace_s)
             _stop_all(self.raw_store, self.racing, self.grace_s)
             self.withdraw_dispatch()
+            self.withdraw_launches()
             stderr.close()
             shutil.rmtree(self.messages_dir, ignore_errors=True)
 
@@ -325,25 +336,64 @@ class LocalRun:
         if self.granted.get(index, pool.name) != pool.name:
             # the decision moved (say, slack fell and it escalates to on-demand): ask on the new pool
             self.release_slot(index, how="withdrawn")
-        own = sum(1 for r in self.running.values() if r.pool is pool.kind)
-        if not quota_allows_launch(self.store, self.job_id, self.tenant, pool.kind, own):
-            # the tenant holds its GPU quota of this kind (docs/tenants.md): wait for one to end
-            self.release_slot(index, how="withdrawn")
-            self.not_before[index] = now + QUOTA_RECHECK_S
-            self.pending.append(index)
-            return
         dispatched = index in self.granted
         if not dispatched and pool.name in self.managed_pools(now):
-            self.request_slot(index, pool.name)
+            if quota_allows_launch(self.store, self.tenant, pool.kind):
+                self.request_slot(index, pool.name)
+            else:
+                self.wait_for_quota(index, now)
             return
-        proc, message_path = self._start_worker(index, pool, stderr)
-        self.running[index] = _Running(
-            proc,
-            pool.kind,
-            self.injector.next_preemption(now, pool.kind),
-            message_path,
-            dispatched=dispatched,
+        if not self._launch_reserved(index, pool, stderr, self.running, now, dispatched=dispatched):
+            self.release_slot(index, how="withdrawn")
+            self.wait_for_quota(index, now)
+
+    def wait_for_quota(self, index: int, now: float) -> None:
+        """The tenant holds its GPU quota of the shard's pool kind (docs/tenants.md): try again soon."""
+        self.not_before[index] = now + QUOTA_RECHECK_S
+        self.pending.append(index)
+
+    def _launch_reserved(
+        self,
+        index: int,
+        pool: PoolSpec,
+        stderr: IO[bytes],
+        into: dict[int, _Running],
+        now: float,
+        *,
+        race: bool = False,
+        dispatched: bool = False,
+    ) -> bool:
+        """Take a GPU of the tenant's quota, then start the worker on it (False: the quota is full).
+
+        The reservation is checked and written in one transaction, so no other run (of this job
+        or another of the tenant's) can take the same GPU before this worker's claim shows; it
+        stops counting once the worker's lease does, and goes back when the worker ends.
+        """
+        reservation = self.store.reserve_launch(
+            self.job_id,
+            index,
+            tenant=self.tenant,
+            kind=pool.kind,
+            pool=pool.name,
+            runner=self.run_id,
+            ttl_s=self.options.lease_ttl_s,
         )
+        if reservation is None:
+            return False
+        try:
+            proc, message_path = self._start_worker(index, pool, stderr, race=race)
+        except BaseException:
+            with contextlib.suppress(Exception):  # it expires after the TTL otherwise
+                self.raw_store.release_launches(self.run_id, reservation)
+            raise
+        preempt_at = math.inf if race else self.injector.next_preemption(now, pool.kind)
+        into[index] = _Running(
+            proc, pool.kind, preempt_at, message_path, dispatched=dispatched, reservation=reservation
+        )
+        # the name the worker gives its attempts (worker.default_worker_name): its claim is the
+        # attempt of that name, and from then on its lease counts instead of the reservation
+        self.store.launch_started(reservation, f"{socket.gethostname()}:{proc.pid}")
+        return True
 
     def _start_worker(
         self, index: int, pool: PoolSpec, stderr: IO[bytes], *, race: bool = False
@@ -482,6 +532,29 @@ class LocalRun:
             with contextlib.suppress(Exception):  # they expire after the TTL otherwise
                 self.raw_store.release_dispatch(self.job_id, how="withdrawn", runner=self.run_id)
 
+    # -- the tenant's GPU quota: launch reservations (service/quotas.py, store/tenancy.py) --------
+
+    def renew_launches(self, now: float) -> None:
+        """Keep the run's launch reservations alive (every third of the TTL) while it has any."""
+        if now < self.next_launch_renew:
+            return
+        if not any(r.reservation for r in [*self.running.values(), *self.racing.values()]):
+            return
+        self.next_launch_renew = now + self.options.lease_ttl_s / 3
+        self.store.renew_launches(self.run_id, self.options.lease_ttl_s)
+
+    def release_launch(self, item: _Running) -> None:
+        """A worker ended: its GPU goes back to the tenant's quota (a claimed one already counts no more)."""
+        if item.reservation is not None:
+            self.store.release_launches(self.run_id, item.reservation)
+            item.reservation = None
+
+    def withdraw_launches(self) -> None:
+        """The run ends, its workers stopped: every reservation it still has goes back."""
+        if self.launches:
+            with contextlib.suppress(Exception):  # they expire after the TTL otherwise
+                self.raw_store.release_launches(self.run_id)
+
     # -- the tail race ------------------------------------------------------------------------------
 
     def race_tail(self, now: float, stderr: IO[bytes]) -> None:
@@ -506,14 +579,11 @@ class LocalRun:
             pool = race_pool(view, self.store.get_shard(self.job_id, index), self.running[index].proc.pool)
             if pool is None or pool.name in self.managed_pools(now):
                 continue
-            own = sum(1 for r in [*self.running.values(), *self.racing.values()] if r.pool is pool.kind)
-            if not quota_allows_launch(self.store, self.job_id, self.tenant, pool.kind, own):
-                continue
+            if not self._launch_reserved(index, pool, stderr, self.racing, now, race=True):
+                continue  # the tenant holds its GPU quota of on-demand
             log.info(
                 "shard %05d: racing its Spot try on %s (core.placement.should_speculate)", index, pool.name
             )
-            proc, message_path = self._start_worker(index, pool, stderr, race=True)
-            self.racing[index] = _Running(proc, pool.kind, math.inf, message_path)
 
     def reap_racers(self) -> None:
         """Collect exited racers: a racer that won, lost or found nothing to race exits 0; a racer
@@ -524,6 +594,7 @@ class LocalRun:
             if code is None:
                 continue
             del self.racing[index]
+            self.release_launch(item)
             _read_message(item.message_path)  # the try's own word: nothing to act on for a racer
             if code < 0:
                 self._fence_dead(item.proc, FailureClass.PREEMPTED, f"racer pid {item.proc.pid} died")
@@ -550,6 +621,7 @@ class LocalRun:
             if code is None:
                 continue
             del self.running[index]
+            self.release_launch(item)
             if item.dispatched:
                 self.release_slot(index)
             failure = self.try_failure(item, code)

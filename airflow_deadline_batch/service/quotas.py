@@ -1,4 +1,9 @@
-"""A tenant's GPU quota while its jobs run (docs/tenants.md): may one more worker start?"""
+"""A tenant's GPU quota while its jobs run (docs/tenants.md): may one more worker start?
+
+A launch takes its GPU with ``ManifestStore.reserve_launch`` (the check and the reservation in one
+serialized transaction); :func:`quota_allows_launch` is the read-only question a shard asks before
+it queues for a dispatcher slot, so that it does not wait for a slot it could not use.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +15,14 @@ if TYPE_CHECKING:
     from airflow_deadline_batch.store import ManifestStore
 
 
-def quota_allows_launch(store: ManifestStore, job_id: str, tenant: str, kind: PoolKind, own: int) -> bool:
-    """Whether one more worker of ``job_id`` on a ``kind`` pool stays within the tenant's quota.
+def quota_allows_launch(store: ManifestStore, tenant: str, kind: PoolKind) -> bool:
+    """Whether the tenant's quota of ``kind`` has room for one more worker now.
 
-    ``own`` counts the job's workers of that kind already started (a worker holds its GPU before
-    its claim reaches the store); the tenant's other jobs count by their live leases.
+    Counts every GPU the tenant holds, across its jobs and across the runs of each job: live
+    leases, and the reservations of workers started but not claimed yet (each worker once).
     """
     quota = store.get_quota(tenant)
     limit = None if quota is None else quota.gpus_of_kind(kind.value)
     if limit is None:
         return True
-    others = store.tenant_gpus_in_use(tenant, exclude_job=job_id).get(kind.value, 0)
-    return others + own + 1 <= limit
+    return store.tenant_gpus_in_use(tenant).get(kind.value, 0) + 1 <= limit

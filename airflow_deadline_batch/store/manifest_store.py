@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import os
+import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,7 +37,7 @@ from airflow_deadline_batch.core.ids import (
     released_key,
     shard_id,
 )
-from airflow_deadline_batch.core.job_view import pool_named, shard_done_fraction
+from airflow_deadline_batch.core.job_view import shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
     TERMINAL_JOB_STATES,
@@ -1185,18 +1187,66 @@ class ManifestStore:
         return self._tx(lambda conn: tenancy.read_snapshot(conn, tenant, _ts(self._now(conn))), write=False)
 
     def tenant_gpus_in_use(self, tenant: str, *, exclude_job: str | None = None) -> dict[str, int]:
-        """Live leases of the tenant's running jobs by pool kind (``spot`` / ``on_demand``)."""
+        """GPUs the tenant holds by pool kind (``spot`` / ``on_demand``): live leases of its running
+        jobs, and launch reservations whose worker has not claimed yet (each worker once)."""
 
         def read(conn: Connection) -> dict[str, int]:
-            counts: dict[str, int] = {}
-            for pool_name, config in tenancy.live_leases(conn, tenant, exclude_job):
-                pools = [PoolSpec.from_dict(p) for p in (config or {}).get("pools") or ()]
-                pool = pool_named(pool_name, pools)
-                if pool is not None:
-                    counts[pool.kind.value] = counts.get(pool.kind.value, 0) + 1
-            return counts
+            return tenancy.gpus_held(conn, tenant, self._now(conn), exclude_job=exclude_job)[0]
 
         return self._tx(read, write=False)
+
+    # -- launch reservations: the tenant GPU quota while jobs run (store/tenancy.py) ----------------
+
+    def reserve_launch(
+        self,
+        job_id: str,
+        shard_index: int,
+        *,
+        tenant: str,
+        kind: PoolKind | str,
+        pool: str,
+        runner: str,
+        ttl_s: float,
+    ) -> str | None:
+        """Reserve a GPU of the tenant's ``kind`` quota for a worker ``runner`` is about to start.
+
+        The reservation's ID, or None when the tenant already holds its quota (leases and other
+        reservations, of every job and every run). Checked and written in one serialized
+        transaction; it expires ``ttl_s`` after its last renewal (database clock), so a runner that
+        dies leaks nothing for longer than that.
+        """
+        _check_reservation_ttl(ttl_s)
+        kind = PoolKind(kind).value
+        reservation_id = "r-" + uuid.uuid4().hex
+
+        def write(conn: Connection) -> bool:
+            return tenancy.reserve_launch(
+                conn,
+                reservation_id=reservation_id,
+                tenant=tenant,
+                kind=kind,
+                job_id=job_id,
+                shard_index=shard_index,
+                pool=pool,
+                runner=runner,
+                now=self._now(conn),
+                ttl_s=ttl_s,
+            )
+
+        return reservation_id if self._tx(write) else None
+
+    def launch_started(self, reservation_id: str, worker: str) -> None:
+        """The reserved worker runs as ``worker`` (its attempts' name): its claim ends the reservation."""
+        self._tx(lambda conn: tenancy.name_launch_worker(conn, reservation_id, worker))
+
+    def renew_launches(self, runner: str, ttl_s: float) -> None:
+        """``runner`` is alive: its reservations expire ``ttl_s`` from now (database clock)."""
+        _check_reservation_ttl(ttl_s)
+        self._tx(lambda conn: tenancy.renew_launches(conn, runner, self._now(conn), ttl_s))
+
+    def release_launches(self, runner: str, reservation_id: str | None = None) -> None:
+        """Give back one of ``runner``'s reservations (its worker exited), or all of them (it stops)."""
+        self._tx(lambda conn: tenancy.release_launches(conn, runner, reservation_id))
 
     def list_capacity(self) -> list[PoolCapacityRow]:
         """Pools whose GPUs are shared under admission control (docs/tenants.md)."""
@@ -1431,6 +1481,14 @@ class ManifestStore:
     ) -> list[DispatchGrantRow]:
         """The audit record of grants, in grant order."""
         return self._tx(lambda conn: dispatch.list_grants(conn, pool, job_id), write=False)
+
+
+def _check_reservation_ttl(ttl_s: float) -> None:
+    """Refuse a reservation that would never expire, or expire at once (one-line ``ValueError``)."""
+    if not (math.isfinite(ttl_s) and ttl_s > 0):
+        raise ValueError(
+            f"launch reservation: ttl_s must be a finite number > 0 (the lease TTL), got {ttl_s}"
+        )
 
 
 def _shard_values(job_id: str, shard: NewShard, now: dt.datetime) -> dict[str, Any]:

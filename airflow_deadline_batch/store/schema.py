@@ -298,3 +298,26 @@ dispatch_grants = sa.Table(
     sa.Column("release", sa.String(32), nullable=True),
     sa.Index("ix_adb_dispatch_grants_job_id", "job_id"),
 )
+
+launch_reservations = sa.Table(
+    "adb_launch_reservations",
+    metadata,
+    # store/tenancy.py: a GPU of a tenant's quota taken by a runner for a worker it is starting,
+    # counted until the worker's claim is visible (its lease counts from then on) or the worker
+    # exits; the runner renews it (expires_at), so a dead runner's reservation expires by itself.
+    # Times are database-clock epoch seconds, like lease expiry (revision 0006).
+    sa.Column("reservation_id", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(63), nullable=False),
+    # core.pools.PoolKind: the quota the GPU counts against
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("job_id", sa.String(64), nullable=False),
+    sa.Column("shard_index", sa.Integer(), nullable=False),
+    sa.Column("pool", sa.String(128), nullable=False),
+    # the run that reserved it: only it renews it, names its worker and gives it back
+    sa.Column("runner", sa.String(64), nullable=False),
+    # the worker's name (``host:pid``) once started: its claim is the attempt of that name
+    sa.Column("worker", sa.String(255), nullable=True),
+    sa.Column("reserved_at", sa.Double(), nullable=False),
+    sa.Column("expires_at", sa.Double(), nullable=False),
+    sa.Index("ix_adb_launch_reservations_tenant", "tenant"),
+)

@@ -16,7 +16,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from airflow_deadline_batch.core.job_view import build_job_view, shard_done_fraction
+from airflow_deadline_batch.core.job_view import build_job_view, pool_named, shard_done_fraction
+from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.core.states import TERMINAL_JOB_STATES, JobState, ShardState
 from airflow_deadline_batch.store.leases import attempt_pool
 from airflow_deadline_batch.store.rows import (
@@ -32,6 +33,7 @@ from airflow_deadline_batch.store.schema import (
     commits,
     db_epoch,
     jobs,
+    launch_reservations,
     pool_capacity,
     shards,
     tenant_quotas,
@@ -194,8 +196,28 @@ def _period_jobs(conn: Connection, tenant: str, since: dt.datetime) -> Iterable[
         yield JobCost(job_id=row.job_id, admission=row.admission, settled_cost=cost)
 
 
-def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[tuple[str, Any]]:
-    """``(pool, job config)`` of every live lease of the tenant's running jobs (database clock).
+@dataclass(frozen=True, kw_only=True)
+class LiveLease:
+    """A live lease of a tenant's running job: the GPU it holds, and the worker holding it."""
+
+    job_id: str
+    shard_index: int
+    pool: str | None
+    #: the holding attempt's worker (``host:pid`` for a local worker); its launch reservation, if
+    #: any, no longer counts: the lease does
+    worker: str | None
+    config: Any
+
+    @property
+    def kind(self) -> str | None:
+        """The pool's kind in the job's pool definitions (None: no such pool)."""
+        pools = [PoolSpec.from_dict(p) for p in (self.config or {}).get("pools") or ()]
+        pool = pool_named(self.pool, pools)
+        return None if pool is None else pool.kind.value
+
+
+def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[LiveLease]:
+    """Every live lease of the tenant's running jobs (database clock).
 
     A shard's primary lease runs on its ``last_pool``; a live racing lease beside it holds a GPU
     of the racer's own pool (its attempt row's), so a racing shard counts twice.
@@ -209,16 +231,153 @@ def live_leases(conn: Connection, tenant: str, exclude_job: str | None) -> list[
         held.append(jobs.c.job_id != exclude_job)
     joined = shards.join(jobs, jobs.c.job_id == shards.c.job_id)
     primary = (
-        sa.select(shards.c.last_pool.label("pool"), jobs.c.config)
+        sa.select(
+            shards.c.job_id,
+            shards.c.shard_index,
+            shards.c.last_pool.label("pool"),
+            _attempt_worker(shards.c.lease_attempt_id).label("worker"),
+            jobs.c.config,
+        )
         .select_from(joined)
         .where(*held, shards.c.lease_expires_at > db_epoch())
     )
     racing = (
-        sa.select(attempt_pool(shards.c.race_attempt_id).label("pool"), jobs.c.config)
+        sa.select(
+            shards.c.job_id,
+            shards.c.shard_index,
+            attempt_pool(shards.c.race_attempt_id).label("pool"),
+            _attempt_worker(shards.c.race_attempt_id).label("worker"),
+            jobs.c.config,
+        )
         .select_from(joined)
         .where(*held, shards.c.race_attempt_id.is_not(None), shards.c.race_expires_at > db_epoch())
     )
-    return [(row.pool, row.config) for row in conn.execute(sa.union_all(primary, racing))]
+    return [
+        LiveLease(
+            job_id=row.job_id,
+            shard_index=row.shard_index,
+            pool=row.pool,
+            worker=row.worker,
+            config=row.config,
+        )
+        for row in conn.execute(sa.union_all(primary, racing))
+    ]
+
+
+def _attempt_worker(attempt_id: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
+    return sa.select(attempts.c.worker).where(attempts.c.attempt_id == attempt_id).scalar_subquery()
+
+
+# -- launch reservations: the tenant GPU quota while jobs run -----------------------------------------
+# A runner takes a reservation in the transaction that checks the quota, before it starts a worker,
+# so two runners (of two jobs, or of one job) checking at once cannot both take the last GPU. The
+# reservation counts until the worker's claim is visible (then its lease counts, never both) or
+# the runner gives it back; a runner that dies stops renewing it and it expires.
+
+#: pg_advisory_xact_lock key that serializes launch reservations ("adb_quot")
+LAUNCH_LOCK_KEY = 0x6164625F71756F74
+
+
+def gpus_held(
+    conn: Connection, tenant: str, now: float, *, exclude_job: str | None = None
+) -> tuple[dict[str, int], list[str]]:
+    """GPUs of each pool kind the tenant holds, and the reservations whose worker has claimed.
+
+    Every live lease counts, and so does every live reservation whose worker holds no live lease
+    of its shard yet (not started, starting, or refused). A worker that claimed counts once, by
+    its lease: its reservation is returned to be dropped. Both reads are under the caller's
+    transaction; a claim commits its lease and makes the reservation claimed at once, so a read
+    sees the worker on one side or the other.
+    """
+    counts: dict[str, int] = {}
+    holders = set()
+    for lease in live_leases(conn, tenant, exclude_job):
+        holders.add((lease.job_id, lease.shard_index, lease.worker))
+        kind = lease.kind
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+    r = launch_reservations.c
+    query = sa.select(r.reservation_id, r.kind, r.job_id, r.shard_index, r.worker).where(
+        r.tenant == tenant, r.expires_at >= now
+    )
+    if exclude_job is not None:
+        query = query.where(r.job_id != exclude_job)
+    claimed = []
+    for row in conn.execute(query):
+        if row.worker is not None and (row.job_id, row.shard_index, row.worker) in holders:
+            claimed.append(row.reservation_id)
+        else:
+            counts[row.kind] = counts.get(row.kind, 0) + 1
+    return counts, claimed
+
+
+def reserve_launch(
+    conn: Connection,
+    *,
+    reservation_id: str,
+    tenant: str,
+    kind: str,
+    job_id: str,
+    shard_index: int,
+    pool: str,
+    runner: str,
+    now: float,
+    ttl_s: float,
+) -> bool:
+    """Reserve one GPU of ``kind`` for a worker the runner is about to start, if the quota allows.
+
+    Serialized (on PostgreSQL an advisory lock held to the commit, on SQLite ``BEGIN IMMEDIATE``):
+    expired reservations go, the tenant's holdings are counted and the reservation written in one
+    transaction. Without a quota of that kind the reservation is written too, so a quota set
+    while workers start still counts them.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": LAUNCH_LOCK_KEY})
+    r = launch_reservations.c
+    if conn.execute(sa.select(r.reservation_id).where(r.reservation_id == reservation_id)).first():
+        return True  # a retry of a transaction whose commit was not acknowledged: it is ours already
+    conn.execute(sa.delete(launch_reservations).where(r.expires_at < now))
+    held, claimed = gpus_held(conn, tenant, now)
+    if claimed:
+        conn.execute(sa.delete(launch_reservations).where(r.reservation_id.in_(claimed)))
+    quota = get_quota(conn, tenant)
+    limit = None if quota is None else quota.gpus_of_kind(kind)
+    if limit is not None and held.get(kind, 0) + 1 > limit:
+        return False
+    conn.execute(
+        sa.insert(launch_reservations).values(
+            reservation_id=reservation_id,
+            tenant=tenant,
+            kind=kind,
+            job_id=job_id,
+            shard_index=shard_index,
+            pool=pool,
+            runner=runner,
+            reserved_at=now,
+            expires_at=now + ttl_s,
+        )
+    )
+    return True
+
+
+def name_launch_worker(conn: Connection, reservation_id: str, worker: str) -> None:
+    """The reserved worker started: its claim will be the attempt named ``worker``."""
+    query = sa.update(launch_reservations).where(launch_reservations.c.reservation_id == reservation_id)
+    conn.execute(query.values(worker=worker))
+
+
+def renew_launches(conn: Connection, runner: str, now: float, ttl_s: float) -> None:
+    """The runner is alive: push its reservations' expiry out by ``ttl_s``."""
+    query = sa.update(launch_reservations).where(launch_reservations.c.runner == runner)
+    conn.execute(query.values(expires_at=now + ttl_s))
+
+
+def release_launches(conn: Connection, runner: str, reservation_id: str | None) -> None:
+    """Give back one of the runner's reservations (its worker exited), or all of them."""
+    query = sa.delete(launch_reservations).where(launch_reservations.c.runner == runner)
+    if reservation_id is not None:
+        query = query.where(launch_reservations.c.reservation_id == reservation_id)
+    conn.execute(query)
 
 
 # -- usage ledger -----------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_upgrade_from_0003_gives_existing_quotas_weight_1(store_url: str) -> Non
         engine.dispose()
     store = ManifestStore.open(store_url)
     try:
-        assert store.schema_revision() == "0005"
+        assert store.schema_revision() == "0006"
         quota = store.get_quota("ads")
         assert quota is not None and quota.weight == 1.0 and quota.spot_gpus == 4
         assert store.dispatch_requests() == [] and store.dispatch_grants() == []

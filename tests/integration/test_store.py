@@ -119,7 +119,7 @@ def expired_claim(store: ManifestStore, job: JobRow, index: int = 0) -> Lease:
 def test_migrate_is_idempotent_and_tables_are_prefixed(store: ManifestStore) -> None:
     store.migrate()
     store.migrate()
-    assert store.schema_revision() == "0005"
+    assert store.schema_revision() == "0006"
     engine = sa.create_engine(normalize_url(store_url_of(store)))
     try:
         names = set(sa.inspect(engine).get_table_names())

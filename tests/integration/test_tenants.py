@@ -73,7 +73,7 @@ def test_upgrade_from_0002_keeps_existing_jobs_as_the_default_tenant(store_url: 
         engine.dispose()
     store = ManifestStore.open(store_url)
     try:
-        assert store.schema_revision() == "0005"
+        assert store.schema_revision() == "0006"
         old = store.get_job("j-old")
         assert old.tenant == "default"
         assert old.state.value == "completed" and old.input_lines == 1
