@@ -142,19 +142,25 @@ def test_an_input_without_records_still_publishes_its_manifest(airflow_env, tmp_
     assert event["extra"]["records"] == 0
 
 
-#: the local example with shard 1 preempted at every try: its task fails for good after its 5 tries
-#: (the DAG's ``retries=4``), while the store, which saw only preemptions, still has it retryable
-ONE_SHARD_LOST = [
+#: the local example with two shard tasks failing for good after their 5 tries (the DAG's
+#: ``retries=4``): shard 1's worker is preempted at every try, so the store, which saw only
+#: preemptions, still has it retryable; shard 0's worker commits the whole shard, then every try of
+#: its task fails after the fact (as when the commit landed and the pod was lost)
+TWO_SHARD_TASKS_LOST = [
     ("        preempt_tries=PREEMPT_TRIES,\n", ""),
     (
         "    shards = LocalShardOperator.partial(\n",
-        "    def preempt_shard_1_at_every_try(spec):\n"
+        "    def lose_the_task(context, result):\n"
+        "        raise RuntimeError('the shard task was lost after its worker finished')\n\n"
+        "    def lose_shards_0_and_1(spec):\n"
+        "        if spec['shard_index'] == 0:\n"
+        "            return {**spec, 'preempt_tries': [], 'post_execute': lose_the_task}\n"
         "        return {**spec, 'preempt_tries': [1, 2, 3, 4, 5] if spec['shard_index'] == 1 else []}\n\n"
         "    shards = LocalShardOperator.partial(\n",
     ),
     (
         "    ).expand_kwargs(plan.output)\n",
-        "    ).expand_kwargs(plan.output.map(preempt_shard_1_at_every_try))\n",
+        "    ).expand_kwargs(plan.output.map(lose_shards_0_and_1))\n",
     ),
 ]
 
@@ -175,12 +181,13 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
     """After the shards, a shard task whose retries are spent no longer leaves the sensor
     ``upstream_failed`` with the job unfinished: the sensor fails the shard in the store, publishes
     the ``partial`` manifest (the other shards' results, ``shard_failed`` for the lost one's
-    records) and fails naming it. Before, no manifest was ever published and the job stayed running."""
+    records) and fails naming it. Before, no manifest was ever published and the job stayed running.
+    A shard whose commit landed before its task was lost keeps its results: the store is the truth."""
     home = tmp_path / "airflow_home"
     dags = home / "dags"
     dags.mkdir(parents=True)
     dag_file = dags / "example_deadline_batch_local.py"
-    dag_file.write_text(derived_source(EXAMPLE, ONE_SHARD_LOST))
+    dag_file.write_text(derived_source(EXAMPLE, TWO_SHARD_TASKS_LOST))
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(home),
@@ -206,18 +213,21 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
-    assert len(shard_tis) >= 2 and shard_tis.pop(1) == ("failed", 5), result["tasks"]
-    assert {state for state, _ in shard_tis.values()} == {"success"}
+    assert shard_tis.pop(0) == shard_tis.pop(1) == ("failed", 5), result["tasks"]
+    assert {state for state, _ in shard_tis.values()} <= {"success"}
     assert states(result, "verify") == ["failed"] and states(result, "summarise") == ["upstream_failed"]
     assert result["job_state"] == "partial" and result["manifest"], result
     manifest_uri = result["manifest"]
     assert f"ended partial; its manifest {manifest_uri}" in output  # the sensor's failure names it
+    assert "shard task shard[0] failed for good; shard 0 is succeeded in the store (the store's" in output
+    assert "shard task shard[1] failed for good; shard 1 is terminal_failure in the store" in output
     assert result["asset_events"] == []  # downstream never saw the partial output
 
     store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
     try:
         shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
         lost = shards.pop(1)
+        assert shards[0].state is ShardState.SUCCEEDED and shards[0].last_error is None
         assert lost.state is ShardState.TERMINAL_FAILURE
         assert "its Airflow task shard[1] failed for good" in str(lost.last_error)
         assert {s.state for s in shards.values()} == {ShardState.SUCCEEDED}
@@ -234,3 +244,9 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
     assert all(lost.first_line <= line < lost.first_line + lost.line_count for line in failed)
     assert all(outcomes[line]["status"] == "errored" and outcomes[line]["output"] is None for line in failed)
     assert manifest["outcomes"]["succeeded"] == sum(s.records for s in shards.values()) > 0
+    first = shards[0]
+    assert all(
+        outcomes[line]["status"] == "succeeded"
+        for line in range(first.first_line, first.first_line + first.line_count)
+        if line in outcomes and line not in first.excluded_lines
+    )
