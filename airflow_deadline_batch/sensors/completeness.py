@@ -4,19 +4,26 @@ When every shard is terminal it calls the shared ``finalize_job`` (verification 
 committed outcomes, checksums, then the conditional publication of ``manifest.json``) and emits an
 Asset event for the manifest. Anything short of a published manifest fails the task with the
 verification report, so downstream tasks never see partial output by accident.
+
+Placed after the shard tasks (``plan >> shards >> done``) it runs once they are all done, whatever
+their end (trigger rule ``all_done``), and reads their ends from Airflow: a plan task that failed
+ends it in one line (no job was planned), and a shard task that failed for good (retries spent: a
+worker that kept crashing, a pod that never started) fails its shard in the store unless the
+store has it committed (:meth:`ManifestStore.fail_shard`), so the job is published ``partial``
+instead of waiting for ever on a shard nothing will run again.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from airflow.sdk import Asset, BaseSensorOperator, TriggerRule
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk import Asset, BaseSensorOperator, TriggerRule, XComArg
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
 from airflow_deadline_batch.core.clock import UTC, SystemClock
-from airflow_deadline_batch.core.states import JobState
+from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.hooks.s3 import connection_s3
 from airflow_deadline_batch.hooks.store import ManifestStoreHook
@@ -34,6 +41,62 @@ from airflow_deadline_batch.triggers.completeness import (
     plain,
 )
 from airflow_deadline_batch.triggers.pod import min_resume_delay_s
+
+#: Airflow task instance states of a task that ended without running to success, nor was skipped
+FAILED_TASK_STATES = frozenset({"failed", "upstream_failed"})
+
+
+def upstream_tasks(task: Any) -> list[Any]:
+    """Every task upstream of ``task`` in its DAG, nearest first."""
+    found: list[Any] = []
+    seen: set[str] = set()
+    queue = sorted(task.upstream_task_ids)
+    while queue:
+        task_id = queue.pop(0)
+        if task_id in seen:
+            continue
+        seen.add(task_id)
+        upstream = task.dag.get_task(task_id)
+        found.append(upstream)
+        queue.extend(sorted(upstream.upstream_task_ids))
+    return found
+
+
+def is_shard_task(task: Any) -> bool:
+    """Whether ``task`` runs shards of a job: a shard operator, mapped or not."""
+    from airflow_deadline_batch.operators.shard import DeadlineShardPodOperator, LocalShardOperator
+
+    cls = getattr(task, "operator_class", None) if getattr(task, "is_mapped", False) else type(task)
+    return isinstance(cls, type) and issubclass(cls, (DeadlineShardPodOperator, LocalShardOperator))
+
+
+def task_states(context: Any, task_id: str) -> dict[int, str]:
+    """The states of ``task_id``'s instances in this DAG run, by map index (-1: not mapped), read
+    from Airflow's API through the running task instance."""
+    ti = context["ti"]
+    found = ti.get_task_states(dag_id=ti.dag_id, task_ids=[task_id], run_ids=[ti.run_id])
+    states: dict[int, str] = {}
+    for key, state in (found.get(ti.run_id) or {}).items():
+        if key == task_id:
+            index = -1
+        elif key.startswith(f"{task_id}_") and key[len(task_id) + 1 :].isdigit():
+            index = int(key[len(task_id) + 1 :])
+        else:
+            continue
+        states[index] = str(getattr(state, "value", state))
+    return states
+
+
+def shard_specs(task: Any, context: Any) -> list[Mapping[str, Any]]:
+    """A shard task's specs by map index: what ``expand_kwargs`` gave each mapped instance (the
+    plan's ``[{"job_id", "shard_index"}, ...]`` resolved from its XCom), or the one instance's own
+    ``job_id`` and ``shard_index``."""
+    if not getattr(task, "is_mapped", False):
+        return [{"job_id": task.job_id, "shard_index": task.shard_index}]
+    given = task.expand_input.value
+    if isinstance(given, XComArg):
+        return list(given.resolve(context) or [])
+    return [spec if isinstance(spec, Mapping) else spec.resolve(context) for spec in given]
 
 
 def default_manifest_asset(dag_id: str | None, task_id: str) -> Asset:
@@ -60,10 +123,12 @@ class CompletenessSensor(BaseSensorOperator):
     :param risk_notifier: called once when the job's deadline is predicted to be at risk.
     :param parallelism: workers the job runs at once, for the risk prediction (default: the job's).
 
-    Its ``trigger_rule`` defaults to ``none_failed``: placed after the shard tasks
-    (``plan >> shards >> done``), it still runs when they were skipped, as Airflow skips a mapped
-    task whose plan returned no shard (an empty input, or one whose every line is invalid), so that
-    job's manifest is published too; a failed plan still leaves it ``upstream_failed``.
+    Its ``trigger_rule`` defaults to ``all_done``: placed after the shard tasks
+    (``plan >> shards >> done``), it runs once they all ended, whatever their end. Skipped (Airflow
+    skips a mapped task whose plan returned no shard: an empty input, or one whose every line is
+    invalid), the job's empty manifest is published; failed for good, their shards fail in the
+    store (:meth:`settle_failed_shard_tasks`) and the job's ``partial`` manifest is published; a
+    failed plan ends the sensor in one line (:meth:`check_plan`).
     """
 
     template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
@@ -86,7 +151,7 @@ class CompletenessSensor(BaseSensorOperator):
         parallelism: int | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("trigger_rule", TriggerRule.NONE_FAILED)
+        kwargs.setdefault("trigger_rule", TriggerRule.ALL_DONE)
         super().__init__(poke_interval=poke_interval, **kwargs)
         if not job_id and not plan_task_id:
             raise ValueError(f"{self.task_id}: give job_id or plan_task_id (the task that planned the job)")
@@ -119,6 +184,64 @@ class CompletenessSensor(BaseSensorOperator):
             if not self.job_id:
                 raise AirflowFailException(f"task {self.plan_task_id!r} pushed no job_id: did it run?")
         self._plan_connections = dict(ti.xcom_pull(task_ids=self.plan_task_id, key="plan_connections") or {})
+
+    def _upstream(self) -> list[Any]:
+        return upstream_tasks(self) if self.has_dag() else []
+
+    def check_plan(self, context: Any) -> None:
+        """End the task in one line when a plan task upstream failed or was skipped: no job to verify.
+
+        The plan tasks are the upstream ``DeadlineBatchOperator`` tasks and ``plan_task_id``'s.
+        """
+        from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
+
+        for task in self._upstream():
+            if not (isinstance(task, DeadlineBatchOperator) or task.task_id == self.plan_task_id):
+                continue
+            state = task_states(context, task.task_id).get(-1)
+            if state in FAILED_TASK_STATES:
+                raise AirflowFailException(
+                    f"plan task {task.task_id!r} is {state}: no job was planned, so there is nothing "
+                    "to verify (see that task's log)"
+                )
+            if state == "skipped":
+                raise AirflowSkipException(f"plan task {task.task_id!r} was skipped: no job to verify")
+
+    def settle_failed_shard_tasks(self, context: Any) -> None:
+        """Fail in the store the shards of this job whose Airflow task failed for good.
+
+        The sensor runs after its upstream tasks ended (``all_done``), so a shard task upstream
+        that failed has no retry left and nothing will run its shard again: its uncommitted
+        records must get ``errored`` / ``shard_failed`` outcomes rather than leave the job
+        unfinished for ever. The store is the truth for records: a shard it has ``succeeded``
+        (the commit landed, then the task was lost) stays succeeded (``ManifestStore.fail_shard``).
+        """
+        store = None
+        for task in self._upstream():
+            if not is_shard_task(task):
+                continue
+            failed = sorted(i for i, state in task_states(context, task.task_id).items() if state == "failed")
+            if not failed:
+                continue
+            specs = shard_specs(task, context)
+            for map_index in failed:
+                spec = specs[max(map_index, 0)]
+                if str(spec.get("job_id")) != self.job_id:
+                    continue
+                name = task.task_id if map_index < 0 else f"{task.task_id}[{map_index}]"
+                store = store or self._hook().get_store()
+                index = int(spec["shard_index"])
+                after = store.fail_shard(
+                    self.job_id, index, f"its Airflow task {name} failed for good (no retry left)"
+                )
+                self.log.warning(
+                    "job %s: shard task %s failed for good; shard %s is %s in the store%s",
+                    self.job_id,
+                    name,
+                    index,
+                    after.value,
+                    "" if after is ShardState.TERMINAL_FAILURE else " (the store's state stands)",
+                )
 
     def _store_conn_id(self) -> str | None:
         return self.store_conn_id or self._plan_connections.get("store_conn_id")
@@ -179,8 +302,10 @@ class CompletenessSensor(BaseSensorOperator):
         [deadline_batch] min_resume_delay_s)`` later: a task that resumes within a scheduler loop
         of deferring can be failed by Airflow 3.3's scheduler (docs/airflow.md, *Resuming tasks*).
         """
+        self.check_plan(context)
         self._resolve_plan(context)
         self._check_store()
+        self.settle_failed_shard_tasks(context)
         DeadlineBatchProgressLink.persist(context, self.job_id)
         if not self.deferrable:
             return super().execute(context)

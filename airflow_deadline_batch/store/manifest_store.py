@@ -41,6 +41,7 @@ from airflow_deadline_batch.core.job_view import shard_done_fraction
 from airflow_deadline_batch.core.pools import PoolKind, PoolSpec
 from airflow_deadline_batch.core.states import (
     TERMINAL_JOB_STATES,
+    TERMINAL_SHARD_STATES,
     AttemptOutcome,
     JobState,
     ShardState,
@@ -1481,6 +1482,43 @@ class ManifestStore:
     ) -> list[DispatchGrantRow]:
         """The audit record of grants, in grant order."""
         return self._tx(lambda conn: dispatch.list_grants(conn, pool, job_id), write=False)
+
+    def fail_shard(self, job_id: str, shard_index: int, reason: str) -> ShardState:
+        """Fail an unfinished shard for good because what runs it gave up (its Airflow task failed
+        with no retry left): the shard's state afterwards.
+
+        The store is the truth for records: a ``succeeded`` shard stays succeeded (its commit
+        landed before its runner was lost), a ``terminal_failure`` stays as it is, and so does
+        every shard of a job that is no longer admitted or running. Otherwise the shard becomes
+        ``terminal_failure`` with ``reason`` as its ``last_error`` (finalization then gives its
+        uncommitted records ``errored`` / ``shard_failed`` outcomes); its epoch is bumped and a
+        lease still held is ended ``lost_lease``, so a worker its runner left behind can commit
+        nothing more.
+        """
+
+        def change(conn: Connection) -> ShardState:
+            shard, now = self._lock_shard(conn, job_id, shard_index)
+            if shard.state in TERMINAL_SHARD_STATES or self._job(conn, job_id).state not in ACTIVE_JOB_STATES:
+                return shard.state
+            check_shard_transition(shard.state, ShardState.TERMINAL_FAILURE, shard_id=shard.shard_id)
+            for attempt_id in (shard.lease_attempt_id, shard.race_attempt_id):
+                self._end_attempt(conn, attempt_id, AttemptOutcome.LOST_LEASE, now, f"fenced: {reason}")
+            conn.execute(
+                sa.update(shards)
+                .where(_shard_key(job_id, shard_index))
+                .values(
+                    state=ShardState.TERMINAL_FAILURE.value,
+                    epoch=shards.c.epoch + 1,
+                    lease_attempt_id=None,
+                    lease_expires_at=None,
+                    last_error=reason[:4000],
+                    updated_at=_ts(now),
+                    **leases.NO_RACE,
+                )
+            )
+            return ShardState.TERMINAL_FAILURE
+
+        return self._tx(change)
 
 
 def _check_reservation_ttl(ttl_s: float) -> None:

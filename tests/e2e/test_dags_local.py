@@ -17,11 +17,17 @@ from typing import Any
 
 import pytest
 
+from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.store import ManifestStore
+from tests.e2e.derived_dag import derived_source
+from tests.helpers.outcomes import read_manifest, read_outcomes
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "run_example_dag.py"
 SAMPLE = REPO / "dags" / "data" / "sample_reviews.jsonl"
+EXAMPLE = REPO / "dags" / "example_deadline_batch_local.py"
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +105,19 @@ def test_local_dag_publishes_one_outcome_per_line_despite_preemptions(airflow_en
 
 
 def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(airflow_env, tmp_path):
+    """The sensor runs after the failed plan (its trigger rule is ``all_done``) and ends in one line
+    saying so, rather than looking for a job that was never planned."""
     code, result, output = run_dag(airflow_env, {"output_uri": str(tmp_path / "out"), "deadline": "+1s"})
 
     assert code == 1 and result["state"] == "failed"
     assert states(result, "plan") == ["failed"]
     assert "job rejected at admission" in output and "infeasible" in output
     assert "slack" in output  # the admission report's reasons reach the task log
-    for task_id in ("shard", "verify", "summarise"):
+    for task_id in ("shard", "summarise"):
         assert set(states(result, task_id)) <= {"upstream_failed"}, result
+    assert states(result, "verify") == ["failed"]
+    assert "plan task 'plan' is failed: no job was planned, so there is nothing to verify" in output
+    assert "JobNotFound" not in output and "ConfigurationError" not in output
     assert result["manifest"] is None and result["asset_events"] == []
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("manifest.json"))
 
@@ -114,7 +125,7 @@ def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(airflow_e
 @pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
 def test_an_input_without_records_still_publishes_its_manifest(airflow_env, tmp_path, content):
     """The plan returns no shard, so Airflow skips the mapped shard task; the sensor after it runs
-    anyway (its trigger rule is ``none_failed``) and publishes the job's empty manifest, and the
+    anyway (its trigger rule is ``all_done``) and publishes the job's empty manifest, and the
     downstream task reads it. Before, the skip reached the sensor: no manifest, the job left admitted."""
     source = tmp_path / "tonight.jsonl"
     source.write_bytes(content)
@@ -129,3 +140,113 @@ def test_an_input_without_records_still_publishes_its_manifest(airflow_env, tmp_
     assert sum(manifest["outcomes"].values()) == 0 and manifest["shards"] == []
     (event,) = result["asset_events"]
     assert event["extra"]["records"] == 0
+
+
+#: the local example with two shard tasks failing for good after their 5 tries (the DAG's
+#: ``retries=4``): shard 1's worker is preempted at every try, so the store, which saw only
+#: preemptions, still has it retryable; shard 0's worker commits the whole shard, then every try of
+#: its task fails after the fact (as when the commit landed and the pod was lost)
+TWO_SHARD_TASKS_LOST = [
+    ("        preempt_tries=PREEMPT_TRIES,\n", ""),
+    (
+        "    shards = LocalShardOperator.partial(\n",
+        "    def lose_the_task(context, result):\n"
+        "        raise RuntimeError('the shard task was lost after its worker finished')\n\n"
+        "    def lose_shards_0_and_1(spec):\n"
+        "        if spec['shard_index'] == 0:\n"
+        "            return {**spec, 'preempt_tries': [], 'post_execute': lose_the_task}\n"
+        "        return {**spec, 'preempt_tries': [1, 2, 3, 4, 5] if spec['shard_index'] == 1 else []}\n\n"
+        "    shards = LocalShardOperator.partial(\n",
+    ),
+    (
+        "    ).expand_kwargs(plan.output)\n",
+        "    ).expand_kwargs(plan.output.map(lose_shards_0_and_1))\n",
+    ),
+]
+
+#: run a DAG file (argv[2]) like scripts/run_example_dag.py (argv[1]) runs the example, conf argv[3]
+RUN_DAG_FILE = """
+import json, runpy, sys
+script = runpy.run_path(sys.argv[1], run_name="run_example_dag")
+script["migrate_metadata_db"]()
+namespace = runpy.run_path(sys.argv[2])
+with script["deadline_alerts_resolvable_in_dag_test"]():
+    run = namespace["dag"].test(run_conf=json.loads(sys.argv[3]))
+summary, _ = script["summarise"](run, str(namespace["STORE_URL"]), samples=0, seconds=0.0)
+print("RESULT " + json.dumps(summary))
+"""
+
+
+def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_path):
+    """After the shards, a shard task whose retries are spent no longer leaves the sensor
+    ``upstream_failed`` with the job unfinished: the sensor fails the shard in the store, publishes
+    the ``partial`` manifest (the other shards' results, ``shard_failed`` for the lost one's
+    records) and fails naming it. Before, no manifest was ever published and the job stayed running.
+    A shard whose commit landed before its task was lost keeps its results: the store is the truth."""
+    home = tmp_path / "airflow_home"
+    dags = home / "dags"
+    dags.mkdir(parents=True)
+    dag_file = dags / "example_deadline_batch_local.py"
+    dag_file.write_text(derived_source(EXAMPLE, TWO_SHARD_TASKS_LOST))
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "ADB_EXAMPLE_DIR": str(home / "example"),
+        "ADB_ENGINE": "echo",
+    }
+    for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE", "ADB_EXAMPLE_PREEMPT_TRIES"):
+        env.pop(name, None)
+    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(SAMPLE)}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, output[-5000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+
+    assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
+    shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
+    assert shard_tis.pop(0) == shard_tis.pop(1) == ("failed", 5), result["tasks"]
+    assert {state for state, _ in shard_tis.values()} <= {"success"}
+    assert states(result, "verify") == ["failed"] and states(result, "summarise") == ["upstream_failed"]
+    assert result["job_state"] == "partial" and result["manifest"], result
+    manifest_uri = result["manifest"]
+    assert f"ended partial; its manifest {manifest_uri}" in output  # the sensor's failure names it
+    assert "shard task shard[0] failed for good; shard 0 is succeeded in the store (the store's" in output
+    assert "shard task shard[1] failed for good; shard 1 is terminal_failure in the store" in output
+    assert result["asset_events"] == []  # downstream never saw the partial output
+
+    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    try:
+        shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
+        lost = shards.pop(1)
+        assert shards[0].state is ShardState.SUCCEEDED and shards[0].last_error is None
+        assert lost.state is ShardState.TERMINAL_FAILURE
+        assert "its Airflow task shard[1] failed for good" in str(lost.last_error)
+        assert {s.state for s in shards.values()} == {ShardState.SUCCEEDED}
+        assert not [c for c in store.list_commits(result["job_id"]) if c.shard_index == 1]
+    finally:
+        store.close()
+
+    manifest = read_manifest(manifest_uri)
+    outcomes = read_outcomes(manifest)  # checksums, counts, no line twice
+    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
+    assert sorted(outcomes) == [number for number, line in numbered if line.strip()]
+    failed = {line for line, o in outcomes.items() if o["error"] and o["error"]["code"] == "shard_failed"}
+    assert len(failed) == lost.records > 0
+    assert all(lost.first_line <= line < lost.first_line + lost.line_count for line in failed)
+    assert all(outcomes[line]["status"] == "errored" and outcomes[line]["output"] is None for line in failed)
+    assert manifest["outcomes"]["succeeded"] == sum(s.records for s in shards.values()) > 0
+    first = shards[0]
+    assert all(
+        outcomes[line]["status"] == "succeeded"
+        for line in range(first.first_line, first.first_line + first.line_count)
+        if line in outcomes and line not in first.excluded_lines
+    )
