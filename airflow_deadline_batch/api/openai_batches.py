@@ -29,8 +29,10 @@ import datetime as dt
 import functools
 import logging
 import os
+import random
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -78,6 +80,8 @@ INDEX_CEILING = 10**12 - 1
 INDEXED = "batches-index.done"
 #: the ``INDEXED`` markers this process has seen (it checks a files store's marker once)
 _indexed: set[str] = set()
+#: how often a sidecar change is tried against concurrent writers before the request gives up
+SIDECAR_TRIES = 10
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -146,8 +150,12 @@ def _read_json(storage: ObjectStorage, key: str) -> dict[str, Any] | None:
         return None
 
 
+def _json_bytes(value: dict[str, Any]) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
+
+
 def _write_json(storage: ObjectStorage, key: str, value: dict[str, Any]) -> None:
-    storage.put_bytes(key, orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE))
+    storage.put_bytes(key, _json_bytes(value))
 
 
 def _file_meta_key(file_id: str) -> str:
@@ -224,6 +232,47 @@ def forget_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
     the client saw fail is not listed, ``validating`` for ever."""
     storage.delete(_sidecar_key(batch["id"]))
     storage.delete(index_key(batch["id"], int(batch["created_at"])))
+
+
+def update_sidecar(
+    storage: ObjectStorage, batch_id: str, change: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Apply ``change`` to the batch's sidecar as it is now; the sidecar written, or ``None`` when
+    there is none (the batch was forgotten).
+
+    A compare-and-swap (``storage.put_if_version``: ``If-Match`` on S3, a directory lock on local
+    files): several api-server processes, or requests of one, change a sidecar (the cancel request,
+    the export record, the job found for a failed run), and a plain read-modify-write let the last
+    writer drop the others' changes (a cancel lost, an export recorded and then erased, so done
+    again). On a conflict the sidecar is read again and ``change`` applied to what is there, so
+    ``change`` must decide from its argument alone; one that returns its argument unchanged writes
+    nothing. After :data:`SIDECAR_TRIES` conflicts in a row the request fails with a 503.
+    """
+    from airflow_deadline_batch.exceptions import ObjectNotFound
+    from airflow_deadline_batch.storage.base import ObjectChanged, put_if_version, read_versioned
+
+    key = _sidecar_key(batch_id)
+    for attempt in range(SIDECAR_TRIES):
+        try:
+            data, version = read_versioned(storage, key)
+        except ObjectNotFound:
+            return None
+        current = dict(orjson.loads(data))
+        changed = change(current)
+        if changed == current:
+            return current
+        try:
+            put_if_version(storage, key, _json_bytes(changed), version)
+        except ObjectChanged:
+            # jittered, growing: writers that collided do not collide again in step
+            time.sleep(random.uniform(0, min(0.01 * 2**attempt, 0.5)))
+            continue
+        return changed
+    raise HTTPException(
+        status_code=503,
+        detail=f"batch {batch_id}: its sidecar {storage.uri(key)} changed under this request"
+        f" {SIDECAR_TRIES} times in a row (as many concurrent writers); retry the request",
+    )
 
 
 def _index_once(storage: ObjectStorage) -> None:
@@ -323,7 +372,9 @@ def _store() -> ManifestStore:
 REJECTED_SCAN_LIMIT = 500
 
 
-def _job(batch: dict[str, Any], run_state: str | None) -> JobRow | None:
+def _job(batch: dict[str, Any], run: RunInfo) -> JobRow | None:
+    """The batch's job: the recorded one, else the one holding the plan's idempotency key, else (a
+    failed run) the one its plan rejected, looked for once per end of the run."""
     from airflow_deadline_batch.core.ids import submitted_key
     from airflow_deadline_batch.exceptions import JobNotFound
 
@@ -335,20 +386,31 @@ def _job(batch: dict[str, Any], run_state: str | None) -> JobRow | None:
             return None
     key = f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}"
     job = store.get_job_by_idempotency_key(key)
-    if job is None and run_state == "failed":
-        # a job rejected at admission gives its key up: found among the latest jobs, and recorded,
-        # so the batch's error is the rejection's reason rather than "DAG run ... ended failed"
-        job = next(
-            (
-                row
-                for row in store.list_jobs(limit=REJECTED_SCAN_LIMIT)
-                if row.state.value == "rejected" and submitted_key(row.idempotency_key or "") == key
-            ),
-            None,
-        )
-        if job is not None:
-            current = _read_json(_files(), _sidecar_key(batch["id"])) or batch
-            _write_json(_files(), _sidecar_key(batch["id"]), {**current, "job_id": job.job_id})
+    if job is not None or run.state != "failed":
+        return job
+    ended = run.end_date.isoformat() if run.end_date is not None else None
+    if ended is not None and batch.get("rejected_job_missed") == ended:
+        return None  # looked for when the run ended this time, and not found
+    # a job rejected at admission gives its key up: found among the latest jobs, and recorded,
+    # so the batch's error is the rejection's reason rather than "DAG run ... ended failed"
+    job = next(
+        (
+            row
+            for row in store.list_jobs(limit=REJECTED_SCAN_LIMIT)
+            if row.state.value == "rejected" and submitted_key(row.idempotency_key or "") == key
+        ),
+        None,
+    )
+    if job is not None:
+        found = job.job_id
+        update_sidecar(_files(), batch["id"], lambda now: {**now, "job_id": now.get("job_id") or found})
+    elif ended is not None:
+        # Not found: recorded with the run's end, so later reads do not scan 500 jobs again. The
+        # plan writes its rejected job before the plan task fails, so the job cannot appear later
+        # for this end of the run; a run cleared and failed again has another end and is searched
+        # again. (A run marked failed by hand while its plan still runs may have its rejection
+        # recorded afterwards: the batch then says only that the run failed.)
+        update_sidecar(_files(), batch["id"], lambda now: {**now, "rejected_job_missed": ended})
     return job
 
 
@@ -361,7 +423,7 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
     from airflow_deadline_batch.service.export import export_job
 
     storage = _files()
-    with _export_lock:
+    with _export_lock:  # one export at a time in this process; another process's writes the same bytes
         current = _read_json(storage, _sidecar_key(batch["id"])) or batch
         if current.get("exported"):
             return current
@@ -391,15 +453,18 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
                 },
             )
             file_ids[kind] = file_id if exported.lines else None
-        current = {
-            **current,
+        record = {
             "job_id": job.job_id,
             "exported": {"outcomes": dict(result.outcomes), "at": created},
             "output_file_id": file_ids.get("output"),
             "error_file_id": file_ids.get("errors"),
         }
-        _write_json(storage, _sidecar_key(batch["id"]), current)
-        return current
+        # what else changed meanwhile (a cancel request) is kept; an export recorded meanwhile
+        # (another process's, of the same bytes) stays as it is
+        written = update_sidecar(
+            storage, batch["id"], lambda now: now if now.get("exported") else {**now, **record}
+        )
+        return written if written is not None else {**current, **record}
 
 
 def _cancel_job(job_id: str) -> None:
@@ -448,7 +513,7 @@ def _failure(job: JobRow | None) -> str | None:
 def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     """Refresh the batch from its run and job (export, deferred cancel) and shape it as OpenAI does."""
     run = _dag_run(batch["dag_id"], batch["run_id"])
-    job = _job(batch, run.state)
+    job = _job(batch, run)
     if job is not None and batch.get("cancel_requested_at") and job.state.value in UNFINISHED_JOB_STATES:
         _cancel_job(job.job_id)  # asked before the job existed, or a cancel cut short
         job = _store().get_job(job.job_id)
@@ -838,12 +903,17 @@ def create_router() -> APIRouter:
             # an ended batch keeps its status (a failed one read ``cancelled`` once asked); a second
             # cancel changes nothing
             return current
-        batch = {
-            **(_read_json(_files(), _sidecar_key(batch_id)) or batch),
-            "cancel_requested_at": _ts(_now()),
-        }
-        _write_json(_files(), _sidecar_key(batch_id), batch)
-        return _batch_object(batch)  # cancels the job when it exists (else on a later read)
+        asked_at = _ts(_now())
+
+        def ask(now: dict[str, Any]) -> dict[str, Any]:
+            if now.get("cancel_requested_at") or now.get("exported"):
+                return now  # asked meanwhile, or published and exported first: the cancel lost
+            return {**now, "cancel_requested_at": asked_at}
+
+        changed = update_sidecar(_files(), batch_id, ask)
+        if changed is None:  # forgotten meanwhile: its run was never created
+            raise HTTPException(status_code=404, detail=f"no such batch: {batch_id}")
+        return _batch_object(changed)  # cancels the job when it exists (else on a later read)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     def not_served(path: str, request: Request, user: BaseUser = user_dep) -> None:
