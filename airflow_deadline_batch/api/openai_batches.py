@@ -196,12 +196,22 @@ def _file_meta(file_id: str) -> dict[str, Any]:
 
 
 def _open_content(meta: dict[str, Any]) -> BinaryIO:
+    """The file's bytes; a 404 ``file_not_found`` naming the file when its object is gone (an
+    export's deleted from ``runs/<batch>/export``, an upload's from ``files/<id>``), not a 500."""
+    from airflow_deadline_batch.exceptions import ObjectNotFound
     from airflow_deadline_batch.storage import open_uri
 
-    if meta.get("uri"):
-        storage, key = open_uri(str(meta["uri"]))
-        return storage.open_read(key)
-    return _files().open_read(f"files/{meta['id']}/content")
+    try:
+        if meta.get("uri"):
+            storage, key = open_uri(str(meta["uri"]))
+            return storage.open_read(key)
+        return _files().open_read(f"files/{meta['id']}/content")
+    except ObjectNotFound as exc:
+        raise Refused(
+            404,
+            f"file {meta['id']} has no content any more: its object was deleted ({exc})",
+            code="file_not_found",
+        ) from exc
 
 
 # -- batch sidecars and their index ------------------------------------------------------------------
@@ -417,9 +427,22 @@ def _job(batch: dict[str, Any], run: RunInfo) -> JobRow | None:
 _export_lock = threading.Lock()
 
 
+class ExportLost(Exception):
+    """The published job cannot be exported: its manifest or result objects are gone or changed."""
+
+
 def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
-    """Export a published job into the files store once; the batch sidecar as it is then."""
-    from airflow_deadline_batch.exceptions import DeadlineBatchError
+    """Export a published job into the files store once; the batch sidecar as it is then.
+
+    ``ExportLost`` when the job's outputs do not verify (deleted, changed): nothing is recorded,
+    so restoring them lets a later read export.
+    """
+    from airflow_deadline_batch.exceptions import (
+        ChecksumMismatch,
+        DeadlineBatchError,
+        ObjectNotFound,
+        VerificationError,
+    )
     from airflow_deadline_batch.service.export import export_job
 
     storage = _files()
@@ -429,7 +452,9 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
             return current
         try:
             result = export_job(_store(), job.job_id, storage.uri(f"runs/{batch['id']}/export"))
-        except DeadlineBatchError as exc:  # a manifest that does not verify, storage unreachable
+        except (VerificationError, ObjectNotFound, ChecksumMismatch) as exc:
+            raise ExportLost(f"cannot export job {job.job_id}: {exc}") from exc
+        except DeadlineBatchError as exc:  # storage unreachable
             detail = f"cannot export job {job.job_id} of batch {batch['id']}: {exc}"
             raise HTTPException(status_code=500, detail=detail) from exc
         created = _ts(_now())
@@ -517,15 +542,19 @@ def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     if job is not None and batch.get("cancel_requested_at") and job.state.value in UNFINISHED_JOB_STATES:
         _cancel_job(job.job_id)  # asked before the job existed, or a cancel cut short
         job = _store().get_job(job.job_id)
+    lost = None
     if (
         job is not None
         and job.manifest_uri
         and job.state.value in PUBLISHED_JOB_STATES
         and not batch.get("exported")
     ):
-        batch = _export_once(batch, job)
+        try:
+            batch = _export_once(batch, job)
+        except ExportLost as exc:  # a batch whose results are gone has failed (a 500 on every read did not say so)
+            lost = str(exc)
     outcomes = (batch.get("exported") or {}).get("outcomes") or {}
-    status = batch_status(
+    status = "failed" if lost else batch_status(
         run.state,
         job.state.value if job is not None else None,
         exported=bool(batch.get("exported")),
@@ -535,7 +564,7 @@ def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     done_at = (batch.get("exported") or {}).get("at")
     errors = None
     if status == "failed":
-        message = _failure(job) or f"DAG run {batch['run_id']} ended {run.state}"
+        message = lost or _failure(job) or f"DAG run {batch['run_id']} ended {run.state}"
         errors = {
             "object": "list",
             "data": [{"code": "batch_failed", "message": message, "line": None, "param": None}],
@@ -697,18 +726,24 @@ def _trigger(request: Request, dag_id: str, run_id: str, conf: dict[str, Any]) -
 
 # -- errors -------------------------------------------------------------------------------------------
 class Refused(HTTPException):
-    """An HTTP error that names the request field at fault (OpenAI's ``error.param``)."""
+    """An HTTP error that names the request field at fault (OpenAI's ``error.param``) or its kind
+    (``error.code``, such as ``file_not_found``)."""
 
-    def __init__(self, status_code: int, detail: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status_code: int, detail: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(status_code=status_code, detail=detail)
         self.param = param
+        self.code = code
 
 
-def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error body: the SDK's exceptions carry ``message`` (in their text), ``type``,
     ``param`` and ``code``; FastAPI's ``{"detail": ...}`` left them with only the status code."""
     kind = "server_error" if status_code >= 500 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _invalid_request(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -735,7 +770,9 @@ class OpenAIErrorRoute(APIRoute):
                 response: Response = await handler(request)
                 return response
             except StarletteHTTPException as exc:  # FastAPI's, and Starlette's for a body it cannot parse
-                body = error_body(exc.status_code, str(exc.detail), getattr(exc, "param", None))
+                body = error_body(
+                    exc.status_code, str(exc.detail), getattr(exc, "param", None), getattr(exc, "code", None)
+                )
                 return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
             except RequestValidationError as exc:
                 message, param = _invalid_request(exc)
