@@ -65,8 +65,11 @@ UTC = dt.timezone.utc
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 #: OpenAI's limits on a batch's ``metadata``: pairs, key and value lengths (strings only)
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
-#: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
-_WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
+#: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``); nine digits
+#: are past the year 9999 already, and Python refuses to parse a number of over 4,300
+_WINDOW = re.compile(r"^([1-9][0-9]{0,8})([hm])$")
+#: how much of a refused value an error message repeats
+SHOWN_CHARS = 100
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 LIST_MAX = 100
 COPY_CHUNK = 1024 * 1024
@@ -182,9 +185,16 @@ def _filename(given: str | None) -> str:
     return name if name not in ("", ".", "..") else "input.jsonl"
 
 
+def _shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS`: a 5 MB field refused is
+    not sent back whole."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def _checked_id(value: str, what: str) -> str:
     if not _ID.match(value):
-        raise HTTPException(status_code=404, detail=f"no such {what}: {value!r}")
+        raise HTTPException(status_code=404, detail=f"no such {what}: {_shown(value)}")
     return value
 
 
@@ -653,7 +663,7 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
     if not match:
         raise Refused(
             400,
-            f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+            f"completion_window must look like '24h' or '90m', got {_shown(completion_window)}",
             param="completion_window",
         )
     amount, unit = int(match[1]), match[2]
@@ -861,7 +871,7 @@ def create_router() -> APIRouter:
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             raise Refused(
-                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
+                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {_shown(endpoint)}", param="endpoint"
             )
         metadata = _metadata(body.get("metadata"))
         window = str(body.get("completion_window") or "")

@@ -592,3 +592,25 @@ def test_deleted_objects_are_openai_404s_naming_the_file_and_the_batch_still_rea
     assert "cannot export" in (got.errors.data[0].message or ""), got.errors
     assert got.output_file_id is None
     assert client.batches.list().data[0].status == "failed"  # the listing does not 500 either
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "status", "message"),
+    [
+        ("input_file_id", "x" * (5 << 20), 404, "no such file: 'xxx"),
+        ("endpoint", "x" * (5 << 20), 400, "endpoint must be one of"),
+        ("completion_window", "x" * (5 << 20), 400, "completion_window must look like"),
+        # a number Python refuses to parse (over 4,300 digits): before, a 500 naming a ValueError
+        ("completion_window", "1" + "0" * 5000 + "h", 400, "completion_window must look like"),
+    ],
+)
+def test_a_huge_field_is_refused_without_being_sent_back_whole(
+    door: FrontDoor, field: str, value: str, status: int, message: str
+) -> None:
+    body = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    response = httpx.post(f"{door.url}/openai/v1/batches", json={**body, field: value}, timeout=60)
+    assert response.status_code == status, response.text[:300]
+    error = openai_error(response)
+    assert message in error["message"] and f"({len(value) + 2} characters)" in error["message"]
+    assert len(response.content) < 1000  # before: the 5 MB value came back in the message
+    assert door.triggered == []
