@@ -283,3 +283,25 @@ def test_a_sidecar_change_gives_up_after_bounded_tries_with_a_clear_error(files_
     assert tries == openai_batches.SIDECAR_TRIES
     assert "mine" not in orjson.loads(storage.get_bytes(key))
     assert openai_batches.update_sidecar(storage, "batch_gone", lambda now: {**now, "x": 1}) is None
+
+
+def test_a_cancel_held_while_its_batch_is_forgotten_does_not_bring_it_back(
+    client: TestClient, files: HeldCancelStorage
+) -> None:
+    batch = new_batch(files.inner, 1)
+    answers: list[Any] = []
+    canceller = threading.Thread(
+        target=lambda: answers.append(client.post(f"/openai/v1/batches/{batch['id']}/cancel")), daemon=True
+    )
+    canceller.start()
+    assert files.arrived.wait(timeout=60), "the cancel never reached its sidecar write"
+    # meanwhile POST /batches saw its trigger fail and removes the batch
+    openai_batches.forget_batch(files.inner, batch)
+    files.release.set()
+    canceller.join(timeout=120)
+    assert not canceller.is_alive() and len(answers) == 1
+    # before: the cancel wrote the sidecar it had read back, a batch without a run, for ever validating
+    assert not files.inner.exists(f"batches/{batch['id']}.json")
+    assert answers[0].status_code == 404, answers[0].text
+    assert answers[0].json()["error"]["message"] == f"no such batch: {batch['id']}"
+    assert client.get(f"/openai/v1/batches/{batch['id']}").status_code == 404
