@@ -561,16 +561,18 @@ def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     ):
         try:
             batch = _export_once(batch, job)
-        except ExportLost as exc:  # a batch whose results are gone has failed (a 500 on every read did not say so)
+        except ExportLost as exc:  # its results are gone: the batch failed (a 500 on every read hid it)
             lost = str(exc)
     outcomes = (batch.get("exported") or {}).get("outcomes") or {}
-    status = "failed" if lost else batch_status(
+    status = batch_status(
         run.state,
         job.state.value if job is not None else None,
         exported=bool(batch.get("exported")),
         cancel_requested=bool(batch.get("cancel_requested_at")),
         expired_records=int(outcomes.get("expired", 0)),
     )
+    if lost:
+        status = "failed"
     done_at = (batch.get("exported") or {}).get("at")
     errors = None
     if status == "failed":
@@ -871,7 +873,9 @@ def create_router() -> APIRouter:
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             raise Refused(
-                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {_shown(endpoint)}", param="endpoint"
+                400,
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {_shown(endpoint)}",
+                param="endpoint",
             )
         metadata = _metadata(body.get("metadata"))
         window = str(body.get("completion_window") or "")

@@ -106,7 +106,8 @@ def read_versioned(storage: ObjectStorage, key: str) -> tuple[bytes, str]:
     The token names the bytes read (local files: their SHA-256; S3: the ETag of the response that
     carried them), so it cannot be a newer version's.
     """
-    return _conditional(storage, "get_versioned")(key)  # type: ignore[no-any-return]
+    data, version = _conditional(storage, "get_versioned")(key)
+    return bytes(data), str(version)
 
 
 def put_if_version(storage: ObjectStorage, key: str, data: bytes, version: str | None) -> str:

@@ -108,7 +108,12 @@ class LocalStorage:
                 except ObjectNotFound:
                     current = None
                 if current != version:
-                    state = "is missing" if current is None else "exists" if version is None else "was replaced"
+                    if current is None:
+                        state = "is missing"
+                    elif version is None:
+                        state = "exists"
+                    else:
+                        state = "was replaced"
                     raise ObjectChanged(
                         f"{path} {state} since it was read; read it again and retry the change",
                         uri=str(path),

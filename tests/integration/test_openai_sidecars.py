@@ -212,7 +212,8 @@ UPDATER = textwrap.dedent(
         assert time.monotonic() < deadline, "never told to go"
         time.sleep(0.01)
     for i in range(int(count)):
-        update_sidecar(storage, batch_id, lambda now: {**now, "marks": [*now.get("marks", []), f"{name}-{i}"]})
+        mark = f"{name}-{i}"
+        update_sidecar(storage, batch_id, lambda now: {**now, "marks": [*now.get("marks", []), mark]})
     """
 )
 
@@ -239,7 +240,8 @@ def test_concurrent_processes_changing_one_sidecar_lose_no_change(files_uri: str
     # each process's changes in its order, none dropped by another's write
     assert sorted(sidecar["marks"]) == sorted(f"{name}-{i}" for name in names for i in range(count))
     for name in names:
-        assert [m for m in sidecar["marks"] if m.startswith(f"{name}-")] == [f"{name}-{i}" for i in range(count)]
+        mine = [mark for mark in sidecar["marks"] if mark.startswith(f"{name}-")]
+        assert mine == [f"{name}-{i}" for i in range(count)]
     assert sidecar["id"] == batch["id"]  # the rest of the sidecar kept
 
 
