@@ -84,7 +84,7 @@ INDEXED = "batches-index.done"
 #: the ``INDEXED`` markers this process has seen (it checks a files store's marker once)
 _indexed: set[str] = set()
 #: how often a sidecar change is tried against concurrent writers before the request gives up
-SIDECAR_TRIES = 10
+SIDECAR_TRIES = 20
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def update_sidecar(
             put_if_version(storage, key, _json_bytes(changed), version)
         except ObjectChanged:
             # jittered, growing: writers that collided do not collide again in step
-            time.sleep(random.uniform(0, min(0.01 * 2**attempt, 0.5)))
+            time.sleep(random.uniform(0, min(0.02 * 2**attempt, 1.0)))
             continue
         return changed
     raise HTTPException(

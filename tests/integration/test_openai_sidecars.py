@@ -205,28 +205,34 @@ UPDATER = textwrap.dedent(
     from airflow_deadline_batch.api.openai_batches import update_sidecar
     from airflow_deadline_batch.storage import open_storage
 
-    uri, batch_id, name, count, go = sys.argv[1:6]
-    storage = open_storage(uri)
+    name, count, go, *targets = sys.argv[1:]
+    sidecars = [(open_storage(uri), batch_id) for uri, batch_id in zip(targets[::2], targets[1::2])]
     deadline = time.monotonic() + 120
-    while not os.path.exists(go):  # every process starts changing the sidecar at once
+    while not os.path.exists(go):  # every process starts changing the sidecars at once
         assert time.monotonic() < deadline, "never told to go"
         time.sleep(0.01)
     for i in range(int(count)):
         mark = f"{name}-{i}"
-        update_sidecar(storage, batch_id, lambda now: {**now, "marks": [*now.get("marks", []), mark]})
+        for storage, batch_id in sidecars:
+            update_sidecar(storage, batch_id, lambda now: {**now, "marks": [*now.get("marks", []), mark]})
     """
 )
 
 
-def test_concurrent_processes_changing_one_sidecar_lose_no_change(files_uri: str, tmp_path: Path) -> None:
-    storage = open_storage(files_uri)
-    batch = new_batch(storage, 0)
+def test_concurrent_processes_changing_one_sidecar_lose_no_change(s3_bucket: str, tmp_path: Path) -> None:
+    # one sidecar on local files and one on S3, each changed by every process in turn (one
+    # process per writer, not per storage: each start imports Airflow)
+    stores = [open_storage(str(tmp_path / "files")), open_storage(f"s3://{s3_bucket}/front-door")]
+    batches = [new_batch(storage, 0) for storage in stores]
+    targets = [
+        arg for storage, batch in zip(stores, batches, strict=True) for arg in (storage.base_uri, batch["id"])
+    ]
     go = tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    names, count = ["p0", "p1", "p2", "p3"], 15
+    names, count = ["p0", "p1", "p2"], 6
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", UPDATER, files_uri, batch["id"], name, str(count), str(go)],
+            [sys.executable, "-c", UPDATER, name, str(count), str(go), *targets],
             env=env,
             stderr=subprocess.PIPE,
         )
@@ -236,13 +242,14 @@ def test_concurrent_processes_changing_one_sidecar_lose_no_change(files_uri: str
     for process in processes:
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr.decode()[-2000:]
-    sidecar = orjson.loads(storage.get_bytes(f"batches/{batch['id']}.json"))
-    # each process's changes in its order, none dropped by another's write
-    assert sorted(sidecar["marks"]) == sorted(f"{name}-{i}" for name in names for i in range(count))
-    for name in names:
-        mine = [mark for mark in sidecar["marks"] if mark.startswith(f"{name}-")]
-        assert mine == [f"{name}-{i}" for i in range(count)]
-    assert sidecar["id"] == batch["id"]  # the rest of the sidecar kept
+    for storage, batch in zip(stores, batches, strict=True):
+        sidecar = orjson.loads(storage.get_bytes(f"batches/{batch['id']}.json"))
+        # each process's changes in its order, none dropped by another's write
+        assert sorted(sidecar["marks"]) == sorted(f"{name}-{i}" for name in names for i in range(count))
+        for name in names:
+            mine = [mark for mark in sidecar["marks"] if mark.startswith(f"{name}-")]
+            assert mine == [f"{name}-{i}" for i in range(count)], storage
+        assert sidecar["id"] == batch["id"]  # the rest of the sidecar kept
 
 
 def test_a_conditional_write_loses_to_a_write_since_its_read(files_uri: str) -> None:
