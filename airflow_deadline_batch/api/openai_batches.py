@@ -65,9 +65,11 @@ UTC = dt.timezone.utc
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 #: OpenAI's limits on a batch's ``metadata``: pairs, key and value lengths (strings only)
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
-#: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``); nine digits
-#: are past the year 9999 already, and Python refuses to parse a number of over 4,300
-_WINDOW = re.compile(r"^([1-9][0-9]{0,8})([hm])$")
+#: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
+_WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
+#: more digits than this in a ``completion_window`` are past the year 9999 without parsing them
+#: (Python refuses to parse a number of over 4,300 digits)
+WINDOW_DIGITS = 18
 #: how much of a refused value an error message repeats
 SHOWN_CHARS = 100
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
@@ -668,8 +670,14 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
             f"completion_window must look like '24h' or '90m', got {_shown(completion_window)}",
             param="completion_window",
         )
-    amount, unit = int(match[1]), match[2]
     given = metadata.get("deadline")
+    if len(match[1]) > WINDOW_DIGITS and not given:
+        raise Refused(
+            400,
+            f"completion_window {_shown(completion_window)} is past the year 9999: give a nearer one",
+            param="completion_window",
+        )
+    amount, unit = int(match[1][:WINDOW_DIGITS]), match[2]  # the window is unused when a deadline is given
     try:
         at = parse_deadline(str(given or f"+{amount}{unit}"), now=_now())
     except ValueError as exc:
@@ -678,7 +686,7 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
         param = "metadata.deadline" if given else "completion_window"
         raise Refused(
             400,
-            f"{param} {given or completion_window!r} is past the year 9999: give a nearer one",
+            f"{param} {_shown(given or completion_window)} is past the year 9999: give a nearer one",
             param=param,
         ) from None
     if at <= _now():  # the plan would reject it, and the batch would read only "DAG run ... ended failed"
