@@ -29,8 +29,10 @@ import datetime as dt
 import functools
 import logging
 import os
+import random
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -65,6 +67,11 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 #: ``completion_window``: a number of hours or minutes (OpenAI accepts only ``24h``)
 _WINDOW = re.compile(r"^([1-9][0-9]*)([hm])$")
+#: more digits than this in a ``completion_window`` are past the year 9999 without parsing them
+#: (Python refuses to parse a number of over 4,300 digits)
+WINDOW_DIGITS = 18
+#: how much of a refused value an error message repeats
+SHOWN_CHARS = 100
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 LIST_MAX = 100
 COPY_CHUNK = 1024 * 1024
@@ -78,6 +85,8 @@ INDEX_CEILING = 10**12 - 1
 INDEXED = "batches-index.done"
 #: the ``INDEXED`` markers this process has seen (it checks a files store's marker once)
 _indexed: set[str] = set()
+#: how often a sidecar change is tried against concurrent writers before the request gives up
+SIDECAR_TRIES = 20
 
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -146,8 +155,12 @@ def _read_json(storage: ObjectStorage, key: str) -> dict[str, Any] | None:
         return None
 
 
+def _json_bytes(value: dict[str, Any]) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE)
+
+
 def _write_json(storage: ObjectStorage, key: str, value: dict[str, Any]) -> None:
-    storage.put_bytes(key, orjson.dumps(value, option=orjson.OPT_SORT_KEYS | orjson.OPT_APPEND_NEWLINE))
+    storage.put_bytes(key, _json_bytes(value))
 
 
 def _file_meta_key(file_id: str) -> str:
@@ -174,9 +187,16 @@ def _filename(given: str | None) -> str:
     return name if name not in ("", ".", "..") else "input.jsonl"
 
 
+def _shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS`: a 5 MB field refused is
+    not sent back whole."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def _checked_id(value: str, what: str) -> str:
     if not _ID.match(value):
-        raise HTTPException(status_code=404, detail=f"no such {what}: {value!r}")
+        raise HTTPException(status_code=404, detail=f"no such {what}: {_shown(value)}")
     return value
 
 
@@ -188,12 +208,22 @@ def _file_meta(file_id: str) -> dict[str, Any]:
 
 
 def _open_content(meta: dict[str, Any]) -> BinaryIO:
+    """The file's bytes; a 404 ``file_not_found`` naming the file when its object is gone (an
+    export's deleted from ``runs/<batch>/export``, an upload's from ``files/<id>``), not a 500."""
+    from airflow_deadline_batch.exceptions import ObjectNotFound
     from airflow_deadline_batch.storage import open_uri
 
-    if meta.get("uri"):
-        storage, key = open_uri(str(meta["uri"]))
-        return storage.open_read(key)
-    return _files().open_read(f"files/{meta['id']}/content")
+    try:
+        if meta.get("uri"):
+            storage, key = open_uri(str(meta["uri"]))
+            return storage.open_read(key)
+        return _files().open_read(f"files/{meta['id']}/content")
+    except ObjectNotFound as exc:
+        raise Refused(
+            404,
+            f"file {meta['id']} has no content any more: its object was deleted ({exc})",
+            code="file_not_found",
+        ) from exc
 
 
 # -- batch sidecars and their index ------------------------------------------------------------------
@@ -224,6 +254,47 @@ def forget_batch(storage: ObjectStorage, batch: dict[str, Any]) -> None:
     the client saw fail is not listed, ``validating`` for ever."""
     storage.delete(_sidecar_key(batch["id"]))
     storage.delete(index_key(batch["id"], int(batch["created_at"])))
+
+
+def update_sidecar(
+    storage: ObjectStorage, batch_id: str, change: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Apply ``change`` to the batch's sidecar as it is now; the sidecar written, or ``None`` when
+    there is none (the batch was forgotten).
+
+    A compare-and-swap (``storage.put_if_version``: ``If-Match`` on S3, a directory lock on local
+    files): several api-server processes, or requests of one, change a sidecar (the cancel request,
+    the export record, the job found for a failed run), and a plain read-modify-write let the last
+    writer drop the others' changes (a cancel lost, an export recorded and then erased, so done
+    again). On a conflict the sidecar is read again and ``change`` applied to what is there, so
+    ``change`` must decide from its argument alone; one that returns its argument unchanged writes
+    nothing. After :data:`SIDECAR_TRIES` conflicts in a row the request fails with a 503.
+    """
+    from airflow_deadline_batch.exceptions import ObjectNotFound
+    from airflow_deadline_batch.storage.base import ObjectChanged, put_if_version, read_versioned
+
+    key = _sidecar_key(batch_id)
+    for attempt in range(SIDECAR_TRIES):
+        try:
+            data, version = read_versioned(storage, key)
+        except ObjectNotFound:
+            return None
+        current = dict(orjson.loads(data))
+        changed = change(current)
+        if changed == current:
+            return current
+        try:
+            put_if_version(storage, key, _json_bytes(changed), version)
+        except ObjectChanged:
+            # jittered, growing: writers that collided do not collide again in step
+            time.sleep(random.uniform(0, min(0.02 * 2**attempt, 1.0)))
+            continue
+        return changed
+    raise HTTPException(
+        status_code=503,
+        detail=f"batch {batch_id}: its sidecar {storage.uri(key)} changed under this request"
+        f" {SIDECAR_TRIES} times in a row (as many concurrent writers); retry the request",
+    )
 
 
 def _index_once(storage: ObjectStorage) -> None:
@@ -323,7 +394,9 @@ def _store() -> ManifestStore:
 REJECTED_SCAN_LIMIT = 500
 
 
-def _job(batch: dict[str, Any], run_state: str | None) -> JobRow | None:
+def _job(batch: dict[str, Any], run: RunInfo) -> JobRow | None:
+    """The batch's job: the recorded one, else the one holding the plan's idempotency key, else (a
+    failed run) the one its plan rejected, looked for once per end of the run."""
     from airflow_deadline_batch.core.ids import submitted_key
     from airflow_deadline_batch.exceptions import JobNotFound
 
@@ -335,39 +408,65 @@ def _job(batch: dict[str, Any], run_state: str | None) -> JobRow | None:
             return None
     key = f"{batch['dag_id']}/{batch['run_id']}/{batch['plan_task_id']}"
     job = store.get_job_by_idempotency_key(key)
-    if job is None and run_state == "failed":
-        # a job rejected at admission gives its key up: found among the latest jobs, and recorded,
-        # so the batch's error is the rejection's reason rather than "DAG run ... ended failed"
-        job = next(
-            (
-                row
-                for row in store.list_jobs(limit=REJECTED_SCAN_LIMIT)
-                if row.state.value == "rejected" and submitted_key(row.idempotency_key or "") == key
-            ),
-            None,
-        )
-        if job is not None:
-            current = _read_json(_files(), _sidecar_key(batch["id"])) or batch
-            _write_json(_files(), _sidecar_key(batch["id"]), {**current, "job_id": job.job_id})
+    if job is not None or run.state != "failed":
+        return job
+    ended = run.end_date.isoformat() if run.end_date is not None else None
+    if ended is not None and batch.get("rejected_job_missed") == ended:
+        return None  # looked for when the run ended this time, and not found
+    # a job rejected at admission gives its key up: found among the latest jobs, and recorded,
+    # so the batch's error is the rejection's reason rather than "DAG run ... ended failed"
+    job = next(
+        (
+            row
+            for row in store.list_jobs(limit=REJECTED_SCAN_LIMIT)
+            if row.state.value == "rejected" and submitted_key(row.idempotency_key or "") == key
+        ),
+        None,
+    )
+    if job is not None:
+        found = job.job_id
+        update_sidecar(_files(), batch["id"], lambda now: {**now, "job_id": now.get("job_id") or found})
+    elif ended is not None:
+        # Not found: recorded with the run's end, so later reads do not scan 500 jobs again. The
+        # plan writes its rejected job before the plan task fails, so the job cannot appear later
+        # for this end of the run; a run cleared and failed again has another end and is searched
+        # again. (A run marked failed by hand while its plan still runs may have its rejection
+        # recorded afterwards: the batch then says only that the run failed.)
+        update_sidecar(_files(), batch["id"], lambda now: {**now, "rejected_job_missed": ended})
     return job
 
 
 _export_lock = threading.Lock()
 
 
+class ExportLost(Exception):
+    """The published job cannot be exported: its manifest or result objects are gone or changed."""
+
+
 def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
-    """Export a published job into the files store once; the batch sidecar as it is then."""
-    from airflow_deadline_batch.exceptions import DeadlineBatchError
+    """Export a published job into the files store once; the batch sidecar as it is then.
+
+    ``ExportLost`` when the job's outputs do not verify (deleted, changed): nothing is recorded,
+    so restoring them lets a later read export.
+    """
+    from airflow_deadline_batch.exceptions import (
+        ChecksumMismatch,
+        DeadlineBatchError,
+        ObjectNotFound,
+        VerificationError,
+    )
     from airflow_deadline_batch.service.export import export_job
 
     storage = _files()
-    with _export_lock:
+    with _export_lock:  # one export at a time in this process; another process's writes the same bytes
         current = _read_json(storage, _sidecar_key(batch["id"])) or batch
         if current.get("exported"):
             return current
         try:
             result = export_job(_store(), job.job_id, storage.uri(f"runs/{batch['id']}/export"))
-        except DeadlineBatchError as exc:  # a manifest that does not verify, storage unreachable
+        except (VerificationError, ObjectNotFound, ChecksumMismatch) as exc:
+            raise ExportLost(f"cannot export job {job.job_id}: {exc}") from exc
+        except DeadlineBatchError as exc:  # storage unreachable
             detail = f"cannot export job {job.job_id} of batch {batch['id']}: {exc}"
             raise HTTPException(status_code=500, detail=detail) from exc
         created = _ts(_now())
@@ -391,15 +490,18 @@ def _export_once(batch: dict[str, Any], job: JobRow) -> dict[str, Any]:
                 },
             )
             file_ids[kind] = file_id if exported.lines else None
-        current = {
-            **current,
+        record = {
             "job_id": job.job_id,
             "exported": {"outcomes": dict(result.outcomes), "at": created},
             "output_file_id": file_ids.get("output"),
             "error_file_id": file_ids.get("errors"),
         }
-        _write_json(storage, _sidecar_key(batch["id"]), current)
-        return current
+        # what else changed meanwhile (a cancel request) is kept; an export recorded meanwhile
+        # (another process's, of the same bytes) stays as it is
+        written = update_sidecar(
+            storage, batch["id"], lambda now: now if now.get("exported") else {**now, **record}
+        )
+        return written if written is not None else {**current, **record}
 
 
 def _cancel_job(job_id: str) -> None:
@@ -448,17 +550,21 @@ def _failure(job: JobRow | None) -> str | None:
 def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
     """Refresh the batch from its run and job (export, deferred cancel) and shape it as OpenAI does."""
     run = _dag_run(batch["dag_id"], batch["run_id"])
-    job = _job(batch, run.state)
+    job = _job(batch, run)
     if job is not None and batch.get("cancel_requested_at") and job.state.value in UNFINISHED_JOB_STATES:
         _cancel_job(job.job_id)  # asked before the job existed, or a cancel cut short
         job = _store().get_job(job.job_id)
+    lost = None
     if (
         job is not None
         and job.manifest_uri
         and job.state.value in PUBLISHED_JOB_STATES
         and not batch.get("exported")
     ):
-        batch = _export_once(batch, job)
+        try:
+            batch = _export_once(batch, job)
+        except ExportLost as exc:  # its results are gone: the batch failed (a 500 on every read hid it)
+            lost = str(exc)
     outcomes = (batch.get("exported") or {}).get("outcomes") or {}
     status = batch_status(
         run.state,
@@ -467,10 +573,12 @@ def _batch_object(batch: dict[str, Any]) -> dict[str, Any]:
         cancel_requested=bool(batch.get("cancel_requested_at")),
         expired_records=int(outcomes.get("expired", 0)),
     )
+    if lost:
+        status = "failed"
     done_at = (batch.get("exported") or {}).get("at")
     errors = None
     if status == "failed":
-        message = _failure(job) or f"DAG run {batch['run_id']} ended {run.state}"
+        message = lost or _failure(job) or f"DAG run {batch['run_id']} ended {run.state}"
         errors = {
             "object": "list",
             "data": [{"code": "batch_failed", "message": message, "line": None, "param": None}],
@@ -559,11 +667,17 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
     if not match:
         raise Refused(
             400,
-            f"completion_window must look like '24h' or '90m', got {completion_window!r}",
+            f"completion_window must look like '24h' or '90m', got {_shown(completion_window)}",
             param="completion_window",
         )
-    amount, unit = int(match[1]), match[2]
     given = metadata.get("deadline")
+    if len(match[1]) > WINDOW_DIGITS and not given:
+        raise Refused(
+            400,
+            f"completion_window {_shown(completion_window)} is past the year 9999: give a nearer one",
+            param="completion_window",
+        )
+    amount, unit = int(match[1][:WINDOW_DIGITS]), match[2]  # the window is unused when a deadline is given
     try:
         at = parse_deadline(str(given or f"+{amount}{unit}"), now=_now())
     except ValueError as exc:
@@ -572,7 +686,7 @@ def _deadline(completion_window: str, metadata: dict[str, Any]) -> tuple[str, in
         param = "metadata.deadline" if given else "completion_window"
         raise Refused(
             400,
-            f"{param} {given or completion_window!r} is past the year 9999: give a nearer one",
+            f"{param} {_shown(given or completion_window)} is past the year 9999: give a nearer one",
             param=param,
         ) from None
     if at <= _now():  # the plan would reject it, and the batch would read only "DAG run ... ended failed"
@@ -632,18 +746,24 @@ def _trigger(request: Request, dag_id: str, run_id: str, conf: dict[str, Any]) -
 
 # -- errors -------------------------------------------------------------------------------------------
 class Refused(HTTPException):
-    """An HTTP error that names the request field at fault (OpenAI's ``error.param``)."""
+    """An HTTP error that names the request field at fault (OpenAI's ``error.param``) or its kind
+    (``error.code``, such as ``file_not_found``)."""
 
-    def __init__(self, status_code: int, detail: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status_code: int, detail: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(status_code=status_code, detail=detail)
         self.param = param
+        self.code = code
 
 
-def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error body: the SDK's exceptions carry ``message`` (in their text), ``type``,
     ``param`` and ``code``; FastAPI's ``{"detail": ...}`` left them with only the status code."""
     kind = "server_error" if status_code >= 500 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _invalid_request(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -670,7 +790,9 @@ class OpenAIErrorRoute(APIRoute):
                 response: Response = await handler(request)
                 return response
             except StarletteHTTPException as exc:  # FastAPI's, and Starlette's for a body it cannot parse
-                body = error_body(exc.status_code, str(exc.detail), getattr(exc, "param", None))
+                body = error_body(
+                    exc.status_code, str(exc.detail), getattr(exc, "param", None), getattr(exc, "code", None)
+                )
                 return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
             except RequestValidationError as exc:
                 message, param = _invalid_request(exc)
@@ -759,7 +881,9 @@ def create_router() -> APIRouter:
         endpoint = body.get("endpoint")
         if endpoint not in ENDPOINTS:
             raise Refused(
-                400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
+                400,
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {_shown(endpoint)}",
+                param="endpoint",
             )
         metadata = _metadata(body.get("metadata"))
         window = str(body.get("completion_window") or "")
@@ -838,12 +962,17 @@ def create_router() -> APIRouter:
             # an ended batch keeps its status (a failed one read ``cancelled`` once asked); a second
             # cancel changes nothing
             return current
-        batch = {
-            **(_read_json(_files(), _sidecar_key(batch_id)) or batch),
-            "cancel_requested_at": _ts(_now()),
-        }
-        _write_json(_files(), _sidecar_key(batch_id), batch)
-        return _batch_object(batch)  # cancels the job when it exists (else on a later read)
+        asked_at = _ts(_now())
+
+        def ask(now: dict[str, Any]) -> dict[str, Any]:
+            if now.get("cancel_requested_at") or now.get("exported"):
+                return now  # asked meanwhile, or published and exported first: the cancel lost
+            return {**now, "cancel_requested_at": asked_at}
+
+        changed = update_sidecar(_files(), batch_id, ask)
+        if changed is None:  # forgotten meanwhile: its run was never created
+            raise HTTPException(status_code=404, detail=f"no such batch: {batch_id}")
+        return _batch_object(changed)  # cancels the job when it exists (else on a later read)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     def not_served(path: str, request: Request, user: BaseUser = user_dep) -> None:

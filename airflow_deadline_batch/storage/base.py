@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from airflow_deadline_batch.exceptions import ChecksumMismatch, ConfigurationError
+from airflow_deadline_batch.exceptions import ChecksumMismatch, ConfigurationError, StorageError
 
 #: read size for streaming checksums and copies: large enough to amortise syscalls and HTTP chunks
 CHUNK_SIZE = 1 << 20
@@ -94,6 +94,40 @@ def put_stream(storage: ObjectStorage, key: str, stream: BinaryIO) -> str:
     if put is not None:
         return str(put(key, stream))
     return storage.put_bytes(key, stream.read())
+
+
+class ObjectChanged(StorageError):
+    """A conditional write lost the race: the object changed, appeared or went since it was read."""
+
+
+def read_versioned(storage: ObjectStorage, key: str) -> tuple[bytes, str]:
+    """The object's bytes and a version token for :func:`put_if_version`; ``ObjectNotFound`` if missing.
+
+    The token names the bytes read (local files: their SHA-256; S3: the ETag of the response that
+    carried them), so it cannot be a newer version's.
+    """
+    data, version = _conditional(storage, "get_versioned")(key)
+    return bytes(data), str(version)
+
+
+def put_if_version(storage: ObjectStorage, key: str, data: bytes, version: str | None) -> str:
+    """Write ``data`` to ``key`` only if the object is still the one :func:`read_versioned` read as
+    ``version`` (``None``: only if there is none); return its URI, else raise ``ObjectChanged``.
+
+    A compare-and-swap between writers that all use it: of several read-modify-writes of one
+    object, one lands and the others fail, to read again and retry. A plain ``put_bytes`` is not
+    fenced out by it.
+    """
+    return str(_conditional(storage, "put_bytes_if")(key, data, version))
+
+
+def _conditional(storage: ObjectStorage, method: str) -> Any:
+    found = getattr(storage, method, None)
+    if found is None:
+        raise ConfigurationError(
+            f"{storage!r} has no conditional writes ({method}): use local files or S3 for this store"
+        )
+    return found
 
 
 def validate_key(key: str, *, base_uri: str = "") -> str:

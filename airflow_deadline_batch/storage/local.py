@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import shutil
@@ -14,7 +15,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, ObjectNotFound, StorageError
-from airflow_deadline_batch.storage.base import CHUNK_SIZE, validate_key, validate_prefix, validate_range
+from airflow_deadline_batch.storage.base import (
+    CHUNK_SIZE,
+    ObjectChanged,
+    sha256_hex,
+    validate_key,
+    validate_prefix,
+    validate_range,
+)
 
 #: suffix of the temporary files that writes stage their bytes in; listings skip them
 TEMP_SUFFIX = ".adb-tmp"
@@ -72,6 +80,47 @@ class LocalStorage:
             ) from exc
         except OSError as exc:
             raise _storage_error(exc, "create", path) from exc
+        finally:
+            _unlink_quietly(temp)
+        _fsync_dir(path.parent)
+        return str(path)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and their SHA-256, the version :meth:`put_bytes_if` compares."""
+        data = self.get_bytes(key)
+        return data, sha256_hex(data)
+
+    def put_bytes_if(self, key: str, data: bytes, version: str | None) -> str:
+        """Replace the object with ``data`` only if its bytes still hash to ``version`` (``None``:
+        only if there is none), else raise ``ObjectChanged``.
+
+        The compare and the rename happen under an exclusive ``flock`` on the object's directory,
+        which every ``put_bytes_if`` there takes (across threads and processes: each call opens its
+        own descriptor), so two read-modify-writes cannot both land. The bytes are staged first, so
+        the lock is held for one small read and a rename.
+        """
+        path = self._path(key)
+        temp = self._write_temp(path, data)
+        try:
+            with _locked(path.parent):
+                try:
+                    current: str | None = sha256_hex(self.get_bytes(key))
+                except ObjectNotFound:
+                    current = None
+                if current != version:
+                    if current is None:
+                        state = "is missing"
+                    elif version is None:
+                        state = "exists"
+                    else:
+                        state = "was replaced"
+                    raise ObjectChanged(
+                        f"{path} {state} since it was read; read it again and retry the change",
+                        uri=str(path),
+                    )
+                os.replace(temp, path)
+        except OSError as exc:
+            raise _storage_error(exc, "write", path) from exc
         finally:
             _unlink_quietly(temp)
         _fsync_dir(path.parent)
@@ -203,6 +252,17 @@ class LocalStorage:
             _unlink_quietly(temp)
             raise
         return temp
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``directory`` for the block (released by the kernel if the process dies)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -20,7 +20,13 @@ from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, ObjectNotFound, StorageError
-from airflow_deadline_batch.storage.base import CHUNK_SIZE, validate_key, validate_prefix, validate_range
+from airflow_deadline_batch.storage.base import (
+    CHUNK_SIZE,
+    ObjectChanged,
+    validate_key,
+    validate_prefix,
+    validate_range,
+)
 
 #: S3's largest page of a listing
 MAX_PAGE_SIZE = 1000
@@ -180,6 +186,49 @@ class S3Storage:
             ) from exc
         except botocore.exceptions.BotoCoreError as exc:
             raise _translate(exc, "create", uri, self.bucket) from exc
+        return uri
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and the ETag that came with them, the version :meth:`put_bytes_if` compares."""
+        uri = self.uri(key)
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=self._object_key(key))
+            with response["Body"] as body:
+                return bytes(body.read()), str(response["ETag"])
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            raise _translate(exc, "read", uri, self.bucket) from exc
+
+    def put_bytes_if(self, key: str, data: bytes, version: str | None) -> str:
+        """Replace the object with ``data`` only if its ETag is still ``version`` (``If-Match``;
+        ``None``: only if there is none, ``If-None-Match: *``), else raise ``ObjectChanged``.
+
+        S3 checks the condition and writes in one step. A 409 (another conditional write to the key
+        in flight) and a 404 (the object was deleted) are conflicts too. An S3 API that ignores
+        ``If-Match`` gives no protection: check yours supports conditional writes.
+        """
+        if version is None:
+            try:
+                return self.create_bytes(key, data)
+            except ObjectExists as exc:
+                raise ObjectChanged(str(exc), uri=self.uri(key)) from exc
+        uri = self.uri(key)
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self._object_key(key), Body=data, IfMatch=version)
+        except botocore.exceptions.ClientError as exc:
+            lost = _is_precondition_failed(exc) or _is_conditional_conflict(exc)
+            if not lost and _error_code(exc) not in _NOT_FOUND_CODES:
+                raise _translate(exc, "write", uri, self.bucket) from exc
+            # botocore retries a put whose response was lost; if that first try landed, the 412 is
+            # our own write
+            if _is_precondition_failed(exc) and _retry_attempts(exc) > 0 and self._same_bytes(key, data):
+                return uri
+            raise ObjectChanged(
+                f"{uri} changed since it was read (no longer ETag {version}); read it again and retry"
+                " the change",
+                uri=uri,
+            ) from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise _translate(exc, "write", uri, self.bucket) from exc
         return uri
 
     def get_bytes(self, key: str) -> bytes:

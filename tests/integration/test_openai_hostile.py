@@ -9,6 +9,7 @@ that records what it was sent (the run itself is not started: jobs are run by th
 
 from __future__ import annotations
 
+import datetime as dt
 import socket
 import threading
 from collections.abc import Iterator
@@ -515,3 +516,101 @@ def test_what_is_not_served_is_an_openai_404(door: FrontDoor) -> None:
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.embeddings.create(model="m", input="x")
     assert client.files.retrieve(uploaded.id).id == uploaded.id  # nothing was deleted
+
+
+def end_run(dag_id: str, run_id: str, at: dt.datetime) -> None:
+    """Mark the DAG run failed, ended at ``at`` (as when it is cleared and fails again)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    set_run_state(dag_id, run_id, "failed")
+    with create_session() as session:
+        session.query(DagRun).filter_by(dag_id=dag_id, run_id=run_id).update({"end_date": at})
+
+
+def test_a_failed_run_without_a_job_is_searched_for_once_per_end_of_the_run(
+    door: FrontDoor, tmp_path: Path
+) -> None:
+    from airflow_deadline_batch.exceptions import AdmissionRejected
+
+    client = door.client()
+    batch = create_batch(client, bytes(range(256)) * 4 + b"\n" + requests_file(1))  # half the lines junk
+    ended = dt.datetime.now(dt.timezone.utc)
+    end_run("example_deadline_batch_local", batch.id, ended)  # failed before its plan ran
+    first = client.batches.retrieve(batch.id)
+    assert (first.status, first.job_id) == ("failed", None)
+    assert first.errors is not None and "ended failed" in (first.errors.data[0].message or "")
+
+    # a rejected job that appears after the search is not looked for again: later reads of the
+    # same end of the run do not scan the latest 500 jobs (before: every read did, and found it)
+    with pytest.raises(AdmissionRejected):
+        run_batch(door, batch.id, tmp_path)
+    assert [client.batches.retrieve(batch.id).job_id for _ in range(2)] == [None, None]
+    sidecar = orjson.loads((door.files / "batches" / f"{batch.id}.json").read_bytes())
+    assert sidecar["rejected_job_missed"] == ended.isoformat()  # the miss, with the run's end
+
+    # the run cleared and failed again: another end, searched again, and the rejection found
+    end_run("example_deadline_batch_local", batch.id, ended + dt.timedelta(minutes=5))
+    got = client.batches.retrieve(batch.id)
+    assert got.status == "failed" and got.job_id is not None
+    assert got.errors is not None and "5 of 6 lines are invalid" in (got.errors.data[0].message or "")
+    assert orjson.loads((door.files / "batches" / f"{batch.id}.json").read_bytes())["job_id"] == got.job_id
+
+
+def test_deleted_objects_are_openai_404s_naming_the_file_and_the_batch_still_reads(
+    door: FrontDoor, tmp_path: Path
+) -> None:
+    client = door.client()
+    batch = create_batch(client, requests_file(2))
+    run_batch(door, batch.id, tmp_path)
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.output_file_id is not None
+    (door.files / "runs" / batch.id / "export" / "output.jsonl").unlink()
+    response = httpx.get(f"{door.url}/openai/v1/files/{done.output_file_id}/content")
+    assert response.status_code == 404  # before: a 500 naming ObjectNotFound
+    error = openai_error(response)
+    assert (error["code"], error["type"]) == ("file_not_found", "invalid_request_error")
+    assert f"file {done.output_file_id} has no content any more" in error["message"]
+    with pytest.raises(openai.NotFoundError, match=done.output_file_id):
+        client.files.content(done.output_file_id)
+    assert client.files.retrieve(done.output_file_id).bytes > 0  # its record is still there
+    again = client.batches.retrieve(batch.id)
+    assert (again.status, again.output_file_id) == ("completed", done.output_file_id)
+    # an upload whose object went: the same
+    (door.files / "files" / batch.input_file_id / "content").unlink()
+    with pytest.raises(openai.NotFoundError, match=f"file {batch.input_file_id} has no content"):
+        client.files.content(batch.input_file_id)
+
+    # the job's results deleted before the batch was first read: it cannot be exported, and the
+    # read says so as a failed batch naming the cause (before: a 500 on every read)
+    lost = create_batch(client, requests_file(2))
+    run_batch(door, lost.id, tmp_path)
+    for result in (door.files / "runs" / lost.id / "output").rglob("*.jsonl"):
+        result.unlink()
+    got = client.batches.retrieve(lost.id)
+    assert got.status == "failed" and got.errors is not None
+    assert "cannot export" in (got.errors.data[0].message or ""), got.errors
+    assert got.output_file_id is None
+    assert client.batches.list().data[0].status == "failed"  # the listing does not 500 either
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "status", "message"),
+    [
+        ("input_file_id", "x" * (5 << 20), 404, "no such file: 'xxx"),
+        ("endpoint", "x" * (5 << 20), 400, "endpoint must be one of"),
+        ("completion_window", "x" * (5 << 20), 400, "completion_window must look like"),
+        # a number Python refuses to parse (over 4,300 digits): before, a 500 naming a ValueError
+        ("completion_window", "1" + "0" * 5000 + "h", 400, "is past the year 9999"),
+    ],
+)
+def test_a_huge_field_is_refused_without_being_sent_back_whole(
+    door: FrontDoor, field: str, value: str, status: int, message: str
+) -> None:
+    body = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    response = httpx.post(f"{door.url}/openai/v1/batches", json={**body, field: value}, timeout=60)
+    assert response.status_code == status, response.text[:300]
+    error = openai_error(response)
+    assert message in error["message"] and f"({len(value) + 2} characters)" in error["message"]
+    assert len(response.content) < 1000  # before: the 5 MB value came back in the message
+    assert door.triggered == []
