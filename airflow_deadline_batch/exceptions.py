@@ -86,6 +86,10 @@ class ObjectExists(StorageError):
     """The object already exists; a conditional create lost the race."""
 
 
+class ObjectChanged(StorageError):
+    """A conditional write lost the race: the object changed, appeared or went since it was read."""
+
+
 class ObjectNotFound(StorageError):
     """The object does not exist; check the URI."""
 

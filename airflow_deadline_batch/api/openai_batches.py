@@ -270,8 +270,8 @@ def update_sidecar(
     ``change`` must decide from its argument alone; one that returns its argument unchanged writes
     nothing. After :data:`SIDECAR_TRIES` conflicts in a row the request fails with a 503.
     """
-    from airflow_deadline_batch.exceptions import ObjectNotFound
-    from airflow_deadline_batch.storage.base import ObjectChanged, put_if_version, read_versioned
+    from airflow_deadline_batch.exceptions import ObjectChanged, ObjectNotFound
+    from airflow_deadline_batch.storage.base import put_if_version, read_versioned
 
     key = _sidecar_key(batch_id)
     for attempt in range(SIDECAR_TRIES):

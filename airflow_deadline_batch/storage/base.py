@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from airflow_deadline_batch.exceptions import ChecksumMismatch, ConfigurationError, StorageError
+from airflow_deadline_batch.exceptions import ChecksumMismatch, ConfigurationError
 
 #: read size for streaming checksums and copies: large enough to amortise syscalls and HTTP chunks
 CHUNK_SIZE = 1 << 20
@@ -94,10 +94,6 @@ def put_stream(storage: ObjectStorage, key: str, stream: BinaryIO) -> str:
     if put is not None:
         return str(put(key, stream))
     return storage.put_bytes(key, stream.read())
-
-
-class ObjectChanged(StorageError):
-    """A conditional write lost the race: the object changed, appeared or went since it was read."""
 
 
 def read_versioned(storage: ObjectStorage, key: str) -> tuple[bytes, str]:

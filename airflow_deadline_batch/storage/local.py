@@ -14,10 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, ObjectNotFound, StorageError
+from airflow_deadline_batch.exceptions import (
+    ConfigurationError,
+    ObjectChanged,
+    ObjectExists,
+    ObjectNotFound,
+    StorageError,
+)
 from airflow_deadline_batch.storage.base import (
     CHUNK_SIZE,
-    ObjectChanged,
     sha256_hex,
     validate_key,
     validate_prefix,

@@ -19,10 +19,15 @@ import urllib3.exceptions
 from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from airflow_deadline_batch.exceptions import ConfigurationError, ObjectExists, ObjectNotFound, StorageError
+from airflow_deadline_batch.exceptions import (
+    ConfigurationError,
+    ObjectChanged,
+    ObjectExists,
+    ObjectNotFound,
+    StorageError,
+)
 from airflow_deadline_batch.storage.base import (
     CHUNK_SIZE,
-    ObjectChanged,
     validate_key,
     validate_prefix,
     validate_range,

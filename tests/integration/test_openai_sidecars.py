@@ -28,9 +28,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from airflow_deadline_batch.api import openai_batches
+from airflow_deadline_batch.exceptions import ObjectChanged
 from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.storage import open_storage
-from airflow_deadline_batch.storage.base import ObjectChanged, ObjectStorage, put_if_version, read_versioned
+from airflow_deadline_batch.storage.base import ObjectStorage, put_if_version, read_versioned
 
 REPO = Path(__file__).resolve().parents[2]
 
