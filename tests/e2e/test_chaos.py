@@ -44,11 +44,13 @@ class Scenario:
     """How one seed stresses the run; derived from the seed so a failure replays exactly.
 
     Even seeds: workers also SIGKILL themselves between writing an object and committing it,
-    under moderate preemptions with a notice of 0 or 0.15 s. Odd seeds: the injector alone, at a
-    mean of 2 s of claimed work between preemptions and no notice, so its SIGKILL lands about
-    20 ms (one poll) after the SIGTERM; records take 20 ms each, so most kills land in the middle
-    of a microbatch. None lands during a worker's start-up, however slow the machine: the
-    injector counts a worker's exposure from its claim (``PreemptionInjector``).
+    under moderate preemptions (a mean of 1.5 s of claimed work between them) with a notice of 0
+    or 0.15 s. Odd seeds: the injector alone, at a mean of 1 s of claimed work between
+    preemptions and no notice, so its SIGKILL lands about 20 ms (one poll) after the SIGTERM;
+    records take 20 ms each, so most kills land in the middle of a microbatch. None lands during
+    a worker's start-up, however slow the machine: the injector counts a worker's exposure from
+    its claim (``PreemptionInjector``), so the rates are per hour of work, higher than when the
+    start-up counted (1200 and 1800 an hour then, most of whose kills hit workers still starting).
     """
 
     seed: int
@@ -67,7 +69,7 @@ class Scenario:
             lines=(80 + 20 * (seed % 4)) if hook else (60 + 10 * (seed % 4)),
             kill_after_write_prob=0.15 if hook else 0.0,
             notice_s=(0.15 if seed % 3 == 0 else 0.0) if hook else 0.0,
-            preempt_rate_per_hour=1200.0 if hook else 1800.0,
+            preempt_rate_per_hour=2400.0 if hook else 3600.0,
             echo_delay_s=0.004 if hook else 0.02,
             postgres=seed % 5 == 4,
         )
