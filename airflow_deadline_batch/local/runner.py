@@ -3,8 +3,9 @@
 Workers are real subprocesses running the same program as the Kubernetes pods. Each launch is
 placed by the shard operator's own decision (``operators.placement.decide_for_try`` over the
 job's ``core.job_view.JobView``), so the same store state places a shard the same way; workers on
-the Spot-like pool are preempted at a seeded Poisson rate the way a cloud does it — SIGTERM as the
-notice, SIGKILL when the notice runs out — and retried until the deadline.
+the Spot-like pool are preempted at a seeded Poisson rate per hour of work on their claimed shard
+(``PreemptionInjector``) the way a cloud does it — SIGTERM as the notice, SIGKILL when the notice
+runs out — and retried until the deadline.
 
 Failed tries follow docs/design.md §6.6, classified once (``core.failures``): the worker says how
 its try failed in a termination message (a kill the runner did not send is a crash); preempted
@@ -126,7 +127,8 @@ class RunOptions:
 class _Running:
     proc: WorkerProcess
     pool: PoolKind
-    preempt_at: float
+    #: seconds the worker works on its claimed shard before the injector preempts it (inf: never)
+    exposure_s: float
     #: where this try's worker writes its termination message
     message_path: str = ""
     term_sent_at: float | None = None
@@ -136,6 +138,10 @@ class _Running:
     dispatched: bool = False
     #: its GPU of the tenant's quota (``ManifestStore.reserve_launch``), given back when it ends
     reservation: str | None = None
+    #: the shard's epoch when the worker was launched: a higher one means it claimed the shard
+    launch_epoch: int = 0
+    #: when the injector preempts it: ``exposure_s`` after its claim was seen (inf until then)
+    preempt_at: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -171,16 +177,28 @@ class RunSummary:
 
 
 class PreemptionInjector:
-    """Seeded Poisson preemptions per Spot worker: exponential times between interruptions."""
+    """Seeded Poisson preemptions per Spot worker-hour of claimed work: exponential exposures.
+
+    A Spot node's preemption does not care whether its worker has claimed anything yet; this
+    injector does, on purpose. It exists to hit tries in the middle of their work (between a
+    write and its commit, mid-microbatch), so a worker's exposure starts when it has claimed its
+    shard, not when it was launched. Counted from the launch, a worker slow to start (its imports
+    on a loaded machine) would be preempted before its claim again and again, and the run's
+    progress would hang on the machine's speed: on a slow enough one it would never come.
+    """
 
     def __init__(self, rate_per_hour: float, seed: int) -> None:
         self.rate_per_s = rate_per_hour / 3600.0
         self.rng = random.Random(seed)
 
-    def next_preemption(self, now: float, pool: PoolKind) -> float:
+    def exposure_s(self, pool: PoolKind) -> float:
+        """The next launch's seconds of claimed work before its preemption (inf: not preempted).
+
+        Drawn at the launch, in launch order, so a seed replays the same draws whatever the
+        machine's speed."""
         if pool is not PoolKind.SPOT or self.rate_per_s <= 0:
             return math.inf
-        return now + self.rng.expovariate(self.rate_per_s)
+        return self.rng.expovariate(self.rate_per_s)
 
 
 def run_job(
@@ -380,15 +398,23 @@ class LocalRun:
         )
         if reservation is None:
             return False
+        exposure_s = math.inf if race else self.injector.exposure_s(pool.kind)
+        # read before the start: the worker's claim bumps the epoch past it
+        epoch = self.store.get_shard(self.job_id, index).epoch if exposure_s < math.inf else 0
         try:
             proc, message_path = self._start_worker(index, pool, stderr, race=race)
         except BaseException:
             with contextlib.suppress(Exception):  # it expires after the TTL otherwise
                 self.raw_store.release_launches(self.run_id, reservation)
             raise
-        preempt_at = math.inf if race else self.injector.next_preemption(now, pool.kind)
         into[index] = _Running(
-            proc, pool.kind, preempt_at, message_path, dispatched=dispatched, reservation=reservation
+            proc,
+            pool.kind,
+            exposure_s,
+            message_path,
+            dispatched=dispatched,
+            reservation=reservation,
+            launch_epoch=epoch,
         )
         # the name the worker gives its attempts (worker.default_worker_name): its claim is the
         # attempt of that name, and from then on its lease counts instead of the reservation
@@ -602,8 +628,16 @@ class LocalRun:
                 log.warning("shard %05d: its racer exited %d; the running try goes on", index, code)
 
     def inject_preemptions(self, now: float) -> None:
-        """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out."""
-        for item in self.running.values():
+        """SIGTERM a Spot worker whose preemption time came; SIGKILL it once the notice ran out.
+
+        A worker's preemption time is set once its claim is seen (``PreemptionInjector``)."""
+        for index, item in self.running.items():
+            if (
+                item.preempt_at == math.inf
+                and item.exposure_s < math.inf
+                and self.store.get_shard(self.job_id, index).epoch > item.launch_epoch
+            ):
+                item.preempt_at = now + item.exposure_s
             if item.term_sent_at is None and now >= item.preempt_at:
                 item.signalled = True
                 item.proc.signal(signal.SIGTERM)

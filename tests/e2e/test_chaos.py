@@ -11,17 +11,19 @@ assertions are the invariants, never a count of kills. One run in five uses Post
 from __future__ import annotations
 
 import datetime as dt
+import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.core.pools import PoolKind, default_local_pools
 from airflow_deadline_batch.core.states import AttemptOutcome
-from airflow_deadline_batch.local.runner import RunOptions, run_job
+from airflow_deadline_batch.local.runner import PreemptionInjector, RunOptions, run_job
 from airflow_deadline_batch.service.planning import PlanRequest
-from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.store import ManifestStore, Progress
 from tests.helpers.inputs import mixed_input
 from tests.helpers.outcomes import (
     assert_outcomes_match,
@@ -42,10 +44,13 @@ class Scenario:
     """How one seed stresses the run; derived from the seed so a failure replays exactly.
 
     Even seeds: workers also SIGKILL themselves between writing an object and committing it,
-    under moderate preemptions with a notice of 0 or 0.15 s. Odd seeds: the injector alone, at a
-    mean of 2 s between preemptions and no notice, so its SIGKILL lands about 20 ms (one poll)
-    after the SIGTERM; records take 20 ms each, so a shard works for longer than a worker takes
-    to start and most kills land in the middle of a microbatch, not during start-up.
+    under moderate preemptions (a mean of 1.5 s of claimed work between them) with a notice of 0
+    or 0.15 s. Odd seeds: the injector alone, at a mean of 1 s of claimed work between
+    preemptions and no notice, so its SIGKILL lands about 20 ms (one poll) after the SIGTERM;
+    records take 20 ms each, so most kills land in the middle of a microbatch. None lands during
+    a worker's start-up, however slow the machine: the injector counts a worker's exposure from
+    its claim (``PreemptionInjector``), so the rates are per hour of work, higher than when the
+    start-up counted (1200 and 1800 an hour then, most of whose kills hit workers still starting).
     """
 
     seed: int
@@ -64,7 +69,7 @@ class Scenario:
             lines=(80 + 20 * (seed % 4)) if hook else (60 + 10 * (seed % 4)),
             kill_after_write_prob=0.15 if hook else 0.0,
             notice_s=(0.15 if seed % 3 == 0 else 0.0) if hook else 0.0,
-            preempt_rate_per_hour=1200.0 if hook else 1800.0,
+            preempt_rate_per_hour=2400.0 if hook else 3600.0,
             echo_delay_s=0.004 if hook else 0.02,
             postgres=seed % 5 == 4,
         )
@@ -174,3 +179,81 @@ def test_invariant_checks_catch_a_stray_object_and_a_tampered_commit(tmp_path: P
             read_outcomes(manifest)
     finally:
         store.close()
+
+
+#: a worker's Python start held back this long (a loaded machine's imports), far past the exposures
+SLOW_START_S = 1.5
+#: the injector's rate for the slow-start test: a mean of 2 s of claimed work between preemptions
+SLOW_START_RATE = 1800.0
+
+#: installed on the workers' PYTHONPATH: each worker waits for the gate file before its imports go on
+_GATE_SITECUSTOMIZE = """\
+import os, time
+
+_gate = os.environ.get("ADB_TEST_START_GATE")
+if _gate:
+    _deadline = time.monotonic() + 60.0
+    while not os.path.exists(_gate) and time.monotonic() < _deadline:
+        time.sleep(0.01)  # the polling interval of a wait with a deadline
+"""
+
+
+def _slow_start_seed(rate_per_hour: float) -> int:
+    """A seed whose first two Spot launches are preempted within 0.3 s of their claim (mid-shard:
+    a shard's records take 0.6 s) and whose next two run for 5 s (their shards' rest, then done)."""
+    for seed in range(100_000):
+        injector = PreemptionInjector(rate_per_hour, seed)
+        exposures = [injector.exposure_s(PoolKind.SPOT) for _ in range(4)]
+        if max(exposures[:2]) < 0.3 and min(exposures[2:]) > 5.0:
+            return seed
+    raise AssertionError("no seed preempts the first launches early and spares the next ones")
+
+
+def test_a_slow_starting_worker_is_preempted_only_after_its_claim(tmp_path: Path) -> None:
+    """The injector's exposure starts at a worker's claim, not at its launch: the first workers
+    start slower than their drawn exposures, and each launch still claims its shard before any
+    preemption, which then lands in its work. Counted from the launch, both were preempted before
+    claiming (a launch without an attempt), as a loaded machine's slow starts were again and again."""
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
+    (gate_dir / "sitecustomize.py").write_text(_GATE_SITECUSTOMIZE)
+    gate = tmp_path / "gate-open"
+    mixed = mixed_input(60, seed=7, bad_fraction=0.0, blank_fraction=0.0)
+    store = ManifestStore.open(f"sqlite:///{tmp_path / 'store.db'}", migrate=True)
+    first_poll: list[float] = []
+
+    def open_gate_after_a_slow_start(_: Progress) -> None:
+        if not first_poll:
+            first_poll.append(time.monotonic())
+        elif time.monotonic() - first_poll[0] >= SLOW_START_S:
+            gate.touch()
+
+    options = RunOptions(
+        workers=2,
+        preempt_rate_per_worker_hour=SLOW_START_RATE,
+        preempt_notice_s=0.0,
+        seed=_slow_start_seed(SLOW_START_RATE),
+        lease_ttl_s=10.0,
+        poll_interval_s=0.02,
+        worker_env={
+            # 20 ms a record: each shard works for about 0.6 s after its claim, past its exposure
+            "ADB_ECHO_DELAY_S": "0.02",
+            "ADB_TEST_START_GATE": str(gate),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(gate_dir), os.environ.get("PYTHONPATH")])),
+        },
+        worker_log=str(tmp_path / "worker.log"),
+    )
+    try:
+        summary = run_job(
+            store,
+            _plan(mixed.write(tmp_path / "input.jsonl"), tmp_path / "out"),
+            options,
+            on_progress=open_gate_after_a_slow_start,
+        )
+        assert summary.state == "completed", (summary, (tmp_path / "worker.log").read_text()[-3000:])
+        attempts = store.list_attempts(summary.job_id)
+    finally:
+        store.close()
+    assert summary.preemptions >= 1, summary
+    # every launch claimed its shard: no preemption landed before a claim
+    assert sum(summary.placements.values()) == len(attempts), (summary, attempts)

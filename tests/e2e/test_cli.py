@@ -43,14 +43,15 @@ SUMMARY_KEYS = {"job_id", "state", "manifest", "records", "attempts", "preemptio
 
 
 def early_preemption_seed(rate_per_hour: float, within_s: float, launches: int = 4) -> int:
-    """A seed whose injector preempts one of the first ``launches`` workers within ``within_s``.
+    """A seed whose injector preempts one of the first ``launches`` workers within ``within_s``
+    of its claim.
 
-    No worker can start (import, claim, read its range) and finish a shard that fast, so a run
-    with this seed has at least one preemption whatever the machine's speed.
+    No worker can read its range and finish a shard that fast after claiming it, so a run with
+    this seed has at least one preemption whatever the machine's speed.
     """
     for seed in range(10_000):
         injector = PreemptionInjector(rate_per_hour, seed)
-        if min(injector.next_preemption(0.0, PoolKind.SPOT) for _ in range(launches)) < within_s:
+        if min(injector.exposure_s(PoolKind.SPOT) for _ in range(launches)) < within_s:
             return seed
     raise AssertionError("no seed preempts early enough; raise the rate")
 
@@ -66,7 +67,7 @@ class Backend:
     #: input size: every S3 call and PostgreSQL commit is a network round trip, so that run is smaller
     lines: int
     microbatch_size: int
-    #: Spot preemptions per worker-hour: a worker using S3 and PostgreSQL takes longer to start
+    #: Spot preemptions per worker-hour of claimed work: S3 and PostgreSQL make each commit slower
     preempt_rate: float
 
 

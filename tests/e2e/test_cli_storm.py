@@ -19,20 +19,23 @@ from tests.e2e.conftest import run_cli
 
 #: each record takes this long to generate; one record per microbatch
 DELAY_S = 4.0
-#: Spot preemptions per worker-hour: a mean of 1.5 s, so most Spot workers claim their shard first
+#: Spot preemptions per worker-hour of claimed work: a mean of 1.5 s after a Spot worker's claim
 RATE = 2400.0
 NOTICE_S = 0.2
 #: Spot launches whose preemption time the seed is checked for (far more than a storm takes)
 CHECKED_LAUNCHES = 60
+#: what the runner adds between a claim and its kill: a poll to see the claim, one to send the
+#: SIGTERM and one to send the SIGKILL after the notice (0.1 s each), on a loaded machine
+KILL_LAG_S = 1.0
 
 
 def storm_seed() -> int:
     """A seed whose first Spot launches are all preempted (SIGKILL included) before one record's
-    generation could end, whatever the machine's speed: no Spot try can commit anything."""
+    generation, which starts after the claim, could end: no Spot try can commit anything."""
     for seed in range(100_000):
         injector = PreemptionInjector(RATE, seed)
         if all(
-            injector.next_preemption(0.0, PoolKind.SPOT) + NOTICE_S < DELAY_S - 0.3
+            injector.exposure_s(PoolKind.SPOT) + NOTICE_S < DELAY_S - KILL_LAG_S
             for _ in range(CHECKED_LAUNCHES)
         ):
             return seed

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import AttemptRow, ManifestStore
 from tests.e2e.conftest import run_cli, wait_for
 from tests.helpers.inputs import mixed_input
+from tests.helpers.racing import racer_claimed, renewing_the_paused_primary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -99,8 +101,15 @@ def attempts_of(store: ManifestStore, job_id: str) -> list[AttemptRow]:
     return [a for a in store.list_attempts(job_id) if a.shard_index == 0]
 
 
-def racer_claimed(store: ManifestStore, job_id: str) -> bool:
-    return any(a.speculative for a in attempts_of(store, job_id))
+def wait_racer_claimed(store: ManifestStore, job_id: str, racer: subprocess.Popen[bytes]) -> None:
+    """Wait for the racer to claim its racing lease (or to end) beside the paused primary."""
+    renewing_the_paused_primary(
+        store,
+        job_id,
+        lambda: racer_claimed(store, job_id) or racer.poll() is not None,
+        what="the racer's claim",
+        timeout_s=WAIT_S,
+    )
 
 
 def check_after_attack(store: ManifestStore, job_id: str, tmp_path: Path, *, finished: bool = True) -> None:
@@ -150,10 +159,7 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
 ) -> None:
     store_url = pg_store_url
     store = ManifestStore.open(store_url)
-    # the primary's pause stops its heartbeat, so the racer must start and race within one lease:
-    # 4 s was too short for a racer process starting on a loaded machine (it found the lease lapsed,
-    # "nothing to race", and never claimed)
-    job_id = plan(store, tmp_path, ttl_s=10.0, lines=36)
+    job_id = plan(store, tmp_path, ttl_s=4.0, lines=36)
     stalled = tmp_path / "stalled"
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -174,7 +180,7 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": racer_delay})
         procs.append(racer)
-        wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
+        wait_racer_claimed(store, job_id, racer)
         os.kill(primary.pid, signal.SIGSTOP)
         Path(f"{stalled}.resume").touch()  # once resumed (SIGCONT), it goes on to commit microbatch 1
         [mine] = [a for a in attempts_of(store, job_id) if not a.speculative]
@@ -251,7 +257,7 @@ def test_a_primary_killed_between_write_and_commit_hands_the_shard_to_its_racer(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.2"})
         procs.append(racer)
-        wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
+        wait_racer_claimed(store, job_id, racer)
         os.kill(primary.pid, signal.SIGKILL)  # after its object write, before its commit
         primary.wait(timeout=WAIT_S)
         [dead] = [a for a in attempts_of(store, job_id) if not a.speculative]
@@ -277,17 +283,32 @@ def test_cancel_during_a_race_ends_both_tries_and_commits_nothing_more(
     store_url = pg_store_url
     store = ManifestStore.open(store_url)
     job_id = plan(store, tmp_path, ttl_s=6.0)
+    stalled = tmp_path / "stalled"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        primary = start_primary(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.3"})
+        # both tries hold the shard until the cancel has landed, however long the CLI takes to
+        # start: the primary parked between writing microbatch 1 and committing it (its lease
+        # renewed), the racer 6 s a microbatch (with 0.3 s both, a loaded machine's racer claimed
+        # after the primary had finished, or the cancel came after both were done)
+        primary = start_primary(
+            store_url,
+            job_id,
+            tmp_path,
+            {"ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled), "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1"},
+        )
         procs.append(primary)
-        wait_first_commit(store, job_id)
-        racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.3"})
+        wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
+        racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "2.0"})
         procs.append(racer)
-        wait_for(lambda: racer_claimed(store, job_id), timeout_s=WAIT_S, what="the racer's claim")
-        cancelled = run_cli("cancel", job_id, "--store", store_url, cwd=tmp_path)
+        wait_racer_claimed(store, job_id, racer)
+        assert racer.poll() is None, logs(tmp_path)
+        with ThreadPoolExecutor(1) as pool:
+            cancelling = pool.submit(run_cli, "cancel", job_id, "--store", store_url, cwd=tmp_path)
+            renewing_the_paused_primary(store, job_id, cancelling.done, what="the cancel", timeout_s=WAIT_S)
+            cancelled = cancelling.result()
         assert cancelled.code == 0, cancelled.describe()
         committed = len(store.list_commits(job_id))
+        Path(f"{stalled}.resume").touch()  # the primary goes on to commit microbatch 1: refused
         codes = (primary.wait(timeout=WAIT_S), racer.wait(timeout=WAIT_S))
     finally:
         stop_all(procs)
@@ -319,6 +340,7 @@ def test_both_killed_between_write_and_commit_then_a_third_try_takes_over(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"})
         procs.append(racer)
+        wait_racer_claimed(store, job_id, racer)
         assert racer.wait(timeout=WAIT_S) == -signal.SIGKILL, logs(tmp_path)
         os.kill(primary.pid, signal.SIGKILL)
         primary.wait(timeout=WAIT_S)

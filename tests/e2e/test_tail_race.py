@@ -26,6 +26,7 @@ from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore, Progress
 from tests.e2e.conftest import run_cli, wait_for
 from tests.helpers.inputs import mixed_input
+from tests.helpers.racing import racer_claimed, renew_primary_lease, renewing_the_paused_primary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -88,6 +89,13 @@ def test_a_racer_beats_a_stalled_try_which_then_exits_on_its_own(tmp_path: Path)
             env={"ADB_ECHO_DELAY_S": "0.02"},
         )
         procs.append(racer)
+        renewing_the_paused_primary(
+            store,
+            job_id,
+            lambda: racer_claimed(store, job_id) or racer.poll() is not None,
+            what="the racer's claim",
+            timeout_s=WAIT_S,
+        )
         # the racer resumed at the cursor and won microbatch 1, which the original had written
         wait_for(lambda: store.get_shard(job_id, 0).cursor >= 2, timeout_s=WAIT_S, what="the racer's commit")
         Path(f"{stalled}.resume").touch()  # the original goes on: to a refused commit, or a done shard
@@ -126,11 +134,23 @@ def test_the_runner_races_its_tail_spot_try_and_the_job_verifies(tmp_path: Path)
     start = dt.datetime.now(dt.timezone.utc)
     clock = ManualClock(start)
     job: dict[str, str] = {}
+    stalled = tmp_path / "stalled"
+    resume = Path(f"{stalled}.resume")
 
     def near_the_deadline(progress: Progress) -> None:
         # the first try runs on Spot; then the job's clock jumps to 2 minutes before the deadline
         if progress.shards_by_state.get(ShardState.LEASED.value) and clock.now() == start:
             clock.set(start + dt.timedelta(minutes=58))
+        # the Spot tries stall before committing microbatch 1, their leases renewed, until a racer
+        # has claimed: unstalled, they finished (~10 s) before a racer starting on a loaded machine
+        # could claim, and nothing raced
+        if stalled.exists() and not resume.exists():
+            shards = [s.shard_index for s in store.list_shards(job["job_id"])]
+            if any(racer_claimed(store, job["job_id"], index) for index in shards):
+                resume.touch()
+            else:
+                for index in shards:
+                    renew_primary_lease(store, job["job_id"], index)
 
     summary = run_job(
         store,
@@ -143,8 +163,17 @@ def test_the_runner_races_its_tail_spot_try_and_the_job_verifies(tmp_path: Path)
             max_invalid_fraction=0.5,
             workers=3,
         ),
-        # 0.5 s a record: a Spot try runs ~10 s, far longer than a racer needs to start and claim
-        RunOptions(workers=3, worker_env={"ADB_ECHO_DELAY_S": "0.5"}, lease_ttl_s=10.0),
+        # 0.5 s a record: a Spot try runs ~10 s; the racer, resumed at the cursor, does not stall
+        # (its try is let go as soon as it claims)
+        RunOptions(
+            workers=3,
+            worker_env={
+                "ADB_ECHO_DELAY_S": "0.5",
+                "ADB_FAULT_PAUSE_AFTER_WRITE": str(stalled),
+                "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ": "1",
+            },
+            lease_ttl_s=10.0,
+        ),
         clock=clock,
         on_progress=near_the_deadline,
         on_plan=lambda plan: job.update(job_id=plan.job_id),
