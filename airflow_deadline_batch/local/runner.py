@@ -668,6 +668,10 @@ class LocalRun:
                 continue
             if failure is None:
                 self.failures_in_a_row.pop(index, None)
+                # a try that ended well need not have finished its shard: a racer promoted to the
+                # running try (its primary preempted while it started) that then found nothing to
+                # race exits 0 without claiming it; the shard is placed again unless it is done
+                self.requeue(index, now)
                 continue
             if is_stopped(self.store.get_job(self.job_id).state):
                 # cancelled, failed (a configuration error stops the job) or finished elsewhere

@@ -128,3 +128,29 @@ def test_the_run_races_only_once_no_shard_waits_for_a_worker(store: ManifestStor
                 item.proc.popen.kill()
                 item.proc.popen.wait()
         shutil.rmtree(run.messages_dir, ignore_errors=True)
+
+
+def test_a_try_that_exits_0_without_finishing_its_shard_is_placed_again(
+    store: ManifestStore, tmp_path: Path
+) -> None:
+    """Bug: a Spot try preempted while its racer was starting made the racer the shard's running
+    try; the racer, finding nothing to race (no live lease), exits 0 without claiming, and the
+    runner took a try that exited 0 for a finished shard: it was never placed again and the run
+    ended with the job unfinished. Now the shard goes back to the queue unless the store has it
+    done."""
+    job_id = planned(store, tmp_path)
+    run = LocalRun(store, job_id, RunOptions(workers=2, lease_ttl_s=30.0), ManualClock(TAIL))
+    racer = start_worker(store.url, job_id, 0, pool="local-on-demand", lease_ttl_s=30.0, race=True)
+    try:
+        run.pending.remove(0)
+        run.running[0] = _Running(racer, PoolKind.ON_DEMAND, math.inf)
+        wait_for(lambda: racer.popen.poll() is not None, timeout_s=60, what="the racer to exit")
+        assert racer.popen.returncode == 0  # nothing to race: the shard is nobody's
+        run.reap_exited(time.monotonic())
+        assert run.running == {} and 0 in run.pending
+        assert store.get_shard(job_id, 0).state is ShardState.PENDING
+    finally:
+        if racer.popen.poll() is None:
+            racer.popen.kill()
+            racer.popen.wait()
+        shutil.rmtree(run.messages_dir, ignore_errors=True)
