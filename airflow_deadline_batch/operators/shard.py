@@ -704,11 +704,11 @@ class _ShardTryMixin:
         that cannot be written is logged, and the task fails with its own error (the sensor after
         the shards, if there is one, fails the shard later).
         """
-        ti = context["ti"]
-        map_index = getattr(ti, "map_index", -1)
-        name = ti.task_id if map_index is None or map_index < 0 else f"{ti.task_id}[{map_index}]"
-        reason = f"its Airflow task {name} failed for good on try {_try_number(context)}: {exc}"
         try:
+            ti = context["ti"]
+            map_index = getattr(ti, "map_index", -1)
+            name = ti.task_id if map_index is None or map_index < 0 else f"{ti.task_id}[{map_index}]"
+            reason = f"its Airflow task {name} failed for good on try {_try_number(context)}: {exc}"
             store = self._store()
             try:
                 after = store.fail_shard(self.job_id, int(self.shard_index), reason)
