@@ -20,9 +20,10 @@ operator do with each class:
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
 
-A try that fails with no retry after it (Airflow's last, or an ``AirflowFailException``) fails its
-shard in the store too (:meth:`_ShardTryMixin.fail_shard_for_good`), so that a completeness sensor
-beside the shards sees it terminal and publishes the job ``partial`` (docs/airflow.md).
+A try that spends the task's last retry (not a configuration error's ``AirflowFailException``,
+which the user fixes before clearing the task) fails its shard in the store too
+(:meth:`_ShardTryMixin.fail_shard_for_good`), so that a completeness sensor beside the shards sees
+it terminal and publishes the job ``partial`` (docs/airflow.md).
 
 Airflow 3.3 can fail a try that resumes too soon after handing its slot back (the resume race,
 docs/airflow.md *Resuming tasks*), spending a retry the operator never spent. Every try therefore
@@ -597,7 +598,7 @@ class _ShardTryMixin:
             except BaseException as exc:
                 if not self._ending.is_set():  # a try Airflow kills is Airflow's to end, not ours
                     self.note_try(context, ended=[try_number], due_at=self.retry_due(context, exc))
-                    if self.fails_for_good(context, exc):
+                    if self.gives_up_shard(context, exc):
                         self.fail_shard_for_good(context, exc)
                 raise
             self.note_try(context, ended=[try_number])
@@ -678,18 +679,20 @@ class _ShardTryMixin:
         except Exception:
             self.log.warning("could not write the try ledger of shard %s", self.shard_index, exc_info=True)
 
-    def fails_for_good(self, context: Any, exc: BaseException) -> bool:
-        """Whether Airflow ends the task ``failed`` when this try raises ``exc``: no retry follows.
+    def gives_up_shard(self, context: Any, exc: BaseException) -> bool:
+        """Whether this try, failing with ``exc``, spent the task's last retry: nothing will run its
+        shard again, so the store must hear of it.
 
-        As Airflow 3.3's task runner decides: ``AirflowFailException`` (and ``AirflowTaskTerminated``,
-        which it never retries either) fails the task at once; any other exception but a skip fails
-        it once its tries are spent (``max_tries`` 0, or this try past it). A try Airflow kills is
-        not seen here (:meth:`run_try`): its end is Airflow's (a clear restarts it).
+        Any exception Airflow retries, once the task's tries are spent (``max_tries`` 0, or this try
+        past it). Not an ``AirflowFailException``: that is a configuration error (a bad option,
+        another store than the plan's, bad worker arguments), fixed by the user and the task
+        cleared, which must find its shard still to run; or the store's own verdict (a shard whose
+        budget is spent), already there. Not ``AirflowTaskTerminated`` nor a try Airflow kills
+        (:meth:`run_try`): their end is Airflow's, and a user's (a failed DAG run cancels the job
+        through the sensor). Not a skip.
         """
-        if isinstance(exc, AirflowSkipException):
+        if isinstance(exc, AirflowSkipException | AirflowFailException | AirflowTaskTerminated):
             return False
-        if isinstance(exc, AirflowFailException | AirflowTaskTerminated):
-            return True
         max_tries = _max_tries(context)
         return max_tries is not None and (max_tries == 0 or _try_number(context) > max_tries)
 

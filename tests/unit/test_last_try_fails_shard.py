@@ -4,10 +4,10 @@ Beside the shards (``plan >> [shards, done]``), the completeness sensor never se
 fail: when a task's retries were spent while the store still had its shard retryable (a pod that
 never scheduled, a worker lost before the store counted its try), the shard stayed pending and the
 sensor waited until its timeout. ``_ShardTryMixin.run_try`` now fails the shard in the store
-(``ManifestStore.fail_shard``) when its try fails and no retry follows: Airflow's last try, or an
-``AirflowFailException``. A try Airflow retries, a skip, or a shard the store already committed is
-left as it is; a store that cannot be written is logged and the try's own error is raised. A real
-SQLite store; each try's body raises as the operator's own failure paths do.
+(``ManifestStore.fail_shard``) when its try spends the task's last retry. A try Airflow retries,
+a skip, a configuration error (``AirflowFailException``: fixed, then the task cleared), or a shard
+the store already committed is left as it is; a store that cannot be written is logged and the
+try's own error is raised. A real SQLite store; each try's body raises as the operator's own failure paths do.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ def op(store_url: str, job_id: str) -> LocalShardOperator:
     [
         pytest.param(2, 1, AirflowException(LOST), id="last-try"),
         pytest.param(1, 0, AirflowException(LOST), id="no-retries"),
-        pytest.param(1, 5, AirflowFailException("shard 1: configuration: bad image"), id="fail-exception"),
         pytest.param(2, 1, RuntimeError("the store went away mid-try"), id="last-try-any-error"),
     ],
 )
@@ -94,6 +93,8 @@ def test_a_try_airflow_will_not_retry_fails_its_shard_in_the_store(
         pytest.param(1, 1, AirflowException(LOST), id="a-retry-follows"),
         pytest.param(3, 5, RuntimeError("a worker crashed before it counted"), id="retries-left"),
         pytest.param(2, 1, AirflowSkipException("job j is cancelled"), id="skip"),
+        # a configuration error: the user fixes it and clears the task, which must find the shard
+        pytest.param(2, 1, AirflowFailException("shard 1: configuration: bad image"), id="fail-exception"),
     ],
 )
 def test_a_try_airflow_retries_or_skips_leaves_its_shard_retryable(
