@@ -20,6 +20,11 @@ operator do with each class:
   Airflow has no other way for a regular operator to retry without spending a try (a computed
   ``retry_delay`` would still spend one). Without it, they raise ``AirflowException`` as before.
 
+A try that spends the task's last retry (not a configuration error's ``AirflowFailException``,
+which the user fixes before clearing the task) fails its shard in the store too
+(:meth:`_ShardTryMixin.fail_shard_for_good`), so that a completeness sensor beside the shards sees
+it terminal and publishes the job ``partial`` (docs/airflow.md).
+
 Airflow 3.3 can fail a try that resumes too soon after handing its slot back (the resume race,
 docs/airflow.md *Resuming tasks*), spending a retry the operator never spent. Every try therefore
 runs under :meth:`_ShardTryMixin.run_try`: it records the try in a ledger in Airflow's task state
@@ -82,6 +87,7 @@ from airflow.sdk.exceptions import (
     AirflowFailException,
     AirflowRescheduleException,
     AirflowSkipException,
+    AirflowTaskTerminated,
     TaskDeferred,
 )
 from kubernetes.client import models as k8s
@@ -592,6 +598,8 @@ class _ShardTryMixin:
             except BaseException as exc:
                 if not self._ending.is_set():  # a try Airflow kills is Airflow's to end, not ours
                     self.note_try(context, ended=[try_number], due_at=self.retry_due(context, exc))
+                    if self.gives_up_shard(context, exc):
+                        self.fail_shard_for_good(context, exc)
                 raise
             self.note_try(context, ended=[try_number])
             return result
@@ -670,6 +678,61 @@ class _ShardTryMixin:
             context["task_state_store"].set(TRY_LEDGER_KEY, change(ledger).to_dict())
         except Exception:
             self.log.warning("could not write the try ledger of shard %s", self.shard_index, exc_info=True)
+
+    def gives_up_shard(self, context: Any, exc: BaseException) -> bool:
+        """Whether this try, failing with ``exc``, spent the task's last retry: nothing will run its
+        shard again, so the store must hear of it.
+
+        Any exception Airflow retries, once the task's tries are spent (``max_tries`` 0, or this try
+        past it). Not an ``AirflowFailException``: that is a configuration error (a bad option,
+        another store than the plan's, bad worker arguments), fixed by the user and the task
+        cleared, which must find its shard still to run; or the store's own verdict (a shard whose
+        budget is spent), already there. Not ``AirflowTaskTerminated`` nor a try Airflow kills
+        (:meth:`run_try`): their end is Airflow's, and a user's (a failed DAG run cancels the job
+        through the sensor). Not a skip.
+        """
+        if isinstance(exc, AirflowSkipException | AirflowFailException | AirflowTaskTerminated):
+            return False
+        max_tries = _max_tries(context)
+        return max_tries is not None and (max_tries == 0 or _try_number(context) > max_tries)
+
+    def fail_shard_for_good(self, context: Any, exc: BaseException) -> None:
+        """Fail this try's shard in the store: its task fails with ``exc`` and nothing runs it again.
+
+        Without this, a shard whose task's tries were all spent while the store still had it
+        retryable (a pod that never scheduled, a worker lost before it counted) stayed pending, and
+        a completeness sensor beside the shards waited for it until its timeout; now the job can
+        finish ``partial`` (docs/airflow.md, *Shards that fail for good*). ``ManifestStore.fail_shard``
+        keeps a shard the store already settled (a commit landed) as it is. Best effort: a store
+        that cannot be written is logged, and the task fails with its own error (the sensor after
+        the shards, if there is one, fails the shard later).
+        """
+        try:
+            ti = context["ti"]
+            map_index = getattr(ti, "map_index", -1)
+            name = ti.task_id if map_index is None or map_index < 0 else f"{ti.task_id}[{map_index}]"
+            reason = f"its Airflow task {name} failed for good on try {_try_number(context)}: {exc}"
+            store = self._store()
+            try:
+                after = store.fail_shard(self.job_id, int(self.shard_index), reason)
+            finally:
+                store.close()
+        except Exception:
+            self.log.error(
+                "shard %s of job %s: could not fail it in the store after its task failed for good; "
+                "the task fails with its own error",
+                self.shard_index,
+                self.job_id,
+                exc_info=True,
+            )
+            return
+        self.log.warning(
+            "shard %s of job %s: its task failed for good; the shard is %s in the store%s",
+            self.shard_index,
+            self.job_id,
+            after.value,
+            "" if after is ShardState.TERMINAL_FAILURE else " (the store's state stands)",
+        )
 
     def retry_due(self, context: Any, exc: BaseException) -> float | None:
         """When Airflow starts the retry after this try fails with ``exc`` (epoch seconds, at the

@@ -250,3 +250,86 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
         for line in range(first.first_line, first.first_line + first.line_count)
         if line in outcomes and line not in first.excluded_lines
     )
+
+
+#: the local example with the sensor BESIDE the shards (``plan >> [shards, done]``, the production
+#: form), polling from a worker slot (``dag.test()`` runs a deferred trigger in line, which would
+#: hold the shards back) for at most 2 minutes; shard 1's task has ``retries=1`` and its worker is
+#: preempted at both tries, so the store, which saw only preemptions, still has the shard retryable
+SENSOR_BESIDE_ONE_SHARD_TASK_LOST = [
+    ("        preempt_tries=PREEMPT_TRIES,\n", "        retries=1,\n"),
+    (
+        "    shards = LocalShardOperator.partial(\n",
+        "    def lose_shard_1(spec):\n"
+        "        return {**spec, 'preempt_tries': [1, 2] if spec['shard_index'] == 1 else []}\n\n"
+        "    shards = LocalShardOperator.partial(\n",
+    ),
+    ("    ).expand_kwargs(plan.output)\n", "    ).expand_kwargs(plan.output.map(lose_shard_1))\n"),
+    ("        deferrable=True,\n", "        deferrable=False,\n        mode='reschedule',\n"),
+    ("        timeout=3 * 3600,\n", "        timeout=120,\n"),
+    ("    plan >> shards >> done\n", "    plan >> [shards, done]\n"),
+]
+
+
+def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(tmp_path):
+    """Beside the shards, the sensor never learns of a shard task that failed: the task's last try
+    fails its shard in the store itself, so the sensor's next poll finds every shard terminal,
+    publishes the ``partial`` manifest and fails naming it. Before, the shard stayed retryable in
+    the store and the sensor waited until its timeout, with nothing published."""
+    home = tmp_path / "airflow_home"
+    dags = home / "dags"
+    dags.mkdir(parents=True)
+    dag_file = dags / "example_deadline_batch_local.py"
+    dag_file.write_text(derived_source(EXAMPLE, SENSOR_BESIDE_ONE_SHARD_TASK_LOST))
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "ADB_EXAMPLE_DIR": str(home / "example"),
+        "ADB_ENGINE": "echo",
+    }
+    for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE", "ADB_EXAMPLE_PREEMPT_TRIES"):
+        env.pop(name, None)
+    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(SAMPLE)}
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, output[-5000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+
+    assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
+    shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
+    assert shard_tis.pop(1) == ("failed", 2), result["tasks"]
+    assert shard_tis and {state for state, _ in shard_tis.values()} == {"success"}
+    assert states(result, "verify") == ["failed"] and states(result, "summarise") == ["upstream_failed"]
+    assert "shard 1 of job" in output and "its task failed for good; the shard is terminal_failure" in output
+    assert result["job_state"] == "partial" and result["manifest"], result
+    manifest_uri = result["manifest"]
+    assert f"ended partial; its manifest {manifest_uri}" in output  # the sensor's failure names it
+    assert "Sensor has timed out" not in output and result["asset_events"] == []
+
+    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    try:
+        shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
+        lost = shards.pop(1)
+        assert lost.state is ShardState.TERMINAL_FAILURE
+        assert "its Airflow task shard[1] failed for good on try 2" in str(lost.last_error)
+        assert {s.state for s in shards.values()} == {ShardState.SUCCEEDED}
+    finally:
+        store.close()
+
+    manifest = read_manifest(manifest_uri)
+    outcomes = read_outcomes(manifest)  # checksums, counts, no line twice
+    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
+    assert sorted(outcomes) == [number for number, line in numbered if line.strip()]
+    failed = {line for line, o in outcomes.items() if o["error"] and o["error"]["code"] == "shard_failed"}
+    assert len(failed) == lost.records > 0
+    assert all(lost.first_line <= line < lost.first_line + lost.line_count for line in failed)
+    assert manifest["outcomes"]["succeeded"] == sum(s.records for s in shards.values()) > 0
