@@ -12,6 +12,7 @@ from alembic.config import Config
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
 from airflow_deadline_batch.store.engine import normalize_url
 from airflow_deadline_batch.store.manifest_store import MIGRATIONS_DIR
+from tests.helpers.schema import head_revision
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +95,7 @@ def test_upgrade_from_0003_gives_existing_quotas_weight_1(store_url: str) -> Non
         engine.dispose()
     store = ManifestStore.open(store_url)
     try:
-        assert store.schema_revision() == "0006"
+        assert store.schema_revision() == head_revision()
         quota = store.get_quota("ads")
         assert quota is not None and quota.weight == 1.0 and quota.spot_gpus == 4
         assert store.dispatch_requests() == [] and store.dispatch_grants() == []
