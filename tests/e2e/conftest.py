@@ -72,3 +72,24 @@ def assert_usage_error(result: CliResult) -> None:
     assert len(lines) == 1, result.describe()
     assert "Traceback" not in result.stderr, result.describe()
     assert lines[0].startswith("deadline-batch"), result.describe()
+
+
+def finish_runs(
+    procs: Mapping[str, subprocess.Popen[str]], tmp_path: Path, *, timeout_s: float
+) -> dict[str, Any]:
+    """Wait for each ``deadline-batch run --json`` process (its stderr in ``tmp_path/<key>.err``),
+    each must exit 0: their last JSON lines (the run summaries) by key. Any still running after a
+    failure is killed."""
+    summaries: dict[str, Any] = {}
+    try:
+        for key, proc in procs.items():
+            out, _ = proc.communicate(timeout=timeout_s)
+            err = (tmp_path / f"{key}.err").read_text()[-3000:]
+            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\n{out[-3000:]}\n{err}"
+            summaries[key] = orjson.loads(out.splitlines()[-1])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return summaries

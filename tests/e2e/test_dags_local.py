@@ -177,17 +177,14 @@ print("RESULT " + json.dumps(summary))
 """
 
 
-def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_path):
-    """After the shards, a shard task whose retries are spent no longer leaves the sensor
-    ``upstream_failed`` with the job unfinished: the sensor fails the shard in the store, publishes
-    the ``partial`` manifest (the other shards' results, ``shard_failed`` for the lost one's
-    records) and fails naming it. Before, no manifest was ever published and the job stayed running.
-    A shard whose commit landed before its task was lost keeps its results: the store is the truth."""
+def run_derived_example(tmp_path: Path, edits: list[tuple[str, str]]) -> tuple[dict[str, Any], str, Path]:
+    """Run the local example changed by ``edits`` with ``dag.test()`` in a fresh Airflow home
+    (echo engine, its own store): its ``RESULT`` line, everything it printed, and the home."""
     home = tmp_path / "airflow_home"
     dags = home / "dags"
     dags.mkdir(parents=True)
     dag_file = dags / "example_deadline_batch_local.py"
-    dag_file.write_text(derived_source(EXAMPLE, TWO_SHARD_TASKS_LOST))
+    dag_file.write_text(derived_source(EXAMPLE, edits))
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(home),
@@ -209,7 +206,32 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-5000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    return json.loads(lines[-1].removeprefix("RESULT ")), output, home
+
+
+def assert_partial_manifest(manifest_uri: str, lost: Any, shards: dict[int, Any]) -> dict[int, Any]:
+    """The sample's partial manifest: one outcome per non-blank line (checksums checked), the
+    ``lost`` shard's records all ``errored`` / ``shard_failed`` with no output, ``shards``' records
+    succeeded; the outcomes by line."""
+    manifest = read_manifest(manifest_uri)
+    outcomes = read_outcomes(manifest)  # checksums, counts, no line twice
+    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
+    assert sorted(outcomes) == [number for number, line in numbered if line.strip()]
+    failed = {line for line, o in outcomes.items() if o["error"] and o["error"]["code"] == "shard_failed"}
+    assert len(failed) == lost.records > 0
+    assert all(lost.first_line <= line < lost.first_line + lost.line_count for line in failed)
+    assert all(outcomes[line]["status"] == "errored" and outcomes[line]["output"] is None for line in failed)
+    assert manifest["outcomes"]["succeeded"] == sum(s.records for s in shards.values()) > 0
+    return outcomes
+
+
+def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_path):
+    """After the shards, a shard task whose retries are spent no longer leaves the sensor
+    ``upstream_failed`` with the job unfinished: the sensor fails the shard in the store, publishes
+    the ``partial`` manifest (the other shards' results, ``shard_failed`` for the lost one's
+    records) and fails naming it. Before, no manifest was ever published and the job stayed running.
+    A shard whose commit landed before its task was lost keeps its results: the store is the truth."""
+    result, output, home = run_derived_example(tmp_path, TWO_SHARD_TASKS_LOST)
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
@@ -235,15 +257,7 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
     finally:
         store.close()
 
-    manifest = read_manifest(manifest_uri)
-    outcomes = read_outcomes(manifest)  # checksums, counts, no line twice
-    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
-    assert sorted(outcomes) == [number for number, line in numbered if line.strip()]
-    failed = {line for line, o in outcomes.items() if o["error"] and o["error"]["code"] == "shard_failed"}
-    assert len(failed) == lost.records > 0
-    assert all(lost.first_line <= line < lost.first_line + lost.line_count for line in failed)
-    assert all(outcomes[line]["status"] == "errored" and outcomes[line]["output"] is None for line in failed)
-    assert manifest["outcomes"]["succeeded"] == sum(s.records for s in shards.values()) > 0
+    outcomes = assert_partial_manifest(manifest_uri, lost, shards)
     first = shards[0]
     assert all(
         outcomes[line]["status"] == "succeeded"
@@ -276,33 +290,7 @@ def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(tm
     fails its shard in the store itself, so the sensor's next poll finds every shard terminal,
     publishes the ``partial`` manifest and fails naming it. Before, the shard stayed retryable in
     the store and the sensor waited until its timeout, with nothing published."""
-    home = tmp_path / "airflow_home"
-    dags = home / "dags"
-    dags.mkdir(parents=True)
-    dag_file = dags / "example_deadline_batch_local.py"
-    dag_file.write_text(derived_source(EXAMPLE, SENSOR_BESIDE_ONE_SHARD_TASK_LOST))
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "ADB_EXAMPLE_DIR": str(home / "example"),
-        "ADB_ENGINE": "echo",
-    }
-    for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE", "ADB_EXAMPLE_PREEMPT_TRIES"):
-        env.pop(name, None)
-    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(SAMPLE)}
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, output[-5000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result, output, home = run_derived_example(tmp_path, SENSOR_BESIDE_ONE_SHARD_TASK_LOST)
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
@@ -325,11 +313,4 @@ def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(tm
     finally:
         store.close()
 
-    manifest = read_manifest(manifest_uri)
-    outcomes = read_outcomes(manifest)  # checksums, counts, no line twice
-    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
-    assert sorted(outcomes) == [number for number, line in numbered if line.strip()]
-    failed = {line for line, o in outcomes.items() if o["error"] and o["error"]["code"] == "shard_failed"}
-    assert len(failed) == lost.records > 0
-    assert all(lost.first_line <= line < lost.first_line + lost.line_count for line in failed)
-    assert manifest["outcomes"]["succeeded"] == sum(s.records for s in shards.values()) > 0
+    assert_partial_manifest(manifest_uri, lost, shards)

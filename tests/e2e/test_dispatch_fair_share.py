@@ -18,12 +18,11 @@ import signal
 import subprocess
 from pathlib import Path
 
-import orjson
 import pytest
 
 from airflow_deadline_batch.core.dispatch import DispatchRequest, GrantReason, next_grant
 from airflow_deadline_batch.store import DispatchGrantRow, ManifestStore, TenantQuotaRow
-from tests.e2e.conftest import cli_argv, cli_env, run_cli, wait_for
+from tests.e2e.conftest import cli_argv, cli_env, finish_runs, run_cli, wait_for
 from tests.helpers.inputs import mixed_input
 from tests.helpers.outcomes import assert_outcomes_match, read_manifest, read_outcomes
 
@@ -105,7 +104,6 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
             stderr=(tmp_path / f"{key}.err").open("wb"),
             text=True,
         )
-    summaries = {}
     try:
         wait_for(
             lambda: _all_compete(store, procs),
@@ -114,11 +112,7 @@ def test_claims_follow_least_slack_within_fair_shares_and_no_tenant_starves(
             interval_s=0.2,
         )
         delay.write_text("0.02")
-        for key, proc in procs.items():
-            out, _ = proc.communicate(timeout=150)
-            err = (tmp_path / f"{key}.err").read_text()[-3000:]
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\n{out[-3000:]}\n{err}"
-            summaries[key] = orjson.loads(out.splitlines()[-1])
+        summaries = finish_runs(procs, tmp_path, timeout_s=150)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

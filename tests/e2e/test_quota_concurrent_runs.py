@@ -13,13 +13,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import orjson
 import pytest
 
 from airflow_deadline_batch.core.job_view import pool_named
 from airflow_deadline_batch.core.pools import PoolSpec
 from airflow_deadline_batch.store import ManifestStore, TenantQuotaRow
-from tests.e2e.conftest import cli_argv, cli_env
+from tests.e2e.conftest import cli_argv, cli_env, finish_runs
 from tests.helpers.inputs import mixed_input
 from tests.helpers.outcomes import assert_outcomes_match, read_manifest, read_outcomes
 
@@ -57,18 +56,7 @@ def test_two_runs_of_one_tenant_never_hold_more_than_its_quota(store_url: str, t
             stderr=(tmp_path / f"{key}.err").open("wb"),
             text=True,
         )
-    summaries = {}
-    try:
-        for key, proc in procs.items():
-            out, _ = proc.communicate(timeout=200)
-            err = (tmp_path / f"{key}.err").read_text()[-3000:]
-            assert proc.returncode == 0, f"{key}: exit {proc.returncode}\n{out[-3000:]}\n{err}"
-            summaries[key] = orjson.loads(out.splitlines()[-1])
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    summaries = finish_runs(procs, tmp_path, timeout_s=200)
     try:
         by_kind: dict[str, list[tuple[float, float]]] = {}
         for key, summary in summaries.items():

@@ -30,7 +30,7 @@ from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import AttemptRow, ManifestStore
 from tests.e2e.conftest import run_cli, wait_for
 from tests.helpers.inputs import mixed_input
-from tests.helpers.racing import racer_claimed, renewing_the_paused_primary
+from tests.helpers.racing import renewing_the_paused_primary, wait_racer_claimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -101,17 +101,6 @@ def attempts_of(store: ManifestStore, job_id: str) -> list[AttemptRow]:
     return [a for a in store.list_attempts(job_id) if a.shard_index == 0]
 
 
-def wait_racer_claimed(store: ManifestStore, job_id: str, racer: subprocess.Popen[bytes]) -> None:
-    """Wait for the racer to claim its racing lease (or to end) beside the paused primary."""
-    renewing_the_paused_primary(
-        store,
-        job_id,
-        lambda: racer_claimed(store, job_id) or racer.poll() is not None,
-        what="the racer's claim",
-        timeout_s=WAIT_S,
-    )
-
-
 def check_after_attack(store: ManifestStore, job_id: str, tmp_path: Path, *, finished: bool = True) -> None:
     """What must hold after any attack on the race."""
     shard = store.get_shard(job_id, 0)
@@ -180,7 +169,7 @@ def test_a_primary_stopped_past_its_lease_commits_nothing_once_resumed(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": racer_delay})
         procs.append(racer)
-        wait_racer_claimed(store, job_id, racer)
+        wait_racer_claimed(store, job_id, racer, timeout_s=WAIT_S)
         os.kill(primary.pid, signal.SIGSTOP)
         Path(f"{stalled}.resume").touch()  # once resumed (SIGCONT), it goes on to commit microbatch 1
         [mine] = [a for a in attempts_of(store, job_id) if not a.speculative]
@@ -257,7 +246,7 @@ def test_a_primary_killed_between_write_and_commit_hands_the_shard_to_its_racer(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "0.2"})
         procs.append(racer)
-        wait_racer_claimed(store, job_id, racer)
+        wait_racer_claimed(store, job_id, racer, timeout_s=WAIT_S)
         os.kill(primary.pid, signal.SIGKILL)  # after its object write, before its commit
         primary.wait(timeout=WAIT_S)
         [dead] = [a for a in attempts_of(store, job_id) if not a.speculative]
@@ -300,7 +289,7 @@ def test_cancel_during_a_race_ends_both_tries_and_commits_nothing_more(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_ECHO_DELAY_S": "2.0"})
         procs.append(racer)
-        wait_racer_claimed(store, job_id, racer)
+        wait_racer_claimed(store, job_id, racer, timeout_s=WAIT_S)
         assert racer.poll() is None, logs(tmp_path)
         with ThreadPoolExecutor(1) as pool:
             cancelling = pool.submit(run_cli, "cancel", job_id, "--store", store_url, cwd=tmp_path)
@@ -340,7 +329,7 @@ def test_both_killed_between_write_and_commit_then_a_third_try_takes_over(
         wait_for(stalled.exists, timeout_s=WAIT_S, what="the primary to write microbatch 1")
         racer = start_racer(store_url, job_id, tmp_path, {"ADB_FAULT_KILL_AFTER_WRITE_PROB": "1"})
         procs.append(racer)
-        wait_racer_claimed(store, job_id, racer)
+        wait_racer_claimed(store, job_id, racer, timeout_s=WAIT_S)
         assert racer.wait(timeout=WAIT_S) == -signal.SIGKILL, logs(tmp_path)
         os.kill(primary.pid, signal.SIGKILL)
         primary.wait(timeout=WAIT_S)

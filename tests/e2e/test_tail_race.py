@@ -26,7 +26,7 @@ from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore, Progress
 from tests.e2e.conftest import run_cli, wait_for
 from tests.helpers.inputs import mixed_input
-from tests.helpers.racing import racer_claimed, renew_primary_lease, renewing_the_paused_primary
+from tests.helpers.racing import racer_claimed, renew_primary_lease, wait_racer_claimed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -89,13 +89,7 @@ def test_a_racer_beats_a_stalled_try_which_then_exits_on_its_own(tmp_path: Path)
             env={"ADB_ECHO_DELAY_S": "0.02"},
         )
         procs.append(racer)
-        renewing_the_paused_primary(
-            store,
-            job_id,
-            lambda: racer_claimed(store, job_id) or racer.poll() is not None,
-            what="the racer's claim",
-            timeout_s=WAIT_S,
-        )
+        wait_racer_claimed(store, job_id, racer, timeout_s=WAIT_S)
         # the racer resumed at the cursor and won microbatch 1, which the original had written
         wait_for(lambda: store.get_shard(job_id, 0).cursor >= 2, timeout_s=WAIT_S, what="the racer's commit")
         Path(f"{stalled}.resume").touch()  # the original goes on: to a refused commit, or a done shard

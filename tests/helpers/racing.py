@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Callable
 
 from airflow_deadline_batch.exceptions import LeaseLost
@@ -54,3 +55,17 @@ def renewing_the_paused_primary(
         return False
 
     wait_for(check, timeout_s=timeout_s, what=what)
+
+
+def wait_racer_claimed(
+    store: ManifestStore, job_id: str, racer: subprocess.Popen[bytes], *, timeout_s: float
+) -> None:
+    """Wait for the racer to claim its racing lease on shard 0 (or to end) beside the paused
+    primary, whose lease is renewed meanwhile."""
+    renewing_the_paused_primary(
+        store,
+        job_id,
+        lambda: racer_claimed(store, job_id) or racer.poll() is not None,
+        what="the racer's claim",
+        timeout_s=timeout_s,
+    )
