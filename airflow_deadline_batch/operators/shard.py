@@ -23,7 +23,9 @@ operator do with each class:
 A try that spends the task's last retry (not a configuration error's ``AirflowFailException``,
 which the user fixes before clearing the task) fails its shard in the store too
 (:meth:`_ShardTryMixin.fail_shard_for_good`), so that a completeness sensor beside the shards sees
-it terminal and publishes the job ``partial`` (docs/airflow.md).
+it terminal and publishes the job ``partial`` (docs/airflow.md). A configuration error is pushed to
+XCom instead (:data:`CONFIGURATION_ERROR_KEY`), so that a completeness sensor after the shards
+leaves the shard to run and the job unpublished until the task is fixed and cleared.
 
 Airflow 3.3 can fail a try that resumes too soon after handing its slot back (the resume race,
 docs/airflow.md *Resuming tasks*), spending a retry the operator never spent. Every try therefore
@@ -186,9 +188,23 @@ SHARD_RETRIES = 5
 SLOT_CHECK_S = 2.0
 #: key of the shard task's :class:`~core.failures.TryLedger` in Airflow's task state store
 TRY_LEDGER_KEY = "deadline_batch_tries"
+#: XCom key a shard task pushes when a try fails on a configuration error (its message): the shard
+#: is still to run once the user fixes it and clears the task, so a completeness sensor after the
+#: shards must not fail it. Airflow clears a task's XComs when its next try starts (not when a
+#: deferral resumes), so the key is never left over from an earlier try.
+CONFIGURATION_ERROR_KEY = "configuration_error"
 #: ``weight_rule`` for shard tasks: earliest deadline first (``plugins.priority``, registered by the
 #: provider's plugin); the class path, so a DAG file need not import Airflow's scheduler side
 DEADLINE_WEIGHT_RULE = "airflow_deadline_batch.plugins.priority.DeadlineWeightStrategy"
+
+
+class ShardFailedInStore(AirflowFailException):
+    """The store's verdict on a try: its shard failed for good there (budget spent, input changed).
+
+    Fails the task without retry like any ``AirflowFailException``; unlike the others (a
+    configuration error: :data:`CONFIGURATION_ERROR_KEY`), clearing the task cannot run the shard
+    again, and the store already has it terminal.
+    """
 
 
 def tenant_pool(tenant: str) -> str:
@@ -522,6 +538,14 @@ class ShardPartial(OperatorPartial):
         return mapped
 
 
+def is_configuration_error(exc: BaseException) -> bool:
+    """Whether a shard try failing with ``exc`` failed on a configuration error: an
+    ``AirflowFailException`` (a bad option, another store than the plan's, bad worker arguments, a
+    worker that says ``configuration``) other than the store's verdict (:class:`ShardFailedInStore`).
+    The user fixes it and clears the task, which must find its shard still to run."""
+    return isinstance(exc, AirflowFailException) and not isinstance(exc, ShardFailedInStore)
+
+
 def _try_number(context: Any) -> int:
     return int(getattr(context["ti"], "try_number", 1) or 1)
 
@@ -600,6 +624,8 @@ class _ShardTryMixin:
                     self.note_try(context, ended=[try_number], due_at=self.retry_due(context, exc))
                     if self.gives_up_shard(context, exc):
                         self.fail_shard_for_good(context, exc)
+                    elif is_configuration_error(exc):
+                        self.note_configuration_error(context, exc)
                 raise
             self.note_try(context, ended=[try_number])
             return result
@@ -733,6 +759,22 @@ class _ShardTryMixin:
             after.value,
             "" if after is ShardState.TERMINAL_FAILURE else " (the store's state stands)",
         )
+
+    def note_configuration_error(self, context: Any, exc: BaseException) -> None:
+        """Push this try's configuration error to XCom (:data:`CONFIGURATION_ERROR_KEY`), so that a
+        completeness sensor after the shards leaves the shard to run once the task is fixed and
+        cleared, instead of failing it and publishing the job ``partial`` (docs/airflow.md).
+        Best effort: a push that fails is logged, and the task fails with its own error."""
+        try:
+            context["ti"].xcom_push(key=CONFIGURATION_ERROR_KEY, value=" ".join(str(exc).split()))
+        except Exception:
+            self.log.error(
+                "shard %s of job %s: could not record its configuration error; a completeness sensor "
+                "after the shards will take the task as failed for good",
+                self.shard_index,
+                self.job_id,
+                exc_info=True,
+            )
 
     def retry_due(self, context: Any, exc: BaseException) -> float | None:
         """When Airflow starts the retry after this try fails with ``exc`` (epoch seconds, at the
@@ -901,7 +943,9 @@ class _ShardTryMixin:
         """
         self._settled = True
         where = f"shard {self.shard_index} of job {self.job_id}"
-        if failure is FailureClass.CONFIGURATION or shard_failed:
+        if shard_failed:
+            raise ShardFailedInStore(f"{where}: {failure.value}: {reason}")
+        if failure is FailureClass.CONFIGURATION:
             raise AirflowFailException(f"{where}: {failure.value}: {reason}")
         again = self._holding and failure is FailureClass.DETERMINISTIC and self.store_counted_run()
         if (failure is FailureClass.DETERMINISTIC and not again) or not self.reschedules():
@@ -979,7 +1023,7 @@ class _ShardTryMixin:
         if decision.action is TryAction.ALREADY_DONE:
             return True
         if decision.action is TryAction.SHARD_FAILED:
-            raise AirflowFailException(decision.reason)
+            raise ShardFailedInStore(decision.reason)
         if decision.action is TryAction.JOB_STOPPED:
             raise AirflowSkipException(decision.reason)
         return False

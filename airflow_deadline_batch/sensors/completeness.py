@@ -10,7 +10,9 @@ their end (trigger rule ``all_done``), and reads their ends from Airflow: a plan
 ends it in one line (no job was planned), and a shard task that failed for good (retries spent: a
 worker that kept crashing, a pod that never started) fails its shard in the store unless the
 store has it committed (:meth:`ManifestStore.fail_shard`), so the job is published ``partial``
-instead of waiting for ever on a shard nothing will run again.
+instead of waiting for ever on a shard nothing will run again. A shard task that failed on a
+configuration error (a bad option, another store than the plan's) will run again once fixed and
+cleared: its shard is left to run, and the sensor fails in one line saying so, publishing nothing.
 """
 
 from __future__ import annotations
@@ -127,8 +129,9 @@ class CompletenessSensor(BaseSensorOperator):
     (``plan >> shards >> done``), it runs once they all ended, whatever their end. Skipped (Airflow
     skips a mapped task whose plan returned no shard: an empty input, or one whose every line is
     invalid), the job's empty manifest is published; failed for good, their shards fail in the
-    store (:meth:`settle_failed_shard_tasks`) and the job's ``partial`` manifest is published; a
-    failed plan ends the sensor in one line (:meth:`check_plan`).
+    store (:meth:`settle_failed_shard_tasks`) and the job's ``partial`` manifest is published,
+    unless one failed on a configuration error: then nothing is published and the sensor fails
+    naming the task to fix and clear; a failed plan ends the sensor in one line (:meth:`check_plan`).
     """
 
     template_fields: Sequence[str] = ("job_id", "store_url", "store_conn_id")
@@ -215,8 +218,18 @@ class CompletenessSensor(BaseSensorOperator):
         records must get ``errored`` / ``shard_failed`` outcomes rather than leave the job
         unfinished for ever. The store is the truth for records: a shard it has ``succeeded``
         (the commit landed, then the task was lost) stays succeeded (``ManifestStore.fail_shard``).
+
+        A shard task that failed on a configuration error (it pushed
+        :data:`~airflow_deadline_batch.operators.shard.CONFIGURATION_ERROR_KEY`) is the exception:
+        the user fixes it and clears the task, which runs the shard, so failing the shard would
+        lose its records for the whole job. Its shard is left to run, and once the others are
+        settled this task fails in one line naming each such task, its error and the fix; the job
+        stays open and nothing is published (the sensor is not deferred, so nothing cancels it).
         """
+        from airflow_deadline_batch.operators.shard import CONFIGURATION_ERROR_KEY
+
         store = None
+        misconfigured: list[tuple[str, str]] = []
         for task in self._upstream():
             if not is_shard_task(task):
                 continue
@@ -229,6 +242,12 @@ class CompletenessSensor(BaseSensorOperator):
                 if str(spec.get("job_id")) != self.job_id:
                     continue
                 name = task.task_id if map_index < 0 else f"{task.task_id}[{map_index}]"
+                error = context["ti"].xcom_pull(
+                    task_ids=task.task_id, key=CONFIGURATION_ERROR_KEY, map_indexes=map_index
+                )
+                if error:
+                    misconfigured.append((name, str(error)))
+                    continue
                 store = store or self._hook().get_store()
                 index = int(spec["shard_index"])
                 after = store.fail_shard(
@@ -242,6 +261,15 @@ class CompletenessSensor(BaseSensorOperator):
                     after.value,
                     "" if after is ShardState.TERMINAL_FAILURE else " (the store's state stands)",
                 )
+        if misconfigured:
+            plural = "s" if len(misconfigured) > 1 else ""
+            names = ", ".join(name for name, _ in misconfigured)
+            errors = "; ".join(f"{name}: {error}" for name, error in misconfigured)
+            raise AirflowFailException(
+                f"job {self.job_id}: shard task{plural} {names} failed on a configuration error "
+                f"({errors}); fix {'them' if plural else 'it'}, then clear {names} and {self.task_id}: "
+                "the job stays open, nothing was published"
+            )
 
     def _store_conn_id(self) -> str | None:
         return self.store_conn_id or self._plan_connections.get("store_conn_id")

@@ -185,28 +185,31 @@ def run_derived_example(tmp_path: Path, edits: list[tuple[str, str]]) -> tuple[d
     dags.mkdir(parents=True)
     dag_file = dags / "example_deadline_batch_local.py"
     dag_file.write_text(derived_source(EXAMPLE, edits))
+    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(SAMPLE)}
+    result, output = run_in_home(home, RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf))
+    return result, output, home
+
+
+def run_in_home(home: Path, code: str, *args: str) -> tuple[dict[str, Any], str]:
+    """Run ``code`` (a script printing a ``RESULT`` line) in a subprocess on the Airflow home of
+    :func:`run_derived_example`: its ``RESULT`` and everything it printed."""
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
         "ADB_EXAMPLE_DIR": str(home / "example"),
         "ADB_ENGINE": "echo",
     }
     for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE", "ADB_EXAMPLE_PREEMPT_TRIES"):
         env.pop(name, None)
-    conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(SAMPLE)}
     proc = subprocess.run(
-        [sys.executable, "-c", RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
     )
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT ")), output, home
+    return json.loads(lines[-1].removeprefix("RESULT ")), output
 
 
 def assert_partial_manifest(manifest_uri: str, lost: Any, shards: dict[int, Any]) -> dict[int, Any]:
@@ -314,3 +317,154 @@ def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(tm
         store.close()
 
     assert_partial_manifest(manifest_uri, lost, shards)
+
+
+#: the local example with shard 1's task given ``shard_1_store`` (another store than the plan's is
+#: a configuration error: its try fails at once, without retry); no injected preemption, unless
+#: ``lose_shard_0``: shard 0's worker is then preempted at each of its task's 5 tries (the DAG's
+#: ``retries=4``), so the task fails for good with its shard still retryable in the store
+def misconfigured_shard_1(shard_1_store: str, *, lose_shard_0: bool) -> list[tuple[str, str]]:
+    preempt = "[1, 2, 3, 4, 5] if spec['shard_index'] == 0 else []" if lose_shard_0 else "[]"
+    return [
+        ("        preempt_tries=PREEMPT_TRIES,\n", ""),
+        ("        store_url=STORE_URL,\n        preempt_after_s", "        preempt_after_s"),
+        (
+            "    shards = LocalShardOperator.partial(\n",
+            "    def configure(spec):\n"
+            f"        store_url = {shard_1_store} if spec['shard_index'] == 1 else STORE_URL\n"
+            f"        return {{**spec, 'store_url': store_url, 'preempt_tries': {preempt}}}\n\n"
+            "    shards = LocalShardOperator.partial(\n",
+        ),
+        ("    ).expand_kwargs(plan.output)\n", "    ).expand_kwargs(plan.output.map(configure))\n"),
+    ]
+
+
+#: a person clears ``shard[argv[3]]``, the sensor and its downstream task of the DAG run that
+#: failed (Airflow's own clear, which ``airflow tasks clear`` and the UI run), then a stand-in for
+#: the scheduler (``dag.test()``'s loop, without its clearing of the whole run) runs the DAG run
+#: from the DAG file argv[2] (the fixed one) to its end; summarised like RUN_DAG_FILE, with the
+#: XComs the shard tasks hold at the end
+CLEAR_AND_RUN = """
+import json, runpy, sys, time
+from airflow.models.dagrun import DagRun
+from airflow.models.xcom import XComModel
+from airflow.sdk.definitions.dag import _run_task
+from airflow.serialization.serialized_objects import DagSerialization
+from airflow.utils.session import create_session
+from airflow.utils.state import DagRunState, TaskInstanceState
+script = runpy.run_path(sys.argv[1], run_name="run_example_dag")
+namespace = runpy.run_path(sys.argv[2])
+dag = namespace["dag"]
+scheduler_dag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+with create_session() as session:
+    (run_id,) = session.query(DagRun.run_id).filter(DagRun.dag_id == dag.dag_id).one()
+scheduler_dag.clear(task_ids=[("shard", int(sys.argv[3])), ("verify", -1), ("summarise", -1)], run_id=run_id)
+give_up = time.monotonic() + 240
+with script["deadline_alerts_resolvable_in_dag_test"](), create_session() as session:
+    run = session.query(DagRun).filter(DagRun.run_id == run_id).one()
+    run.dag = scheduler_dag
+    run.state = DagRunState.RUNNING
+    session.commit()
+    while run.state == DagRunState.RUNNING:
+        assert time.monotonic() < give_up, "the cleared DAG run did not end"
+        session.expire_all()
+        schedulable, _ = run.update_state(session=session)
+        for ti in schedulable:
+            if ti.state != TaskInstanceState.UP_FOR_RESCHEDULE:
+                ti.try_number += 1
+            ti.state = TaskInstanceState.SCHEDULED
+        session.commit()
+        for ti in run.get_task_instances(session=session):
+            if ti.state == TaskInstanceState.SCHEDULED:
+                _run_task(ti=ti, task=dag.task_dict[ti.task_id], run_triggerer=True)
+    summary, _ = script["summarise"](run, str(namespace["STORE_URL"]), samples=0, seconds=0.0)
+    xcoms = session.query(XComModel.map_index, XComModel.key).filter(
+        XComModel.run_id == run_id, XComModel.task_id == "shard"
+    )
+    summary["shard_xcoms"] = sorted([index, key] for index, key in xcoms)
+print("RESULT " + json.dumps(summary))
+"""
+
+
+@pytest.mark.parametrize("lose_shard_0", [False, True], ids=["then-complete", "then-partial"])
+def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_cleared(tmp_path, lose_shard_0):
+    """After the shards, a shard task that failed on a configuration error (here another store
+    than the plan's) will run once fixed and cleared: the sensor leaves its shard to run, publishes
+    nothing and fails in one line naming the task, the error and the fix; the job is not cancelled.
+    A shard task whose retries are spent is still settled (its shard fails in the store). After the
+    fix and the clear the shard runs and the job's manifest is published, every record once:
+    ``complete``, or ``partial`` with the spent shard's records ``shard_failed``. Before, the sensor
+    failed the misconfigured shard too and published the job ``partial`` at once: that shard's
+    records ``shard_failed`` for good."""
+    another = "f\"sqlite:///{WORK_DIR / 'another.db'}\""
+    result, output, home = run_derived_example(
+        tmp_path, misconfigured_shard_1(another, lose_shard_0=lose_shard_0)
+    )
+
+    assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
+    shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
+    assert shard_tis.pop(1) == ("failed", 1), result["tasks"]  # no retry: a configuration error
+    if lose_shard_0:
+        assert shard_tis.pop(0) == ("failed", 5), result["tasks"]
+    assert {state for state, _ in shard_tis.values()} <= {"success"}
+    assert states(result, "verify") == ["failed"] and states(result, "summarise") == ["upstream_failed"]
+    job_id = result["job_id"]
+    (line,) = [
+        line for line in output.splitlines() if "shard task shard[1] failed on a configuration" in line
+    ]
+    assert "is not in the manifest store this task reads" in line  # the shard task's own error
+    assert line.endswith("fix it, then clear shard[1] and verify: the job stays open, nothing was published")
+    assert "shard[1] failed for good" not in output
+    assert (
+        "shard task shard[0] failed for good; shard 0 is terminal_failure in the store" in output
+    ) is lose_shard_0
+    assert result["manifest"] is None and result["asset_events"] == []
+    assert result["job_state"] in ("admitted", "running"), result  # neither cancelled nor finalized
+    assert not any((tmp_path / "out").rglob("manifest.json"))
+
+    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    try:
+        shards = {s.shard_index: s for s in store.list_shards(job_id)}
+        assert shards[1].state is ShardState.PENDING and shards[1].last_error is None
+        if lose_shard_0:
+            assert shards.pop(0).state is ShardState.TERMINAL_FAILURE
+        assert {s.state for i, s in shards.items() if i != 1} <= {ShardState.SUCCEEDED}
+        assert not [c for c in store.list_commits(job_id) if c.shard_index == 1]
+    finally:
+        store.close()
+
+    # the fix: shard 1's task reads the plan's store; then shard[1] and verify are cleared
+    dag_file = home / "dags" / "example_deadline_batch_local.py"
+    dag_file.write_text(
+        derived_source(EXAMPLE, misconfigured_shard_1("STORE_URL", lose_shard_0=lose_shard_0))
+    )
+    result, output = run_in_home(home, CLEAR_AND_RUN, str(SCRIPT), str(dag_file), "1")
+
+    assert result["job_id"] == job_id, output[-5000:]
+    shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
+    assert shard_tis.pop(1) == ("success", 2), result["tasks"]
+    assert [1, "configuration_error"] not in result["shard_xcoms"]  # Airflow cleared it at try 2
+    manifest_uri = result["manifest"]
+    if lose_shard_0:
+        assert result["state"] == "failed" and result["job_state"] == "partial", output[-5000:]
+        assert states(result, "verify") == ["failed"] and result["asset_events"] == []
+        assert f"ended partial; its manifest {manifest_uri}" in output
+        store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+        try:
+            shards = {s.shard_index: s for s in store.list_shards(job_id)}
+        finally:
+            store.close()
+        lost = shards.pop(0)
+        assert {s.state for s in shards.values()} == {ShardState.SUCCEEDED}
+        assert_partial_manifest(manifest_uri, lost, shards)
+        return
+    assert result["state"] == "success" and result["job_state"] == "completed", output[-5000:]
+    assert {state for state, _ in shard_tis.values()} == {"success"}
+    assert states(result, "verify") == ["success"] and states(result, "summarise") == ["success"]
+    outcomes = read_outcomes(read_manifest(manifest_uri))  # checksums, counts, no line twice
+    numbered = list(enumerate(SAMPLE.read_text().splitlines(), start=1))
+    assert sorted(outcomes) == [number for number, line in numbered if line.strip()]
+    assert not [o for o in outcomes.values() if o["error"] and o["error"]["code"] == "shard_failed"]
+    assert manifest_uri and result["outcomes"]["succeeded"] > 0
+    (event,) = result["asset_events"]
+    assert event["extra"]["manifest_uri"] == manifest_uri
