@@ -115,6 +115,11 @@ def deployment(
                 # its try has been rescheduled 3 times ([workers] missing_dag_retries)
                 "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120",
                 "AIRFLOW__DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "150",
+                # each DAG file is parsed once: the files never change while the module runs, and
+                # a parse costs ~2 s of CPU (Airflow's default parses every file every 30 s, about
+                # 45 s of CPU over the module that the other test processes need); a failed first
+                # parse still fails the test at once (wait_for_dag reads the import errors)
+                "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
                 # the Kubernetes example's connections: the only place credentials are given
                 **connections(store_url, s3_endpoint, cluster.kubeconfig),
             },

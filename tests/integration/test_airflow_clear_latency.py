@@ -15,8 +15,10 @@ Two DAGs, each one shard task whose first try is preempted (injected; ``retries=
   again (try 2, run in process as ``dag.test()`` runs a task): its lateness is not counted;
 * ``retried``: the same shard task retried by Airflow without a clear: its lateness is counted.
 
-Runs in three subprocesses sharing an ``AIRFLOW_HOME`` (Airflow reads its configuration at import
-time); the first migrates a fresh metadata database.
+Runs in three subprocesses (Airflow reads its configuration at import time): ``cleared``'s two, one
+after the other on one ``AIRFLOW_HOME``, and beside them ``retried``'s, which depends on neither,
+on an ``AIRFLOW_HOME`` of its own; the first process on each home migrates its fresh metadata
+database. The two DAGs' jobs share one manifest store.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -133,16 +136,21 @@ def _ledger(result: dict[str, Any]) -> TryLedger:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    home = tmp_path_factory.mktemp("airflow_home")
-    store_url = f"sqlite:///{home / 'store.db'}"
-    jobs = {name: _plan(store_url, home, name, 10) for name in ("cleared", "retried")}
-    dags = home / "dags"
+    root = tmp_path_factory.mktemp("clear_latency")
+    store_url = f"sqlite:///{root / 'store.db'}"
+    jobs = {name: _plan(store_url, root, name, 10) for name in ("cleared", "retried")}
+    dags = root / "dags"
     dags.mkdir()
     dag_file = dags / "clear_latency.py"
     dag_file.write_text(f"STORE = {store_url!r}\nJOBS = {jobs!r}\n" + textwrap.dedent(DAG))
-    stopped, first = _airflow(home, dag_file, "cleared", "test")
-    again, second = _airflow(home, dag_file, "cleared", "clear")
-    retried, third = _airflow(home, dag_file, "retried", "test")
+    homes = {name: root / f"home-{name}" for name in jobs}
+    for home in homes.values():
+        home.mkdir()
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        retrying = beside.submit(_airflow, homes["retried"], dag_file, "retried", "test")
+        stopped, first = _airflow(homes["cleared"], dag_file, "cleared", "test")
+        again, second = _airflow(homes["cleared"], dag_file, "cleared", "clear")
+        retried, third = retrying.result()
     store = ManifestStore.open(store_url)
     try:
         shards = {name: store.get_shard(job, 0) for name, job in jobs.items()}

@@ -19,27 +19,24 @@ from typing import Any
 
 import orjson
 import pytest
-from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
-from airflow.api_fastapi.core_api.security import get_user
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from airflow_deadline_batch.api import openai_batches
-from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.storage import open_storage
 from airflow_deadline_batch.storage.base import ObjectStorage
+from tests.helpers.openai_routes import StorageWrapper, batches_client
 from tests.helpers.outcomes import read_manifest
 
 BASE = 1_790_000_000  # created_at of the oldest batch (2026)
 LIST_KEYS = {"object", "data", "first_id", "last_id", "has_more"}
 
 
-class CountingStorage:
+class CountingStorage(StorageWrapper):
     """The real storage, counting the objects read (``get_bytes``, ``open_read``, ``read_range``),
     the prefixes listed and the keys the listings yielded."""
 
     def __init__(self, inner: ObjectStorage) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.reads: list[str] = []
         self.listed: list[str] = []
         self.keys_listed = 0
@@ -62,17 +59,6 @@ class CountingStorage:
         self.reads.append(key)
         return self.inner.read_range(key, start, end)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-@pytest.fixture(scope="module")
-def airflow_db() -> None:
-    """Airflow's metadata database (SQLite under the session's ``AIRFLOW_HOME``), migrated once."""
-    from airflow.utils.db import initdb
-
-    initdb()
-
 
 @pytest.fixture(params=["local", "s3"])
 def files(request: pytest.FixtureRequest, tmp_path: Path) -> CountingStorage:
@@ -86,27 +72,8 @@ def files(request: pytest.FixtureRequest, tmp_path: Path) -> CountingStorage:
 def client(
     files: CountingStorage, airflow_db: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[TestClient]:
-    from airflow.api_fastapi import app as airflow_app
-
-    from airflow_deadline_batch.store import ManifestStore
-
-    store_url = f"sqlite:///{tmp_path / 'store.db'}"
-    ManifestStore.open(store_url, migrate=True).close()
-    monkeypatch.setenv("ADB_STORE_URL", store_url)
-    monkeypatch.delenv("ADB_STORE_CONN_ID", raising=False)
-    progress.reset_store()  # this test's store, not the last one's
-    monkeypatch.setattr(openai_batches, "_files", lambda: files)
-    # SimpleAuthManager's roles, minus the DAGs ADB_TEST_DENIED_DAGS names for a user
-    monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER", "tests.fixtures.ui_auth_manager.DagDenyingAuthManager")
-    monkeypatch.setenv("ADB_TEST_DENIED_DAGS", "alice:secret_dag")
-    monkeypatch.setattr(airflow_app._AuthManagerState, "instance", None)
-    airflow_app.create_auth_manager()
-    app = FastAPI()
-    app.include_router(openai_batches.create_router(), prefix="/openai/v1")
-    app.dependency_overrides[get_user] = lambda: SimpleAuthManagerUser(username="alice", role="viewer")
-    with TestClient(app) as test_client:
+    with batches_client(files, tmp_path, monkeypatch, role="viewer") as test_client:
         yield test_client
-    progress.reset_store()
 
 
 def sidecar(i: int, dag_id: str = "example_deadline_batch_local") -> dict[str, Any]:

@@ -22,27 +22,24 @@ from typing import Any
 
 import orjson
 import pytest
-from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
-from airflow.api_fastapi.core_api.security import get_user
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from airflow_deadline_batch.api import openai_batches
 from airflow_deadline_batch.exceptions import ObjectChanged
-from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.storage import open_storage
 from airflow_deadline_batch.storage.base import ObjectStorage, put_if_version, read_versioned
+from tests.helpers.openai_routes import StorageWrapper, batches_client
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-class HeldCancelStorage:
+class HeldCancelStorage(StorageWrapper):
     """The real storage, except that the first write of a sidecar carrying a cancel request waits
     (``arrived`` set) until ``release`` is set: the cancel has read the sidecar, and the test
     decides what happens before its write lands."""
 
     def __init__(self, inner: ObjectStorage) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.arrived = threading.Event()
         self.release = threading.Event()
 
@@ -58,16 +55,6 @@ class HeldCancelStorage:
     def put_bytes_if(self, key: str, data: bytes, version: str | None) -> str:
         self._hold(key, data)
         return str(self.inner.put_bytes_if(key, data, version))  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-@pytest.fixture(scope="module")
-def airflow_db() -> None:
-    from airflow.utils.db import initdb
-
-    initdb()
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -86,26 +73,8 @@ def files(files_uri: str) -> HeldCancelStorage:
 def client(
     files: HeldCancelStorage, airflow_db: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[TestClient]:
-    from airflow.api_fastapi import app as airflow_app
-
-    from airflow_deadline_batch.store import ManifestStore
-
-    store_url = f"sqlite:///{tmp_path / 'store.db'}"
-    ManifestStore.open(store_url, migrate=True).close()
-    monkeypatch.setenv("ADB_STORE_URL", store_url)
-    monkeypatch.delenv("ADB_STORE_CONN_ID", raising=False)
-    progress.reset_store()
-    monkeypatch.setattr(openai_batches, "_files", lambda: files)
-    monkeypatch.setenv("AIRFLOW__CORE__AUTH_MANAGER", "tests.fixtures.ui_auth_manager.DagDenyingAuthManager")
-    monkeypatch.setenv("ADB_TEST_DENIED_DAGS", "alice:secret_dag")
-    monkeypatch.setattr(airflow_app._AuthManagerState, "instance", None)
-    airflow_app.create_auth_manager()
-    app = FastAPI()
-    app.include_router(openai_batches.create_router(), prefix="/openai/v1")
-    app.dependency_overrides[get_user] = lambda: SimpleAuthManagerUser(username="alice", role="admin")
-    with TestClient(app) as test_client:
+    with batches_client(files, tmp_path, monkeypatch, role="admin") as test_client:
         yield test_client
-    progress.reset_store()
 
 
 def new_batch(storage: ObjectStorage, lines: int) -> dict[str, Any]:
