@@ -46,13 +46,6 @@ class FrontDoor:
         return OpenAI(base_url=f"{self.url}/openai/v1", api_key="token", timeout=60.0, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def airflow_db() -> None:
-    from airflow.utils.db import initdb
-
-    initdb()
-
-
 @pytest.fixture()
 def door(airflow_db: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FrontDoor]:
     from airflow.api_fastapi import app as airflow_app
