@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import logging
 import os
 import signal
@@ -92,7 +93,7 @@ from airflow_deadline_batch.exceptions import (
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
 from airflow_deadline_batch.worker.engines import Engine, Generation, GenerationParams, get_engine
-from airflow_deadline_batch.worker.engines.base import check_structured
+from airflow_deadline_batch.worker.engines.base import ENGINE_ERROR, check_structured
 
 #: the worker's exit codes (docs/design.md §6), defined once in core.exit_codes
 EXIT_DONE = EXIT_OK
@@ -198,7 +199,14 @@ def result_records(
     shard_index: int,
     attempt_id: str,
 ) -> list[ResultRecord]:
-    """One result per record: its generation, or an ``invalid_record`` error for bad parameters."""
+    """One result per record: its generation, or an ``invalid_record`` error for bad parameters.
+
+    A generation that cannot be recorded as it is (text that is not valid Unicode, such as a lone
+    surrogate an endpoint's JSON escapes can carry; a finish reason or choices the result format
+    does not allow; a count beyond 64 bits; a log probability that is not a finite number, which
+    JSON cannot carry) becomes that record's ``engine_error``: one hostile output must not fail
+    its whole microbatch, try after try, and so every record of the shard (docs/design.md §4.2).
+    """
     sid = display_shard_id(shard_index)
     results = []
     for pos, (record, gen) in enumerate(zip(records, generations, strict=True)):
@@ -214,38 +222,90 @@ def result_records(
                 )
             )
             continue
-        usage = Usage(
-            prompt_tokens=max(0, gen.prompt_tokens), completion_tokens=max(0, gen.completion_tokens)
-        )
-        if gen.error is None and gen.output is not None:
-            results.append(
-                ResultRecord.succeeded(
-                    line=record.line,
-                    id=record.id,
-                    output=gen.output,
-                    usage=usage,
-                    shard_id=sid,
-                    attempt_id=attempt_id,
-                    finish_reason=gen.finish_reason,
-                    choices=gen.choices,
-                )
+        usage = _usage(gen)
+        result: ResultRecord | None = None
+        try:
+            if usage is None:
+                raise TypeError("the token usage is not a pair of counts")
+            result = _generation_result(record, gen, usage, sid, attempt_id)
+            unrecordable = _unrecordable(result)
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            unrecordable = _why_invalid(exc)
+        if result is None or unrecordable is not None:
+            failed = functools.partial(
+                ResultRecord.failed,
+                line=record.line,
+                id=record.id,
+                code=ENGINE_ERROR,
+                message=f"the engine's result cannot be recorded: {unrecordable}",
+                shard_id=sid,
+                attempt_id=attempt_id,
             )
-        else:
-            code, message = (
-                (gen.error.code, gen.error.message) if gen.error else ("engine_error", "no output")
-            )
-            results.append(
-                ResultRecord.failed(
-                    line=record.line,
-                    id=record.id,
-                    code=code,
-                    message=message,
-                    usage=usage,
-                    shard_id=sid,
-                    attempt_id=attempt_id,
-                )
-            )
+            # the tokens were spent: keep the usage unless it is what cannot be recorded
+            result = failed(usage=usage)
+            if _unrecordable(result) is not None:
+                result = failed()
+        results.append(result)
     return results
+
+
+def _usage(gen: Generation) -> Usage | None:
+    """The generation's token usage (negative counts as 0), or None when it is not a pair of counts."""
+    try:
+        return Usage(prompt_tokens=max(0, gen.prompt_tokens), completion_tokens=max(0, gen.completion_tokens))
+    except (TypeError, ValueError):
+        return None
+
+
+def _generation_result(
+    record: Record, gen: Generation, usage: Usage, sid: str, attempt_id: str
+) -> ResultRecord:
+    if gen.error is None and gen.output is not None:
+        return ResultRecord.succeeded(
+            line=record.line,
+            id=record.id,
+            output=gen.output,
+            usage=usage,
+            shard_id=sid,
+            attempt_id=attempt_id,
+            finish_reason=gen.finish_reason,
+            choices=gen.choices,
+        )
+    code, message = (gen.error.code, gen.error.message) if gen.error else (ENGINE_ERROR, "no output")
+    return ResultRecord.failed(
+        line=record.line,
+        id=record.id,
+        code=code,
+        message=message,
+        usage=usage,
+        shard_id=sid,
+        attempt_id=attempt_id,
+    )
+
+
+def _unrecordable(result: ResultRecord) -> str | None:
+    """Why ``result`` does not read back from its JSON line as itself (None: it does)."""
+    try:
+        line = result.to_json_bytes()
+    except (TypeError, ValueError) as exc:  # orjson: surrogates, integers beyond 64 bits
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    try:
+        same = ResultRecord.parse_line(line) == result
+    except ValueError as exc:
+        return _why_invalid(exc)
+    return None if same else "it does not read back as written"
+
+
+def _why_invalid(exc: Exception) -> str:
+    """One line saying why a result is invalid, without the values (record contents never travel)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'result'}: {e['msg']}"
+            for e in errors(include_url=False, include_input=False, include_context=False)
+        ]
+        return "; ".join(parts[:3])
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def generate_microbatch(

@@ -1,0 +1,119 @@
+"""The shard worker on a bad day: an engine that misbehaves, garbage arguments, signals at bad times.
+
+Real worker processes against a real SQLite store and real files; the engine that misbehaves is
+``tests.helpers.hostile_engine``, run inside the real worker program. Jobs are created the way
+``tests/integration/test_worker.py`` creates them (one shard, straight into the store).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.store import ManifestStore
+from tests.integration.test_worker import (
+    EXIT_DONE,
+    Worker,
+    Workers,
+    assert_exactly_one_outcome_per_line,
+    create_test_job,
+    input_lines,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class HostileWorkers(Workers):
+    """Workers whose engine ``hostile`` (tests.helpers.hostile_engine) misbehaves on cue."""
+
+    def start(self, store_url: str, job_id: str, *args: str, env: dict[str, str] | None = None) -> Worker:
+        log_path = self.tmp_path / f"worker-{len(self.started)}.log"
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        full_env = {**os.environ, "PYTHONPATH": path, "ADB_STORE_URL": store_url, **(env or {})}
+        with log_path.open("wb") as log:
+            popen = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.helpers.hostile_engine",
+                    "--job",
+                    job_id,
+                    "--shard",
+                    "0",
+                    *args,
+                ],
+                env=full_env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        worker = Worker(popen, log_path)
+        self.started.append(worker)
+        return worker
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Iterator[HostileWorkers]:
+    pool = HostileWorkers(tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.cleanup()
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> Iterator[tuple[ManifestStore, str]]:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(url, migrate=True)
+    try:
+        yield store, url
+    finally:
+        store.close()
+
+
+def prompt_line(record_id: str, prompt: str) -> str:
+    return orjson.dumps({"id": record_id, "prompt": prompt}).decode()
+
+
+# ------------------------------------------------------------------------------------- engine output
+
+
+def test_a_result_that_cannot_be_recorded_errors_its_record_not_its_microbatch(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, hostile: HostileWorkers
+) -> None:
+    store, url = sqlite
+    markers = ["__surrogate__", "__nan_logprob__", "__bad_finish__", "__huge_usage__"]
+    lines = input_lines(6) + [prompt_line(f"bad-{m.strip('_')}", f"please {m}") for m in markers]
+    job = create_test_job(
+        store, str(tmp_path / "data"), lines, microbatch_size=3, config={"engine": "hostile"}
+    )
+
+    worker = hostile.run(url, job.job_id)
+
+    # before: the one bad record failed its whole microbatch (exit 75), try after try
+    assert worker.popen.returncode == EXIT_DONE, worker.log
+    assert store.get_shard(job.job_id, 0).state is ShardState.SUCCEEDED
+    outcomes = {o.line: o for o in assert_exactly_one_outcome_per_line(store, job)}  # every object parses
+    for line, prompt in job.prompts.items():
+        outcome = outcomes[line]
+        if "__" not in prompt:
+            assert outcome.status == "succeeded" and outcome.output == " ".join(["echo:", *prompt.split()])
+            continue
+        assert outcome.status == "errored" and outcome.error is not None, outcome
+        assert outcome.error.code == "engine_error"
+        assert outcome.error.message.startswith("the engine's result cannot be recorded: ")
+    by_id = {o.id: o for o in outcomes.values()}
+    assert "surrogates not allowed" in by_id["bad-surrogate"].error.message  # type: ignore[union-attr]
+    assert "finish_reason" in by_id["bad-bad_finish"].error.message  # type: ignore[union-attr]
+    # the tokens were spent and are kept, unless they are what cannot be recorded
+    assert by_id["bad-surrogate"].usage.completion_tokens == 3
+    assert by_id["bad-huge_usage"].usage.completion_tokens == 0
