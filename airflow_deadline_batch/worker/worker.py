@@ -323,7 +323,8 @@ def generate_microbatch(
             runnable.append(pos)
     generations: list[Generation | None] = [None] * len(records)
     if runnable:
-        produced = engine.generate([records[i].request for i in runnable], params)
+        with _engine_must_return(engine, "a microbatch"):
+            produced = engine.generate([records[i].request for i in runnable], params)
         if len(produced) != len(runnable):
             raise EngineError(
                 f"engine {engine.name} returned {len(produced)} generations for {len(runnable)} "
@@ -333,6 +334,22 @@ def generate_microbatch(
             # structured output is checked here, for every engine, before anything commits
             generations[pos] = check_structured(gen, params.for_request(records[pos].request))
     return generations, rejected
+
+
+@contextlib.contextmanager
+def _engine_must_return(engine: Engine, during: str) -> Iterator[None]:
+    """An engine that ends the process (``sys.exit``, ``SystemExit`` from a library) fails the try.
+
+    Otherwise the worker would exit with the engine's code, 0 included, which says "shard done"
+    while the shard is still leased and unfinished, and no failure would be recorded.
+    """
+    try:
+        yield
+    except SystemExit as exc:
+        raise EngineError(
+            f"engine {engine.name} tried to end the process (exit code {exc.code!r}) during {during} "
+            "instead of returning or raising an error; this is an engine bug"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------- heartbeat
@@ -681,7 +698,8 @@ class ShardWorker:
 
         self.phase = Phase.LOADING
         started = time.monotonic()
-        engine.load()
+        with _engine_must_return(engine, "its load"):
+            engine.load()
         log.info(
             "engine %s loaded (model %s) in %.1fs", engine.name, engine.model_name, time.monotonic() - started
         )

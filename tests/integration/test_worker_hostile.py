@@ -16,10 +16,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.store import ManifestStore
 from tests.integration.test_worker import (
     EXIT_DONE,
+    EXIT_RETRYABLE,
+    EXIT_TERMINAL,
     Worker,
     Workers,
     assert_exactly_one_outcome_per_line,
@@ -117,3 +119,34 @@ def test_a_result_that_cannot_be_recorded_errors_its_record_not_its_microbatch(
     # the tokens were spent and are kept, unless they are what cannot be recorded
     assert by_id["bad-surrogate"].usage.completion_tokens == 3
     assert by_id["bad-huge_usage"].usage.completion_tokens == 0
+
+
+def test_an_engine_that_ends_the_process_fails_its_try_instead_of_exiting_done(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, hostile: HostileWorkers
+) -> None:
+    store, url = sqlite
+    lines = [*input_lines(3), prompt_line("quits", "now __exit__")]
+    job = create_test_job(
+        store,
+        str(tmp_path / "data"),
+        lines,
+        microbatch_size=4,
+        config={"engine": "hostile", "max_attempts": 2},
+    )
+
+    first = hostile.run(url, job.job_id)
+
+    # before: exit 0 ("shard done") with the shard still leased, nothing recorded
+    assert first.popen.returncode == EXIT_RETRYABLE, first.log
+    (attempt,) = store.list_attempts(job.job_id)
+    assert attempt.outcome is AttemptOutcome.FAILED_RETRYABLE
+    assert "tried to end the process (exit code 0)" in (attempt.error or "")
+    shard = store.get_shard(job.job_id, 0)
+    assert shard.state is ShardState.RETRYABLE_FAILURE and shard.failures == 1
+    # a poison shard: the next try spends the last unit of the budget and the shard fails for good
+    second = hostile.run(url, job.job_id)
+    assert second.popen.returncode == EXIT_TERMINAL, second.log
+    shard = store.get_shard(job.job_id, 0)
+    assert shard.state is ShardState.TERMINAL_FAILURE
+    assert "tried to end the process" in (shard.last_error or "")
+    assert store.list_commits(job.job_id) == []
