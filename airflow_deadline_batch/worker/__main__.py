@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from airflow_deadline_batch.core.exit_codes import EXIT_TERMINAL
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -33,8 +34,16 @@ def parse_engine_options(items: Sequence[str]) -> dict[str, str]:
     return options
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are a configuration error: one line and exit 1, the worker's exit codes
+    (argparse's own exit 2 is none of them, so a launcher would take it for a crash)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_TERMINAL, f"{self.prog}: {message}; see --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m airflow_deadline_batch.worker",
         description="Run one attempt at one shard of a deadline-batch job.",
     )

@@ -97,6 +97,10 @@ from airflow_deadline_batch.worker.engines.base import ENGINE_ERROR, check_struc
 
 #: the worker's exit codes (docs/design.md §6), defined once in core.exit_codes
 EXIT_DONE = EXIT_OK
+#: The longest ``--lease-ttl`` and ``--grace`` (a day). NaN and infinity fail the range check too:
+#: a NaN lease expired at once, an infinite or huge one outlived a dead worker (and overflowed the
+#: heartbeat's wait), and an infinite grace made a SIGTERM crash the alarm (``setitimer``).
+MAX_SECONDS = 86_400.0
 
 ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
 ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"
@@ -144,10 +148,14 @@ class WorkerConfig:
             raise ConfigurationError("no manifest store: pass --store URL or set ADB_STORE_URL")
         if self.shard_index < 0:
             raise ConfigurationError(f"--shard must be >= 0, got {self.shard_index}")
-        if self.lease_ttl_s is not None and self.lease_ttl_s <= 0:
-            raise ConfigurationError(f"--lease-ttl must be > 0 seconds, got {self.lease_ttl_s}")
-        if self.grace_s < 0:
-            raise ConfigurationError(f"--grace must be >= 0 seconds, got {self.grace_s}")
+        if self.lease_ttl_s is not None and not 0 < self.lease_ttl_s <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"--lease-ttl must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {self.lease_ttl_s}"
+            )
+        if not 0 <= self.grace_s <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"--grace must be a number of seconds >= 0 and <= {MAX_SECONDS:g}, got {self.grace_s}"
+            )
 
 
 class _Interrupted(BaseException):
@@ -526,6 +534,11 @@ class ShardWorker:
             with self._store_call():
                 job = store.get_job(cfg.job_id)
                 ttl_s = cfg.lease_ttl_s or job.lease_ttl_s
+                if not 0 < ttl_s <= MAX_SECONDS:
+                    raise ConfigurationError(
+                        f"job {job.job_id} has lease_ttl_s {ttl_s}, not a number of seconds > 0 and "
+                        f"<= {MAX_SECONDS:g}; pass --lease-ttl or re-plan the job with a valid lease TTL"
+                    )
                 claim = store.claim_race if cfg.race else store.claim_shard
                 self.lease = claim(
                     cfg.job_id, cfg.shard_index, ttl_s=ttl_s, worker=cfg.worker_name, pool=cfg.pool

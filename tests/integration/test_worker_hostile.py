@@ -22,12 +22,14 @@ from tests.integration.test_worker import (
     EXIT_DONE,
     EXIT_RETRYABLE,
     EXIT_TERMINAL,
+    WAIT_S,
     Worker,
     Workers,
     assert_exactly_one_outcome_per_line,
     create_test_job,
     input_lines,
 )
+from tests.integration.test_worker import workers as workers  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -150,3 +152,52 @@ def test_an_engine_that_ends_the_process_fails_its_try_instead_of_exiting_done(
     assert shard.state is ShardState.TERMINAL_FAILURE
     assert "tried to end the process" in (shard.last_error or "")
     assert store.list_commits(job.job_id) == []
+
+
+# ------------------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--shard", "abc"), "argument --shard: invalid int value: 'abc'"),
+        (("--shard", "0", "--lease-ttl", "nan"), "--lease-ttl must be a number of seconds > 0"),
+        (("--shard", "0", "--lease-ttl", "1e300"), "--lease-ttl must be a number of seconds > 0"),
+        (("--shard", "0", "--grace", "inf"), "--grace must be a number of seconds >= 0"),
+    ],
+)
+def test_garbage_arguments_are_one_line_and_exit_1_before_any_claim(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    store, url = sqlite
+    job = create_test_job(store, str(tmp_path / "data"), input_lines(2), microbatch_size=2)
+    done = subprocess.run(
+        [sys.executable, "-m", "airflow_deadline_batch.worker", "--job", job.job_id, *args],
+        env={**os.environ, "ADB_STORE_URL": url},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    # before: argparse exited 2 (no worker exit code) after its usage text; a NaN lease was claimed
+    # and lost at once (75); an infinite or huge one was claimed and outlived a dead worker
+    assert done.returncode == EXIT_TERMINAL, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert says in line
+    assert store.list_attempts(job.job_id) == []
+    assert store.get_shard(job.job_id, 0).state is ShardState.PENDING
+
+
+def test_a_job_whose_lease_ttl_is_not_a_number_of_seconds_is_refused_before_the_claim(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, workers: Workers
+) -> None:
+    store, url = sqlite
+    job = create_test_job(
+        store, str(tmp_path / "data"), input_lines(2), microbatch_size=2, config={"lease_ttl_s": 1e300}
+    )
+    worker = workers.run(url, job.job_id)
+    assert worker.popen.returncode == EXIT_TERMINAL, worker.log
+    assert "has lease_ttl_s 1e+300" in worker.log and "pass --lease-ttl" in worker.log
+    assert store.list_attempts(job.job_id) == []
+    # an explicit, valid --lease-ttl overrides the job's
+    assert workers.run(url, job.job_id, "--lease-ttl", "30").popen.returncode == EXIT_DONE
