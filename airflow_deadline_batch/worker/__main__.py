@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine-specific option, repeatable (e.g. delay_s_per_record=0.1)",
     )
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="seconds an engine call (the load, one microbatch) may run before the try ends as a hang "
+        "(default: the load is not watched, a microbatch 10 times its expected time, at least 1800)",
+    )
+    parser.add_argument(
         "--race",
         action="store_true",
         help="run as a speculative duplicate beside the shard's running attempt (the tail race)",
@@ -98,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pool=args.pool,
             engine_options=parse_engine_options(args.engine_option),
             race=args.race,
+            stall_timeout_s=args.stall_timeout,
             **extra,
         )
     except ConfigurationError as exc:

@@ -101,6 +101,11 @@ EXIT_DONE = EXIT_OK
 #: a NaN lease expired at once, an infinite or huge one outlived a dead worker (and overflowed the
 #: heartbeat's wait), and an infinite grace made a SIGTERM crash the alarm (``setitimer``).
 MAX_SECONDS = 86_400.0
+#: Without ``--stall-timeout``, a microbatch whose engine call runs longer than this many times its
+#: expected time (the pace measured on this try's microbatches, else the planner's estimate), and
+#: at least :data:`STALL_FLOOR_S`, is an engine that hangs: the try ends (see ``Heartbeat``).
+STALL_FACTOR = 10.0
+STALL_FLOOR_S = 1800.0
 
 ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
 ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"
@@ -142,6 +147,9 @@ class WorkerConfig:
     engine_options: Mapping[str, str] = field(default_factory=dict)
     #: a speculative duplicate beside the shard's running attempt (the tail race)
     race: bool = False
+    #: the longest an engine call (the load, one microbatch) may run (None: the load is not
+    #: watched, a microbatch may run STALL_FACTOR times its expected time, at least STALL_FLOOR_S)
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.store_url:
@@ -155,6 +163,11 @@ class WorkerConfig:
         if not 0 <= self.grace_s <= MAX_SECONDS:
             raise ConfigurationError(
                 f"--grace must be a number of seconds >= 0 and <= {MAX_SECONDS:g}, got {self.grace_s}"
+            )
+        if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"--stall-timeout must be a number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                f"got {self.stall_timeout_s}"
             )
 
 
@@ -364,12 +377,20 @@ def _engine_must_return(engine: Engine, during: str) -> Iterator[None]:
 
 
 class Heartbeat:
-    """Extends the lease every ``ttl / 3`` from a daemon thread, so long microbatches keep it."""
+    """Extends the lease every ``ttl / 3`` from a daemon thread, so long microbatches keep it.
 
-    def __init__(self, store: ManifestStore, lease: Lease, ttl_s: float) -> None:
+    Before each beat it calls ``watchdog``, which ends the process when the engine made no
+    progress for too long: a hung engine must not keep its lease alive forever through this
+    thread, holding the shard from every other try until the deadline passes.
+    """
+
+    def __init__(
+        self, store: ManifestStore, lease: Lease, ttl_s: float, watchdog: Callable[[], None] | None = None
+    ) -> None:
         self._store = store
         self._lease = lease
         self._ttl_s = ttl_s
+        self._watchdog = watchdog
         self._stop = threading.Event()
         self.lost = threading.Event()
         self.lost_reason = ""
@@ -385,6 +406,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl_s / 3):
+            if self._watchdog is not None:
+                self._watchdog()
             try:
                 self._lease = self._store.heartbeat(self._lease, self._ttl_s)
             except LeaseLost as exc:
@@ -421,6 +444,10 @@ class ShardWorker:
         self._generate_records = 0
         self._measured: list[tuple[int, float]] = []  # (records, seconds) of finished microbatches
         self._committed = 0  # microbatches this try committed (a try with progress spends no budget)
+        # the engine call being watched for a hang: what it is, since when, for how long at most
+        self._watch_lock = threading.Lock()
+        self._watched: tuple[str, float, float] | None = None
+        self._est_s_per_record: float | None = None  # the planner's estimate for this shard
 
     # -- signals ----------------------------------------------------------------------------------
 
@@ -566,7 +593,7 @@ class ShardWorker:
             ttl_s,
         )
         self._ttl_s = ttl_s
-        self.heartbeat = Heartbeat(store, lease, ttl_s)
+        self.heartbeat = Heartbeat(store, lease, ttl_s, self._watchdog)
         self.heartbeat.start()
         try:
             completed = self._process(store, job, lease)
@@ -702,6 +729,8 @@ class ShardWorker:
         with self._store_call():
             shard = store.get_shard(job.job_id, cfg.shard_index)
         shard_input = self._read_input(job, shard, size)
+        if shard.est_work_s > 0 and shard.records > 0:
+            self._est_s_per_record = shard.est_work_s / shard.records
         expected_mbs = microbatch_count(len(shard_input.records), size)
         if expected_mbs != lease.num_microbatches:
             raise ConfigurationError(
@@ -711,7 +740,7 @@ class ShardWorker:
 
         self.phase = Phase.LOADING
         started = time.monotonic()
-        with _engine_must_return(engine, "its load"):
+        with _engine_must_return(engine, "its load"), self._watching("its load", cfg.stall_timeout_s):
             engine.load()
         log.info(
             "engine %s loaded (model %s) in %.1fs", engine.name, engine.model_name, time.monotonic() - started
@@ -780,7 +809,8 @@ class ShardWorker:
         if self._stop_requested_at is not None:
             # a notice that landed after the loop's check saw no GENERATING phase: decide now
             self._decide_current_microbatch(time.monotonic())
-        generations, rejected = generate_microbatch(engine, records, params)
+        with self._watching(f"microbatch {seq}", self._microbatch_limit(len(records))):
+            generations, rejected = generate_microbatch(engine, records, params)
         gen_s = time.monotonic() - started
         self.phase = Phase.WRITING
         self._disarm_alarm()
@@ -833,6 +863,54 @@ class ShardWorker:
         )
         return seq + 1
 
+    def _microbatch_limit(self, records: int) -> float:
+        """How long one microbatch's engine call may run before it counts as a hang."""
+        if self.config.stall_timeout_s is not None:
+            return self.config.stall_timeout_s
+        expected = self._expected_seconds(records)
+        if expected is None and self._est_s_per_record is not None:
+            expected = self._est_s_per_record * records
+        return max(STALL_FLOOR_S, STALL_FACTOR * (expected or 0.0))
+
+    @contextlib.contextmanager
+    def _watching(self, what: str, limit_s: float | None) -> Iterator[None]:
+        """Watch an engine call for a hang (``limit_s`` None: not watched)."""
+        if limit_s is None:
+            yield
+            return
+        with self._watch_lock:
+            self._watched = (what, time.monotonic(), limit_s)
+        try:
+            yield
+        finally:
+            # blocks for good if the watchdog is ending the process: nothing after it may commit
+            with self._watch_lock:
+                self._watched = None
+
+    def _watchdog(self) -> None:
+        """From the heartbeat thread: end the try when the watched engine call outran its limit.
+
+        The main thread is inside the engine, where neither a signal nor an exception may reach it
+        (a C extension, a lock), so this thread ends the attempt in the store (deterministic: a
+        poison record hangs every try alike, so the budget stops it) and ends the process.
+        """
+        with self._watch_lock:
+            if self._watched is None:
+                return
+            what, since, limit_s = self._watched
+            ran_s = time.monotonic() - since
+            if ran_s <= limit_s:
+                return
+            reason = (
+                f"the engine made no progress for {ran_s:.0f}s during {what} (limit {limit_s:g}s): "
+                "it hangs; raise --stall-timeout if it is only slow"
+            )
+            self._shutting_down = True  # a signal now changes nothing: the process is ending
+            code = self._finish(self._store, FailureClass.DETERMINISTIC, None, reason)
+            for handler in log.handlers:
+                handler.flush()
+            os._exit(code)
+
     def _disarm_alarm(self) -> None:
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -853,7 +931,7 @@ class ShardWorker:
             waiter.wait(0.05)
         log.warning("fault injection: resumed")
         if self._store is not None and self.lease is not None:
-            self.heartbeat = Heartbeat(self._store, self.lease, self._ttl_s)
+            self.heartbeat = Heartbeat(self._store, self.lease, self._ttl_s, self._watchdog)
             self.heartbeat.start()
 
 

@@ -201,3 +201,29 @@ def test_a_job_whose_lease_ttl_is_not_a_number_of_seconds_is_refused_before_the_
     assert store.list_attempts(job.job_id) == []
     # an explicit, valid --lease-ttl overrides the job's
     assert workers.run(url, job.job_id, "--lease-ttl", "30").popen.returncode == EXIT_DONE
+
+
+# ------------------------------------------------------------------------------------- a hung engine
+
+
+def test_an_engine_that_hangs_loses_its_lease_instead_of_keeping_it_alive_forever(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, hostile: HostileWorkers
+) -> None:
+    store, url = sqlite
+    lines = [*input_lines(2), prompt_line("stuck", "a much longer prompt that hangs __hang__")]
+    job = create_test_job(
+        store, str(tmp_path / "data"), lines, microbatch_size=2, config={"engine": "hostile"}
+    )
+    # two microbatches: the first commits, the second (the longest prompt) never returns
+    worker = hostile.start(url, job.job_id, "--lease-ttl", "1.5", "--stall-timeout", "3")
+
+    # before: the heartbeat thread renewed the hung worker's lease for ever; the wait timed out
+    assert worker.wait() == EXIT_RETRYABLE, worker.log
+    assert "the engine made no progress for" in worker.log and "during microbatch 1" in worker.log
+    (attempt,) = store.list_attempts(job.job_id)
+    assert attempt.outcome is AttemptOutcome.FAILED_RETRYABLE
+    assert attempt.failure_class == "deterministic"
+    shard = store.get_shard(job.job_id, 0)
+    assert shard.state is ShardState.RETRYABLE_FAILURE and shard.cursor == 1
+    assert shard.failures == 0  # the try committed a microbatch: it spends no budget
+    assert [c.seq for c in store.list_commits(job.job_id)] == [0]
