@@ -444,9 +444,10 @@ class ShardWorker:
         self._generate_records = 0
         self._measured: list[tuple[int, float]] = []  # (records, seconds) of finished microbatches
         self._committed = 0  # microbatches this try committed (a try with progress spends no budget)
-        # the engine call being watched for a hang: what it is, since when, for how long at most
+        # the engine call watched for a hang: what it is, the seconds it ran so far, when they
+        # were last counted, and how long it may run
         self._watch_lock = threading.Lock()
-        self._watched: tuple[str, float, float] | None = None
+        self._watched: tuple[str, float, float, float] | None = None
         self._est_s_per_record: float | None = None  # the planner's estimate for this shard
 
     # -- signals ----------------------------------------------------------------------------------
@@ -879,7 +880,7 @@ class ShardWorker:
             yield
             return
         with self._watch_lock:
-            self._watched = (what, time.monotonic(), limit_s)
+            self._watched = (what, 0.0, time.monotonic(), limit_s)
         try:
             yield
         finally:
@@ -893,12 +894,18 @@ class ShardWorker:
         The main thread is inside the engine, where neither a signal nor an exception may reach it
         (a C extension, a lock), so this thread ends the attempt in the store (deterministic: a
         poison record hangs every try alike, so the budget stops it) and ends the process.
+
+        A gap between two checks much longer than a beat is time the process did not run (SIGSTOP,
+        a starved node), not the engine's: it counts as one beat, so a worker stopped past its
+        lease ends ``stalled`` by the heartbeat that follows, as before, not as a hang.
         """
         with self._watch_lock:
             if self._watched is None:
                 return
-            what, since, limit_s = self._watched
-            ran_s = time.monotonic() - since
+            what, ran_s, counted_at, limit_s = self._watched
+            now, beat = time.monotonic(), self._ttl_s / 3
+            ran_s += now - counted_at if now - counted_at <= 2 * beat else beat
+            self._watched = (what, ran_s, now, limit_s)
             if ran_s <= limit_s:
                 return
             reason = (

@@ -8,6 +8,7 @@ Real worker processes against a real SQLite store and real files; the engine tha
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 
 from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
 from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.waiting import wait_for
 from tests.integration.test_worker import (
     EXIT_DONE,
     EXIT_RETRYABLE,
@@ -227,3 +229,37 @@ def test_an_engine_that_hangs_loses_its_lease_instead_of_keeping_it_alive_foreve
     assert shard.state is ShardState.RETRYABLE_FAILURE and shard.cursor == 1
     assert shard.failures == 0  # the try committed a microbatch: it spends no budget
     assert [c.seq for c in store.list_commits(job.job_id)] == [0]
+
+
+def test_a_worker_stopped_past_its_lease_mid_microbatch_ends_stalled_not_hung(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, workers: Workers
+) -> None:
+    store, url = sqlite
+    job = create_test_job(store, str(tmp_path / "data"), input_lines(6), microbatch_size=2)
+    # the stall limit is shorter than the stop: the stopped time is not the engine's
+    worker = workers.start(
+        url,
+        job.job_id,
+        "--lease-ttl",
+        "1.5",
+        "--stall-timeout",
+        "2",
+        "--engine-option",
+        "delay_s_per_record=0.4",
+    )
+    wait_for(lambda: store.get_shard(job.job_id, 0).cursor >= 1, timeout_s=WAIT_S, what="the first commit")
+    worker.kill(signal.SIGSTOP)
+    try:
+        expires = store.get_shard(job.job_id, 0).lease_expires_at
+        assert expires is not None
+        wait_for(lambda: store.db_time() > expires + 2.0, timeout_s=WAIT_S, what="the lease to expire")
+    finally:
+        worker.kill(signal.SIGCONT)
+
+    assert worker.wait() == EXIT_RETRYABLE, worker.log
+    (attempt,) = store.list_attempts(job.job_id)
+    assert attempt.outcome is AttemptOutcome.STALLED, worker.log
+    assert "made no progress" not in worker.log
+    # fenced: nothing committed after the lease lapsed, and the shard is free for the next try
+    assert [c.seq for c in store.list_commits(job.job_id)] == [0]
+    assert store.get_shard(job.job_id, 0).state is ShardState.RETRYABLE_FAILURE
