@@ -86,6 +86,7 @@ from airflow_deadline_batch.exceptions import (
     ConfigurationError,
     EngineError,
     LeaseLost,
+    ObjectNotFound,
     ShardNotClaimable,
     StorageError,
     StoreError,
@@ -776,7 +777,16 @@ class ShardWorker:
 
     def _read_input(self, job: JobRow, shard: ShardRow, size: int) -> ShardInput:
         storage, key = open_uri(job.input_uri)
-        data = storage.read_range(key, shard.byte_start, shard.byte_end)
+        try:
+            data = storage.read_range(key, shard.byte_start, shard.byte_end)
+        except ObjectNotFound as exc:
+            # the input changed after planning (docs/design.md §4.1): no try can read it again,
+            # so the job stops with the cause instead of each shard spending its budget on it
+            raise ConfigurationError(
+                f"the input {job.input_uri} no longer exists; it was planned with SHA-256 "
+                f"{job.input_sha256}: restore it, or re-plan the job",
+                uri=job.input_uri,
+            ) from exc
         actual = sha256_hex(data)
         if actual != shard.input_sha256:
             raise ChecksumMismatch(

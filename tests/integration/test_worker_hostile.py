@@ -17,7 +17,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from airflow_deadline_batch.core.states import AttemptOutcome, ShardState
+from airflow_deadline_batch.core.states import AttemptOutcome, JobState, ShardState
+from airflow_deadline_batch.storage import open_uri
 from airflow_deadline_batch.store import ManifestStore
 from tests.helpers.waiting import wait_for
 from tests.integration.test_worker import (
@@ -263,3 +264,24 @@ def test_a_worker_stopped_past_its_lease_mid_microbatch_ends_stalled_not_hung(
     # fenced: nothing committed after the lease lapsed, and the shard is free for the next try
     assert [c.seq for c in store.list_commits(job.job_id)] == [0]
     assert store.get_shard(job.job_id, 0).state is ShardState.RETRYABLE_FAILURE
+
+
+# ------------------------------------------------------------------------------------- the input
+
+
+def test_an_input_deleted_after_planning_stops_the_job_instead_of_spending_every_shards_budget(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, workers: Workers
+) -> None:
+    store, url = sqlite
+    job = create_test_job(store, str(tmp_path / "data"), input_lines(4), microbatch_size=2)
+    storage, key = open_uri(job.input_uri)
+    storage.delete(key)
+
+    worker = workers.run(url, job.job_id)
+
+    # before: a deterministic failure (exit 75), one unit of budget per try, then shard_failed
+    assert worker.popen.returncode == EXIT_TERMINAL, worker.log
+    assert "no longer exists" in worker.log and "restore it, or re-plan the job" in worker.log
+    assert store.get_shard(job.job_id, 0).state is ShardState.TERMINAL_FAILURE
+    stopped = store.get_job(job.job_id)
+    assert stopped.state is JobState.FAILED and "no longer exists" in (stopped.error or "")
