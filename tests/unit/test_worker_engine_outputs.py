@@ -7,6 +7,7 @@ vLLM engine's mapping of log probabilities that JSON cannot carry.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from airflow_deadline_batch.core.records import Message, Request
+from airflow_deadline_batch.core.results import Choice
 from airflow_deadline_batch.worker.engines import GenerationParams, get_engine
 
 #: a well-formed choice, for the bodies whose usage is what is wrong
@@ -86,3 +88,28 @@ def test_a_response_cut_short_is_a_transient_failure_that_is_retried(hostile_api
         engine.generate([chat(CUT_SHORT)], GenerationParams())
     assert type(caught.value).__name__ == "EngineError"
     assert "kept failing" in str(caught.value) and "IncompleteRead" in str(caught.value)
+
+
+# ------------------------------------------------------------------------------------- vLLM
+
+
+def test_a_log_probability_of_minus_infinity_is_written_as_openais_floor() -> None:
+    from airflow_deadline_batch.core.results import ResultRecord, Usage
+    from airflow_deadline_batch.worker.engines.vllm_engine import LOGPROB_FLOOR, _token_logprob
+    from tests.unit.test_engines import FakeLogprob
+
+    # token 7 was sampled; a logits processor masked token 98 (vLLM's -inf)
+    alternatives = {7: FakeLogprob(-0.5, 1, " a"), 98: FakeLogprob(-math.inf, 2, " b")}
+    masked = {7: FakeLogprob(-math.inf, 1, " a")}
+
+    ranked = _token_logprob(7, alternatives, 2)
+    chosen = _token_logprob(7, masked, 0)
+
+    assert [t.logprob for t in ranked.top_logprobs] == [-0.5, LOGPROB_FLOOR] and ranked.logprob == -0.5
+    assert chosen.logprob == LOGPROB_FLOOR == -9999.0
+    # and so the record reads back as written (before: -inf was written as null)
+    choice = Choice(index=0, text=" a", logprobs=(ranked, chosen))
+    record = ResultRecord.succeeded(
+        line=1, id="r", output=" a", usage=Usage(), shard_id="00000", attempt_id="a-1", choices=(choice,)
+    )
+    assert ResultRecord.parse_line(record.to_json_bytes()) == record
