@@ -382,7 +382,9 @@ class Heartbeat:
 
     Before each beat it calls ``watchdog``, which ends the process when the engine made no
     progress for too long: a hung engine must not keep its lease alive forever through this
-    thread, holding the shard from every other try until the deadline passes.
+    thread, holding the shard from every other try until the deadline passes. Once the lease is
+    lost the thread beats no more but keeps watching, so a hung engine whose lease was fenced
+    (its job cancelled) still ends, instead of leaving its launcher waiting on it for ever.
     """
 
     def __init__(
@@ -409,13 +411,16 @@ class Heartbeat:
         while not self._stop.wait(self._ttl_s / 3):
             if self._watchdog is not None:
                 self._watchdog()
+            if self.lost.is_set():
+                if self._watchdog is None:
+                    return
+                continue
             try:
                 self._lease = self._store.heartbeat(self._lease, self._ttl_s)
             except LeaseLost as exc:
                 self.lost_reason = str(exc)
                 self.lost.set()
                 log.warning("heartbeat: lease lost: %s", exc)
-                return
             except Exception as exc:  # a store blip: the next beat (or the commit) decides
                 log.warning("heartbeat failed (will retry): %s", exc)
 

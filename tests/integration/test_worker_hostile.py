@@ -285,3 +285,23 @@ def test_an_input_deleted_after_planning_stops_the_job_instead_of_spending_every
     assert store.get_shard(job.job_id, 0).state is ShardState.TERMINAL_FAILURE
     stopped = store.get_job(job.job_id)
     assert stopped.state is JobState.FAILED and "no longer exists" in (stopped.error or "")
+
+
+def test_a_hung_engine_whose_job_is_cancelled_still_ends(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path, hostile: HostileWorkers
+) -> None:
+    store, url = sqlite
+    lines = [prompt_line("stuck", "hangs __hang__")]
+    job = create_test_job(
+        store, str(tmp_path / "data"), lines, microbatch_size=1, config={"engine": "hostile"}
+    )
+    worker = hostile.start(url, job.job_id, "--lease-ttl", "1.5", "--stall-timeout", "4")
+    wait_for(lambda: "engine hostile loaded" in worker.log, timeout_s=WAIT_S, what="the engine to load")
+    store.cancel_job(job.job_id, reason="cancelled while its engine hangs")  # fences the lease
+    wait_for(lambda: "lease lost" in worker.log, timeout_s=WAIT_S, what="the heartbeat to lose the lease")
+
+    # before: the heartbeat thread ended with the lease, so nothing watched the engine any more
+    # and the process hung for ever (its launcher waiting on it)
+    assert worker.wait() == EXIT_RETRYABLE, worker.log
+    assert "the engine made no progress for" in worker.log
+    assert store.list_commits(job.job_id) == []
