@@ -26,6 +26,13 @@ partition; or its job was stopped) ends its attempt as ``stalled``, over the ``l
 store wrote if another claim took the shard first: not a preemption of its pool (docs/design.md
 §4.4); it exits 75 like any retryable end.
 
+An engine that hangs (a microbatch's engine call past ``--stall-timeout``; by default ten times
+its expected time, at least 30 minutes) ends its try as *deterministic*, from the heartbeat
+thread, which otherwise would keep the hung worker's lease alive for ever (``_watchdog``). An
+engine result that cannot be recorded as it is (not valid Unicode, a non-finite number, a shape
+the result format does not allow) errors its own record, never its whole microbatch, and an
+engine that calls ``sys.exit`` fails its try instead of exiting with its code.
+
 Exit codes: 0 done (also when the shard was already committed), 75 retryable (preempted, lease
 lost or held by another live attempt, transient failure), 1 terminal (bad configuration, model
 digest mismatch, changed input, attempts exhausted).
