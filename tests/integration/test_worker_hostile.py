@@ -8,6 +8,7 @@ Real worker processes against a real SQLite store and real files; the engine tha
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -305,3 +306,62 @@ def test_a_hung_engine_whose_job_is_cancelled_still_ends(
     assert worker.wait() == EXIT_RETRYABLE, worker.log
     assert "the engine made no progress for" in worker.log
     assert store.list_commits(job.job_id) == []
+
+
+# ------------------------------------------------------------------------------------- the store
+
+
+def test_a_store_url_with_a_wrong_password_is_one_masked_line_and_exit_1(
+    pg_password_store_url: str, tmp_path: Path, workers: Workers
+) -> None:
+    store = ManifestStore.open(pg_password_store_url, migrate=True)
+    try:
+        job = create_test_job(store, str(tmp_path / "data"), input_lines(2), microbatch_size=2)
+        password = pg_password_store_url.split(":", 2)[2].split("@", 1)[0]
+        wrong = pg_password_store_url.replace(f":{password}@", ":not-the-password@", 1)
+
+        worker = workers.run(wrong, job.job_id)
+
+        assert worker.popen.returncode == EXIT_TERMINAL, worker.log
+        (line,) = worker.log.splitlines()
+        assert "cannot claim (configuration)" in line and "password authentication failed" in line
+        assert "not-the-password" not in line and password not in line
+        assert store.list_attempts(job.job_id) == []
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------------- the local disk
+
+
+def test_an_object_past_the_file_size_limit_leaves_nothing_behind_and_frees_the_shard(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path
+) -> None:
+    store, url = sqlite
+    # 20 records of ~14 KB in one microbatch: its object (~280 KB) passes the 200 KB limit the
+    # worker runs under, the store's small writes do not
+    lines = [prompt_line(f"r{i}", ("w" * 7000 + " ") * 2) for i in range(20)]
+    job = create_test_job(store, str(tmp_path / "data"), lines, microbatch_size=20)
+    limit = 200 * 1024
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "airflow_deadline_batch.worker", "--job", job.job_id, "--shard", "0"],
+        env={**os.environ, "ADB_STORE_URL": url},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        preexec_fn=limit_file_size,  # noqa: PLW1509 - a resource limit, no threads in the child yet
+    )
+
+    assert done.returncode == EXIT_RETRYABLE, done.stderr
+    assert "File too large" in done.stderr
+    (attempt,) = store.list_attempts(job.job_id)
+    assert attempt.outcome is AttemptOutcome.FAILED_RETRYABLE and "File too large" in (attempt.error or "")
+    assert store.get_shard(job.job_id, 0).state is ShardState.RETRYABLE_FAILURE  # the lease is released
+    assert store.list_commits(job.job_id) == []
+    out = Path(job.output_uri)
+    assert not out.exists() or [p for p in out.rglob("*") if p.is_file()] == []  # no partial object, no temp
