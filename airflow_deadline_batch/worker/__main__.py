@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from airflow_deadline_batch.core.exit_codes import EXIT_TERMINAL
 from airflow_deadline_batch.exceptions import ConfigurationError
@@ -33,8 +34,16 @@ def parse_engine_options(items: Sequence[str]) -> dict[str, str]:
     return options
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are a configuration error: one line and exit 1, the worker's exit codes
+    (argparse's own exit 2 is none of them, so a launcher would take it for a crash)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_TERMINAL, f"{self.prog}: {message}; see --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m airflow_deadline_batch.worker",
         description="Run one attempt at one shard of a deadline-batch job.",
     )
@@ -68,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine-specific option, repeatable (e.g. delay_s_per_record=0.1)",
     )
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="seconds an engine call (the load, one microbatch) may run before the try ends as a hang "
+        "(default: the load is not watched, a microbatch 10 times its expected time, at least 1800)",
+    )
+    parser.add_argument(
         "--race",
         action="store_true",
         help="run as a speculative duplicate beside the shard's running attempt (the tail race)",
@@ -89,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pool=args.pool,
             engine_options=parse_engine_options(args.engine_option),
             race=args.race,
+            stall_timeout_s=args.stall_timeout,
             **extra,
         )
     except ConfigurationError as exc:

@@ -26,6 +26,13 @@ partition; or its job was stopped) ends its attempt as ``stalled``, over the ``l
 store wrote if another claim took the shard first: not a preemption of its pool (docs/design.md
 §4.4); it exits 75 like any retryable end.
 
+An engine that hangs (a microbatch's engine call past ``--stall-timeout``; by default ten times
+its expected time, at least 30 minutes) ends its try as *deterministic*, from the heartbeat
+thread, which otherwise would keep the hung worker's lease alive for ever (``_watchdog``). An
+engine result that cannot be recorded as it is (not valid Unicode, a non-finite number, a shape
+the result format does not allow) errors its own record, never its whole microbatch, and an
+engine that calls ``sys.exit`` fails its try instead of exiting with its code.
+
 Exit codes: 0 done (also when the shard was already committed), 75 retryable (preempted, lease
 lost or held by another live attempt, transient failure), 1 terminal (bad configuration, model
 digest mismatch, changed input, attempts exhausted).
@@ -56,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import functools
 import logging
 import os
 import signal
@@ -85,6 +93,7 @@ from airflow_deadline_batch.exceptions import (
     ConfigurationError,
     EngineError,
     LeaseLost,
+    ObjectNotFound,
     ShardNotClaimable,
     StorageError,
     StoreError,
@@ -92,10 +101,19 @@ from airflow_deadline_batch.exceptions import (
 from airflow_deadline_batch.storage import open_storage, open_uri, sha256_hex
 from airflow_deadline_batch.store import JobRow, Lease, ManifestStore, ShardRow
 from airflow_deadline_batch.worker.engines import Engine, Generation, GenerationParams, get_engine
-from airflow_deadline_batch.worker.engines.base import check_structured
+from airflow_deadline_batch.worker.engines.base import ENGINE_ERROR, check_structured
 
 #: the worker's exit codes (docs/design.md §6), defined once in core.exit_codes
 EXIT_DONE = EXIT_OK
+#: The longest ``--lease-ttl`` and ``--grace`` (a day). NaN and infinity fail the range check too:
+#: a NaN lease expired at once, an infinite or huge one outlived a dead worker (and overflowed the
+#: heartbeat's wait), and an infinite grace made a SIGTERM crash the alarm (``setitimer``).
+MAX_SECONDS = 86_400.0
+#: Without ``--stall-timeout``, a microbatch whose engine call runs longer than this many times its
+#: expected time (the pace measured on this try's microbatches, else the planner's estimate), and
+#: at least :data:`STALL_FLOOR_S`, is an engine that hangs: the try ends (see ``Heartbeat``).
+STALL_FACTOR = 10.0
+STALL_FLOOR_S = 1800.0
 
 ENV_PAUSE_AFTER_WRITE = "ADB_FAULT_PAUSE_AFTER_WRITE"
 ENV_PAUSE_SEQ = "ADB_FAULT_PAUSE_BEFORE_COMMIT_SEQ"
@@ -137,16 +155,28 @@ class WorkerConfig:
     engine_options: Mapping[str, str] = field(default_factory=dict)
     #: a speculative duplicate beside the shard's running attempt (the tail race)
     race: bool = False
+    #: the longest an engine call (the load, one microbatch) may run (None: the load is not
+    #: watched, a microbatch may run STALL_FACTOR times its expected time, at least STALL_FLOOR_S)
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.store_url:
             raise ConfigurationError("no manifest store: pass --store URL or set ADB_STORE_URL")
         if self.shard_index < 0:
             raise ConfigurationError(f"--shard must be >= 0, got {self.shard_index}")
-        if self.lease_ttl_s is not None and self.lease_ttl_s <= 0:
-            raise ConfigurationError(f"--lease-ttl must be > 0 seconds, got {self.lease_ttl_s}")
-        if self.grace_s < 0:
-            raise ConfigurationError(f"--grace must be >= 0 seconds, got {self.grace_s}")
+        if self.lease_ttl_s is not None and not 0 < self.lease_ttl_s <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"--lease-ttl must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {self.lease_ttl_s}"
+            )
+        if not 0 <= self.grace_s <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"--grace must be a number of seconds >= 0 and <= {MAX_SECONDS:g}, got {self.grace_s}"
+            )
+        if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s <= MAX_SECONDS:
+            raise ConfigurationError(
+                f"--stall-timeout must be a number of seconds > 0 and <= {MAX_SECONDS:g}, "
+                f"got {self.stall_timeout_s}"
+            )
 
 
 class _Interrupted(BaseException):
@@ -198,7 +228,14 @@ def result_records(
     shard_index: int,
     attempt_id: str,
 ) -> list[ResultRecord]:
-    """One result per record: its generation, or an ``invalid_record`` error for bad parameters."""
+    """One result per record: its generation, or an ``invalid_record`` error for bad parameters.
+
+    A generation that cannot be recorded as it is (text that is not valid Unicode, such as a lone
+    surrogate an endpoint's JSON escapes can carry; a finish reason or choices the result format
+    does not allow; a count beyond 64 bits; a log probability that is not a finite number, which
+    JSON cannot carry) becomes that record's ``engine_error``: one hostile output must not fail
+    its whole microbatch, try after try, and so every record of the shard (docs/design.md §4.2).
+    """
     sid = display_shard_id(shard_index)
     results = []
     for pos, (record, gen) in enumerate(zip(records, generations, strict=True)):
@@ -214,38 +251,90 @@ def result_records(
                 )
             )
             continue
-        usage = Usage(
-            prompt_tokens=max(0, gen.prompt_tokens), completion_tokens=max(0, gen.completion_tokens)
-        )
-        if gen.error is None and gen.output is not None:
-            results.append(
-                ResultRecord.succeeded(
-                    line=record.line,
-                    id=record.id,
-                    output=gen.output,
-                    usage=usage,
-                    shard_id=sid,
-                    attempt_id=attempt_id,
-                    finish_reason=gen.finish_reason,
-                    choices=gen.choices,
-                )
+        usage = _usage(gen)
+        result: ResultRecord | None = None
+        try:
+            if usage is None:
+                raise TypeError("the token usage is not a pair of counts")
+            result = _generation_result(record, gen, usage, sid, attempt_id)
+            unrecordable = _unrecordable(result)
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            unrecordable = _why_invalid(exc)
+        if result is None or unrecordable is not None:
+            failed = functools.partial(
+                ResultRecord.failed,
+                line=record.line,
+                id=record.id,
+                code=ENGINE_ERROR,
+                message=f"the engine's result cannot be recorded: {unrecordable}",
+                shard_id=sid,
+                attempt_id=attempt_id,
             )
-        else:
-            code, message = (
-                (gen.error.code, gen.error.message) if gen.error else ("engine_error", "no output")
-            )
-            results.append(
-                ResultRecord.failed(
-                    line=record.line,
-                    id=record.id,
-                    code=code,
-                    message=message,
-                    usage=usage,
-                    shard_id=sid,
-                    attempt_id=attempt_id,
-                )
-            )
+            # the tokens were spent: keep the usage unless it is what cannot be recorded
+            result = failed(usage=usage)
+            if _unrecordable(result) is not None:
+                result = failed()
+        results.append(result)
     return results
+
+
+def _usage(gen: Generation) -> Usage | None:
+    """The generation's token usage (negative counts as 0), or None when it is not a pair of counts."""
+    try:
+        return Usage(prompt_tokens=max(0, gen.prompt_tokens), completion_tokens=max(0, gen.completion_tokens))
+    except (TypeError, ValueError):
+        return None
+
+
+def _generation_result(
+    record: Record, gen: Generation, usage: Usage, sid: str, attempt_id: str
+) -> ResultRecord:
+    if gen.error is None and gen.output is not None:
+        return ResultRecord.succeeded(
+            line=record.line,
+            id=record.id,
+            output=gen.output,
+            usage=usage,
+            shard_id=sid,
+            attempt_id=attempt_id,
+            finish_reason=gen.finish_reason,
+            choices=gen.choices,
+        )
+    code, message = (gen.error.code, gen.error.message) if gen.error else (ENGINE_ERROR, "no output")
+    return ResultRecord.failed(
+        line=record.line,
+        id=record.id,
+        code=code,
+        message=message,
+        usage=usage,
+        shard_id=sid,
+        attempt_id=attempt_id,
+    )
+
+
+def _unrecordable(result: ResultRecord) -> str | None:
+    """Why ``result`` does not read back from its JSON line as itself (None: it does)."""
+    try:
+        line = result.to_json_bytes()
+    except (TypeError, ValueError) as exc:  # orjson: surrogates, integers beyond 64 bits
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    try:
+        same = ResultRecord.parse_line(line) == result
+    except ValueError as exc:
+        return _why_invalid(exc)
+    return None if same else "it does not read back as written"
+
+
+def _why_invalid(exc: Exception) -> str:
+    """One line saying why a result is invalid, without the values (record contents never travel)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'result'}: {e['msg']}"
+            for e in errors(include_url=False, include_input=False, include_context=False)
+        ]
+        return "; ".join(parts[:3])
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def generate_microbatch(
@@ -263,7 +352,8 @@ def generate_microbatch(
             runnable.append(pos)
     generations: list[Generation | None] = [None] * len(records)
     if runnable:
-        produced = engine.generate([records[i].request for i in runnable], params)
+        with _engine_must_return(engine, "a microbatch"):
+            produced = engine.generate([records[i].request for i in runnable], params)
         if len(produced) != len(runnable):
             raise EngineError(
                 f"engine {engine.name} returned {len(produced)} generations for {len(runnable)} "
@@ -275,16 +365,42 @@ def generate_microbatch(
     return generations, rejected
 
 
+@contextlib.contextmanager
+def _engine_must_return(engine: Engine, during: str) -> Iterator[None]:
+    """An engine that ends the process (``sys.exit``, ``SystemExit`` from a library) fails the try.
+
+    Otherwise the worker would exit with the engine's code, 0 included, which says "shard done"
+    while the shard is still leased and unfinished, and no failure would be recorded.
+    """
+    try:
+        yield
+    except SystemExit as exc:
+        raise EngineError(
+            f"engine {engine.name} tried to end the process (exit code {exc.code!r}) during {during} "
+            "instead of returning or raising an error; this is an engine bug"
+        ) from None
+
+
 # ------------------------------------------------------------------------------------- heartbeat
 
 
 class Heartbeat:
-    """Extends the lease every ``ttl / 3`` from a daemon thread, so long microbatches keep it."""
+    """Extends the lease every ``ttl / 3`` from a daemon thread, so long microbatches keep it.
 
-    def __init__(self, store: ManifestStore, lease: Lease, ttl_s: float) -> None:
+    Before each beat it calls ``watchdog``, which ends the process when the engine made no
+    progress for too long: a hung engine must not keep its lease alive forever through this
+    thread, holding the shard from every other try until the deadline passes. Once the lease is
+    lost the thread beats no more but keeps watching, so a hung engine whose lease was fenced
+    (its job cancelled) still ends, instead of leaving its launcher waiting on it for ever.
+    """
+
+    def __init__(
+        self, store: ManifestStore, lease: Lease, ttl_s: float, watchdog: Callable[[], None] | None = None
+    ) -> None:
         self._store = store
         self._lease = lease
         self._ttl_s = ttl_s
+        self._watchdog = watchdog
         self._stop = threading.Event()
         self.lost = threading.Event()
         self.lost_reason = ""
@@ -300,13 +416,18 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl_s / 3):
+            if self._watchdog is not None:
+                self._watchdog()
+            if self.lost.is_set():
+                if self._watchdog is None:
+                    return
+                continue
             try:
                 self._lease = self._store.heartbeat(self._lease, self._ttl_s)
             except LeaseLost as exc:
                 self.lost_reason = str(exc)
                 self.lost.set()
                 log.warning("heartbeat: lease lost: %s", exc)
-                return
             except Exception as exc:  # a store blip: the next beat (or the commit) decides
                 log.warning("heartbeat failed (will retry): %s", exc)
 
@@ -336,6 +457,11 @@ class ShardWorker:
         self._generate_records = 0
         self._measured: list[tuple[int, float]] = []  # (records, seconds) of finished microbatches
         self._committed = 0  # microbatches this try committed (a try with progress spends no budget)
+        # the engine call watched for a hang: what it is, the seconds it ran so far, when they
+        # were last counted, and how long it may run
+        self._watch_lock = threading.Lock()
+        self._watched: tuple[str, float, float, float] | None = None
+        self._est_s_per_record: float | None = None  # the planner's estimate for this shard
 
     # -- signals ----------------------------------------------------------------------------------
 
@@ -449,6 +575,11 @@ class ShardWorker:
             with self._store_call():
                 job = store.get_job(cfg.job_id)
                 ttl_s = cfg.lease_ttl_s or job.lease_ttl_s
+                if not 0 < ttl_s <= MAX_SECONDS:
+                    raise ConfigurationError(
+                        f"job {job.job_id} has lease_ttl_s {ttl_s}, not a number of seconds > 0 and "
+                        f"<= {MAX_SECONDS:g}; pass --lease-ttl or re-plan the job with a valid lease TTL"
+                    )
                 claim = store.claim_race if cfg.race else store.claim_shard
                 self.lease = claim(
                     cfg.job_id, cfg.shard_index, ttl_s=ttl_s, worker=cfg.worker_name, pool=cfg.pool
@@ -476,7 +607,7 @@ class ShardWorker:
             ttl_s,
         )
         self._ttl_s = ttl_s
-        self.heartbeat = Heartbeat(store, lease, ttl_s)
+        self.heartbeat = Heartbeat(store, lease, ttl_s, self._watchdog)
         self.heartbeat.start()
         try:
             completed = self._process(store, job, lease)
@@ -612,6 +743,8 @@ class ShardWorker:
         with self._store_call():
             shard = store.get_shard(job.job_id, cfg.shard_index)
         shard_input = self._read_input(job, shard, size)
+        if shard.est_work_s > 0 and shard.records > 0:
+            self._est_s_per_record = shard.est_work_s / shard.records
         expected_mbs = microbatch_count(len(shard_input.records), size)
         if expected_mbs != lease.num_microbatches:
             raise ConfigurationError(
@@ -621,7 +754,8 @@ class ShardWorker:
 
         self.phase = Phase.LOADING
         started = time.monotonic()
-        engine.load()
+        with _engine_must_return(engine, "its load"), self._watching("its load", cfg.stall_timeout_s):
+            engine.load()
         log.info(
             "engine %s loaded (model %s) in %.1fs", engine.name, engine.model_name, time.monotonic() - started
         )
@@ -655,7 +789,16 @@ class ShardWorker:
 
     def _read_input(self, job: JobRow, shard: ShardRow, size: int) -> ShardInput:
         storage, key = open_uri(job.input_uri)
-        data = storage.read_range(key, shard.byte_start, shard.byte_end)
+        try:
+            data = storage.read_range(key, shard.byte_start, shard.byte_end)
+        except ObjectNotFound as exc:
+            # the input changed after planning (docs/design.md §4.1): no try can read it again,
+            # so the job stops with the cause instead of each shard spending its budget on it
+            raise ConfigurationError(
+                f"the input {job.input_uri} no longer exists; it was planned with SHA-256 "
+                f"{job.input_sha256}: restore it, or re-plan the job",
+                uri=job.input_uri,
+            ) from exc
         actual = sha256_hex(data)
         if actual != shard.input_sha256:
             raise ChecksumMismatch(
@@ -689,7 +832,8 @@ class ShardWorker:
         if self._stop_requested_at is not None:
             # a notice that landed after the loop's check saw no GENERATING phase: decide now
             self._decide_current_microbatch(time.monotonic())
-        generations, rejected = generate_microbatch(engine, records, params)
+        with self._watching(f"microbatch {seq}", self._microbatch_limit(len(records))):
+            generations, rejected = generate_microbatch(engine, records, params)
         gen_s = time.monotonic() - started
         self.phase = Phase.WRITING
         self._disarm_alarm()
@@ -742,6 +886,60 @@ class ShardWorker:
         )
         return seq + 1
 
+    def _microbatch_limit(self, records: int) -> float:
+        """How long one microbatch's engine call may run before it counts as a hang."""
+        if self.config.stall_timeout_s is not None:
+            return self.config.stall_timeout_s
+        expected = self._expected_seconds(records)
+        if expected is None and self._est_s_per_record is not None:
+            expected = self._est_s_per_record * records
+        return max(STALL_FLOOR_S, STALL_FACTOR * (expected or 0.0))
+
+    @contextlib.contextmanager
+    def _watching(self, what: str, limit_s: float | None) -> Iterator[None]:
+        """Watch an engine call for a hang (``limit_s`` None: not watched)."""
+        if limit_s is None:
+            yield
+            return
+        with self._watch_lock:
+            self._watched = (what, 0.0, time.monotonic(), limit_s)
+        try:
+            yield
+        finally:
+            # blocks for good if the watchdog is ending the process: nothing after it may commit
+            with self._watch_lock:
+                self._watched = None
+
+    def _watchdog(self) -> None:
+        """From the heartbeat thread: end the try when the watched engine call outran its limit.
+
+        The main thread is inside the engine, where neither a signal nor an exception may reach it
+        (a C extension, a lock), so this thread ends the attempt in the store (deterministic: a
+        poison record hangs every try alike, so the budget stops it) and ends the process.
+
+        A gap between two checks much longer than a beat is time the process did not run (SIGSTOP,
+        a starved node), not the engine's: it counts as one beat, so a worker stopped past its
+        lease ends ``stalled`` by the heartbeat that follows, as before, not as a hang.
+        """
+        with self._watch_lock:
+            if self._watched is None:
+                return
+            what, ran_s, counted_at, limit_s = self._watched
+            now, beat = time.monotonic(), self._ttl_s / 3
+            ran_s += now - counted_at if now - counted_at <= 2 * beat else beat
+            self._watched = (what, ran_s, now, limit_s)
+            if ran_s <= limit_s:
+                return
+            reason = (
+                f"the engine made no progress for {ran_s:.0f}s during {what} (limit {limit_s:g}s): "
+                "it hangs; raise --stall-timeout if it is only slow"
+            )
+            self._shutting_down = True  # a signal now changes nothing: the process is ending
+            code = self._finish(self._store, FailureClass.DETERMINISTIC, None, reason)
+            for handler in log.handlers:
+                handler.flush()
+            os._exit(code)
+
     def _disarm_alarm(self) -> None:
         if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -762,7 +960,7 @@ class ShardWorker:
             waiter.wait(0.05)
         log.warning("fault injection: resumed")
         if self._store is not None and self.lease is not None:
-            self.heartbeat = Heartbeat(self._store, self.lease, self._ttl_s)
+            self.heartbeat = Heartbeat(self._store, self.lease, self._ttl_s, self._watchdog)
             self.heartbeat.start()
 
 

@@ -2,7 +2,10 @@
 
 An engine turns a microbatch of validated requests into one :class:`Generation` per request, in
 order. A bad record is an errored ``Generation``; an exception from ``generate`` means the whole
-microbatch failed transiently (the worker then exits retryable and the next attempt redoes it).
+microbatch failed: the try ends, classified by the exception (``core.failures``: a reset
+connection is transient, an engine bug deterministic, which spends the shard's budget when the
+try committed nothing), and the next attempt redoes the microbatch. So one bad record should be
+an errored Generation, never an exception.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Uses the standard library's ``urllib`` so the worker image needs no HTTP client 
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import urllib.error
@@ -67,7 +68,8 @@ def post_json(url: str, payload: dict[str, Any], headers: dict[str, str], timeou
         if exc.code == 429 or exc.code >= 500:
             raise TransientHTTPError(f"HTTP {exc.code} from {url}") from exc
         return HTTPResult(exc.code, body)
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
+        # HTTPException: the server broke off mid-response (IncompleteRead, a garbled status line)
         raise TransientHTTPError(f"cannot reach {url}: {exc}") from exc
 
 
@@ -180,6 +182,19 @@ class OpenAIEngine:
 
 
 def _to_generation(body: dict[str, Any], *, chat: bool) -> Generation:
+    """The record's Generation from a 2xx body; a body of another shape errors this record only
+    (it used to raise out of ``generate`` and fail the whole microbatch, try after try)."""
+    try:
+        return _parse_generation(body, chat=chat)
+    except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError) as exc:
+        return Generation.failed(
+            ENGINE_ERROR,
+            f"the endpoint's response is not an OpenAI completion ({type(exc).__name__}: {exc}); "
+            "check that the endpoint is OpenAI-compatible",
+        )
+
+
+def _parse_generation(body: dict[str, Any], *, chat: bool) -> Generation:
     usage = body.get("usage") or {}
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
     choices = body.get("choices") or []
@@ -189,7 +204,9 @@ def _to_generation(body: dict[str, Any], *, chat: bool) -> Generation:
     text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
     if text is None:
         return Generation.failed(ENGINE_ERROR, "the endpoint returned an empty choice", prompt_tokens)
-    return Generation(str(text), None, prompt_tokens, int(usage.get("completion_tokens") or 0))
+    if not isinstance(text, str):
+        raise TypeError(f"the choice's text is a {type(text).__name__}, not a string")
+    return Generation(text, None, prompt_tokens, int(usage.get("completion_tokens") or 0))
 
 
 def build(model: str | None, options: dict[str, Any]) -> OpenAIEngine:

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
     from airflow_deadline_batch.core.records import Request
 
 #: LLM(...) keyword options the worker passes through from ``--engine-option`` (typed here)
+#: The least log probability written, as the OpenAI API does (-9999.0, "very unlikely"): vLLM
+#: gives -inf for a token a logits processor or structured output masked, which JSON cannot carry
+#: (orjson writes null, a result that no longer reads back), so the record would be lost.
+LOGPROB_FLOOR = -9999.0
+
 _LLM_OPTIONS: dict[str, type] = {
     "tensor_parallel_size": int,
     "gpu_memory_utilization": float,
@@ -214,9 +219,10 @@ def _token_logprob(token_id: int, alternatives: Mapping[int, Any], top: int) -> 
     best = [a for a in ranked if a.rank <= top][:top]
     return TokenLogprob(
         token=str(chosen.decoded_token or ""),
-        logprob=float(chosen.logprob),
+        logprob=max(float(chosen.logprob), LOGPROB_FLOOR),
         top_logprobs=tuple(
-            TopLogprob(token=str(a.decoded_token or ""), logprob=float(a.logprob)) for a in best
+            TopLogprob(token=str(a.decoded_token or ""), logprob=max(float(a.logprob), LOGPROB_FLOOR))
+            for a in best
         ),
     )
 
