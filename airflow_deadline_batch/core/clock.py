@@ -6,6 +6,11 @@ import datetime as dt
 from typing import Protocol
 
 UTC = dt.timezone.utc
+#: The longest duration in seconds a job or worker setting may take (a lease TTL, a shutdown grace,
+#: a stall timeout): a day. NaN and infinity fail the same range checks: a NaN lease expired at
+#: once, a huge one outlived a dead worker (and overflowed the heartbeat's wait), an infinite grace
+#: made a SIGTERM crash the alarm (``setitimer``).
+MAX_SECONDS = 86_400.0
 
 
 def ensure_aware(value: dt.datetime, name: str = "datetime") -> dt.datetime:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, cast
 import numpy as np
 
 from airflow_deadline_batch.core.calibration import prior_tokens_per_s
-from airflow_deadline_batch.core.clock import Clock, SystemClock, ensure_aware
+from airflow_deadline_batch.core.clock import MAX_SECONDS, Clock, SystemClock, ensure_aware
 from airflow_deadline_batch.core.estimate import (
     CHAT_PRIMING_TOKENS,
     COMPLETION_OVERHEAD_TOKENS,
@@ -160,9 +160,9 @@ class PlanRequest:
             raise ConfigurationError(f"microbatch_size must be >= 1, got {self.microbatch_size}")
         if not 0 <= self.max_invalid_fraction <= 1:
             raise ConfigurationError("max_invalid_fraction must be between 0 and 1")
-        if not 0 < self.lease_ttl_s < math.inf:
+        if not 0 < self.lease_ttl_s <= MAX_SECONDS:
             raise ConfigurationError(
-                f"lease_ttl_s must be a positive number of seconds, got {self.lease_ttl_s}"
+                f"lease_ttl_s must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {self.lease_ttl_s}"
             )
         if self.max_attempts < 1:
             raise ConfigurationError(f"max_attempts must be >= 1, got {self.max_attempts}")

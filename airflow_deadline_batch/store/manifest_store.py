@@ -158,10 +158,13 @@ def _shard_key(job_id: str, shard_index: int) -> sa.ColumnElement[bool]:
 
 
 def _no_such_shard(job_id: str, shard_index: int) -> StoreError:
+    # a configuration error (core.failures reads ``failure``): no retry of this try can find the
+    # shard, so a worker exits 1 (terminal) instead of 75
     return StoreError(
         f"job {job_id} has no shard {shard_index}; check the shard index",
         job_id=job_id,
         shard_index=shard_index,
+        failure="configuration",
     )
 
 

@@ -78,6 +78,7 @@ from typing import Any
 
 import orjson
 
+from airflow_deadline_batch.core.clock import MAX_SECONDS
 from airflow_deadline_batch.core.estimate import estimate_prompt_tokens
 from airflow_deadline_batch.core.exit_codes import EXIT_OK, EXIT_RETRYABLE, EXIT_TERMINAL
 from airflow_deadline_batch.core.failures import FailureClass, TryFailure, classify_exception, exit_code_for
@@ -105,10 +106,6 @@ from airflow_deadline_batch.worker.engines.base import ENGINE_ERROR, check_struc
 
 #: the worker's exit codes (docs/design.md §6), defined once in core.exit_codes
 EXIT_DONE = EXIT_OK
-#: The longest ``--lease-ttl`` and ``--grace`` (a day). NaN and infinity fail the range check too:
-#: a NaN lease expired at once, an infinite or huge one outlived a dead worker (and overflowed the
-#: heartbeat's wait), and an infinite grace made a SIGTERM crash the alarm (``setitimer``).
-MAX_SECONDS = 86_400.0
 #: Without ``--stall-timeout``, a microbatch whose engine call runs longer than this many times its
 #: expected time (the pace measured on this try's microbatches, else the planner's estimate), and
 #: at least :data:`STALL_FLOOR_S`, is an engine that hangs: the try ends (see ``Heartbeat``).

@@ -192,6 +192,26 @@ def test_garbage_arguments_are_one_line_and_exit_1_before_any_claim(
     assert store.get_shard(job.job_id, 0).state is ShardState.PENDING
 
 
+def test_a_shard_index_past_the_jobs_shards_is_a_configuration_error_exit_1(
+    sqlite: tuple[ManifestStore, str], tmp_path: Path
+) -> None:
+    store, url = sqlite
+    job = create_test_job(store, str(tmp_path / "data"), input_lines(2), microbatch_size=2)
+    done = subprocess.run(
+        [sys.executable, "-m", "airflow_deadline_batch.worker", "--job", job.job_id, "--shard", "5"],
+        env={**os.environ, "ADB_STORE_URL": url},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    # before: exit 75 (deterministic), so a launcher retried a try that can never claim anything
+    assert done.returncode == EXIT_TERMINAL, done.stderr
+    assert f"job {job.job_id} has no shard 5; check the shard index" in done.stderr
+    assert store.list_attempts(job.job_id) == []
+    assert store.get_shard(job.job_id, 0).state is ShardState.PENDING
+
+
 def test_a_job_whose_lease_ttl_is_not_a_number_of_seconds_is_refused_before_the_claim(
     sqlite: tuple[ManifestStore, str], tmp_path: Path, workers: Workers
 ) -> None:
