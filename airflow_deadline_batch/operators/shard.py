@@ -776,6 +776,36 @@ class _ShardTryMixin:
                 exc_info=True,
             )
 
+    def check_exit_0(self) -> None:
+        """A worker that exited 0 said its shard is done: believe the store, not the exit code.
+
+        Only an attempt that completed the shard (or found it committed) exits 0, unless its engine
+        ended the process itself (``os._exit(0)`` in a library: nothing in the worker can catch
+        that), which would leave the shard leased and unfinished while its task succeeded. Such a
+        try fails *deterministic* (its retries stop an engine that does it every time). A store
+        that cannot be read is logged and the exit code believed (the sensor verifies the job).
+        """
+        try:
+            store = self._store()
+            try:
+                state = store.get_shard(self.job_id, int(self.shard_index)).state
+            finally:
+                store.close()
+        except Exception:
+            self.log.warning(
+                "shard %s of job %s: could not read the shard after its worker exited 0",
+                self.shard_index,
+                self.job_id,
+                exc_info=True,
+            )
+            return
+        if state is not ShardState.SUCCEEDED:
+            self.settle_failure(
+                FailureClass.DETERMINISTIC,
+                f"the worker exited 0 with its shard {state.value}, not committed (an engine that "
+                "ended the process?)",
+            )
+
     def retry_due(self, context: Any, exc: BaseException) -> float | None:
         """When Airflow starts the retry after this try fails with ``exc`` (epoch seconds, at the
         latest), or None when no retry follows (a success, a skip, a failure for good, no retry
@@ -1841,6 +1871,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
             if self._racer is not None and not self.await_racer():
                 # this pod lost the race (exit 0, lost_race) and the racer ended before the shard was done
                 self.settle_failure(FailureClass.TRANSIENT, "the racer ended before the shard was done")
+            self.check_exit_0()
 
 
 class LocalShardOperator(_ShardTryMixin, BaseOperator):
@@ -1978,6 +2009,7 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         self, code: int, decision: TryDecision, said: TryFailure | None = None, *, injected: bool = False
     ) -> dict[str, Any]:
         if code == EXIT_OK:
+            self.check_exit_0()
             return decision.to_dict()
         if said is not None:  # the worker's own word (a SIGTERM it handled says preempted)
             failure, reason = said.failure, said.error

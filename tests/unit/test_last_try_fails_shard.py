@@ -142,3 +142,28 @@ def test_a_store_that_cannot_be_written_does_not_hide_the_tries_own_error(
     assert "could not fail it in the store after its task failed for good" in logged
     assert "StoreError" in logged
     assert shard_of(store_url, job_id).state is ShardState.PENDING
+
+
+def test_a_worker_that_exits_0_with_its_shard_not_committed_fails_its_try(
+    store_url: str, job_id: str
+) -> None:
+    """An engine that ends the process with ``os._exit(0)`` (nothing in the worker can catch it)
+    made the worker exit 0 with its shard leased and unfinished, and the task succeeded: before,
+    ``_settle_exit`` took exit 0 for done. Now the store decides: the try fails deterministic."""
+    op = LocalShardOperator(task_id="shard", job_id=job_id, shard_index=1, store_url=store_url)
+    decision = op.decide(None)
+    with pytest.raises(AirflowException, match="the worker exited 0 with its shard pending, not committed"):
+        op._settle_exit(0, decision)
+    assert shard_of(store_url, job_id).state is ShardState.PENDING
+
+
+def test_a_worker_that_exits_0_with_its_shard_committed_succeeds(store_url: str, job_id: str) -> None:
+    op = LocalShardOperator(task_id="shard", job_id=job_id, shard_index=1, store_url=store_url)
+    decision = op.decide(None)
+    store = ManifestStore(store_url)
+    try:
+        lease = store.claim_shard(job_id, 1, ttl_s=60, worker="w:1", pool="gpu-spot")
+        store.complete_shard(commit_rest(store, lease))
+    finally:
+        store.close()
+    assert op._settle_exit(0, decision) == decision.to_dict()
