@@ -29,7 +29,8 @@ AGE_EDGES_H = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 def spell_lengths(trace: Trace) -> tuple[list[int], list[int]]:
     """Lengths in ticks of the spells of Spot present and absent; the first and the last spell of
     the trace are left out (cut by its ends, their lengths are not known)."""
-    present, absent = [], []
+    present: list[int] = []
+    absent: list[int] = []
     runs: list[tuple[bool, int]] = []
     for cap in trace.capacity:
         there = cap > 0
