@@ -221,33 +221,53 @@ class SpellAges:
             down_spells=down,
         )
 
-    def _moments(self, present: bool, age_h: float) -> tuple[float, float]:
-        """(weight of the spells longer than ``age_h``, their weighted rest beyond it), prior included."""
+    def rest_hours(self, present: bool, age_h: float) -> float:
+        """Expected rest of a spell of Spot ``present`` (or absent) that has lasted ``age_h`` hours;
+        at age 0 the spells' mean (the prior's exponential has the same)."""
         spells = self.up_spells if present else self.down_spells
-        weights = [0.5 ** ((self.clock_hours - end) / self.half_life_hours) for _, end in spells]
-        total = sum(weights)
-        mean = self.prior_mean_hours
-        if total > 0:
-            mean = sum(w * length for w, (length, _) in zip(weights, spells, strict=True)) / total
-        prior = self.prior_spells * math.exp(-age_h / mean)
-        alive, rest = prior, prior * mean
-        for w, (length, _) in zip(weights, spells, strict=True):
+        rate = math.log(2.0) / self.half_life_hours
+        total = length_sum = alive = rest = 0.0
+        for length, end in spells:
+            w = math.exp(-rate * (self.clock_hours - end))
+            total += w
+            length_sum += w * length
             if length > age_h:
                 alive += w
                 rest += w * (length - age_h)
-        return alive, rest
+        mean = length_sum / total if total > 0 else self.prior_mean_hours
+        prior = self.prior_spells * math.exp(-age_h / mean)
+        return (rest + prior * mean) / (alive + prior)
 
-    def rest_hours(self, present: bool, age_h: float) -> float:
-        """Expected rest of a spell of Spot ``present`` (or absent) that has lasted ``age_h`` hours."""
-        alive, rest = self._moments(present, age_h)
-        return rest / alive
+    def end_chance(self, present: bool, age_h: float, horizon_h: float) -> tuple[float, float]:
+        """(chance a spell of age ``age_h`` ends within ``horizon_h``, the same for memoryless
+        spells of the same mean): the first from the spells and the prior, as :meth:`rest_hours`."""
+        spells = self.up_spells if present else self.down_spells
+        rate = math.log(2.0) / self.half_life_hours
+        total = length_sum = alive = ending = 0.0
+        for length, end in spells:
+            w = math.exp(-rate * (self.clock_hours - end))
+            total += w
+            length_sum += w * length
+            if length > age_h:
+                alive += w
+                if length <= age_h + horizon_h:
+                    ending += w
+        mean = length_sum / total if total > 0 else self.prior_mean_hours
+        prior = self.prior_spells * math.exp(-age_h / mean)
+        memoryless = -math.expm1(-horizon_h / mean)
+        return (ending + prior * memoryless) / (alive + prior), memoryless
 
-    def age_factor(self, present: bool) -> float:
-        """Expected rest of the current spell over a fresh spell's mean, for the spell of Spot
-        ``present`` that runs now (1 when the current spell is of the other kind: one starts now)."""
+    def age_factor(self, present: bool, horizon_h: float | None = None) -> float:
+        """How much longer than a fresh spell the spell of Spot ``present`` that runs now is
+        expected to last (1 when the current spell is of the other kind: one starts now): its
+        expected rest over the mean; with ``horizon_h``, memoryless spells' chance of ending within
+        the horizon over this spell's (young spells that mostly end soon give less than 1)."""
         if self.present != present or not self.start_seen:
             return 1.0
-        return self.rest_hours(present, self.age_hours) / self.rest_hours(present, 0.0)
+        if horizon_h is None:
+            return self.rest_hours(present, self.age_hours) / self.rest_hours(present, 0.0)
+        chance, memoryless = self.end_chance(present, self.age_hours, horizon_h)
+        return memoryless / max(chance, 1e-9)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,10 @@ class PolicyParams:
     #: cost of a Spot try and the switch from a running on-demand try see the rest of this spell
     spell_age_run: bool = False
     spell_age_cap: float = 2.0
+    #: the factor's measure (the caller's, ``core.calibration.SpellAges.age_factor``): ``None``, the
+    #: spell's expected rest over the mean; hours, memoryless spells' chance to end within them over
+    #: this spell's, so a young spell that likely ends soon counts as shorter than the mean
+    spell_age_horizon_h: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -165,6 +169,8 @@ class PolicyParams:
             raise ValueError("cost_cap must be >= 0")
         if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
             raise ValueError("storm_tries, storm_cooldown_tries and storm_backoff_cap must be >= 0")
+        if self.spell_age_horizon_h is not None and not self.spell_age_horizon_h > 0:
+            raise ValueError("spell_age_horizon_h must be > 0 hours, or None for the expected rest")
         if not self.spell_age_cap >= 1.0:
             raise ValueError("spell_age_cap must be >= 1 (1: the spell's age changes nothing)")
 

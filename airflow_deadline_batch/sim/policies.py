@@ -202,7 +202,7 @@ class SlackAware:
         ages = self.availability.ages
         # the age factor of the spell this tick is in (Spot there or not), before the tick is folded
         there = view.capacity > 0
-        age_factor = None if ages is None else ages.age_factor(there)
+        age_factor = None if ages is None else ages.age_factor(there, self.params.spell_age_horizon_h)
         if age_factor is not None and self.params.spell_age_run and there:
             # the age rule scales the memoryless mean, not the mean raised to the spell's age
             mean_run_s = 3600.0 / self.availability.spell_end_rate

@@ -91,3 +91,5 @@ def test_bad_spell_age_inputs_name_the_fix() -> None:
         snap(spell_age_factor=float("inf"))
     with pytest.raises(ValueError, match="spell_age_cap must be >= 1"):
         PolicyParams(spell_age_cap=0.5)
+    with pytest.raises(ValueError, match="spell_age_horizon_h must be > 0"):
+        PolicyParams(spell_age_horizon_h=0.0)

@@ -81,6 +81,13 @@ def test_spell_ages_keep_the_seen_spells_and_give_the_expected_rest_by_age() -> 
     assert ages.age_factor(True) == 1.0
     assert ages.age_factor(False) == pytest.approx(ages.rest_hours(False, 0.5) / ages.rest_hours(False, 0.0))
     assert SpellAges().age_factor(True) == 1.0  # nothing seen
+    # within 1.5 h a present spell of age 0 ends if it is the 1 h one, or the prior's share
+    chance, memoryless = ages.end_chance(True, 0.0, 1.5)
+    assert memoryless == pytest.approx(1 - math.exp(-0.75))
+    assert chance == pytest.approx((1.0 + 2 * memoryless) / 4.0)
+    assert ages.age_factor(False, 1.5) == pytest.approx(
+        ages.end_chance(False, 0.5, 1.5)[1] / ages.end_chance(False, 0.5, 1.5)[0]
+    )
 
 
 def test_spell_ages_see_that_an_old_spell_lasts_on_heavy_tailed_spells_only() -> None:
@@ -90,10 +97,20 @@ def test_spell_ages_see_that_an_old_spell_lasts_on_heavy_tailed_spells_only() ->
             ages = ages.observe(cap > 0, trace.gap_s / 3600)
         return ages.rest_hours(True, age_h) / ages.rest_hours(True, 0.0)
 
+    def odds_at(trace: Trace, age_h: float) -> float:
+        ages = SpellAges(half_life_hours=1e9)
+        for cap in trace.capacity:
+            ages = ages.observe(cap > 0, trace.gap_s / 3600)
+        chance, memoryless = ages.end_chance(True, age_h, 1.0)
+        return memoryless / chance
+
     heavy = traces.semi_markov(2, hours=1500.0, mean_up_h=2.0, mean_down_h=2.0, shape=0.5, gap_s=600.0)
     memoryless = traces.markov(0.5, 0.5, 1500.0, seed=2)
     assert factor_at(heavy, 3.0) > 1.5
     assert 0.8 < factor_at(memoryless, 3.0) < 1.2
+    # by the chance to end within an hour a young heavy-tailed spell is shorter than memoryless
+    assert odds_at(heavy, 0.0) < 0.8 and odds_at(heavy, 3.0) > 1.5
+    assert 0.8 < odds_at(memoryless, 0.0) < 1.2 and 0.8 < odds_at(memoryless, 3.0) < 1.2
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,6 +122,7 @@ def test_spell_ages_see_that_an_old_spell_lasts_on_heavy_tailed_spells_only() ->
             PolicyParams(spell_age_wait=True, spell_age_cap=4.0),
             PolicyParams(spell_age_return=True, spell_age_run=True, spell_age_cap=4.0),
             PolicyParams(**AGES, cost_cap=0.01),
+            PolicyParams(**AGES, spell_age_horizon_h=1.0, spell_age_cap=8.0),
         ]
     ),
     start=st.integers(0, 500),
