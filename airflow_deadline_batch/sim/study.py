@@ -10,7 +10,8 @@ The ``omniscient`` column is the exact optimum for ``N = 1`` rows and a proven l
 :func:`~.omniscient.tightest_bound`, for ``N > 1`` rows (so their ``sa / omniscient`` is pessimistic).
 ``--extra-policy mdp`` adds the research policy of :mod:`.mdp` (with the persisted prior, as
 slack_aware) and its target line; ``--n1-only`` keeps the ``N = 1`` rows; ``--params '<json>'``
-adds slack_aware with those ``PolicyParams`` on the same starts, its line named ``candidate``.
+(repeatable) adds slack_aware with those ``PolicyParams`` on the same starts, its line named
+``candidate1``, ``candidate2`` ….
 """
 
 from __future__ import annotations
@@ -78,14 +79,14 @@ def run_row(
     setting: Setting,
     seed: int = 1,
     extra: Sequence[str] = (),
-    params: PolicyParams | None = None,
+    params: Sequence[PolicyParams] = (),
 ) -> dict[str, Summary]:
     cfg = setting.config()
     ticks = start_ticks(trace, cfg, starts=setting.starts, seed=seed)
     row = {s.policy: s for s in compare(trace, cfg, ticks)}
-    if params is not None:  # slack_aware with candidate parameters (``--params``), same starts
-        runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, params)) for t in ticks]
-        row["candidate"] = summarise(trace, cfg, "candidate", runs)
+    for i, candidate in enumerate(params, 1):  # slack_aware with ``--params``, same starts
+        runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, candidate)) for t in ticks]
+        row[f"candidate{i}"] = summarise(trace, cfg, f"candidate{i}", runs)
     if "mdp" in extra:  # with the persisted prior, as slack_aware (and as sim.tuning scores it)
         runs = [
             simulate(trace, t, cfg, MarkovDecision(priors=pool_priors([trace], t, cfg.workers)))
@@ -107,7 +108,7 @@ def worst_run(args: tuple[Trace, Setting]) -> float:
 
 
 def _job(
-    args: tuple[Trace, Setting, tuple[str, ...], PolicyParams | None],
+    args: tuple[Trace, Setting, tuple[str, ...], tuple[PolicyParams, ...]],
 ) -> tuple[str, Setting, dict[str, Summary]]:
     trace, setting, extra, params = args
     return trace.name, setting, run_row(trace, setting, extra=extra, params=params)
@@ -118,10 +119,13 @@ def run_all(
     grid: Sequence[Setting],
     jobs: int = 2,
     extra: Sequence[str] = (),
-    params: PolicyParams | None = None,
+    params: Sequence[PolicyParams] = (),
 ) -> list[tuple[str, Setting, dict[str, Summary]]]:
     work = [
-        (t, s, tuple(extra), params) for s in grid for t in traces if s.workers <= max(t.capacity) or True
+        (t, s, tuple(extra), tuple(params))
+        for s in grid
+        for t in traces
+        if s.workers <= max(t.capacity) or True
     ]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_job, work))
@@ -209,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n1-only", action="store_true", help="only the N = 1 settings")
     parser.add_argument(
-        "--params", help="also slack_aware with these PolicyParams (JSON), its line named candidate"
+        "--params",
+        action="append",
+        default=[],
+        help="also slack_aware with these PolicyParams (JSON; repeatable), lines candidate1, candidate2 …",
     )
     parser.add_argument("--table", action="store_true", help="print the Markdown table")
     parser.add_argument(
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        params = None if args.params is None else PolicyParams(**json.loads(args.params))
+        params = [PolicyParams(**json.loads(text)) for text in args.params]
     except (ValueError, TypeError) as exc:
         parser.error(f"--params needs PolicyParams as JSON, e.g. '{{\"spell_age_wait\": true}}': {exc}")
     if args.multi_gpu:
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_all(traces, grid, args.jobs, args.extra_policy, params)
     if args.table:
         print(markdown(rows))
-    names = list(args.extra_policy) + ([] if params is None else ["candidate"])
+    names = list(args.extra_policy) + [f"candidate{i}" for i in range(1, len(params) + 1)]
     lines = [targets(rows)] + [extra_targets(rows, name) for name in names]
     for line in lines:
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
