@@ -14,7 +14,10 @@ from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim import spells, traces
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
 from airflow_deadline_batch.sim.policies import slack_aware_at
+from airflow_deadline_batch.sim.study import Setting, extra_targets, run_row
+from airflow_deadline_batch.sim.study import main as study_main
 from airflow_deadline_batch.sim.traces import Trace
+from airflow_deadline_batch.sim.tuning import semi_markov_cases
 from tests.unit.test_sim_no_miss import _Checked, scenarios
 
 AGES = dict(spell_age_wait=True, spell_age_return=True, spell_age_run=True)
@@ -144,3 +147,26 @@ def test_slack_aware_reads_the_spell_age_from_its_persisted_prior_on() -> None:
         for params in (PolicyParams(), PolicyParams(**AGES))
     ]
     assert costs[0] != costs[1]
+
+
+def test_study_runs_candidates_on_the_starts_of_slack_aware() -> None:
+    trace = traces.semi_markov(4, hours=100.0, mean_up_h=1.0, mean_down_h=1.0, gap_s=600.0)
+    setting = Setting(1, 4.0, 6.0, 0.1, starts=3)
+    row = run_row(trace, setting, params=(PolicyParams(), PolicyParams(**AGES)))
+    # the default's candidate is slack_aware itself, run for run
+    assert row["candidate1"].mean_cost == row["slack_aware"].mean_cost
+    line = extra_targets([(trace.name, setting, row)], "candidate2")
+    assert row["candidate2"].starts == 3 and line["candidate2_misses_where_omniscient_meets"] == 0
+
+
+def test_study_names_the_fix_for_bad_params(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        study_main(["--synthetic", "--params", '{"spell_age_cap": 0.5}'])
+    assert "--params needs PolicyParams as JSON" in capsys.readouterr().err
+
+
+def test_the_semi_markov_set_has_the_tuning_settings() -> None:
+    cases = semi_markov_cases()
+    assert len(cases) == 36
+    assert {c.workers for _, c, _ in cases} == {1, 4}
+    assert all(max(t.capacity) == c.workers for t, c, _ in cases)
