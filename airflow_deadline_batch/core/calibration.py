@@ -160,6 +160,116 @@ def calibrate(specs: Iterable[PoolSpec], samples: Iterable[RateSample]) -> Calib
     return Calibration.from_specs(specs, completion_share(samples)).observe_all(samples)
 
 
+#: finished spells :class:`SpellAges` keeps per kind (the most recent): bounds its work per tick
+MAX_SPELLS = 200
+
+
+@dataclass(frozen=True)
+class SpellAges:
+    """The finished spells of Spot present and absent, and the age of the current one.
+
+    Spot capacity comes in spells; on the real traces the chance that a spell ends falls with its
+    age (a spell that has lasted hours is likely to last hours more: docs/simulator.md, *Seventh
+    round*), which the memoryless rate of :class:`AvailabilityEstimate` cannot tell. From the
+    finished spells of one kind, each weighing less by half every ``half_life_hours`` since it
+    ended, plus ``prior_spells`` spells of an exponential of their mean (``prior_mean_hours``
+    before any has finished; a spell older than any seen falls back to memoryless),
+    :meth:`rest_hours` is the expected rest of a spell of age ``a``: ``E[L − a | L > a]``, and
+    :meth:`age_factor` that over the mean length of a fresh spell (1 for memoryless spells; above
+    1 for an old spell when long spells last longer). A spell whose start was not seen (the first)
+    is not kept. O(``MAX_SPELLS``) per tick.
+    """
+
+    half_life_hours: float = 24.0
+    prior_spells: float = 2.0
+    #: mean spell length assumed before any spell of a kind has finished (hours)
+    prior_mean_hours: float = 1.0
+    #: hours observed so far: the clock the spells' ends are stamped with
+    clock_hours: float = 0.0
+    #: whether Spot is present in the current spell (``None``: nothing observed yet)
+    present: bool | None = None
+    age_hours: float = 0.0
+    #: the current spell's start was seen (not the first spell)
+    start_seen: bool = False
+    #: finished spells as (length h, clock h at the end), oldest first
+    up_spells: tuple[tuple[float, float], ...] = ()
+    down_spells: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.half_life_hours <= 0 or self.prior_spells <= 0 or self.prior_mean_hours <= 0:
+            raise ValueError("half_life_hours, prior_spells and prior_mean_hours must be > 0")
+
+    def observe(self, present: bool, hours: float) -> SpellAges:
+        """Fold ``hours`` with Spot ``present`` or not."""
+        clock = self.clock_hours + hours
+        if self.present is None or present == self.present:
+            return replace(self, clock_hours=clock, present=present, age_hours=self.age_hours + hours)
+        up, down = self.up_spells, self.down_spells
+        if self.start_seen:
+            ended = (self.age_hours, self.clock_hours)
+            if self.present:
+                up = (up + (ended,))[-MAX_SPELLS:]
+            else:
+                down = (down + (ended,))[-MAX_SPELLS:]
+        return replace(
+            self,
+            clock_hours=clock,
+            present=present,
+            age_hours=hours,
+            start_seen=True,
+            up_spells=up,
+            down_spells=down,
+        )
+
+    def rest_hours(self, present: bool, age_h: float) -> float:
+        """Expected rest of a spell of Spot ``present`` (or absent) that has lasted ``age_h`` hours;
+        at age 0 the spells' mean (the prior's exponential has the same)."""
+        spells = self.up_spells if present else self.down_spells
+        rate = math.log(2.0) / self.half_life_hours
+        total = length_sum = alive = rest = 0.0
+        for length, end in spells:
+            w = math.exp(-rate * (self.clock_hours - end))
+            total += w
+            length_sum += w * length
+            if length > age_h:
+                alive += w
+                rest += w * (length - age_h)
+        mean = length_sum / total if total > 0 else self.prior_mean_hours
+        prior = self.prior_spells * math.exp(-age_h / mean)
+        return (rest + prior * mean) / (alive + prior)
+
+    def end_chance(self, present: bool, age_h: float, horizon_h: float) -> tuple[float, float]:
+        """(chance a spell of age ``age_h`` ends within ``horizon_h``, the same for memoryless
+        spells of the same mean): the first from the spells and the prior, as :meth:`rest_hours`."""
+        spells = self.up_spells if present else self.down_spells
+        rate = math.log(2.0) / self.half_life_hours
+        total = length_sum = alive = ending = 0.0
+        for length, end in spells:
+            w = math.exp(-rate * (self.clock_hours - end))
+            total += w
+            length_sum += w * length
+            if length > age_h:
+                alive += w
+                if length <= age_h + horizon_h:
+                    ending += w
+        mean = length_sum / total if total > 0 else self.prior_mean_hours
+        prior = self.prior_spells * math.exp(-age_h / mean)
+        memoryless = -math.expm1(-horizon_h / mean)
+        return (ending + prior * memoryless) / (alive + prior), memoryless
+
+    def age_factor(self, present: bool, horizon_h: float | None = None) -> float:
+        """How much longer than a fresh spell the spell of Spot ``present`` that runs now is
+        expected to last (1 when the current spell is of the other kind: one starts now): its
+        expected rest over the mean; with ``horizon_h``, memoryless spells' chance of ending within
+        the horizon over this spell's (young spells that mostly end soon give less than 1)."""
+        if self.present != present or not self.start_seen:
+            return 1.0
+        if horizon_h is None:
+            return self.rest_hours(present, self.age_hours) / self.rest_hours(present, 0.0)
+        chance, memoryless = self.end_chance(present, self.age_hours, horizon_h)
+        return memoryless / max(chance, 1e-9)
+
+
 @dataclass(frozen=True)
 class AvailabilityEstimate:
     """Fraction of the job's workers Spot could hold, recent ticks weighing more, shrunk to a prior;
@@ -187,6 +297,9 @@ class AvailabilityEstimate:
     spell_ends: float = 0.0
     spot_hours: float = 0.0
     current_run_hours: float = 0.0
+    #: the spells' lengths and the current one's age, folded only when a policy uses them
+    #: (``PolicyParams.spell_age_*``; ``None``: not kept)
+    ages: SpellAges | None = None
 
     def __post_init__(self) -> None:
         if self.prior_run_hours <= 0 or self.run_prior_hours <= 0 or self.half_life_hours <= 0:
@@ -209,6 +322,7 @@ class AvailabilityEstimate:
             spell_ends=ends,
             spot_hours=spot,
             current_run_hours=current,
+            ages=None if self.ages is None else self.ages.observe(capacity > 0, hours),
         )
 
     @property

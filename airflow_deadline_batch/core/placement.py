@@ -126,6 +126,22 @@ class PolicyParams:
     #: (``switch_run_factor`` and the expected-cost rule still apply) once the job is ahead of UP's
     #: line ``2 d`` from now, where UP's hysteresis returns it
     up_return_floor: bool = False
+    #: the current spell's age (docs/simulator.md, *Seventh round*; ``JobSnapshot.spell_age_factor``,
+    #: the expected rest of the current spell over a fresh one's mean, capped at ``spell_age_cap``
+    #: either way; one Spot pool only): with Spot missing the waiting reserve grows by the factor
+    #: (an outage that has lasted is likely to last: escalate sooner) ...
+    spell_age_wait: bool = False
+    #: ... with Spot there the return margin shrinks by it (a spell that has lasted is likely to
+    #: last: give the on-demand try back sooner) ...
+    spell_age_return: bool = False
+    #: ... and the learned spell length (``spot_mean_run_s``, memoryless) grows by it: the expected
+    #: cost of a Spot try and the switch from a running on-demand try see the rest of this spell
+    spell_age_run: bool = False
+    spell_age_cap: float = 2.0
+    #: the factor's measure (the caller's, ``core.calibration.SpellAges.age_factor``): ``None``, the
+    #: spell's expected rest over the mean; hours, memoryless spells' chance to end within them over
+    #: this spell's, so a young spell that likely ends soon counts as shorter than the mean
+    spell_age_horizon_h: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.availability_prior <= 1.0:
@@ -153,6 +169,15 @@ class PolicyParams:
             raise ValueError("cost_cap must be >= 0")
         if self.storm_tries < 0 or self.storm_cooldown_tries < 0 or self.storm_backoff_cap < 0:
             raise ValueError("storm_tries, storm_cooldown_tries and storm_backoff_cap must be >= 0")
+        if self.spell_age_horizon_h is not None and not self.spell_age_horizon_h > 0:
+            raise ValueError("spell_age_horizon_h must be > 0 hours, or None for the expected rest")
+        if not self.spell_age_cap >= 1.0:
+            raise ValueError("spell_age_cap must be >= 1 (1: the spell's age changes nothing)")
+
+    @property
+    def spell_age(self) -> bool:
+        """Whether any rule uses the current spell's age (the estimate then keeps the spells)."""
+        return self.spell_age_wait or self.spell_age_return or self.spell_age_run
 
 
 DEFAULT_POLICY = PolicyParams()
@@ -259,6 +284,10 @@ class JobSnapshot:
     #: resume), the local runner's poll. Slack burns through it with nothing running, so a
     #: Spot try's risk includes it (:func:`spot_risk_s`); ignored with a decision interval
     turnaround_s: float = 0.0
+    #: the expected rest of the current spell of Spot presence (``spot_available``) or absence,
+    #: given its age, over the mean length of a fresh spell of that kind (``core.calibration.
+    #: SpellAges.age_factor``: 1 for memoryless spells; ``None``: unknown, the age rules are off)
+    spell_age_factor: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "now", ensure_aware(self.now, "now"))
@@ -292,6 +321,10 @@ class JobSnapshot:
             raise ValueError(f"changeover_left_s must be finite and >= 0, got {self.changeover_left_s!r}")
         if self.spot_mean_run_s is not None and not self.spot_mean_run_s >= 0:
             raise ValueError("spot_mean_run_s must be >= 0")
+        if self.spell_age_factor is not None and not (
+            self.spell_age_factor > 0 and not math.isinf(self.spell_age_factor)
+        ):
+            raise ValueError(f"spell_age_factor must be finite and > 0, got {self.spell_age_factor!r}")
         if self.previous_pool is not None:
             object.__setattr__(self, "previous_pool", PoolKind(self.previous_pool))
         if self.started_at is not None:
@@ -632,6 +665,15 @@ def _on_option(snapshot: JobSnapshot, option: SpotOption) -> JobSnapshot:
     )
 
 
+def spell_age_factor(snapshot: JobSnapshot, policy: PolicyParams = DEFAULT_POLICY) -> float:
+    """The snapshot's spell-age factor within ``[1 / spell_age_cap, spell_age_cap]``; 1 when
+    unknown, with several Spot pools (the factor is the job's one pool's) or no age rule on."""
+    factor = snapshot.spell_age_factor
+    if factor is None or snapshot.spot_pools or not policy.spell_age:
+        return 1.0
+    return min(max(factor, 1.0 / policy.spell_age_cap), policy.spell_age_cap)
+
+
 def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> PlacementDecision:
     """Choose Spot or on-demand for the next try of a shard (see the module docstring for the rule).
 
@@ -643,6 +685,10 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
     option = pick_spot_pool(snapshot, policy)
     if option is not None:
         snapshot = _on_option(snapshot, option)
+    age = spell_age_factor(snapshot, policy)
+    run_s = snapshot.spot_mean_run_s
+    if policy.spell_age_run and snapshot.spot_available and run_s is not None and age != 1.0:
+        snapshot = replace(snapshot, spot_mean_run_s=run_s * age)
     b = breakdown(snapshot, policy)
     d = snapshot.changeover_s
     prev = snapshot.previous_pool
@@ -659,6 +705,8 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         if prev is PoolKind.ON_DEMAND and not up_returns
         else 0.0
     )
+    if policy.spell_age_return and snapshot.spot_available:
+        margin /= age
     spot_needs = b.spot_risk_s + margin
     room_s = b.slack_s - spot_needs  # how long a Spot try may wait for capacity
     last_safe = snapshot.now + dt.timedelta(seconds=max(0.0, room_s))
@@ -698,6 +746,8 @@ def choose_pool(snapshot: JobSnapshot, policy: PolicyParams | None = None) -> Pl
         return decide(PoolKind.ON_DEMAND, "slack no longer covers a Spot try's worst case")
     per_worker = snapshot.remaining_work_s / snapshot.parallelism
     reserve = policy.reserve_changeovers * d + policy.reserve_work_fraction * per_worker
+    if policy.spell_age_wait and not snapshot.spot_available:
+        reserve *= age
     if policy.line_reserve_cap is not None and line > 0:
         reserve = min(reserve, policy.line_reserve_cap * line)
     room = cost_room_s(snapshot, policy)

@@ -10,7 +10,7 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import replace
 
-from airflow_deadline_batch.core.calibration import AvailabilityEstimate, SpotTries
+from airflow_deadline_batch.core.calibration import AvailabilityEstimate, SpellAges, SpotTries
 from airflow_deadline_batch.core.placement import (
     JobSnapshot,
     PolicyParams,
@@ -161,7 +161,9 @@ class SlackAware:
     def reset(self, config: SimConfig, gap_h: float) -> None:
         self.deadline = EPOCH + dt.timedelta(hours=config.deadline_h)
         self.run_params = PolicyParams(**{**self.params.__dict__, "decision_interval_s": gap_h * 3600})
-        fresh = AvailabilityEstimate(prior=self.params.availability_prior)
+        fresh = AvailabilityEstimate(
+            prior=self.params.availability_prior, ages=SpellAges() if self.params.spell_age else None
+        )
         self.availability = self.priors[0] if self.priors else fresh
         self.pool_availability: list[AvailabilityEstimate] = list(self.priors) if len(self.priors) > 1 else []
         self.spot_tries = SpotTries()
@@ -197,6 +199,13 @@ class SlackAware:
         # The tick now starting is known to be (un)available, not yet observed for its length.
         availability = self.availability.value
         mean_run_s = self.availability.run_hours * 3600
+        ages = self.availability.ages
+        # the age factor of the spell this tick is in (Spot there or not), before the tick is folded
+        there = view.capacity > 0
+        age_factor = None if ages is None else ages.age_factor(there, self.params.spell_age_horizon_h)
+        if age_factor is not None and self.params.spell_age_run and there:
+            # the age rule scales the memoryless mean, not the mean raised to the spell's age
+            mean_run_s = 3600.0 / self.availability.spell_end_rate
         self.availability = self.availability.observe(view.capacity, cfg.workers, view.gap_h)
         options = self._observe_pools(view)
         # the same storm input as the job view's (docs/design.md §5, Observed preemptions)
@@ -268,6 +277,9 @@ class SlackAware:
                     others_on_spot,
                     starting - (1 if slot.mode is Mode.SPOT and slot.changeover_left_h > 0 else 0),
                 ),
+                # the factor is the job's spell's: only for a worker that sees the same (partial
+                # capacity taken by other workers is not an outage)
+                spell_age_factor=age_factor if (slot.mode is Mode.SPOT or free_spot > 0) == there else None,
             )
             decision = choose_pool(snapshot, self.run_params)
             pool = decision.pool
@@ -368,7 +380,9 @@ def pool_priors(
     for trace in traces:
         gap_h = trace.gap_s / 3600.0
         first = max(0, start_tick - round(hours / gap_h))
-        estimate = AvailabilityEstimate(prior=prior)
+        estimate = AvailabilityEstimate(
+            prior=prior, ages=SpellAges() if params is not None and params.spell_age else None
+        )
         for tick in range(first, start_tick):
             estimate = estimate.observe(trace.at(tick), workers, gap_h)
         out.append(estimate)

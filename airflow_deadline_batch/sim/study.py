@@ -9,12 +9,15 @@ D = 30/40 h``, 40 starts) on unseen synthetic 8- and 16-GPU traces (:func:`multi
 The ``omniscient`` column is the exact optimum for ``N = 1`` rows and a proven lower bound,
 :func:`~.omniscient.tightest_bound`, for ``N > 1`` rows (so their ``sa / omniscient`` is pessimistic).
 ``--extra-policy mdp`` adds the research policy of :mod:`.mdp` (with the persisted prior, as
-slack_aware) and its target line; ``--n1-only`` keeps the ``N = 1`` rows.
+slack_aware) and its target line; ``--n1-only`` keeps the ``N = 1`` rows; ``--params '<json>'``
+(repeatable) adds slack_aware with those ``PolicyParams`` on the same starts, its line named
+``candidate1``, ``candidate2`` ….
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -22,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from airflow_deadline_batch.core.placement import PolicyParams
 from airflow_deadline_batch.sim.engine import SimConfig, simulate
 from airflow_deadline_batch.sim.mdp import MarkovDecision
 from airflow_deadline_batch.sim.policies import OnDemand, pool_priors, slack_aware_at
@@ -70,10 +74,19 @@ def multi_gpu_traces(seed: int = 900) -> list[Trace]:
     return multi_gpu_suite(seed, capacity=8) + multi_gpu_suite(seed, capacity=16)
 
 
-def run_row(trace: Trace, setting: Setting, seed: int = 1, extra: Sequence[str] = ()) -> dict[str, Summary]:
+def run_row(
+    trace: Trace,
+    setting: Setting,
+    seed: int = 1,
+    extra: Sequence[str] = (),
+    params: Sequence[PolicyParams] = (),
+) -> dict[str, Summary]:
     cfg = setting.config()
     ticks = start_ticks(trace, cfg, starts=setting.starts, seed=seed)
     row = {s.policy: s for s in compare(trace, cfg, ticks)}
+    for i, candidate in enumerate(params, 1):  # slack_aware with ``--params``, same starts
+        runs = [simulate(trace, t, cfg, slack_aware_at([trace], t, cfg.workers, candidate)) for t in ticks]
+        row[f"candidate{i}"] = summarise(trace, cfg, f"candidate{i}", runs)
     if "mdp" in extra:  # with the persisted prior, as slack_aware (and as sim.tuning scores it)
         runs = [
             simulate(trace, t, cfg, MarkovDecision(priors=pool_priors([trace], t, cfg.workers)))
@@ -94,15 +107,26 @@ def worst_run(args: tuple[Trace, Setting]) -> float:
     )
 
 
-def _job(args: tuple[Trace, Setting, tuple[str, ...]]) -> tuple[str, Setting, dict[str, Summary]]:
-    trace, setting, extra = args
-    return trace.name, setting, run_row(trace, setting, extra=extra)
+def _job(
+    args: tuple[Trace, Setting, tuple[str, ...], tuple[PolicyParams, ...]],
+) -> tuple[str, Setting, dict[str, Summary]]:
+    trace, setting, extra, params = args
+    return trace.name, setting, run_row(trace, setting, extra=extra, params=params)
 
 
 def run_all(
-    traces: Sequence[Trace], grid: Sequence[Setting], jobs: int = 2, extra: Sequence[str] = ()
+    traces: Sequence[Trace],
+    grid: Sequence[Setting],
+    jobs: int = 2,
+    extra: Sequence[str] = (),
+    params: Sequence[PolicyParams] = (),
 ) -> list[tuple[str, Setting, dict[str, Summary]]]:
-    work = [(t, s, tuple(extra)) for s in grid for t in traces if s.workers <= max(t.capacity) or True]
+    work = [
+        (t, s, tuple(extra), tuple(params))
+        for s in grid
+        for t in traces
+        if s.workers <= max(t.capacity) or True
+    ]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_job, work))
 
@@ -188,11 +212,21 @@ def main(argv: list[str] | None = None) -> int:
         "--extra-policy", action="append", choices=EXTRA, default=[], help="add a research policy's line"
     )
     parser.add_argument("--n1-only", action="store_true", help="only the N = 1 settings")
+    parser.add_argument(
+        "--params",
+        action="append",
+        default=[],
+        help="also slack_aware with these PolicyParams (JSON; repeatable), lines candidate1, candidate2 …",
+    )
     parser.add_argument("--table", action="store_true", help="print the Markdown table")
     parser.add_argument(
         "--worst-run", action="store_true", help="also slack_aware's dearest start ÷ on-demand (reruns it)"
     )
     args = parser.parse_args(argv)
+    try:
+        params = [PolicyParams(**json.loads(text)) for text in args.params]
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--params needs PolicyParams as JSON, e.g. '{{\"spell_age_wait\": true}}': {exc}")
     if args.multi_gpu:
         traces = multi_gpu_traces()
     elif args.synthetic:
@@ -210,14 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.synthetic:  # N = 1 settings on 1-GPU traces, N = 4 on 4-GPU traces
         rows = [
             row
-            for row in run_all(traces, grid, args.jobs, args.extra_policy)
+            for row in run_all(traces, grid, args.jobs, args.extra_policy, params)
             if (row[1].workers == 1) == ("-" in row[0] and max(_cap(traces, row[0])) == 1)
         ]
     else:
-        rows = run_all(traces, grid, args.jobs, args.extra_policy)
+        rows = run_all(traces, grid, args.jobs, args.extra_policy, params)
     if args.table:
         print(markdown(rows))
-    lines = [targets(rows)] + [extra_targets(rows, name) for name in args.extra_policy]
+    names = list(args.extra_policy) + [f"candidate{i}" for i in range(1, len(params) + 1)]
+    lines = [targets(rows)] + [extra_targets(rows, name) for name in names]
     for line in lines:
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
     if args.worst_run:

@@ -273,3 +273,57 @@ def multi_gpu_suite(seed: int = 0, capacity: int = 4) -> list[Trace]:
         gang(seed + 5, capacity, mean_up_h=0.8, mean_down_h=2.5, all_or_nothing=0.7, gap_s=300.0),
         gang(seed + 6, capacity, mean_up_h=0.25, mean_down_h=0.3, all_or_nothing=0.6),
     ]
+
+
+def semi_markov(
+    seed: int,
+    hours: float = 400.0,
+    gap_s: float = 300.0,
+    capacity: int = 1,
+    mean_up_h: float = 3.0,
+    mean_down_h: float = 2.0,
+    shape: float = 0.6,
+    law: str = "weibull",
+    name: str | None = None,
+) -> Trace:
+    """Alternating spells of Spot present / absent whose lengths are heavy-tailed and independent.
+
+    Each spell is drawn with the given mean from a Weibull of ``shape`` (below 1: the chance a spell
+    ends falls with its age, so a long spell is likely to last longer) or, with ``law="lognormal"``,
+    a lognormal of log-sd ``shape``. A semi-Markov process: no regimes, all the memory is in the
+    current spell's age, which a memoryless (Markov) estimate cannot see (docs/simulator.md,
+    *Seventh round*). Spells are at least one tick.
+    """
+    if law not in ("weibull", "lognormal"):
+        raise ValueError(f"semi_markov: unknown law {law!r}; use 'weibull' or 'lognormal'")
+    if not (shape > 0 and mean_up_h > 0 and mean_down_h > 0):
+        raise ValueError("semi_markov: shape and both means must be > 0")
+    rng = random.Random(seed)
+    n = max(1, round(hours * 3600 / gap_s))
+
+    def draw(mean: float) -> float:
+        if law == "weibull":
+            return rng.weibullvariate(mean / math.gamma(1.0 + 1.0 / shape), shape)
+        return rng.lognormvariate(math.log(mean) - shape * shape / 2.0, shape)
+
+    state = rng.random() < mean_up_h / (mean_up_h + mean_down_h)
+    ticks: list[int] = []
+    while len(ticks) < n:
+        spell = draw(mean_up_h if state else mean_down_h)
+        ticks.extend([capacity if state else 0] * max(1, round(spell * 3600 / gap_s)))
+        state = not state
+    return Trace(name or f"semi-markov-{law}-{seed}", gap_s, tuple(ticks[:n]))
+
+
+def semi_markov_suite(seed: int = 0, capacity: int = 1) -> list[Trace]:
+    """Heavy-tailed spells at generic settings (not fitted to any shared trace): scarce and
+    plentiful, short and long spells, Weibull shapes 0.5 / 0.7 and a lognormal, 5- and 10-minute
+    ticks."""
+    return [
+        semi_markov(seed + 1, capacity=capacity, mean_up_h=3.0, mean_down_h=2.0, shape=0.5),
+        semi_markov(seed + 2, capacity=capacity, mean_up_h=1.0, mean_down_h=3.0, shape=0.5, gap_s=600.0),
+        semi_markov(seed + 3, capacity=capacity, mean_up_h=6.0, mean_down_h=1.0, shape=0.7),
+        semi_markov(seed + 4, capacity=capacity, mean_up_h=1.5, mean_down_h=1.5, shape=0.7, gap_s=600.0),
+        semi_markov(seed + 5, capacity=capacity, mean_up_h=2.0, mean_down_h=4.0, shape=1.2, law="lognormal"),
+        semi_markov(seed + 6, capacity=capacity, mean_up_h=4.0, mean_down_h=1.0, shape=1.0, law="lognormal"),
+    ]

@@ -6,7 +6,8 @@ beyond on-demand's, and against on-demand only the worst case (mean over its sta
 single run. ``--gap '<json>'`` instead splits slack_aware's excess over the exact optimum on the
 ``N = 1`` cases into Spot and on-demand hours, changeovers, lost work, and on-demand hours taken
 while Spot was there or missing (docs/simulator.md, *Third round*). ``--multi-gpu '<json>' ...``
-scores candidates on the study's unseen multi-GPU rows (evaluation, never tuning). The shared
+scores candidates on the study's unseen multi-GPU rows (evaluation, never tuning);
+``--semi-markov '<json>'`` scores on the semi-Markov set (:func:`semi_markov_cases`). The shared
 trace files are never read here: they are for evaluation. ``--policy mdp`` (anywhere in the
 arguments) scores the research policy of :mod:`.mdp` in place of slack_aware (its ``PolicyParams``
 set the safety rule's interval and the estimate's prior, and ``cost_cap`` its cap rule), with
@@ -84,6 +85,20 @@ def cases(seed: int = 500, starts: int = 8) -> list[Case]:
     return out
 
 
+def semi_markov_cases(seed: int = 800, starts: int = 8) -> list[Case]:
+    """The semi-Markov set (``--semi-markov``): heavy-tailed spells with no regimes
+    (:func:`.traces.semi_markov_suite`), the tuning set's settings: 1 GPU for ``N = 1``, an
+    all-or-nothing 4-GPU gang for ``N = 4`` (docs/simulator.md, *Seventh round*)."""
+    one = traces.semi_markov_suite(seed)
+    multi = traces.semi_markov_suite(seed + 100, capacity=4)
+    out: list[Case] = []
+    for d in (0.1, 0.2):
+        for deadline in (20.0, 30.0):
+            out += [(t, SimConfig(work_h=16, deadline_h=deadline, changeover_h=d), starts) for t in one]
+        out += [(t, SimConfig(work_h=32, deadline_h=10, workers=4, changeover_h=d), starts) for t in multi]
+    return out
+
+
 def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str | MdpVariant]) -> Score:
     """slack_aware ÷ uniform_progress (summed cost over the starts), its misses, and its mean and
     worst run ÷ on-demand only for one case."""
@@ -108,10 +123,14 @@ def score(args: tuple[traces.Trace, SimConfig, int, PolicyParams, str | MdpVaria
 
 
 def evaluate(
-    params: PolicyParams, jobs: int = 2, policy: str | MdpVariant = "slack_aware"
+    params: PolicyParams,
+    jobs: int = 2,
+    policy: str | MdpVariant = "slack_aware",
+    case_list: list[Case] | None = None,
 ) -> dict[str, float]:
+    work = [(t, c, s, params, policy) for t, c, s in (cases() if case_list is None else case_list)]
     with ProcessPoolExecutor(jobs) as pool:
-        rows = list(pool.map(score, [(t, c, s, params, policy) for t, c, s in cases()]))
+        rows = list(pool.map(score, work))
 
     def stats(ratios: list[float]) -> tuple[float, float]:
         return sum(ratios) / len(ratios), max(ratios)
@@ -282,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     split = bool(args) and args[0] == "--gap"
     args = args[1:] if split else args
+    semi = bool(args) and args[0] == "--semi-markov"
+    args = args[1:] if semi else args
     params = PolicyParams(**json.loads(args[0])) if args else PolicyParams()
-    result = gap(params, jobs, online) if split else evaluate(params, jobs, online)
+    case_list = semi_markov_cases() if semi else None
+    result = gap(params, jobs, online) if split else evaluate(params, jobs, online, case_list)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
     return 0
 
