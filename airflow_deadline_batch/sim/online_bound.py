@@ -264,6 +264,29 @@ class AgeTableAlone(MarkovDecision):
         return int(snapshot.spot_available) * self.ages.buckets + phase
 
 
+class AgeTableByAge(AgeTableAlone):
+    """:class:`AgeTableAlone` told only what a policy on the trace sees: the phase is taken as the
+    age bucket of the current spell's age (ticks since Spot was last there / missing, from the
+    trace up to now), not the twin's true phase. An online policy, so it costs no less than the
+    floor; how much more is what not seeing the phase costs."""
+
+    name = "mdp_age_table_by_age"
+
+    def __init__(self, ages: AgeRates, trace: Trace, start_tick: int) -> None:
+        super().__init__(ages, (), start_tick)
+        self.trace = trace
+
+    def _spot_state(self, snapshot: JobSnapshot) -> int:
+        now, gap_h = self.start_tick + self.tick, self.trace.gap_s / 3600.0
+        there = self.trace.at(now) > 0
+        oldest = math.ceil(self.ages.edges_h[-1] / gap_h)  # past it the age's bucket is the last
+        age = 0
+        while age < oldest and now - age > 0 and (self.trace.at(now - age - 1) > 0) == there:
+            age += 1
+        bucket = max(i for i, edge in enumerate(self.ages.edges_h) if age * gap_h >= edge - 1e-9)
+        return int(snapshot.spot_available) * self.ages.buckets + bucket
+
+
 # -- the check: brute force over every online policy on a tiny job ------------------------------
 
 
@@ -441,7 +464,15 @@ def measure(
 
 
 #: the columns of the measurement on the semi-Markov twins (``--ages``), in order
-AGE_POLICIES = ("exact", "age_table", "table_alone", "mdp", "slack_aware", "uniform_progress")
+AGE_POLICIES = (
+    "exact",
+    "age_table",
+    "age_table_by_age",
+    "table_alone",
+    "mdp",
+    "slack_aware",
+    "uniform_progress",
+)
 
 
 def run_age_row(args: tuple[Trace, tuple[int, ...], AgeRates, Setting]) -> Row:
@@ -453,6 +484,7 @@ def run_age_row(args: tuple[Trace, tuple[int, ...], AgeRates, Setting]) -> Row:
     params = PolicyParams()
     makers: dict[str, Callable[[int], Policy]] = {
         "age_table": lambda t: AgeTableAlone(ages, phases, t),
+        "age_table_by_age": lambda t: AgeTableByAge(ages, trace, t),
         "table_alone": lambda _: TableAlone(fit),
         "mdp": lambda t: online_at("mdp", trace, t, 1, params),
         "slack_aware": lambda t: slack_aware_at([trace], t, 1),

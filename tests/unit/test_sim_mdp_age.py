@@ -18,6 +18,7 @@ from airflow_deadline_batch.sim.engine import SimConfig, simulate
 from airflow_deadline_batch.sim.mdp import TIE, AgeRates, AgeTable, Rates, Table
 from airflow_deadline_batch.sim.online_bound import (
     AgeTableAlone,
+    AgeTableByAge,
     age_table,
     age_twin,
     chain_optimum,
@@ -85,23 +86,27 @@ def test_the_table_with_age_is_the_online_optimum_on_tiny_jobs(
 
 def test_the_policy_costs_what_its_table_says_and_never_misses() -> None:
     """Every trace of the chain up to the deadline, weighted, through the engine (a young present
-    spell first); the phases given to the policy are the trace's own."""
+    spell first); the phases given to the policy are the trace's own. Told only the spell's age
+    (``AgeTableByAge``) the table's policy never misses either and costs no less."""
     cfg = _config(0.5, 1.0, 0.1)
     gap_s = 600.0
     grid = exact_grid(cfg, gap_s / 3600.0)
     step = MEMORY.transition(gap_s / 3600.0)
     ticks = math.ceil(cfg.deadline_h * 3600 / gap_s - 1e-9)
-    mean = 0.0
+    mean = by_age = 0.0
     for rest in itertools.product(range(4), repeat=ticks - 1):
         path = (2, *rest)
         weight = math.prod(step[a, b] for a, b in itertools.pairwise(path))
         phases = tuple(z % 2 for z in path) + (0,)
         trace = Trace("all", gap_s, tuple(int(z >= 2) for z in path) + (0,))
         result = simulate(trace, 0, cfg, AgeTableAlone(MEMORY, phases, 0))
-        assert not result.missed
+        told_age = simulate(trace, 0, cfg, AgeTableByAge(MEMORY, trace, 0))
+        assert not result.missed and not told_age.missed
         mean += weight * result.cost
+        by_age += weight * told_age.cost
     value = float(age_table(cfg, grid, MEMORY).idle[grid.steps][2, grid.shards])
     assert mean == pytest.approx(value, abs=TIE * grid.steps)
+    assert by_age >= mean - TIE * grid.steps
 
 
 def test_a_twin_keeps_the_fitted_memory() -> None:
