@@ -14,6 +14,10 @@ study's ``N = 1`` settings on each twin: the exact optimum, the oracle-rates tab
 without slack_aware's safety rule, and on ``mdp``'s own grid), ``mdp`` with learned rates,
 ``slack_aware``, ``uniform_progress`` and ``on_demand``. ``--check`` compares the oracle table
 with a brute-force expectimax over every online policy on tiny jobs.
+
+``--ages``: the same on semi-Markov twins whose spells remember their age (hazard by age bucket
+fitted per trace, :func:`age_twin`), with the table that has the spell's age phase in its state
+(``sim.mdp.AgeTable``) as the floor (docs/simulator.md, *Eighth round*).
 """
 
 from __future__ import annotations
