@@ -163,11 +163,17 @@ class Table:
         credit_commits: bool = False,
         waste_price: float = 0.0,
     ) -> None:
-        self.grid, self.rates, self.k = grid, rates, config.price_ratio
+        self.rates = rates
+        self.p_up = np.array([rates.down_up, rates.up_up])
+        self._setup(grid, config, credit_commits, waste_price)
+        self.idle, self.running = self._induct(config, steps, 2)
+
+    def _setup(self, grid: Grid, config: SimConfig, credit_commits: bool, waste_price: float) -> None:
+        """The job's geometry on the grid: where a step takes each (shards left, progress) state."""
+        self.grid, self.k = grid, config.price_ratio
         #: the risk term: every hour a stop or a preemption throws away (the try's changeover done
         #: and its uncommitted progress, at its price) costs this much more (0: expected cost only)
         self.waste_price = waste_price
-        self.p_up = np.array([rates.down_up, rates.up_up])
         c, size, per = grid.changeover_units, grid.shard_units, grid.per_step
         width = c + size
         r = np.arange(grid.shards + 1)[:, None]
@@ -194,15 +200,20 @@ class Table:
         n = config.workers
         imbalance = config.shard_size_h * (n - 1) / n
         self.safe_h = config.changeover_h + np.arange(grid.shards + 1) * grid.shard_h + imbalance
+
+    def _induct(self, config: SimConfig, steps: int, states: int) -> tuple[np.ndarray, np.ndarray]:
+        """Backward induction over ``steps`` layers of ``states`` Spot states (unfinished at the
+        deadline: the large penalty plus on-demand for the rest)."""
+        grid = self.grid
         big = 10.0 * self.k * (config.deadline_h + config.changeover_h)
-        idle = np.empty((steps + 1, 2, grid.shards + 1))
+        idle = np.empty((steps + 1, states, grid.shards + 1))
         idle[0] = big + self.k * self.safe_h
         idle[0][:, 0] = 0.0
-        running = np.empty((steps + 1, 2, 2, grid.shards + 1, width))
+        running = np.empty((steps + 1, 2, states, grid.shards + 1, self.width))
         running[0] = idle[0][None, :, :, None]
         for t in range(1, steps + 1):
             idle[t], running[t] = self.layer(idle[t - 1], running[t - 1], t)
-        self.idle, self.running = idle, running
+        return idle, running
 
     def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
         """One step of backward induction: the values with ``t`` steps left, idle ``[s, r]`` and
@@ -282,6 +293,145 @@ class Table:
             spot(j) if m == SPOT else spot(0) + lost,
             on_demand(j) if m == OD else on_demand(0) + lost,
         )
+
+
+def expm(matrix: np.ndarray) -> np.ndarray:
+    """``e^A`` of a small matrix: Taylor series after scaling by ``2^-n``, squared back ``n`` times."""
+    norm = float(np.abs(matrix).sum(axis=1).max())
+    halvings = max(0, math.ceil(math.log2(norm / 0.25))) if norm > 0.25 else 0
+    scaled = matrix / 2.0**halvings
+    result = term = np.eye(len(matrix))
+    for i in range(1, 20):
+        term = term @ scaled / i
+        result = result + term
+    for _ in range(halvings):
+        result = result @ result
+    return result
+
+
+@dataclass(frozen=True)
+class AgeRates:
+    """Spot whose spells remember their age: a continuous-time chain over (Spot there ``s``, the
+    spell's age phase ``b``), state ``z = s · B + b`` (docs/simulator.md, *Eighth round*).
+
+    A spell of kind ``s`` in phase ``b`` ends at ``hazards[s][b]`` per hour (to phase 0 of the
+    other kind) and moves on to phase ``b + 1`` at a rate chosen so that it outlasts the phase
+    with the chance a hazard constant over the age bucket ``[edges_h[b], edges_h[b + 1])`` gives
+    (``e^{−h·w}``); the last phase has no end. So the phase is the age bucket, but a spell's time in
+    it is random (a Coxian spell, not the bucket's exact width): its hazard by age is the buckets'
+    smoothed. ``hazards[0]``: absent spells (Spot returns), ``hazards[1]``: present (Spot ends).
+    """
+
+    hazards: tuple[tuple[float, ...], tuple[float, ...]]
+    edges_h: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        b = len(self.edges_h)
+        if any(len(h) != b for h in self.hazards) or b < 1:
+            raise ValueError(f"AgeRates: one hazard per age bucket of each kind ({b} buckets)")
+        if any(not (x > 0 and math.isfinite(x)) for h in self.hazards for x in h):
+            raise ValueError("AgeRates: every hazard must be a finite rate > 0 per hour")
+
+    @property
+    def buckets(self) -> int:
+        return len(self.edges_h)
+
+    def generator(self) -> np.ndarray:
+        """The chain's rate matrix (rows sum to 0)."""
+        b = self.buckets
+        g = np.zeros((2 * b, 2 * b))
+        for s in (0, 1):
+            for i, h in enumerate(self.hazards[s]):
+                z = s * b + i
+                g[z, (1 - s) * b] += h
+                if i + 1 < b:
+                    width = self.edges_h[i + 1] - self.edges_h[i]
+                    survive = math.exp(-h * width)
+                    g[z, z + 1] += h * survive / (1.0 - survive)
+                g[z, z] -= g[z].sum()
+        return g
+
+    def transition(self, step_h: float) -> np.ndarray:
+        """P(state next step | state now), ``[z, z']``."""
+        p = np.clip(expm(self.generator() * step_h), 0.0, None)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def stationary(self) -> np.ndarray:
+        """The chain's long-run share of each state."""
+        g = self.generator()
+        a = np.vstack([g.T, np.ones(len(g))])
+        share = np.linalg.lstsq(a, np.r_[np.zeros(len(g)), 1.0], rcond=None)[0]
+        return np.clip(share, 0.0, None) / np.clip(share, 0.0, None).sum()
+
+
+class AgeTable(Table):
+    """:class:`Table` with the spell's age phase in the state: Spot state ``z`` of
+    :class:`AgeRates` (``z // B``: there or not) in place of ``s``, one ``[z, z']`` transition per
+    step; the same choices, constraint and penalty (no risk term). With one hazard for every phase
+    of a kind it is the memoryless table (the phase is then irrelevant)."""
+
+    def __init__(
+        self, grid: Grid, config: SimConfig, ages: AgeRates, steps: int, *, credit_commits: bool = False
+    ) -> None:
+        self.ages = ages
+        self.p = ages.transition(grid.step_h)
+        self.up = np.arange(2 * ages.buckets) >= ages.buckets
+        self._setup(grid, config, credit_commits, 0.0)
+        self.idle, self.running = self._induct(config, steps, 2 * ages.buckets)
+
+    def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`Table.layer` over the states ``z``: idle ``[z, r]``, running ``[mode, z, r, j]``."""
+        step, k, p, up = self.grid.step_h, self.k, self.p, self.up
+        states = len(up)
+        unsafe = int(np.searchsorted(self.safe_h, (t - 1) * step + 1e-9, side="right"))
+        wait = p @ nxt_idle + TIE  # [z, r]
+        wait[:, unsafe:] = np.inf
+        od = (p @ nxt_running[1].reshape(states, -1))[:, self.next_flat]  # [z, r, j]
+        od += k * step
+        np.copyto(od, self.done_od, where=self.done)
+        # a Spot try goes on where Spot is there at the next step, else it is preempted (idle)
+        spot = (p[:, up] @ nxt_running[0][up].reshape(up.sum(), -1))[:, self.next_flat]
+        spot += (p[:, ~up] @ nxt_idle[~up])[:, self.next_r]
+        spot += step
+        np.copyto(spot, self.done_h, where=self.done)
+        spot[~up] = np.inf
+        spot[:, self.spot_r >= unsafe] = np.inf
+        idle = np.minimum(np.minimum(wait, od[:, :, 0]), spot[:, :, 0])
+        stop = wait[:, :, None]
+        running = np.empty((2,) + od.shape)
+        np.minimum(np.minimum(stop, od[:, :, :1]), spot, out=running[0])  # a Spot try: stop, OD or keep
+        np.minimum(np.minimum(stop, od), spot[:, :, :1], out=running[1])  # on-demand: stop, keep or Spot
+        idle[:, 0] = 0.0
+        running[:, :, 0, :] = 0.0
+        return idle, running
+
+    def values(self, t: int, s: int, m: int, r: int, j: int, *, spot_ok: bool = True) -> tuple[float, ...]:
+        """:meth:`Table.values` at Spot state ``s`` = ``z``."""
+        t = min(t, len(self.idle) - 1)
+        if t < 1 or r < 1:
+            return (math.inf, math.inf, 0.0)
+        nxt_idle, nxt_run = self.idle[t - 1], self.running[t - 1]
+        step, p = self.grid.step_h, self.p[s]
+        safe = (t - 1) * step >= self.safe_h[r] - 1e-9
+        wait = float(p @ nxt_idle[:, r]) + TIE if safe else math.inf
+
+        def on_demand(jj: int) -> float:
+            if self.done[r, jj]:
+                return float(self.k * self.done_h[r, jj])
+            at = self.next_flat[r, jj]
+            return float(self.k * step + p @ nxt_run[1].reshape(len(p), -1)[:, at])
+
+        def spot(jj: int) -> float:
+            left = int(self.spot_r[r, jj])
+            if not self.up[s] or not spot_ok or (left >= 0 and (t - 1) * step < self.safe_h[left] - 1e-9):
+                return math.inf
+            if self.done[r, jj]:
+                return float(self.done_h[r, jj])
+            at = self.next_flat[r, jj]
+            after = np.where(self.up, nxt_run[0].reshape(len(p), -1)[:, at], nxt_idle[:, self.next_r[r, jj]])
+            return float(step + p @ after)
+
+        return (wait, spot(j) if m == SPOT else spot(0), on_demand(j) if m == OD else on_demand(0))
 
 
 class MarkovDecision(SlackAware):
@@ -500,7 +650,11 @@ class MarkovDecision(SlackAware):
         units = (slot.progress_h - slot.changeover_left_h) / grid.unit_h if running else 0.0
         j = min(max(round(units), -grid.changeover_units), grid.shard_units - 1) + grid.changeover_units
         spot_ok = self._spot_ok(snapshot)
-        return table.action(steps_left, int(snapshot.spot_available), m, shards, j, spot_ok=spot_ok)
+        return table.action(steps_left, self._spot_state(snapshot), m, shards, j, spot_ok=spot_ok)
+
+    def _spot_state(self, snapshot: JobSnapshot) -> int:
+        """The table's Spot state of this worker: there or not (a table with age adds the phase)."""
+        return int(snapshot.spot_available)
 
     @property
     def decision_s(self) -> float:

@@ -14,24 +14,33 @@ study's ``N = 1`` settings on each twin: the exact optimum, the oracle-rates tab
 without slack_aware's safety rule, and on ``mdp``'s own grid), ``mdp`` with learned rates,
 ``slack_aware``, ``uniform_progress`` and ``on_demand``. ``--check`` compares the oracle table
 with a brute-force expectimax over every online policy on tiny jobs.
+
+``--ages``: the same on semi-Markov twins whose spells remember their age (hazard by age bucket
+fitted per trace, :func:`age_twin`), with the table that has the spell's age phase in its state
+(``sim.mdp.AgeTable``) as the floor (docs/simulator.md, *Eighth round*).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import itertools
 import json
 import math
+import random
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from airflow_deadline_batch.core.placement import PolicyParams
-from airflow_deadline_batch.sim.engine import Mode, Policy, SimConfig, View, simulate
-from airflow_deadline_batch.sim.mdp import Grid, MarkovDecision, Rates, Table
+import numpy as np
+
+from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams
+from airflow_deadline_batch.sim import spells
+from airflow_deadline_batch.sim.engine import Choice, Mode, Policy, SimConfig, View, simulate
+from airflow_deadline_batch.sim.mdp import AgeRates, AgeTable, Grid, MarkovDecision, Rates, Table
 from airflow_deadline_batch.sim.omniscient import exact_optimum
 from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress, slack_aware_at
 from airflow_deadline_batch.sim.runner import start_ticks
@@ -170,6 +179,118 @@ class TableAlone(OracleRates):
     safety_rule = False
 
 
+# -- spells with memory: the table with the spell's age (docs/simulator.md, *Eighth round*) -------
+
+#: hazards of an age bucket with no spell ending in it are taken as this (per hour): a phase no
+#: spell leaves would hold Spot there or missing for ever
+MIN_HAZARD_PER_H = 0.01
+
+
+def fit_ages(trace: Trace, edges_h: Sequence[float] = spells.AGE_EDGES_H) -> AgeRates:
+    """A trace's hazard of a spell ending by age bucket, present and absent (``spells.Hazard``:
+    ends ÷ hours at risk in the bucket); a bucket no spell reaches takes the one before it."""
+    fitted = []
+    up, down = spells.Hazard(tuple(edges_h)), spells.Hazard(tuple(edges_h))
+    present, absent = spells.spell_lengths(trace)
+    up.add(present, trace.gap_s)
+    down.add(absent, trace.gap_s)
+    for kind in (down, up):
+        rates: list[float] = []
+        for rate in kind.per_h():
+            rates.append(rates[-1] if rate is None and rates else max(rate or 0.0, MIN_HAZARD_PER_H))
+        fitted.append(tuple(rates))
+    return AgeRates((fitted[0], fitted[1]), tuple(edges_h))
+
+
+def age_twin(
+    trace: Trace, ages: AgeRates, hours: float = 1000.0, seed: int = 1
+) -> tuple[Trace, tuple[int, ...]]:
+    """The trace's semi-Markov twin: the chain of ``ages`` sampled at :func:`twin_gap_s` (first
+    tick from its stationary share), and each tick's age phase (what :class:`AgeTableAlone` sees)."""
+    gap = twin_gap_s(trace.gap_s)
+    step = ages.transition(gap / 3600.0)
+    cumulative = [list(np.cumsum(row)) for row in step]
+    last = 2 * ages.buckets - 1
+    rng = random.Random(seed)
+    z = min(bisect.bisect_right(list(np.cumsum(ages.stationary())), rng.random()), last)
+    capacity: list[int] = []
+    phases: list[int] = []
+    for _ in range(max(1, round(hours * 3600 / gap))):
+        capacity.append(int(z >= ages.buckets))
+        phases.append(z % ages.buckets)
+        z = min(bisect.bisect_right(cumulative[z], rng.random()), last)
+    return Trace(f"age-twin:{trace.name}", gap, tuple(capacity)), tuple(phases)
+
+
+@functools.lru_cache(maxsize=1)
+def age_table(config: SimConfig, grid: Grid, ages: AgeRates) -> AgeTable:
+    """The table with age for the twin's true chain over the whole horizon (the exact constraint)."""
+    return AgeTable(grid, config, ages, grid.steps, credit_commits=True)
+
+
+class AgeTableAlone(MarkovDecision):
+    """The Bayes-optimal online policy on a twin of :func:`age_twin`: the table with age for its
+    true chain, told each tick's age phase, alone as :class:`TableAlone` (its exact constraint).
+    Knowing the phase is at least as much as knowing the spell's age (given the phase the age says
+    nothing more of the future), so its cost is a floor for every policy that sees only the trace."""
+
+    name = "mdp_age_table"
+    safety_rule = False
+
+    def __init__(self, ages: AgeRates, phases: Sequence[int], start_tick: int) -> None:
+        super().__init__()
+        self.ages, self.phases, self.start_tick = ages, phases, start_tick
+        self.tick = 0
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        super().reset(config, gap_h)
+        self.grid = exact_grid(config, gap_h)
+
+    def decide(self, view: View) -> list[Choice]:
+        self.tick = view.tick
+        return super().decide(view)
+
+    def _table(
+        self,
+        config: SimConfig,
+        availability: float,
+        run_h: float,
+        time_left_h: float,
+        *,
+        waste_price: float = 0.0,
+    ) -> Table:
+        if config.workers != 1:
+            raise ValueError("the table with age is for one worker; run it with workers=1")
+        return age_table(config, self.grid, self.ages)
+
+    def _spot_state(self, snapshot: JobSnapshot) -> int:
+        phase = self.phases[(self.start_tick + self.tick) % len(self.phases)]
+        return int(snapshot.spot_available) * self.ages.buckets + phase
+
+
+class AgeTableByAge(AgeTableAlone):
+    """:class:`AgeTableAlone` told only what a policy on the trace sees: the phase is taken as the
+    age bucket of the current spell's age (ticks since Spot was last there / missing, from the
+    trace up to now), not the twin's true phase. An online policy, so it costs no less than the
+    floor; how much more is what not seeing the phase costs."""
+
+    name = "mdp_age_table_by_age"
+
+    def __init__(self, ages: AgeRates, trace: Trace, start_tick: int) -> None:
+        super().__init__(ages, (), start_tick)
+        self.trace = trace
+
+    def _spot_state(self, snapshot: JobSnapshot) -> int:
+        now, gap_h = self.start_tick + self.tick, self.trace.gap_s / 3600.0
+        there = self.trace.at(now) > 0
+        oldest = math.ceil(self.ages.edges_h[-1] / gap_h)  # past it the age's bucket is the last
+        age = 0
+        while age < oldest and now - age > 0 and (self.trace.at(now - age - 1) > 0) == there:
+            age += 1
+        bucket = max(i for i, edge in enumerate(self.ages.edges_h) if age * gap_h >= edge - 1e-9)
+        return int(snapshot.spot_available) * self.ages.buckets + bucket
+
+
 # -- the check: brute force over every online policy on a tiny job ------------------------------
 
 
@@ -201,12 +322,22 @@ def online_optimum(config: SimConfig, gap_s: float, fit: MarkovFit, first_up: bo
     next states of the chain; runs are replayed from the start, and the cost-to-go is memoised on
     the engine's state. Exponential in nothing but the reachable states: for tiny jobs only."""
     rates = Rates.of(fit.up_to_down, fit.down_to_up, gap_s / 3600.0)
-    p_up = (rates.down_up, rates.up_up)
+    step = ((1 - rates.down_up, rates.down_up), (1 - rates.up_up, rates.up_up))
+    return chain_optimum(config, gap_s, step, (False, True), int(first_up))
+
+
+def chain_optimum(
+    config: SimConfig, gap_s: float, step: Sequence[Sequence[float]], up: Sequence[bool], first: int
+) -> float:
+    """:func:`online_optimum` for Spot driven by any chain the policy sees the state of: per tick
+    ``step[z][z']`` from state ``z``, Spot there in the states ``up`` (a twin of
+    :func:`age_twin`: ``z`` = there × phases + phase, the policy told the phase)."""
     memo: dict[tuple[object, ...], float] = {}
 
     def total(history: tuple[int, ...], actions: tuple[Mode, ...]) -> float:
+        trace = Trace("brute", gap_s, tuple(int(up[z]) for z in history))
         try:
-            result = simulate(Trace("brute", gap_s, history), 0, config, _Script(actions))
+            result = simulate(trace, 0, config, _Script(actions))
         except _Paused as paused:
             return paused.view.cost + to_go(history, actions, paused.view)
         return math.inf if result.missed else result.cost
@@ -217,15 +348,16 @@ def online_optimum(config: SimConfig, gap_s: float, fit: MarkovFit, first_up: bo
         key += (slot.mode, slot.busy, round(slot.changeover_left_h, 6), round(slot.progress_h, 6))
         if key not in memo:
             best = math.inf
-            p = p_up[history[-1]]
-            for choice in (Mode.NONE, Mode.ON_DEMAND) + ((Mode.SPOT,) if history[-1] else ()):
-                value = p * total(history + (1,), actions + (choice,))
-                value += (1 - p) * total(history + (0,), actions + (choice,))
+            z = history[-1]
+            for choice in (Mode.NONE, Mode.ON_DEMAND) + ((Mode.SPOT,) if up[z] else ()):
+                value = math.fsum(
+                    p * total(history + (nxt,), actions + (choice,)) for nxt, p in enumerate(step[z]) if p > 0
+                )
                 best = min(best, value - view.cost)
             memo[key] = best
         return memo[key]
 
-    return total((int(first_up),), ())
+    return total((first,), ())
 
 
 def expected_cost(
@@ -335,6 +467,61 @@ def measure(
         return list(pool.map(run_row, work))
 
 
+#: the columns of the measurement on the semi-Markov twins (``--ages``), in order
+AGE_POLICIES = (
+    "exact",
+    "age_table",
+    "age_table_by_age",
+    "table_alone",
+    "mdp",
+    "slack_aware",
+    "uniform_progress",
+)
+
+
+def run_age_row(args: tuple[Trace, tuple[int, ...], AgeRates, Setting]) -> Row:
+    """One semi-Markov twin × setting: the table with age (told the phase), the memoryless
+    Bayes-optimal table for the twin's own Markov fit, and the online policies."""
+    trace, phases, ages, setting = args
+    cfg = setting.config()
+    fit = fit_markov(trace)
+    params = PolicyParams()
+    makers: dict[str, Callable[[int], Policy]] = {
+        "age_table": lambda t: AgeTableAlone(ages, phases, t),
+        "age_table_by_age": lambda t: AgeTableByAge(ages, trace, t),
+        "table_alone": lambda _: TableAlone(fit),
+        "mdp": lambda t: online_at("mdp", trace, t, 1, params),
+        "slack_aware": lambda t: slack_aware_at([trace], t, 1),
+        "uniform_progress": lambda _: UniformProgress(),
+    }
+    costs: dict[str, list[float]] = {name: [] for name in AGE_POLICIES}
+    misses = dict.fromkeys(AGE_POLICIES, 0)
+    for tick in start_ticks(trace, cfg, starts=setting.starts, seed=1):
+        costs["exact"].append(exact_optimum(trace, tick, cfg).cost)
+        for name, make in makers.items():
+            result = simulate(trace, tick, cfg, make(tick))
+            costs[name].append(result.cost)
+            misses[name] += result.missed
+    frozen = {name: tuple(values) for name, values in costs.items()}
+    return Row(trace.name, fit, setting, frozen, misses, 0, 0)
+
+
+def measure_ages(
+    traces: Sequence[Trace], starts: int = 20, hours: float = 1000.0, seed: int = 1
+) -> list[Row]:
+    """Every single-node trace's semi-Markov twin × the study's ``N = 1`` settings (one process:
+    a table with age of a 60 s tick holds about 0.6 GB)."""
+    rows = []
+    for trace in traces:
+        ages = fit_ages(trace)
+        double, phases = age_twin(trace, ages, hours, seed)
+        for s in settings(starts_n1=starts):
+            if s.workers == 1:
+                rows.append(run_age_row((double, phases, ages, s)))
+                print(f"# {double.name} D={s.deadline_h:g} d={s.changeover_h:g}", file=sys.stderr, flush=True)
+    return rows
+
+
 def ratios(rows: Sequence[Row], name: str) -> tuple[float, float]:
     """``name``'s cost over the exact optimum: the ratio of the mean costs, and the mean per-start ratio."""
     mine = [c for r in rows for c in r.costs[name]]
@@ -354,9 +541,8 @@ def standard_error(rows: Sequence[Row], name: str) -> float:
     return math.sqrt(variance / n) / (math.fsum(exact) / n)
 
 
-def markdown(rows: Sequence[Row]) -> str:
+def markdown(rows: Sequence[Row], columns: Sequence[str] = POLICIES[1:]) -> str:
     """Per twin (its 4 settings together) and overall: ratio of means (mean of ratios) per policy."""
-    columns = POLICIES[1:]
     head = "| twin of | mean spell up / down h | availability | " + " | ".join(columns) + " |\n"
     head += "|---" * (3 + len(columns)) + "|\n"
     lines = []
@@ -366,7 +552,11 @@ def markdown(rows: Sequence[Row]) -> str:
         spells = f"{1 / fit.up_to_down:.2f} / {1 / fit.down_to_up:.2f}" if name != "**all**" else ""
         avail = f"{fit.availability:.3f}" if name != "**all**" else ""
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
-        lines.append(f"| {name.removeprefix('twin:')} | {spells} | {avail} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name.removeprefix('twin:').removeprefix('age-twin:')} | {spells} | {avail} | "
+            + " | ".join(cells)
+            + " |"
+        )
     for key in sorted({(r.setting.deadline_h, r.setting.changeover_h) for r in rows}):
         group = [r for r in rows if (r.setting.deadline_h, r.setting.changeover_h) == key]
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
@@ -374,14 +564,14 @@ def markdown(rows: Sequence[Row]) -> str:
     return head + "\n".join(lines)
 
 
-def summary(rows: Sequence[Row]) -> str:
+def summary(rows: Sequence[Row], columns: Sequence[str] = POLICIES[1:]) -> str:
     parts = [f"rows={len(rows)} starts={sum(len(r.costs['exact']) for r in rows)}"]
-    for name in POLICIES[1:]:
+    for name in columns:
         a, b = ratios(rows, name)
         parts.append(f"{name}={a:.4f}/{b:.4f}±{standard_error(rows, name):.4f}")
     decisions = sum(r.decisions for r in rows)
     parts.append(f"oracle_overrides={sum(r.overrides for r in rows)}/{decisions}")
-    parts.append("misses=" + ",".join(f"{n}:{sum(r.misses[n] for r in rows)}" for n in POLICIES[1:]))
+    parts.append("misses=" + ",".join(f"{n}:{sum(r.misses[n] for r in rows)}" for n in columns))
     return " ".join(parts)
 
 
@@ -394,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--twin-seed", type=int, default=1, help="the twins' draw")
     parser.add_argument("--check", action="store_true", help="brute force against the oracle on tiny jobs")
     parser.add_argument("--out", type=Path, help="also write every start's costs here (JSON lines)")
+    parser.add_argument(
+        "--ages", action="store_true", help="semi-Markov twins (spells with memory) and the table with age"
+    )
     args = parser.parse_args(argv)
     if args.check:
         for line in check():
@@ -402,9 +595,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.traces:
         parser.error("pass --traces DIR (the shared spot-traces folder) or --check")
     traces = [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
-    rows = measure(traces, args.starts, args.jobs, args.hours, args.twin_seed)
-    print(markdown(rows))
-    print(summary(rows))
+    if args.ages:
+        rows = measure_ages(traces, args.starts, args.hours, args.twin_seed)
+        columns: Sequence[str] = AGE_POLICIES[1:]
+    else:
+        rows = measure(traces, args.starts, args.jobs, args.hours, args.twin_seed)
+        columns = POLICIES[1:]
+    print(markdown(rows, columns))
+    print(summary(rows, columns))
     if args.out:
         with args.out.open("w") as out:
             for r in rows:
