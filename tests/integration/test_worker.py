@@ -156,19 +156,23 @@ class Worker:
 class Workers:
     """Starts worker subprocesses and makes sure none outlives its test."""
 
+    #: the program each worker runs (``python -m MODULE``), and what its environment adds
+    module = "airflow_deadline_batch.worker"
+    extra_env: dict[str, str] = {}
+
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.started: list[Worker] = []
 
     def start(self, store_url: str, job_id: str, *args: str, env: dict[str, str] | None = None) -> Worker:
         log_path = self.tmp_path / f"worker-{len(self.started)}.log"
-        full_env = {**os.environ, "ADB_STORE_URL": store_url, **(env or {})}
+        full_env = {**os.environ, **self.extra_env, "ADB_STORE_URL": store_url, **(env or {})}
         with log_path.open("wb") as log:
             popen = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
-                    "airflow_deadline_batch.worker",
+                    self.module,
                     "--job",
                     job_id,
                     "--shard",

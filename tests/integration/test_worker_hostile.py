@@ -27,7 +27,6 @@ from tests.integration.test_worker import (
     EXIT_RETRYABLE,
     EXIT_TERMINAL,
     WAIT_S,
-    Worker,
     Workers,
     assert_exactly_one_outcome_per_line,
     create_test_job,
@@ -43,30 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 class HostileWorkers(Workers):
     """Workers whose engine ``hostile`` (tests.helpers.hostile_engine) misbehaves on cue."""
 
-    def start(self, store_url: str, job_id: str, *args: str, env: dict[str, str] | None = None) -> Worker:
-        log_path = self.tmp_path / f"worker-{len(self.started)}.log"
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        full_env = {**os.environ, "PYTHONPATH": path, "ADB_STORE_URL": store_url, **(env or {})}
-        with log_path.open("wb") as log:
-            popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.helpers.hostile_engine",
-                    "--job",
-                    job_id,
-                    "--shard",
-                    "0",
-                    *args,
-                ],
-                env=full_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        worker = Worker(popen, log_path)
-        self.started.append(worker)
-        return worker
+    module = "tests.helpers.hostile_engine"
+    extra_env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
 
 
 @pytest.fixture
@@ -168,6 +145,8 @@ def test_an_engine_that_ends_the_process_fails_its_try_instead_of_exiting_done(
         (("--shard", "0", "--lease-ttl", "nan"), "--lease-ttl must be a number of seconds > 0"),
         (("--shard", "0", "--lease-ttl", "1e300"), "--lease-ttl must be a number of seconds > 0"),
         (("--shard", "0", "--grace", "inf"), "--grace must be a number of seconds >= 0"),
+        # before: exit 75 (deterministic), so a launcher retried a try that can never claim
+        (("--shard", "5"), "has no shard 5; check the shard index"),
     ],
 )
 def test_garbage_arguments_are_one_line_and_exit_1_before_any_claim(
@@ -188,26 +167,6 @@ def test_garbage_arguments_are_one_line_and_exit_1_before_any_claim(
     assert done.returncode == EXIT_TERMINAL, done.stderr
     (line,) = done.stderr.splitlines()
     assert says in line
-    assert store.list_attempts(job.job_id) == []
-    assert store.get_shard(job.job_id, 0).state is ShardState.PENDING
-
-
-def test_a_shard_index_past_the_jobs_shards_is_a_configuration_error_exit_1(
-    sqlite: tuple[ManifestStore, str], tmp_path: Path
-) -> None:
-    store, url = sqlite
-    job = create_test_job(store, str(tmp_path / "data"), input_lines(2), microbatch_size=2)
-    done = subprocess.run(
-        [sys.executable, "-m", "airflow_deadline_batch.worker", "--job", job.job_id, "--shard", "5"],
-        env={**os.environ, "ADB_STORE_URL": url},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
-    # before: exit 75 (deterministic), so a launcher retried a try that can never claim anything
-    assert done.returncode == EXIT_TERMINAL, done.stderr
-    assert f"job {job.job_id} has no shard 5; check the shard index" in done.stderr
     assert store.list_attempts(job.job_id) == []
     assert store.get_shard(job.job_id, 0).state is ShardState.PENDING
 
