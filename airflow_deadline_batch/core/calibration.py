@@ -221,39 +221,41 @@ class SpellAges:
             down_spells=down,
         )
 
-    def rest_hours(self, present: bool, age_h: float) -> float:
-        """Expected rest of a spell of Spot ``present`` (or absent) that has lasted ``age_h`` hours;
-        at age 0 the spells' mean (the prior's exponential has the same)."""
-        spells = self.up_spells if present else self.down_spells
+    def _outliving(self, present: bool, age_h: float) -> tuple[list[tuple[float, float]], float, float]:
+        """The finished spells of one kind longer than ``age_h`` as (weight, length), oldest first;
+        the weighted mean length of all of them (the prior's mean before any); and the prior's
+        weight of spells outliving ``age_h`` (its exponential of that mean)."""
         rate = math.log(2.0) / self.half_life_hours
-        total = length_sum = alive = rest = 0.0
-        for length, end in spells:
+        total = length_sum = 0.0
+        outliving = []
+        for length, end in self.up_spells if present else self.down_spells:
             w = math.exp(-rate * (self.clock_hours - end))
             total += w
             length_sum += w * length
             if length > age_h:
-                alive += w
-                rest += w * (length - age_h)
+                outliving.append((w, length))
         mean = length_sum / total if total > 0 else self.prior_mean_hours
-        prior = self.prior_spells * math.exp(-age_h / mean)
+        return outliving, mean, self.prior_spells * math.exp(-age_h / mean)
+
+    def rest_hours(self, present: bool, age_h: float) -> float:
+        """Expected rest of a spell of Spot ``present`` (or absent) that has lasted ``age_h`` hours;
+        at age 0 the spells' mean (the prior's exponential has the same)."""
+        outliving, mean, prior = self._outliving(present, age_h)
+        alive = rest = 0.0
+        for w, length in outliving:
+            alive += w
+            rest += w * (length - age_h)
         return (rest + prior * mean) / (alive + prior)
 
     def end_chance(self, present: bool, age_h: float, horizon_h: float) -> tuple[float, float]:
         """(chance a spell of age ``age_h`` ends within ``horizon_h``, the same for memoryless
         spells of the same mean): the first from the spells and the prior, as :meth:`rest_hours`."""
-        spells = self.up_spells if present else self.down_spells
-        rate = math.log(2.0) / self.half_life_hours
-        total = length_sum = alive = ending = 0.0
-        for length, end in spells:
-            w = math.exp(-rate * (self.clock_hours - end))
-            total += w
-            length_sum += w * length
-            if length > age_h:
-                alive += w
-                if length <= age_h + horizon_h:
-                    ending += w
-        mean = length_sum / total if total > 0 else self.prior_mean_hours
-        prior = self.prior_spells * math.exp(-age_h / mean)
+        outliving, mean, prior = self._outliving(present, age_h)
+        alive = ending = 0.0
+        for w, length in outliving:
+            alive += w
+            if length <= age_h + horizon_h:
+                ending += w
         memoryless = -math.expm1(-horizon_h / mean)
         return (ending + prior * memoryless) / (alive + prior), memoryless
 

@@ -9,25 +9,11 @@ import pytest
 
 from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams, SpotOption, choose_pool
 from airflow_deadline_batch.core.pools import PoolKind
+from tests.unit.test_placement import NOW, H, snap
 
-NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
-H = 3600.0
 WAIT = PolicyParams(spell_age_wait=True)
 RETURN = PolicyParams(spell_age_return=True)
 RUN = PolicyParams(spell_age_run=True)
-
-
-def snap(**overrides: object) -> JobSnapshot:
-    values: dict[str, object] = dict(
-        now=NOW,
-        deadline=NOW + dt.timedelta(hours=10),
-        remaining_work_s=4 * H,
-        shard_work_s=0.25 * H,
-        parallelism=1,
-        changeover_s=0.1 * H,
-    )
-    values.update(overrides)
-    return JobSnapshot(**values)  # type: ignore[arg-type]
 
 
 def missing(hours: float, factor: float | None) -> JobSnapshot:
