@@ -75,6 +75,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -554,8 +555,12 @@ class ShardPartial(OperatorPartial):
 
     @classmethod
     def adopt(cls, partial: OperatorPartial) -> ShardPartial:
+        """``partial`` as a :class:`ShardPartial`, its failure callbacks with
+        :func:`note_unbuilt_instance` after the DAG's own."""
         partial._expand_called = True  # replaced by this one, not forgotten: no "never mapped" warning
-        return cls(operator_class=partial.operator_class, kwargs=partial.kwargs, params=partial.params)
+        callbacks = [*partial.kwargs["on_failure_callback"], note_unbuilt_instance]
+        kwargs = {**partial.kwargs, "on_failure_callback": callbacks}
+        return cls(operator_class=partial.operator_class, kwargs=kwargs, params=partial.params)
 
     def expand_kwargs(self, kwargs: Any, *, strict: bool = True) -> MappedOperator:
         mapped = super().expand_kwargs(kwargs, strict=strict)
@@ -621,6 +626,31 @@ class ShardPartial(OperatorPartial):
         finally:
             mapped.partial_kwargs = given
         return None
+
+
+def note_unbuilt_instance(context: Any) -> None:
+    """``on_failure_callback`` of a mapped shard task (:meth:`ShardPartial.adopt`): a last try that
+    failed while Airflow built this instance's operator (in ``MappedOperator.unmap``: the
+    constructor refused a value that exists only at run time, one the mapped XCom gives) ran none
+    of the operator's code, so its shard never ran either. Pushes the refusal as
+    :data:`CONFIGURATION_ERROR_KEY`, as the operator does for its own configuration errors, so that
+    a completeness sensor after the shards leaves the shard to run until the task is fixed and
+    cleared. Any other failure is left alone: the operator's own (it pushed what it had to), and a
+    lost task's, which Airflow's DAG processor reports without an exception."""
+    error = context.get("exception")
+    if not isinstance(error, BaseException):
+        return
+    if not any(
+        frame.f_code is MappedOperator.unmap.__code__ for frame, _ in traceback.walk_tb(error.__traceback__)
+    ):
+        return
+    task = context["task"]
+    refusal = " ".join(str(error).split()) or type(error).__name__
+    context["ti"].xcom_push(
+        key=CONFIGURATION_ERROR_KEY,
+        value=f"{getattr(task, 'operator_class', type(task)).__name__} refuses the arguments of this "
+        f"mapped instance ({refusal}); fix them in the DAG file or in the values expand_kwargs maps",
+    )
 
 
 def is_configuration_error(exc: BaseException) -> bool:
