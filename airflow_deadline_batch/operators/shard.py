@@ -531,7 +531,9 @@ class ShardPartial(OperatorPartial):
     or ``BaseOperator``'s) refuses would fail every instance there as an ordinary failure, retried
     until its retries are spent, and then the shard is failed for good (docs/airflow.md,
     *CompletenessSensor*). So ``expand_kwargs`` unmaps one probe instance the way the worker will
-    (:meth:`probe`): a refused argument is a DAG import error, and nothing runs.
+    (:meth:`probe`): a refused argument is a DAG import error, and nothing runs. A value that only
+    the mapped XCom gives cannot be checked so; :func:`note_unbuilt_instance`, added to the task's
+    failure callbacks, records its refusal as a configuration error instead.
     """
 
     @staticmethod
