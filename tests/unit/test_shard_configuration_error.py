@@ -187,3 +187,28 @@ def test_other_failures_of_a_mapped_shard_task_push_nothing_from_its_callback() 
         fail_callbacks(task, ctx, error)
         assert pushed == {}, (task, error)
     assert shards.on_failure_callback == built.on_failure_callback  # the instance keeps the callback
+
+
+def test_the_dags_own_failure_callbacks_run_first_and_stay() -> None:
+    import datetime as dt
+
+    from airflow.sdk import DAG
+
+    from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
+    from airflow_deadline_batch.operators.shard import note_unbuilt_instance
+
+    def from_defaults(context: Any) -> None: ...
+
+    def given(context: Any) -> None: ...
+
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    with DAG(
+        "callbacks", schedule=None, start_date=start, default_args={"on_failure_callback": from_defaults}
+    ):
+        plan = DeadlineBatchOperator(task_id="plan", input_uri="in", output_uri="out", deadline="+1h")
+        defaulted = LocalShardOperator.partial(task_id="a").expand_kwargs(plan.output)
+        explicit = LocalShardOperator.partial(task_id="b", on_failure_callback=given).expand_kwargs(
+            plan.output
+        )
+    assert defaulted.on_failure_callback == [from_defaults, note_unbuilt_instance]
+    assert explicit.on_failure_callback == [given, note_unbuilt_instance]
