@@ -75,6 +75,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -134,6 +135,7 @@ from airflow_deadline_batch.operators.placement import (
     settled_decision,
     tail_has_room,
 )
+from airflow_deadline_batch.operators.plan import DeadlineBatchOperator, shard_kwargs
 from airflow_deadline_batch.store.rows import AttemptRow
 from airflow_deadline_batch.triggers.pod import (
     FIRED_AT_KEY,
@@ -193,6 +195,8 @@ TRY_LEDGER_KEY = "deadline_batch_tries"
 #: shards must not fail it. Airflow clears a task's XComs when its next try starts (not when a
 #: deferral resumes), so the key is never left over from an earlier try.
 CONFIGURATION_ERROR_KEY = "configuration_error"
+#: the job ID of the instance :meth:`ShardPartial.probe` unmaps while the DAG file is parsed
+PROBE_JOB_ID = "parse-time-probe"
 #: ``weight_rule`` for shard tasks: earliest deadline first (``plugins.priority``, registered by the
 #: provider's plugin); the class path, so a DAG file need not import Airflow's scheduler side
 DEADLINE_WEIGHT_RULE = "airflow_deadline_batch.plugins.priority.DeadlineWeightStrategy"
@@ -498,12 +502,38 @@ def scheduling_wait(pod: k8s.V1Pod | None) -> tuple[dt.datetime, dt.datetime] | 
     return None
 
 
+def checked_pools(pools: Sequence[PoolSpec | Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """A shard operator's ``pools`` as dicts, each entry checked as every decision reads it
+    (``PoolSpec.from_dict``), so that a malformed one is refused by the constructor, and so while
+    the DAG file is parsed (:class:`ShardPartial`), not at every try of the task."""
+    if not pools:
+        return None
+    out = []
+    for i, pool in enumerate(pools):
+        try:
+            out.append(pool.to_dict() if isinstance(pool, PoolSpec) else dict(pool))
+            PoolSpec.from_dict(out[-1])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"pools[{i}] is no pool ({exc}): give a PoolSpec or its dict") from exc
+    return out
+
+
 class ShardPartial(OperatorPartial):
-    """``partial()`` of a shard operator: ``expand_kwargs(plan.output)`` bounds its concurrency.
+    """``partial()`` of a shard operator: ``expand_kwargs(plan.output)`` bounds its concurrency and
+    checks its arguments while the DAG file is parsed.
 
     Unless ``max_active_tis_per_dagrun`` is given (on ``partial`` or in ``default_args``), the
     mapped shard task runs at most the plan task's ``workers`` at once, the parallelism the plan
     admitted the job with, so a run never holds more GPU pods than the plan budgeted.
+
+    Airflow runs a mapped operator's constructor only in the worker, when it unmaps one instance,
+    before any of the operator's code: an argument the constructor (or ``KubernetesPodOperator``'s,
+    or ``BaseOperator``'s) refuses would fail every instance there as an ordinary failure, retried
+    until its retries are spent, and then the shard is failed for good (docs/airflow.md,
+    *CompletenessSensor*). So ``expand_kwargs`` unmaps one probe instance the way the worker will
+    (:meth:`probe`): a refused argument is a DAG import error, and nothing runs. A value that only
+    the mapped XCom gives cannot be checked so; :func:`note_unbuilt_instance`, added to the task's
+    failure callbacks, records its refusal as a configuration error instead.
     """
 
     @staticmethod
@@ -527,15 +557,102 @@ class ShardPartial(OperatorPartial):
 
     @classmethod
     def adopt(cls, partial: OperatorPartial) -> ShardPartial:
+        """``partial`` as a :class:`ShardPartial`, its failure callbacks with
+        :func:`note_unbuilt_instance` after the DAG's own."""
         partial._expand_called = True  # replaced by this one, not forgotten: no "never mapped" warning
-        return cls(operator_class=partial.operator_class, kwargs=partial.kwargs, params=partial.params)
+        callbacks = [*partial.kwargs["on_failure_callback"], note_unbuilt_instance]
+        kwargs = {**partial.kwargs, "on_failure_callback": callbacks}
+        return cls(operator_class=partial.operator_class, kwargs=kwargs, params=partial.params)
 
     def expand_kwargs(self, kwargs: Any, *, strict: bool = True) -> MappedOperator:
         mapped = super().expand_kwargs(kwargs, strict=strict)
-        workers = getattr(getattr(kwargs, "operator", None), "workers", None)
+        plan = getattr(kwargs, "operator", None)
+        workers = getattr(plan, "workers", None)
         if mapped.max_active_tis_per_dagrun is None and isinstance(workers, int) and workers > 0:
             mapped.max_active_tis_per_dagrun = workers
+        connections = plan.plan_connections() if isinstance(plan, DeadlineBatchOperator) else None
+        self.probe(mapped, shard_kwargs({"job_id": PROBE_JOB_ID, "shard_index": 0}, connections))
         return mapped
+
+    @staticmethod
+    def probe(mapped: MappedOperator, spec: Mapping[str, Any]) -> None:
+        """Unmap ``mapped`` with ``spec`` (a plan's shard spec) as the worker does, or raise
+        :class:`ConfigurationError` in one line naming the refused argument.
+
+        ``MappedOperator.unmap`` is the worker's own path (the same ``partial()`` arguments, the
+        DAG's and task group's ``default_args``, ``expand_kwargs``'s duplicate check): the probe is
+        built with ``_airflow_from_mapped``, so Airflow adds it to neither the DAG's tasks nor the
+        task group. Only the mapped values differ (the plan's are a job ID, a shard index and its
+        connection IDs, which no constructor refuses). Airflow would link a task built inside a
+        ``with setup >> teardown:`` block to them when the block ends; the probe is taken out.
+        """
+        try:
+            ShardPartial.unmap_probe(mapped, spec)
+        except Exception as exc:
+            refusal = " ".join(str(exc).split()) or type(exc).__name__
+            name = ShardPartial.refused_argument(mapped, spec)
+            what = f"argument {name}" if name else "arguments"
+            raise ConfigurationError(
+                f"shard task {mapped.task_id!r}: {mapped.operator_class.__name__} refuses its partial() "
+                f"{what} ({refusal}); fix it in the DAG file (every mapped instance would fail on it "
+                "in the worker, before running its shard)"
+            ) from exc
+
+    @staticmethod
+    def unmap_probe(mapped: MappedOperator, spec: Mapping[str, Any]) -> None:
+        """Build the instance the worker would build for ``spec`` and drop it (or raise its error)."""
+        from airflow.sdk.definitions._internal.setup_teardown import SetupTeardownContext
+
+        noted = SetupTeardownContext.context_map
+        before = {key: list(tasks) for key, tasks in noted.items()}
+        try:
+            mapped.unmap(spec)
+        finally:  # the constructor may raise after Airflow noted the probe
+            for key in list(noted):
+                if key in before:
+                    noted[key][:] = before[key]
+                else:
+                    del noted[key]
+
+    @staticmethod
+    def refused_argument(mapped: MappedOperator, spec: Mapping[str, Any]) -> str | None:
+        """The one ``partial()`` argument without which the probe unmaps (None: no single one;
+        e.g. a refused ``default_args`` value, or two bad arguments)."""
+        given = mapped.partial_kwargs
+        try:
+            for name in given:
+                mapped.partial_kwargs = {key: value for key, value in given.items() if key != name}
+                with contextlib.suppress(Exception):
+                    ShardPartial.unmap_probe(mapped, spec)
+                    return name
+        finally:
+            mapped.partial_kwargs = given
+        return None
+
+
+def note_unbuilt_instance(context: Any) -> None:
+    """``on_failure_callback`` of a mapped shard task (:meth:`ShardPartial.adopt`): a last try that
+    failed while Airflow built this instance's operator (in ``MappedOperator.unmap``: the
+    constructor refused a value that exists only at run time, one the mapped XCom gives) ran none
+    of the operator's code, so its shard never ran either. Pushes the refusal as
+    :data:`CONFIGURATION_ERROR_KEY`, as the operator does for its own configuration errors, so that
+    a completeness sensor after the shards leaves the shard to run until the task is fixed and
+    cleared. Any other failure is left alone: the operator's own (it pushed what it had to), and a
+    lost task's, which Airflow's DAG processor reports without an exception."""
+    error = context.get("exception")
+    if not isinstance(error, BaseException):
+        return
+    if not any(
+        frame.f_code is MappedOperator.unmap.__code__ for frame, _ in traceback.walk_tb(error.__traceback__)
+    ):
+        return
+    task = context["task"]
+    refusal = " ".join(str(error).split()) or type(error).__name__
+    context["ti"].xcom_push(
+        key=CONFIGURATION_ERROR_KEY,
+        value=f"{getattr(task, 'operator_class', type(task)).__name__} refuses the arguments of this "
+        f"mapped instance ({refusal}); fix them in the DAG file or in the values expand_kwargs maps",
+    )
 
 
 def is_configuration_error(exc: BaseException) -> bool:
@@ -1166,7 +1283,7 @@ class DeadlineShardPodOperator(_ShardTryMixin, KubernetesPodOperator):
         self.plan_connections = dict(plan_connections or {})
         self.store_secret_name = store_secret_name
         self.store_secret_key = store_secret_key
-        self.pools = [p.to_dict() if isinstance(p, PoolSpec) else dict(p) for p in pools] if pools else None
+        self.pools = checked_pools(pools)
         self.capacity_label = capacity_label
         self.lease_ttl_s = lease_ttl_s
         self.worker_args = list(worker_args)
@@ -1923,7 +2040,7 @@ class LocalShardOperator(_ShardTryMixin, BaseOperator):
         self.store_conn_id = store_conn_id
         self.aws_conn_id = aws_conn_id
         self.plan_connections = dict(plan_connections or {})
-        self.pools = [p.to_dict() if isinstance(p, PoolSpec) else dict(p) for p in pools] if pools else None
+        self.pools = checked_pools(pools)
         self.lease_ttl_s = lease_ttl_s
         self.grace_s = grace_s
         self.env = dict(env) if env else None

@@ -132,3 +132,83 @@ def test_a_try_that_spends_the_tasks_retries_pushes_no_configuration_error(
 
     assert CONFIGURATION_ERROR_KEY not in pushed
     assert shard_of(store_url, job_id).state is ShardState.TERMINAL_FAILURE
+
+
+def mapped_shards() -> Any:
+    """A mapped local shard task whose mapped values (``preempt_tries``) exist only at run time."""
+    import datetime as dt
+
+    from airflow.sdk import DAG
+
+    from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
+
+    with DAG("unbuilt", schedule=None, start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)):
+        plan = DeadlineBatchOperator(task_id="plan", input_uri="in", output_uri="out", deadline="+1h")
+        return LocalShardOperator.partial(task_id="shard").expand_kwargs(plan.output.map(lambda spec: spec))
+
+
+def fail_callbacks(task: Any, ctx: dict[str, Any], error: BaseException | None) -> None:
+    """Run ``task``'s failure callbacks as Airflow's task runner does once a try failed for good
+    (``finalize``: ``context["exception"]`` is the try's error; the DAG processor gives none)."""
+    if error is not None:
+        ctx["exception"] = error
+    for callback in task.on_failure_callback:
+        callback({**ctx, "task": task})
+
+
+def test_a_last_try_failing_while_airflow_builds_its_operator_is_a_configuration_error() -> None:
+    """A value only the mapped XCom gives, refused by the constructor when Airflow unmaps the
+    instance in the worker: no operator code runs, so the task's failure callback records it."""
+    shards = mapped_shards()
+    with pytest.raises(ValueError) as raised:
+        shards.unmap({"job_id": "j", "shard_index": 1, "preempt_tries": ["x"]})  # the worker's path
+    ctx, pushed = context(5, 4)
+
+    fail_callbacks(shards, ctx, raised.value)
+
+    assert pushed == {
+        CONFIGURATION_ERROR_KEY: "LocalShardOperator refuses the arguments of this mapped instance "
+        "(invalid literal for int() with base 10: 'x'); fix them in the DAG file or in the values "
+        "expand_kwargs maps"
+    }
+
+
+def test_other_failures_of_a_mapped_shard_task_push_nothing_from_its_callback() -> None:
+    """The operator's own failure (it pushes what it must itself), an unmapped instance's, and a
+    lost task's (the DAG processor runs the callbacks without an exception) are left alone."""
+    shards = mapped_shards()
+    built = shards.unmap({"job_id": "j", "shard_index": 1, "preempt_tries": [1]})
+    try:
+        raise AirflowException(LOST)
+    except AirflowException as exc:
+        lost = exc
+    for task, error in ((built, lost), (shards, lost), (shards, None)):
+        ctx, pushed = context(5, 4)
+        fail_callbacks(task, ctx, error)
+        assert pushed == {}, (task, error)
+    assert shards.on_failure_callback == built.on_failure_callback  # the instance keeps the callback
+
+
+def test_the_dags_own_failure_callbacks_run_first_and_stay() -> None:
+    import datetime as dt
+
+    from airflow.sdk import DAG
+
+    from airflow_deadline_batch.operators.plan import DeadlineBatchOperator
+    from airflow_deadline_batch.operators.shard import note_unbuilt_instance
+
+    def from_defaults(context: Any) -> None: ...
+
+    def given(context: Any) -> None: ...
+
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    with DAG(
+        "callbacks", schedule=None, start_date=start, default_args={"on_failure_callback": from_defaults}
+    ):
+        plan = DeadlineBatchOperator(task_id="plan", input_uri="in", output_uri="out", deadline="+1h")
+        defaulted = LocalShardOperator.partial(task_id="a").expand_kwargs(plan.output)
+        explicit = LocalShardOperator.partial(task_id="b", on_failure_callback=given).expand_kwargs(
+            plan.output
+        )
+    assert defaulted.on_failure_callback == [from_defaults, note_unbuilt_instance]
+    assert explicit.on_failure_callback == [given, note_unbuilt_instance]
