@@ -72,6 +72,7 @@ MODELS = (
     "markov",
     "state",
     "age",
+    "phase",
     "logit_age",
     "hour",
     "week",
@@ -99,6 +100,7 @@ class Series:
     weekday: np.ndarray | None
     past: dict[float, np.ndarray]
     zones: np.ndarray | None = None
+    phase: np.ndarray | None = None
 
     @property
     def ticks_per_h(self) -> float:
@@ -244,6 +246,10 @@ def forecasts(
             past = np.searchsorted(np.array(PAST_EDGES), s.past[w][every], side="right")
             cell = state * (len(PAST_EDGES) + 1) + past
             out[f"past{w:g}"][target] = cells_fit(cell, y, age, train, m)
+        if s.phase is not None:
+            out["phase"][target] = cells_fit(
+                state * (int(s.phase.max()) + 1) + s.phase[every], y, st, train, m
+            )
         if s.zones is not None:
             out["zones"][target] = cells_fit(state * 10 + s.zones[every].astype(int), y, age, train, m)
         for name, cols in (("logit_age", age_cols), ("logit", np.arange(scaled.shape[1]))):
@@ -354,6 +360,23 @@ def measure(trace_list: Sequence[Trace]) -> list[Score]:
     return out
 
 
+def measure_twins(trace_list: Sequence[Trace], hours: float = 1000.0, seed: int = 1) -> list[Score]:
+    """The same on each trace's semi-Markov twin (the Eighth round's, ``online_bound.age_twin``),
+    where ``phase`` (state and the twin's hidden age phase, its whole memory) is the best forecast:
+    it calibrates a gain in forecast against the Eighth round's gain in cost. No zones (the twins
+    are drawn independently)."""
+    from airflow_deadline_batch.sim.online_bound import age_twin, fit_ages
+
+    return [sc for trace in trace_list for sc in score_twin(*age_twin(trace, fit_ages(trace), hours, seed))]
+
+
+def score_twin(double: Trace, phases: Sequence[int]) -> list[Score]:
+    """Every horizon on a twin whose age phase at each tick is ``phases`` (the ``phase`` model)."""
+    s = series(double)
+    s.phase = np.array(phases)
+    return [score(s, h) for h in HORIZONS_H]
+
+
 def summary(scores: Sequence[Score], title: str) -> list[str]:
     """Per horizon and metric, the traces' mean loss per model (over the traces it applies to, their
     count in brackets where not all), then its difference to ``age`` (the semi-Markov fit; for
@@ -417,13 +440,14 @@ def synthetic() -> list[Trace]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_deadline_batch.sim.predictability")
     parser.add_argument("--traces", type=Path, help="a directory of shared trace files (measurement only)")
+    parser.add_argument("--twins", action="store_true", help="score the traces' semi-Markov twins instead")
     args = parser.parse_args(argv)
     if args.traces is not None and not args.traces.is_dir():
         raise SystemExit(f"--traces {str(args.traces)!r} is not a directory; pass ../shared/spot-traces")
     trace_list = (
         synthetic() if args.traces is None else [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
     )
-    print(markdown(measure(trace_list)))
+    print(markdown(measure_twins(trace_list) if args.twins else measure(trace_list)))
     return 0
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from airflow_deadline_batch.sim import predictability as pr
 from airflow_deadline_batch.sim import traces
+from airflow_deadline_batch.sim.mdp import AgeRates
+from airflow_deadline_batch.sim.online_bound import age_twin
 from airflow_deadline_batch.sim.traces import Trace
 
 
@@ -81,3 +83,19 @@ def test_bad_input_says_what_to_pass() -> None:
         pr.markov_forecast(flat, np.arange(10), np.arange(5), 2)
     with pytest.raises(SystemExit, match="not a directory"):
         pr.main(["--traces", "/nonexistent/spot-traces"])
+
+
+def test_on_a_semi_markov_twin_the_hidden_phase_helps_and_the_clock_does_not() -> None:
+    # young spells (first hour's phase) end at 3/h, old ones at 0.05/h: the phase is the memory,
+    # and the age only a noisy sign of it (a spell leaves its first phase at a random time)
+    ages = AgeRates(((3.0, 0.05), (3.0, 0.05)), (0.0, 1.0))
+    double, phases = age_twin(traces.constant(1, 1.0, 300.0), ages, 1000.0, seed=1)
+    scores = pr.score_twin(double, phases)
+    for sc in scores:
+        assert "phase" in sc.mean and "zones" not in sc.mean
+        for name, base in (("hour", "age"), ("logit", "logit_age")):
+            assert pr.bootstrap([sc], name, "logloss", base)[2] > 0.0, (sc.horizon_h, name)
+    one_hour = scores[0]
+    assert one_hour.horizon_h == 1.0
+    est, lo, hi = pr.bootstrap([one_hour], "phase", "logloss", "age")
+    assert hi < 0.0 and est < -0.05  # beyond noise, and by much
