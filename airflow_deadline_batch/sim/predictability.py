@@ -33,7 +33,9 @@ That and the regression's ridge (0.3 per sample on standardised features) were s
 traces (a Markov trace, where less shrinkage let ``hour`` and ``logit`` fit noise; a daily cycle).
 Differences between models are judged by a block bootstrap over the days of the second half.
 
-``python -m airflow_deadline_batch.sim.predictability --traces DIR`` prints the tables; without
+``python -m airflow_deadline_batch.sim.predictability --traces DIR`` prints the tables; ``--twins``
+the same on the traces' semi-Markov twins, with their hidden age phase as one more model (the
+calibration: what the phase adds there is what the Eighth round priced in cost); without
 ``--traces``, the same on synthetic controls (a Markov trace, one with a daily cycle).
 """
 
