@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from airflow_deadline_batch.sim import traces
+from airflow_deadline_batch.sim import spells, traces
 from airflow_deadline_batch.sim.traces import Trace, load_trace
 
 HORIZONS_H = (1.0, 4.0, 12.0)
@@ -430,6 +430,19 @@ def markdown(scores: Sequence[Score], long_days: float = 20.0) -> str:
     return "\n".join(lines)
 
 
+def succession_table(trace_list: Sequence[Trace], twins: bool = False, seed: int = 1) -> str:
+    """Per trace (or its semi-Markov twin): the correlation of successive same-kind spells' log
+    lengths (``spells.succession``), with its number of pairs: a regime shows as a positive one."""
+    from airflow_deadline_batch.sim.online_bound import age_twin, fit_ages
+
+    lines = ["| trace | successive spells' log-length correlation (pairs) |", "|---|---|"]
+    for trace in trace_list:
+        shown = age_twin(trace, fit_ages(trace), 1000.0, seed)[0] if twins else trace
+        r, pairs = spells.succession(shown)
+        lines.append(f"| {shown.name} | {'–' if r is None else f'{r:+.2f}'} ({pairs}) |")
+    return "\n".join(lines)
+
+
 def synthetic() -> list[Trace]:
     """Controls with a known answer: a Markov trace (nothing beats ``markov``) and one whose rates
     follow the hour of day (``hour`` beats ``age``)."""
@@ -450,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         synthetic() if args.traces is None else [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
     )
     print(markdown(measure_twins(trace_list) if args.twins else measure(trace_list)))
+    print("\n" + succession_table(trace_list, args.twins))
     return 0
 
 
