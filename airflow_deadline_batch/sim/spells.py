@@ -14,6 +14,7 @@ files (``1-node``, ``4-node``, ``16-node``: the directory above the date), for r
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,28 @@ def spell_lengths(trace: Trace) -> tuple[list[int], list[int]]:
     for there, length in runs[1:-1]:
         (present if there else absent).append(length)
     return present, absent
+
+
+def succession(trace: Trace) -> tuple[float | None, int]:
+    """How much a spell's length says about the next spell of its kind: the correlation of the log
+    lengths of successive present spells and of successive absent spells (each kind centred on its
+    own mean, the pairs pooled), and the number of pairs. Near 0 for a semi-Markov process, whose
+    spells are independent; above 0 where long spells come in runs (regimes: docs/simulator.md,
+    *Ninth round*). ``None`` with fewer than 3 pairs."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for lengths in spell_lengths(trace):
+        logs = [math.log(n) for n in lengths]
+        if len(logs) < 2:
+            continue
+        mean = math.fsum(logs) / len(logs)
+        xs += [a - mean for a in logs[:-1]]
+        ys += [b - mean for b in logs[1:]]
+    if len(xs) < 3:
+        return None, len(xs)
+    sxy = math.fsum(a * b for a, b in zip(xs, ys, strict=True))
+    sxx, syy = math.fsum(a * a for a in xs), math.fsum(b * b for b in ys)
+    return (sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None), len(xs)
 
 
 @dataclass

@@ -327,3 +327,36 @@ def semi_markov_suite(seed: int = 0, capacity: int = 1) -> list[Trace]:
         semi_markov(seed + 5, capacity=capacity, mean_up_h=2.0, mean_down_h=4.0, shape=1.2, law="lognormal"),
         semi_markov(seed + 6, capacity=capacity, mean_up_h=4.0, mean_down_h=1.0, shape=1.0, law="lognormal"),
     ]
+
+
+def diurnal_markov(
+    seed: int,
+    hours: float = 1000.0,
+    gap_s: float = 300.0,
+    up_to_down: float = 0.5,
+    down_to_up: float = 0.5,
+    swing: float = 1.0,
+    capacity: int = 1,
+    name: str | None = None,
+) -> Trace:
+    """A Markov chain whose rates follow the hour of day: spells end at ``up_to_down · e^{swing·c}``
+    and return at ``down_to_up · e^{−swing·c}`` per hour, ``c = cos(2π · hour / 24)`` (Spot scarce
+    around hour 0, plentiful around hour 12); per tick the probabilities of a constant rate over it.
+
+    A trace with a real time-of-day pattern, for the predictability measurement's tests
+    (docs/simulator.md, *Ninth round*); the first tick is Spot present.
+    """
+    if up_to_down <= 0 or down_to_up <= 0:
+        raise ValueError("diurnal_markov: both rates must be > 0 per hour; pass a spell end and return rate")
+    rng = random.Random(seed)
+    n = max(1, round(hours * 3600 / gap_s))
+    gap_h = gap_s / 3600.0
+    up = True
+    ticks: list[int] = []
+    for i in range(n):
+        ticks.append(capacity if up else 0)
+        c = math.cos(2.0 * math.pi * ((i * gap_h) % 24.0) / 24.0)
+        rate = up_to_down * math.exp(swing * c) if up else down_to_up * math.exp(-swing * c)
+        if rng.random() < 1.0 - math.exp(-rate * gap_h):
+            up = not up
+    return Trace(name or f"diurnal-markov-{seed}", gap_s, tuple(ticks))

@@ -170,3 +170,18 @@ def test_the_semi_markov_set_has_the_tuning_settings() -> None:
     assert len(cases) == 36
     assert {c.workers for _, c, _ in cases} == {1, 4}
     assert all(max(t.capacity) == c.workers for t, c, _ in cases)
+
+
+def test_succession_is_near_zero_for_independent_spells_and_positive_for_regimes() -> None:
+    # hand-made: present spells of 1, 1, 4, 4 ticks (log lengths centred: −c, −c, +c, +c) and
+    # absent ones all of 2 (centred to 0: no weight); cut ends
+    hand = Trace("hand", 600.0, (0, 1, 0, 0, 1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0))
+    assert spells.spell_lengths(hand) == ([1, 1, 4, 4], [2, 2, 2])
+    r, pairs = spells.succession(hand)
+    assert pairs == 5 and r == pytest.approx(1 / 3)  # pairs (−c, −c), (−c, +c), (+c, +c)
+    independent = traces.semi_markov(3, hours=4000.0, mean_up_h=2.0, mean_down_h=2.0, shape=0.5)
+    r, pairs = spells.succession(independent)
+    assert r is not None and abs(r) < 0.08 and pairs > 1000
+    r, pairs = spells.succession(traces.regime_switching(1, hours=4000.0))  # spell means drift daily
+    assert r is not None and r > 0.15 and pairs > 500
+    assert spells.succession(traces.constant(1, 10.0)) == (None, 0)
