@@ -62,7 +62,9 @@ class _Resolved:
 
 _lock = threading.Lock()
 _resolved: _Resolved | None = None
-_open: ManifestStore | None = None
+#: the open store and the URL it was opened with (``ManifestStore.url`` is normalised, its
+#: password hidden: comparing that with the configured URL would reopen the store at every call)
+_open: tuple[str, ManifestStore] | None = None
 
 
 def _store_conn_id() -> str | None:
@@ -100,12 +102,13 @@ def _store() -> ManifestStore:
     url = _store_url()
     with _lock:
         current = _open
-        if current is not None and current.url == url:
-            return current
-        _open = ManifestStoreHook(store_url=url).get_store()
+        if current is not None and current[0] == url:
+            return current[1]
+        store = ManifestStoreHook(store_url=url).get_store()
+        _open = (url, store)
         if current is not None:
-            current.close()  # its pooled connections; a request still using it reconnects
-        return _open
+            current[1].close()  # its pooled connections; a request still using it reconnects
+        return store
 
 
 def reset_store() -> None:
@@ -113,7 +116,7 @@ def reset_store() -> None:
     global _resolved, _open
     with _lock:
         if _open is not None:
-            _open.close()
+            _open[1].close()
         _resolved, _open = None, None
 
 
