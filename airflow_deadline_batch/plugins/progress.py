@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.core_api.security import get_user
+from airflow.exceptions import AirflowNotFoundException
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
 from airflow_deadline_batch.plugins.priority import DeadlineWeightStrategy
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from airflow_deadline_batch.store import JobRow, ManifestStore
 
 UTC = dt.timezone.utc
+log = logging.getLogger(__name__)
 #: jobs the list shows at most, newest first (each costs three reads: a page view stays bounded)
 LIST_LIMIT = 50
 #: jobs a run's tab looks through for that run's (one read)
@@ -124,6 +129,49 @@ def _now() -> dt.datetime:
     return dt.datetime.now(UTC)
 
 
+#: what a page or API call answers when the store cannot be opened or read (never its URL: secrets)
+STORE_UNAVAILABLE = (
+    "The deadline-batch store cannot be read from the api-server: check ADB_STORE_URL or the store"
+    " connection, and that its database is up (the api-server log has the reason)."
+)
+
+
+class _StoreUnavailableIs503(APIRoute):
+    """A route of the jobs view: a store that is down or misconfigured answers 503 with one line.
+
+    Without this the store's error would be an unhandled exception: a bare 500 in the UI's iframe
+    and a traceback in the log with nothing said to the user. HTML routes answer a page, the JSON
+    API ``{"detail": ...}`` like its other errors. A job that does not exist is the route's own 404.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        from airflow_deadline_batch.exceptions import ConfigurationError, JobNotFound, StoreError
+
+        handler = super().get_route_handler()
+        html = isinstance(self.response_class, type) and issubclass(self.response_class, HTMLResponse)
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except JobNotFound:
+                raise
+            except (StoreError, ConfigurationError, AirflowNotFoundException) as exc:
+                log.warning("deadline-batch store unavailable for %s: %s", request.url.path, exc)
+                if html:
+                    from airflow_deadline_batch.ui.render import render_message
+
+                    page = render_message("Store unavailable", STORE_UNAVAILABLE, prefix=_prefix(request))
+                    return HTMLResponse(page, status_code=503)
+                return JSONResponse({"detail": STORE_UNAVAILABLE}, status_code=503)
+
+        return guarded
+
+
+def _prefix(request: Request) -> str:
+    """Where the app is mounted (the pages' links start here)."""
+    return str(request.scope.get("root_path") or PLUGIN_URL_PREFIX).rstrip("/")
+
+
 def create_app() -> FastAPI:
     """The FastAPI sub-application mounted under ``/deadline-batch`` by Airflow's API server.
 
@@ -136,10 +184,8 @@ def create_app() -> FastAPI:
     from airflow_deadline_batch.ui.access import may_read
 
     app = FastAPI(title="Deadline Batch", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = _StoreUnavailableIs503  # the jobs view's routes; not the OpenAI router's
     user_dep = Depends(get_user)
-
-    def prefix(request: Request) -> str:
-        return str(request.scope.get("root_path") or PLUGIN_URL_PREFIX).rstrip("/")
 
     def readable_job(job_id: str, user: BaseUser) -> JobRow:
         try:
@@ -170,13 +216,13 @@ def create_app() -> FastAPI:
     @app.get("/jobs", response_class=HTMLResponse)
     def jobs_page(request: Request, user: BaseUser = user_dep) -> str:
         jobs, hidden = readable_jobs(user)
-        return render.render_jobs_page(summaries(jobs), prefix=prefix(request), hidden=hidden)
+        return render.render_jobs_page(summaries(jobs), prefix=_prefix(request), hidden=hidden)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job_page(job_id: str, request: Request, user: BaseUser = user_dep) -> str:
         readable_job(job_id, user)
         return render.render_job_page(
-            model.read_job_page(_store(), job_id, now=_now()), prefix=prefix(request)
+            model.read_job_page(_store(), job_id, now=_now()), prefix=_prefix(request)
         )
 
     @app.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse)
@@ -191,15 +237,15 @@ def create_app() -> FastAPI:
         ]
         if len(jobs) == 1:
             page = model.read_job_page(_store(), jobs[0].job_id, now=_now())
-            return render.render_job_page(page, prefix=prefix(request))
+            return render.render_job_page(page, prefix=_prefix(request))
         if not jobs:
             return render.render_message(
                 "No deadline-batch job",
                 f"Run {run_id} of {dag_id} planned no deadline-batch job"
                 f" (among the latest {RUN_SCAN_LIMIT}).",
-                prefix=prefix(request),
+                prefix=_prefix(request),
             )
-        return render.render_jobs_page(summaries(jobs), prefix=prefix(request))
+        return render.render_jobs_page(summaries(jobs), prefix=_prefix(request))
 
     @app.get("/api/jobs")
     def jobs_json(user: BaseUser = user_dep) -> list[dict[str, Any]]:
