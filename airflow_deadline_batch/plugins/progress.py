@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,7 @@ class _StoreUnavailableIs503(APIRoute):
     API ``{"detail": ...}`` like its other errors. A job that does not exist is the route's own 404.
     """
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         from airflow_deadline_batch.exceptions import ConfigurationError, JobNotFound, StoreError
 
         handler = super().get_route_handler()
