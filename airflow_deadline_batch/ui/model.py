@@ -17,7 +17,8 @@ records, work) or from the store's rows (shards, attempts, commits); cost and re
   the job has paid so far (the reference pool's price before any try ran).
 
 Error samples are the one part read from object storage: at most :data:`SAMPLE_OBJECTS` committed
-objects with errored records, :data:`SAMPLE_BYTES` each, so a page view stays bounded.
+objects with errored records, :data:`SAMPLE_BYTES` each, at most :data:`SAMPLE_LINES` lines of
+:data:`SAMPLE_LINE_CHARS`, so a page view stays bounded.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ SPREAD_POINTS = 10
 #: committed objects read for the error sample, and bytes read from each
 SAMPLE_OBJECTS = 3
 SAMPLE_BYTES = 64 * 1024
-#: error lines shown at most
+#: error lines shown at most, and characters of each (an engine's message can be the whole prompt)
 SAMPLE_LINES = 10
+SAMPLE_LINE_CHARS = 500
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -418,7 +420,8 @@ def read_error_sample(commits: Sequence[CommitRow], attempts: Sequence[AttemptRo
                 continue
             codes[str(error.get("code"))] += 1
             if len(lines) < SAMPLE_LINES:
-                lines.append(f"line {record.get('line')}: {error.get('code')}: {error.get('message')}")
+                line = f"line {record.get('line')}: {error.get('code')}: {error.get('message')}"
+                lines.append(line if len(line) <= SAMPLE_LINE_CHARS else line[: SAMPLE_LINE_CHARS - 1] + "…")
     return ErrorSample(
         errored_records=errored,
         codes=dict(codes.most_common()),

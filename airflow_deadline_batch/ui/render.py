@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import html
+import re
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
@@ -37,9 +38,15 @@ svg text{font:11px system-ui,sans-serif;fill:#57606a}
 """
 
 
+#: what cannot stand on a page: lone surrogates (``"\ud800"`` is valid JSON, read from an error
+#: object, yet no UTF-8 encodes it: the response would fail) and control characters but tab and
+#: line breaks (HTML forbids them; a NUL ends a string for some readers)
+_UNPRINTABLE = re.compile("[\ud800-\udfff\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
 def esc(value: object) -> str:
-    """Text or attribute value, HTML-escaped (quotes too)."""
-    return html.escape(str(value), quote=True)
+    """Text or attribute value, HTML-escaped (quotes too), anything unprintable as U+FFFD."""
+    return html.escape(_UNPRINTABLE.sub("\ufffd", str(value)), quote=True)
 
 
 def fmt_time(value: dt.datetime | None) -> str:

@@ -9,6 +9,7 @@ real local files.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.ui import model
+from tests.helpers.commits import commit
 
 SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
 UTC = dt.timezone.utc
@@ -99,3 +102,34 @@ def test_a_missing_store_connection_answers_503(view: View, monkeypatch: pytest.
     monkeypatch.setenv("ADB_STORE_CONN_ID", "adb_no_such_connection")
     response = view.client.get("/api/jobs")
     assert response.status_code == 503 and response.json() == {"detail": progress.STORE_UNAVAILABLE}
+
+
+def errored_object(path: Path, *messages: str) -> str:
+    """A committed object whose records errored with ``messages`` (JSON-escaped as a worker writes them)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"line": i, "error": {"code": "engine_error", "message": message}})
+        for i, message in enumerate(messages)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="ascii")  # json.dumps escapes what is not ASCII
+    return path.as_uri()
+
+
+def test_an_error_message_that_is_not_unicode_text_still_renders_the_page(view: View) -> None:
+    """``\\ud800`` is valid JSON but a lone surrogate in Python: it cannot be encoded as UTF-8. An
+    engine that echoes a hostile prompt in its error put one on the page, and the page was a 500
+    for every user from then on. So was any C0 control character, a NUL included, a nuisance only."""
+    job_id = view.plan("open_dag/manual__1/plan")
+    lease = view.store.claim_shard(job_id, 0, ttl_s=60, worker="w0", pool="local-spot")
+    long = "x" * 60_000  # within the sample's read of the object
+    uri = errored_object(
+        view.tmp / "objects" / "mb0.jsonl", "bad \ud800 byte " + EVIL, "nul \x00 bell \x07", long
+    )
+    commit(view.store, lease, 0, uri=uri, records=3, counts={"errored": 3})
+    response = view.client.get(f"/jobs/{job_id}")
+    assert response.status_code == 200, response.text
+    text = response.text
+    assert "bad \ufffd byte &lt;/style&gt;&lt;script&gt;" in text and "nul \ufffd bell \ufffd" in text
+    assert "<script>" not in text and "\x00" not in text
+    # a 60 KB message is cut to its first characters: the sample stays a sample
+    assert "line 2: engine_error: xxx" in text and "x" * model.SAMPLE_LINE_CHARS not in text
