@@ -19,12 +19,11 @@ so an edited URL or connection takes effect without a restart.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ from airflow.api_fastapi.core_api.security import get_user
 from airflow.exceptions import AirflowNotFoundException
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
@@ -48,8 +47,8 @@ log = logging.getLogger(__name__)
 LIST_LIMIT = 50
 #: jobs a run's tab looks through for that run's (one read)
 RUN_SCAN_LIMIT = 500
-#: the largest manifest the API hands out
-MANIFEST_MAX_BYTES = 16 * 1024 * 1024
+#: bytes of the manifest read and sent at a time
+MANIFEST_CHUNK_BYTES = 1024 * 1024
 
 
 #: seconds a store URL resolved from an Airflow connection is used before the connection is read
@@ -260,17 +259,38 @@ def create_app() -> FastAPI:
 
     @app.get("/api/jobs/{job_id}/manifest")
     def manifest(job_id: str, user: BaseUser = user_dep) -> Response:
+        """The published manifest's bytes as stored (JSON by construction), streamed: a job of many
+        microbatches has a manifest of many megabytes, which is neither held whole nor re-parsed."""
         from airflow_deadline_batch.storage import open_uri
 
         job = readable_job(job_id, user)
         if not job.manifest_uri:
             raise HTTPException(status_code=404, detail=f"job {job_id} has no published manifest yet")
+
+        def unreadable(exc: Exception) -> HTTPException:  # object storage unreachable from here
+            return HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}")
+
         try:
             storage, key = open_uri(job.manifest_uri)
-            data = storage.read_range(key, 0, MANIFEST_MAX_BYTES)
-        except DeadlineBatchError as exc:  # object storage unreachable from the api-server
-            raise HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}") from exc
-        return JSONResponse(json.loads(data))
+            reader = storage.open_read(key)
+        except DeadlineBatchError as exc:
+            raise unreadable(exc) from exc
+        try:
+            first = reader.read(MANIFEST_CHUNK_BYTES)  # unreadable storage fails here, before the 200
+        except DeadlineBatchError as exc:
+            reader.close()
+            raise unreadable(exc) from exc
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                chunk = first
+                while chunk:
+                    yield chunk
+                    chunk = reader.read(MANIFEST_CHUNK_BYTES)
+            finally:
+                reader.close()
+
+        return StreamingResponse(chunks(), media_type="application/json")
 
     from airflow_deadline_batch.api.openai_batches import create_router
 

@@ -133,3 +133,31 @@ def test_an_error_message_that_is_not_unicode_text_still_renders_the_page(view: 
     assert "<script>" not in text and "\x00" not in text
     # a 60 KB message is cut to its first characters: the sample stays a sample
     assert "line 2: engine_error: xxx" in text and "x" * model.SAMPLE_LINE_CHARS not in text
+
+
+def test_a_manifest_larger_than_a_read_limit_is_served_whole(view: View) -> None:
+    """A job of many microbatches lists each object in its manifest: tens of megabytes. The API read
+    the first 16 MiB and parsed them as JSON, a 500 for every such job."""
+    job_id = view.plan("open_dag/manual__1/plan")
+    view.store.cancel_job(job_id, reason="test")
+    path = view.tmp / "out" / job_id / "manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shards = [
+        {"shard_id": f"s{i:06d}", "seq": 0, "uri": f"file:///out/{i:0200d}.jsonl"} for i in range(80_000)
+    ]
+    path.write_text(json.dumps({"job_id": job_id, "outcomes": {"cancelled": 45}, "shards": shards}, indent=2))
+    assert path.stat().st_size > 17 * 1024 * 1024
+    view.store.record_manifest(job_id, uri=path.as_uri(), sha256="a" * 64, state="cancelled")
+    response = view.client.get(f"/api/jobs/{job_id}/manifest")
+    assert response.status_code == 200, response.text[:300]
+    assert response.headers["content-type"] == "application/json"
+    assert response.content == path.read_bytes()
+
+
+def test_an_unreadable_manifest_answers_502_naming_it(view: View) -> None:
+    job_id = view.plan("open_dag/manual__1/plan")
+    view.store.cancel_job(job_id, reason="test")
+    uri = (view.tmp / "gone" / "manifest.json").as_uri()
+    view.store.record_manifest(job_id, uri=uri, sha256="a" * 64, state="cancelled")
+    response = view.client.get(f"/api/jobs/{job_id}/manifest")
+    assert response.status_code == 502 and "gone/manifest.json" in response.json()["detail"]
