@@ -7,11 +7,16 @@ which store a URL opens).
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Iterator
 
 import pytest
 
+from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.plugins import progress
+from airflow_deadline_batch.ui import render
+from tests.unit.test_ui_render import page
 
 
 @pytest.fixture()
@@ -36,3 +41,25 @@ def test_the_store_is_opened_once_per_url_even_when_its_shown_url_differs(
     store = progress._store()
     assert store.url != url  # what made the old comparison fail
     assert progress._store() is store
+
+
+def test_a_job_of_thousands_of_shards_lists_a_bounded_page_failed_shards_first() -> None:
+    """Every shard with a 4000-character error (the store's cap) made a page of tens of megabytes."""
+    base = page().shards[0]
+    lines = tuple(
+        dataclasses.replace(
+            base,
+            shard_index=i,
+            state=ShardState.TERMINAL_FAILURE if i % 1000 == 999 else ShardState.SUCCEEDED,
+            racing=False,
+            last_error="e" * 4000,
+        )
+        for i in range(5000)
+    )
+    html = render.render_job_page(dataclasses.replace(page(), shards=lines), prefix="/deadline-batch")
+    listed = [int(i) for i in re.findall(r"<tr><td class='n'>(\d+)</td>", html)]
+    assert len(listed) == render.SHARD_ROWS and listed == sorted(listed)
+    assert {999, 1999, 2999, 3999, 4999} <= set(listed)  # the failed ones make the list
+    assert len(html) < render.SHARD_ROWS * 4500
+    assert f"{5000 - render.SHARD_ROWS:d} more shard(s) not listed" in html
+    assert "shards-unlisted" not in render.render_job_page(page(), prefix="/deadline-batch")
