@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.links.progress import job_page_link, progress_url
 from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.ui import render
 from tests.unit.test_ui_render import page
@@ -63,3 +64,34 @@ def test_a_job_of_thousands_of_shards_lists_a_bounded_page_failed_shards_first()
     assert len(html) < render.SHARD_ROWS * 4500
     assert f"{5000 - render.SHARD_ROWS:d} more shard(s) not listed" in html
     assert "shards-unlisted" not in render.render_job_page(page(), prefix="/deadline-batch")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "javascript:alert(document.cookie)//deadline-batch/jobs/j-1",
+        " javascript:alert(1)//deadline-batch/jobs/j-1",
+        "java\tscript:alert(1)//deadline-batch/jobs/j-1",
+        "data:text/html,<script>alert(1)</script>/deadline-batch/jobs/j-1",
+        "//evil.example/deadline-batch/jobs/j-1",
+        "https://evil.example/phish",
+        "/\\evil.example/deadline-batch/jobs/j-1",
+        {"url": "/deadline-batch/jobs/j-1"},
+        None,
+    ],
+)
+def test_the_progress_button_shows_no_link_it_could_not_have_made(value: object) -> None:
+    """XCom can be written through Airflow's REST API: the link read from it must be a job page's."""
+    assert job_page_link(value) == ""
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        progress_url("https://airflow.example/", "j-abc", "s3://b/j-abc/manifest.json"),
+        progress_url("", "j-abc"),
+        progress_url("http://airflow:8080/sub", "j-abc"),
+    ],
+)
+def test_the_progress_button_shows_the_links_it_made(url: str) -> None:
+    assert job_page_link(url) == url
