@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,8 @@ def view(airflow_db: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> I
 
 
 def one_line_without_internals(text: str) -> None:
-    assert "Traceback" not in text and "sqlite" not in text.lower() and 'File "' not in text
+    assert "Traceback" not in text and 'File "' not in text
+    assert "sqlite" not in text.lower() and "postgresql" not in text.lower() and "s3cret" not in text
 
 
 @pytest.mark.parametrize("path", ["/jobs", "/api/jobs", "/jobs/j-nothere", "/runs/open_dag/manual__1"])
@@ -87,6 +89,20 @@ def test_a_store_without_its_tables_answers_503_naming_the_fix(
 ) -> None:
     """The store URL names a file that is not a migrated store (a typo, a missing volume)."""
     monkeypatch.setenv("ADB_STORE_URL", f"sqlite:///{view.tmp / 'missing' / 'store.db'}")
+    check_503(view, path)
+
+
+def test_a_database_that_is_down_answers_503(view: View, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens where the PostgreSQL store should be: the store's retries end, then 503."""
+    with socket.socket() as probe:  # a port that was free a moment ago: connection refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("ADB_STORE_URL", f"postgresql+psycopg://adb:s3cret@127.0.0.1:{port}/adb")
+    check_503(view, "/jobs")
+    check_503(view, "/api/jobs")
+
+
+def check_503(view: View, path: str) -> None:
     response = view.client.get(path)
     assert response.status_code == 503, response.text
     assert "ADB_STORE_URL" in response.text
@@ -161,3 +177,25 @@ def test_an_unreadable_manifest_answers_502_naming_it(view: View) -> None:
     view.store.record_manifest(job_id, uri=uri, sha256="a" * 64, state="cancelled")
     response = view.client.get(f"/api/jobs/{job_id}/manifest")
     assert response.status_code == 502 and "gone/manifest.json" in response.json()["detail"]
+
+
+def test_a_user_reads_no_job_of_a_dag_they_may_not_read_by_any_route(view: View) -> None:
+    secret = view.plan("secret_dag/manual__1/plan")
+    mine = view.plan("open_dag/manual__1/plan")
+    for path in (
+        f"/jobs/{secret}",
+        f"/api/jobs/{secret}",
+        f"/api/jobs/{secret}/manifest",
+        "/runs/secret_dag/manual__1",
+    ):
+        response = view.client.get(path)
+        assert response.status_code == 403, (path, response.status_code)
+        assert secret not in response.text
+    listed = view.client.get("/jobs")
+    assert listed.status_code == 200 and mine in listed.text and secret not in listed.text
+    assert "1 job(s) of DAGs you may not read are not shown" in listed.text
+    assert [job["job_id"] for job in view.client.get("/api/jobs").json()] == [mine]
+    # a run ID that climbs out of its path, percent-encoded or not, is just a run without jobs
+    for path in ("/runs/open_dag/..%2F..%2Fsecret_dag%2Fmanual__1", "/runs/open_dag/../secret_dag/manual__1"):
+        response = view.client.get(path)
+        assert response.status_code in (200, 403, 404) and secret not in response.text
