@@ -135,12 +135,22 @@ STORE_UNAVAILABLE = (
 )
 
 
-class _StoreUnavailableIs503(APIRoute):
-    """A route of the jobs view: a store that is down or misconfigured answers 503 with one line.
+#: the pages hold no script and load nothing (``ui.render``): a browser that honours this runs no
+#: script there even if a value ever escaped its escaping, and only Airflow's own UI may frame them
+PAGE_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'self'"
+)
 
-    Without this the store's error would be an unhandled exception: a bare 500 in the UI's iframe
-    and a traceback in the log with nothing said to the user. HTML routes answer a page, the JSON
-    API ``{"detail": ...}`` like its other errors. A job that does not exist is the route's own 404.
+
+class _JobsViewRoute(APIRoute):
+    """A route of the jobs view: its pages carry :data:`PAGE_CSP`, and a store that is down or
+    misconfigured answers 503 with one line.
+
+    Without the latter the store's error would be an unhandled exception: a bare 500 in the UI's
+    iframe and a traceback in the log with nothing said to the user. HTML routes answer a page,
+    the JSON API ``{"detail": ...}`` like its other errors. A job that does not exist is the
+    route's own 404. Every response says ``nosniff``: the manifest is served as stored.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -151,7 +161,7 @@ class _StoreUnavailableIs503(APIRoute):
 
         async def guarded(request: Request) -> Response:
             try:
-                return await handler(request)
+                response = await handler(request)
             except JobNotFound:
                 raise
             except (StoreError, ConfigurationError, AirflowNotFoundException) as exc:
@@ -160,8 +170,13 @@ class _StoreUnavailableIs503(APIRoute):
                     from airflow_deadline_batch.ui.render import render_message
 
                     page = render_message("Store unavailable", STORE_UNAVAILABLE, prefix=_prefix(request))
-                    return HTMLResponse(page, status_code=503)
-                return JSONResponse({"detail": STORE_UNAVAILABLE}, status_code=503)
+                    response = HTMLResponse(page, status_code=503)
+                else:
+                    response = JSONResponse({"detail": STORE_UNAVAILABLE}, status_code=503)
+            if html:
+                response.headers["Content-Security-Policy"] = PAGE_CSP
+            response.headers["X-Content-Type-Options"] = "nosniff"
+            return response
 
         return guarded
 
@@ -183,7 +198,7 @@ def create_app() -> FastAPI:
     from airflow_deadline_batch.ui.access import may_read
 
     app = FastAPI(title="Deadline Batch", docs_url=None, redoc_url=None, openapi_url=None)
-    app.router.route_class = _StoreUnavailableIs503  # the jobs view's routes; not the OpenAI router's
+    app.router.route_class = _JobsViewRoute  # the jobs view's routes; not the OpenAI router's
     user_dep = Depends(get_user)
 
     def readable_job(job_id: str, user: BaseUser) -> JobRow:

@@ -199,3 +199,18 @@ def test_a_user_reads_no_job_of_a_dag_they_may_not_read_by_any_route(view: View)
     for path in ("/runs/open_dag/..%2F..%2Fsecret_dag%2Fmanual__1", "/runs/open_dag/../secret_dag/manual__1"):
         response = view.client.get(path)
         assert response.status_code in (200, 403, 404) and secret not in response.text
+
+
+def test_pages_forbid_script_and_foreign_framing(view: View, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pages need no script: a Content-Security-Policy says so, so that a value that ever got
+    past the escaping still runs nothing, and only Airflow's own UI (same origin) frames them."""
+    job_id = view.plan("open_dag/manual__1/plan")
+    for path in ("/jobs", f"/jobs/{job_id}", "/runs/open_dag/manual__1", "/runs/open_dag/none"):
+        response = view.client.get(path)
+        assert response.status_code == 200
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "frame-ancestors 'self'" in csp and "script-src" not in csp
+        assert "<script" not in response.text
+    assert view.client.get(f"/api/jobs/{job_id}").headers["x-content-type-options"] == "nosniff"
+    monkeypatch.setenv("ADB_STORE_URL", f"sqlite:///{view.tmp / 'missing' / 'store.db'}")
+    assert "default-src 'none'" in view.client.get("/jobs").headers["content-security-policy"]
