@@ -9,7 +9,8 @@ records, work) or from the store's rows (shards, attempts, commits); cost and re
 * **History** (the burn-down and slack-over-time series) is the same :func:`core.job_view.build_job_view`
   evaluated at past instants over the rows as they stood then (:func:`rows_as_of`): commits up to
   that instant, each shard's cursor as the number of its microbatches committed by then, the Spot
-  tries finished by then. At most :data:`MAX_POINTS` instants, from one read of each table.
+  tries finished by then. At most :data:`MAX_POINTS` instants, from one read of each table; fewer
+  for a job of many rows (:func:`history_points`), so that a page view stays bounded.
 * **Spread** of the predicted finish: the earliest and latest finish the view predicted over the
   last :data:`SPREAD_POINTS` instants of the history (how much the prediction has moved lately),
   none of them earlier than now.
@@ -57,6 +58,12 @@ log = logging.getLogger(__name__)
 
 #: instants of the history (burn-down and slack series) at most
 MAX_POINTS = 120
+#: rows (shards, commits, tries) the history's instants look through together at most: each
+#: instant replays the view over every row, so a job of 100,000 commits gets fewer instants
+#: instead of a page that takes longer than its refresh
+HISTORY_ROW_BUDGET = 600_000
+#: instants of the history at least, however many rows (the chart's shape)
+MIN_POINTS = 12
 #: the last instants whose predicted finishes give the prediction's spread
 SPREAD_POINTS = 10
 #: committed objects read for the error sample, and bytes read from each
@@ -277,13 +284,22 @@ def rows_as_of(
     return shards_then, done, tries
 
 
-def sample_instants(start: dt.datetime, end: dt.datetime, commits: Iterable[CommitRow]) -> list[dt.datetime]:
-    """The job's start, each distinct commit instant, and ``end``; evenly thinned to :data:`MAX_POINTS`."""
+def history_points(rows: int) -> int:
+    """Instants of the history for a job of ``rows`` rows: :data:`MAX_POINTS` within the budget."""
+    return min(MAX_POINTS, max(MIN_POINTS, HISTORY_ROW_BUDGET // max(rows, 1)))
+
+
+def sample_instants(
+    start: dt.datetime, end: dt.datetime, commits: Iterable[CommitRow], points: int | None = None
+) -> list[dt.datetime]:
+    """The job's start, each distinct commit instant, and ``end``; evenly thinned to ``points``
+    (default :data:`MAX_POINTS`)."""
+    points = MAX_POINTS if points is None else points
     stamps = sorted({start, end, *(c.committed_at for c in commits if start <= c.committed_at <= end)})
-    if len(stamps) <= MAX_POINTS:
+    if len(stamps) <= points:
         return stamps
-    step = (len(stamps) - 1) / (MAX_POINTS - 1)
-    return sorted({stamps[round(i * step)] for i in range(MAX_POINTS)})
+    step = (len(stamps) - 1) / (points - 1)
+    return sorted({stamps[round(i * step)] for i in range(points)})
 
 
 def job_history(
@@ -297,7 +313,8 @@ def job_history(
     end = view.completed_at or view.now
     running = dataclasses.replace(job, state=JobState.RUNNING, completed_at=None)
     points = []
-    for at in sample_instants(view.started_at, end, commits):
+    instants = history_points(len(shards) + len(commits) + len(attempts))
+    for at in sample_instants(view.started_at, end, commits, instants):
         if at == end:
             then = view
         else:

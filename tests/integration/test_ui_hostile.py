@@ -214,3 +214,27 @@ def test_pages_forbid_script_and_foreign_framing(view: View, monkeypatch: pytest
     assert view.client.get(f"/api/jobs/{job_id}").headers["x-content-type-options"] == "nosniff"
     monkeypatch.setenv("ADB_STORE_URL", f"sqlite:///{view.tmp / 'missing' / 'store.db'}")
     assert "default-src 'none'" in view.client.get("/jobs").headers["content-security-policy"]
+
+
+def test_the_history_of_a_job_of_many_rows_replays_fewer_instants(
+    view: View, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each instant replays the job view over every row: a job of 100,000 commits at 120 instants
+    took longer than the page's refresh. The instants share a budget of rows instead."""
+    job_id = view.plan("open_dag/manual__1/plan")
+    lease = view.store.claim_shard(job_id, 0, ttl_s=60, worker="w0", pool="local-spot")
+    for seq in range(lease.num_microbatches):
+        lease = commit(view.store, lease, seq, records=1)
+    full = model.read_job_page(view.store, job_id, now=dt.datetime.now(UTC))
+    rows = sum(
+        len(read(job_id))
+        for read in (view.store.list_shards, view.store.list_commits, view.store.list_attempts)
+    )
+    assert len(full.history) > 2  # the start, a commit instant or more, now
+    monkeypatch.setattr(model, "MIN_POINTS", 2)
+    monkeypatch.setattr(model, "HISTORY_ROW_BUDGET", rows * 2)  # room for two instants
+    thinned = model.read_job_page(view.store, job_id, now=dt.datetime.now(UTC))
+    assert len(thinned.history) == 2
+    assert thinned.history[0].at == full.history[0].at and thinned.history[-1].remaining_records == (
+        full.history[-1].remaining_records
+    )
