@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.core_api.security import get_user
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from airflow_deadline_batch.store import JobRow, ManifestStore
 
 UTC = dt.timezone.utc
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 #: jobs the list shows at most, newest first (each costs three reads: a page view stays bounded)
 LIST_LIMIT = 50
@@ -98,17 +99,36 @@ def _store_url() -> str:
     return cached.url
 
 
+class StoreUnavailable(Exception):
+    """The configured store cannot be opened: its URL or connection is missing or malformed."""
+
+
+class JobUnreadable(Exception):
+    """A job's rows cannot be read as a job view (a config the view refuses, rows out of shape)."""
+
+    def __init__(self, job_id: str, cause: Exception) -> None:
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"job {job_id} cannot be shown: {reason}")
+
+
 def _store() -> ManifestStore:
     """The store the configuration names now, opened once per URL; a store left behind is closed."""
     global _open
+    from airflow_deadline_batch.exceptions import ConfigurationError
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
-    url = _store_url()
+    try:
+        url = _store_url()
+    except (ConfigurationError, AirflowNotFoundException) as exc:
+        raise StoreUnavailable(str(exc)) from exc
     with _lock:
         current = _open
         if current is not None and current[0] == url:
             return current[1]
-        store = ManifestStoreHook(store_url=url).get_store()
+        try:
+            store = ManifestStoreHook(store_url=url).get_store()
+        except ConfigurationError as exc:  # the URL's scheme: not a store we know
+            raise StoreUnavailable(str(exc)) from exc
         _open = (url, store)
         if current is not None:
             current[1].close()  # its pooled connections; a request still using it reconnects
@@ -144,35 +164,38 @@ PAGE_CSP = (
 
 
 class _JobsViewRoute(APIRoute):
-    """A route of the jobs view: its pages carry :data:`PAGE_CSP`, and a store that is down or
-    misconfigured answers 503 with one line.
+    """A route of the jobs view: its pages carry :data:`PAGE_CSP`; a store that is down or
+    misconfigured answers 503 with one line, a job whose rows cannot be shown 500 with one line.
 
-    Without the latter the store's error would be an unhandled exception: a bare 500 in the UI's
-    iframe and a traceback in the log with nothing said to the user. HTML routes answer a page,
-    the JSON API ``{"detail": ...}`` like its other errors. A job that does not exist is the
-    route's own 404. Every response says ``nosniff``: the manifest is served as stored.
+    Without this the error would be an unhandled exception: a bare 500 in the UI's iframe and a
+    traceback in the log with nothing said to the user. HTML routes answer a page, the JSON API
+    ``{"detail": ...}`` like its other errors. A job that does not exist is the route's own 404.
+    Every response says ``nosniff``: the manifest is served as stored.
     """
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        from airflow_deadline_batch.exceptions import ConfigurationError, JobNotFound, StoreError
+        from airflow_deadline_batch.exceptions import JobNotFound, StoreError
 
         handler = super().get_route_handler()
         html = isinstance(self.response_class, type) and issubclass(self.response_class, HTMLResponse)
+
+        def answer(request: Request, status: int, title: str, message: str) -> Response:
+            if not html:
+                return JSONResponse({"detail": message}, status_code=status)
+            from airflow_deadline_batch.ui.render import render_message
+
+            return HTMLResponse(render_message(title, message, prefix=_prefix(request)), status_code=status)
 
         async def guarded(request: Request) -> Response:
             try:
                 response = await handler(request)
             except JobNotFound:
                 raise
-            except (StoreError, ConfigurationError, AirflowNotFoundException) as exc:
+            except (StoreError, StoreUnavailable) as exc:
                 log.warning("deadline-batch store unavailable for %s: %s", request.url.path, exc)
-                if html:
-                    from airflow_deadline_batch.ui.render import render_message
-
-                    page = render_message("Store unavailable", STORE_UNAVAILABLE, prefix=_prefix(request))
-                    response = HTMLResponse(page, status_code=503)
-                else:
-                    response = JSONResponse({"detail": STORE_UNAVAILABLE}, status_code=503)
+                response = answer(request, 503, "Store unavailable", STORE_UNAVAILABLE)
+            except JobUnreadable as exc:
+                response = answer(request, 500, "Job cannot be shown", f"{exc} (the api-server log has more)")
             if html:
                 response.headers["Content-Security-Policy"] = PAGE_CSP
             response.headers["X-Content-Type-Options"] = "nosniff"
@@ -192,7 +215,7 @@ def create_app() -> FastAPI:
     FastAPI reads the routes' annotations at runtime, so the names they use (``Request``,
     ``BaseUser``) are module globals, not imports inside this function.
     """
-    from airflow_deadline_batch.exceptions import DeadlineBatchError, JobNotFound
+    from airflow_deadline_batch.exceptions import DeadlineBatchError, JobNotFound, StoreError
     from airflow_deadline_batch.triggers.completeness import plain
     from airflow_deadline_batch.ui import model, render
     from airflow_deadline_batch.ui.access import may_read
@@ -223,21 +246,43 @@ def create_app() -> FastAPI:
                 shown.append(job)
         return shown, len(jobs) - len(shown)
 
-    def summaries(jobs: list[JobRow]) -> list[model.JobSummary]:
-        now = _now()
-        return [model.read_job_summary(_store(), job, now=now) for job in jobs]
+    def readable_view(job_id: str, read: Callable[[], T]) -> T:
+        """``read()`` of one job's view; anything but the store failing is that job's rows (logged)."""
+        try:
+            return read()
+        except (StoreError, StoreUnavailable):
+            raise
+        except Exception as exc:
+            log.exception("deadline-batch job %s cannot be shown", job_id)
+            raise JobUnreadable(job_id, exc) from exc
+
+    def summary_of(job: JobRow, now: dt.datetime) -> model.JobSummary:
+        return readable_view(job.job_id, lambda: model.read_job_summary(_store(), job, now=now))
+
+    def page_of(job_id: str) -> model.JobPage:
+        return readable_view(job_id, lambda: model.read_job_page(_store(), job_id, now=_now()))
+
+    def summaries(jobs: list[JobRow]) -> tuple[list[model.JobSummary], int]:
+        """The jobs' rows in the list, and how many could not be shown (each logged): one job's
+        rows that the view refuses must not take every other job's off the list."""
+        now, shown = _now(), []
+        for job in jobs:
+            try:
+                shown.append(summary_of(job, now))
+            except JobUnreadable:
+                continue
+        return shown, len(jobs) - len(shown)
 
     @app.get("/jobs", response_class=HTMLResponse)
     def jobs_page(request: Request, user: BaseUser = user_dep) -> str:
         jobs, hidden = readable_jobs(user)
-        return render.render_jobs_page(summaries(jobs), prefix=_prefix(request), hidden=hidden)
+        shown, unreadable = summaries(jobs)
+        return render.render_jobs_page(shown, prefix=_prefix(request), hidden=hidden, unreadable=unreadable)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job_page(job_id: str, request: Request, user: BaseUser = user_dep) -> str:
         readable_job(job_id, user)
-        return render.render_job_page(
-            model.read_job_page(_store(), job_id, now=_now()), prefix=_prefix(request)
-        )
+        return render.render_job_page(page_of(job_id), prefix=_prefix(request))
 
     @app.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse)
     def run_page(dag_id: str, run_id: str, request: Request, user: BaseUser = user_dep) -> str:
@@ -250,8 +295,7 @@ def create_app() -> FastAPI:
             if (ref := model.planned_by(job.idempotency_key)) and (ref.dag_id, ref.run_id) == (dag_id, run_id)
         ]
         if len(jobs) == 1:
-            page = model.read_job_page(_store(), jobs[0].job_id, now=_now())
-            return render.render_job_page(page, prefix=_prefix(request))
+            return render.render_job_page(page_of(jobs[0].job_id), prefix=_prefix(request))
         if not jobs:
             return render.render_message(
                 "No deadline-batch job",
@@ -259,17 +303,18 @@ def create_app() -> FastAPI:
                 f" (among the latest {RUN_SCAN_LIMIT}).",
                 prefix=_prefix(request),
             )
-        return render.render_jobs_page(summaries(jobs), prefix=_prefix(request))
+        shown, unreadable = summaries(jobs)
+        return render.render_jobs_page(shown, prefix=_prefix(request), unreadable=unreadable)
 
     @app.get("/api/jobs")
     def jobs_json(user: BaseUser = user_dep) -> list[dict[str, Any]]:
         jobs, _ = readable_jobs(user)
-        return [model.plain_summary(s) for s in summaries(jobs)]
+        return [model.plain_summary(s) for s in summaries(jobs)[0]]
 
     @app.get("/api/jobs/{job_id}")
     def job_json(job_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
         job = readable_job(job_id, user)
-        summary = model.read_job_summary(_store(), job, now=_now())
+        summary = summary_of(job, _now())
         return {**plain(_store().progress(job_id)), **model.plain_summary(summary), "job_id": job_id}
 
     @app.get("/api/jobs/{job_id}/manifest")

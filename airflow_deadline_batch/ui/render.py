@@ -245,8 +245,11 @@ def _planned_by(summary: JobSummary) -> str:
     return f"{esc(ref.dag_id)} / {esc(ref.run_id)}"
 
 
-def render_jobs_page(summaries: Sequence[JobSummary], *, prefix: str, hidden: int = 0) -> str:
-    """The jobs the user may read, newest first; reloads while any of them runs."""
+def render_jobs_page(
+    summaries: Sequence[JobSummary], *, prefix: str, hidden: int = 0, unreadable: int = 0
+) -> str:
+    """The jobs the user may read, newest first; reloads while any of them runs. ``hidden``: jobs
+    of DAGs the user may not read; ``unreadable``: jobs whose rows could not be shown."""
     rows = []
     for s in summaries:
         href = f"{esc(prefix)}/jobs/{esc(quote(s.job_id, safe=''))}"
@@ -264,6 +267,11 @@ def render_jobs_page(summaries: Sequence[JobSummary], *, prefix: str, hidden: in
             "</tr>"
         )
     note = f'<p class="muted">{hidden:d} job(s) of DAGs you may not read are not shown.</p>' if hidden else ""
+    if unreadable:
+        note += (
+            f'<p id="unreadable" class="late">{unreadable:d} job(s) could not be shown: their rows'
+            " cannot be read as a job view (the api-server log says why).</p>"
+        )
     table = (
         "<table id='jobs'><tr><th>job</th><th>tenant</th><th>DAG / run</th><th>state</th><th>deadline</th>"
         "<th>predicted finish</th><th>slack</th><th>records done / total</th><th>cost so far</th>"

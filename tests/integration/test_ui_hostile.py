@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -238,3 +239,26 @@ def test_the_history_of_a_job_of_many_rows_replays_fewer_instants(
     assert thinned.history[0].at == full.history[0].at and thinned.history[-1].remaining_records == (
         full.history[-1].remaining_records
     )
+
+
+def test_a_job_whose_rows_the_view_refuses_leaves_the_others_listed(view: View) -> None:
+    """A job row whose config the job view refuses (written by an older release, or edited by
+    hand) made the list a 500 for every user, and its own page one too."""
+    import sqlalchemy as sa
+
+    from airflow_deadline_batch.store.schema import jobs
+
+    good = view.plan("open_dag/manual__1/plan")
+    bad = view.plan("open_dag/manual__2/plan")
+    config = {k: v for k, v in view.store.get_job(bad).config.items() if k != "pools"}
+    with sa.create_engine(os.environ["ADB_STORE_URL"]).begin() as conn:
+        conn.execute(sa.update(jobs).where(jobs.c.job_id == bad).values(config=config))
+    listed = view.client.get("/jobs")
+    assert listed.status_code == 200 and good in listed.text and bad not in listed.text
+    assert "1 job(s) could not be shown" in listed.text
+    assert [job["job_id"] for job in view.client.get("/api/jobs").json()] == [good]
+    for path in (f"/jobs/{bad}", f"/api/jobs/{bad}", "/runs/open_dag/manual__2"):
+        response = view.client.get(path)
+        assert response.status_code == 500, (path, response.status_code)
+        assert f"job {bad} cannot be shown: no pools" in response.text and "Traceback" not in response.text
+    assert view.client.get(f"/jobs/{good}").status_code == 200
