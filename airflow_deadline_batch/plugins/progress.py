@@ -35,6 +35,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
+from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
 from airflow_deadline_batch.plugins.priority import DeadlineWeightStrategy
 
@@ -99,8 +100,12 @@ def _store_url() -> str:
     return cached.url
 
 
-class StoreUnavailable(Exception):
-    """The configured store cannot be opened: its URL or connection is missing or malformed."""
+class StoreUnavailable(ConfigurationError):
+    """The configured store cannot be opened: its URL or connection is missing or malformed.
+
+    A :class:`ConfigurationError`, as the errors it stands for were to the OpenAI routes, which
+    open the same store; the jobs view tells it from a job's own configuration errors.
+    """
 
 
 class JobUnreadable(Exception):
@@ -114,7 +119,6 @@ class JobUnreadable(Exception):
 def _store() -> ManifestStore:
     """The store the configuration names now, opened once per URL; a store left behind is closed."""
     global _open
-    from airflow_deadline_batch.exceptions import ConfigurationError
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
     try:
