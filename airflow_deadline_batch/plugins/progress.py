@@ -307,8 +307,10 @@ def create_app() -> FastAPI:
                 f" (among the latest {RUN_SCAN_LIMIT}).",
                 prefix=_prefix(request),
             )
-        shown, unreadable = summaries(jobs)
-        return render.render_jobs_page(shown, prefix=_prefix(request), unreadable=unreadable)
+        shown, unreadable = summaries(jobs[:LIST_LIMIT])  # bounded like the list: newest first
+        return render.render_jobs_page(
+            shown, prefix=_prefix(request), unreadable=unreadable, unlisted=len(jobs) - len(jobs[:LIST_LIMIT])
+        )
 
     @app.get("/api/jobs")
     def jobs_json(user: BaseUser = user_dep) -> list[dict[str, Any]]:

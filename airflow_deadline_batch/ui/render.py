@@ -246,10 +246,11 @@ def _planned_by(summary: JobSummary) -> str:
 
 
 def render_jobs_page(
-    summaries: Sequence[JobSummary], *, prefix: str, hidden: int = 0, unreadable: int = 0
+    summaries: Sequence[JobSummary], *, prefix: str, hidden: int = 0, unreadable: int = 0, unlisted: int = 0
 ) -> str:
     """The jobs the user may read, newest first; reloads while any of them runs. ``hidden``: jobs
-    of DAGs the user may not read; ``unreadable``: jobs whose rows could not be shown."""
+    of DAGs the user may not read; ``unreadable``: jobs whose rows could not be shown;
+    ``unlisted``: older jobs past the list's length."""
     rows = []
     for s in summaries:
         href = f"{esc(prefix)}/jobs/{esc(quote(s.job_id, safe=''))}"
@@ -272,6 +273,8 @@ def render_jobs_page(
             f'<p id="unreadable" class="late">{unreadable:d} job(s) could not be shown: their rows'
             " cannot be read as a job view (the api-server log says why).</p>"
         )
+    if unlisted:
+        note += f'<p id="unlisted" class="muted">{unlisted:d} older job(s) are not listed.</p>'
     table = (
         "<table id='jobs'><tr><th>job</th><th>tenant</th><th>DAG / run</th><th>state</th><th>deadline</th>"
         "<th>predicted finish</th><th>slack</th><th>records done / total</th><th>cost so far</th>"

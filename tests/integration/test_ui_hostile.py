@@ -262,3 +262,15 @@ def test_a_job_whose_rows_the_view_refuses_leaves_the_others_listed(view: View) 
         assert response.status_code == 500, (path, response.status_code)
         assert f"job {bad} cannot be shown: no pools" in response.text and "Traceback" not in response.text
     assert view.client.get(f"/jobs/{good}").status_code == 200
+
+
+def test_a_runs_tab_of_many_jobs_lists_as_many_as_the_jobs_list(
+    view: View, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that planned hundreds of jobs (a mapped plan task) cost three reads and a view each."""
+    monkeypatch.setattr(progress, "LIST_LIMIT", 2)
+    planned = [view.plan(f"open_dag/manual__1/plan_{i}") for i in range(3)]
+    response = view.client.get("/runs/open_dag/manual__1")
+    assert response.status_code == 200
+    assert [job for job in planned if job in response.text] == planned[1:]  # the newest two
+    assert "1 older job(s) are not listed" in response.text
