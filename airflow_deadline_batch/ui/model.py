@@ -493,22 +493,32 @@ def published_outcomes(manifest_uri: str | None) -> Mapping[str, int] | None:
     if not manifest_uri:
         return None
     try:
-        return dict(_manifest_outcomes(manifest_uri))
+        counts = _manifest_outcomes(manifest_uri)
     except Exception:  # object storage unreachable from the api-server: the page shows the rest
         log.warning("cannot read the outcomes of %s", manifest_uri, exc_info=True)
         return None
+    return None if counts is None else dict(counts)
 
 
 @functools.lru_cache(maxsize=512)
-def _manifest_outcomes(manifest_uri: str) -> Mapping[str, int]:
-    """A published manifest's outcome counts, read once per api-server process.
+def _manifest_outcomes(manifest_uri: str) -> Mapping[str, int] | None:
+    """A published manifest's outcome counts, read once per api-server process; None for one
+    larger than :data:`MANIFEST_MAX_BYTES`.
 
     A published manifest is immutable (docs/design.md), so the page refreshing every few
-    seconds need not read it again; a read that fails raises and is not cached.
+    seconds need not read it again, nor a manifest too large to count again (it stays too
+    large); a read that fails raises and is not cached.
     """
     from airflow_deadline_batch.storage import open_uri
 
     storage, key = open_uri(manifest_uri)
+    if storage.size(key) > MANIFEST_MAX_BYTES:
+        log.warning(
+            "%s is larger than %d bytes: the job page shows no outcome counts",
+            manifest_uri,
+            MANIFEST_MAX_BYTES,
+        )
+        return None
     manifest = json.loads(storage.read_range(key, 0, MANIFEST_MAX_BYTES))
     return {str(k): int(v) for k, v in manifest["outcomes"].items()}
 

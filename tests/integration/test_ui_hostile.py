@@ -274,3 +274,16 @@ def test_a_runs_tab_of_many_jobs_lists_as_many_as_the_jobs_list(
     assert response.status_code == 200
     assert [job for job in planned if job in response.text] == planned[1:]  # the newest two
     assert "1 older job(s) are not listed" in response.text
+
+
+def test_a_manifest_too_large_to_count_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest over the page's read limit failed to parse at every page view, each a read of
+    the limit's 64 MiB; it stays too large (published manifests are immutable), so once is enough."""
+    monkeypatch.setattr(model, "MANIFEST_MAX_BYTES", 200)
+    manifest = tmp_path / "manifest.json"
+    shards = [{"uri": f"file:///out/{i}.jsonl"} for i in range(20)]
+    manifest.write_text(json.dumps({"outcomes": {"succeeded": 20}, "shards": shards}))
+    uri = manifest.as_uri()
+    assert model.published_outcomes(uri) is None
+    manifest.write_text('{"outcomes": {"succeeded": 20}}')  # never happens to a published one
+    assert model.published_outcomes(uri) is None  # not read again
