@@ -1,4 +1,4 @@
-"""The jobs view against a hostile user and a hostile store: what reaches the page, and the store.
+"""The jobs view against hostile values: what reaches the page, the progress link, the store's URL.
 
 The renderer is driven with the page model of ``test_ui_render`` carrying hostile values; the
 plugin's store with real URLs (a PostgreSQL engine connects lazily, so no server is needed to see
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from airflow_deadline_batch.core.states import ShardState
+from airflow_deadline_batch.core.states import JobState, ShardState
 from airflow_deadline_batch.links.progress import job_page_link, progress_url
 from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.ui import render
@@ -95,3 +95,14 @@ def test_the_progress_button_shows_no_link_it_could_not_have_made(value: object)
 )
 def test_the_progress_button_shows_the_links_it_made(url: str) -> None:
     assert job_page_link(url) == url
+
+
+def test_every_field_of_the_page_is_text_a_response_can_carry() -> None:
+    """A lone surrogate or control character in any field (tenant, DAG, run, pool, error, outcome)
+    becomes U+FFFD: the page still encodes as UTF-8 and holds no raw control character."""
+    hostile = "\ud800\x00\x1b[31m" + "</style><script>x</script>"
+    for state in (JobState.RUNNING, JobState.COMPLETED):
+        text = render.render_job_page(page(state=state, evil=hostile), prefix="/p")
+        text.encode("utf-8")  # raised UnicodeEncodeError: the response was a 500
+        assert not re.search("[\x00-\x08\x0b\x0c\x0e-\x1f]", text) and "<script>" not in text
+    render.render_jobs_page([page(evil=hostile).summary], prefix="/p").encode("utf-8")
