@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 from airflow.sdk import BaseOperatorLink
 
@@ -39,6 +39,25 @@ def progress_url(base_url: str, job_id: str, manifest_uri: str | None = None) ->
     return url
 
 
+def job_page_link(value: object) -> str:
+    """``value`` if it is a link :func:`progress_url` could have made, else "" (no button).
+
+    The URL comes from XCom, which more than the task can write (Airflow's REST API edits XCom
+    entries): a ``javascript:`` or foreign URL there would be a button in the UI that runs script
+    or leads away for whoever clicks it. So only an http(s) URL or a rooted path to a job page,
+    with no whitespace or control characters (which browsers strip from schemes) and no backslash
+    (which browsers read as ``/``: ``/\\host`` is another site), is a link.
+    """
+    if not isinstance(value, str) or any(ch <= " " or ch in "\x7f\\" for ch in value):
+        return ""
+    parts = urlsplit(value)
+    absolute = parts.scheme in ("http", "https") and bool(parts.netloc)
+    rooted = not parts.scheme and not parts.netloc and value.startswith("/") and not value.startswith("//")
+    if not (absolute or rooted) or f"{PLUGIN_URL_PREFIX}/jobs/" not in parts.path:
+        return ""
+    return value
+
+
 class DeadlineBatchProgressLink(BaseOperatorLink):
     """Deadline Batch progress (and manifest, once published)."""
 
@@ -47,8 +66,7 @@ class DeadlineBatchProgressLink(BaseOperatorLink):
     def get_link(self, operator: Any, *, ti_key: Any) -> str:
         from airflow.sdk.execution_time.xcom import XCom
 
-        value = XCom.get_value(key=self.xcom_key, ti_key=ti_key)
-        return str(value) if value else ""
+        return job_page_link(XCom.get_value(key=self.xcom_key, ti_key=ti_key))
 
     @classmethod
     def persist(cls, context: Any, job_id: str, manifest_uri: str | None = None) -> str:

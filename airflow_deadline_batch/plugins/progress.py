@@ -19,19 +19,23 @@ so an edited URL or connection takes effect without a restart.
 from __future__ import annotations
 
 import datetime as dt
-import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
 from airflow.api_fastapi.core_api.security import get_user
+from airflow.exceptions import AirflowNotFoundException
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
+from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
 from airflow_deadline_batch.plugins.priority import DeadlineWeightStrategy
 
@@ -39,12 +43,14 @@ if TYPE_CHECKING:
     from airflow_deadline_batch.store import JobRow, ManifestStore
 
 UTC = dt.timezone.utc
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 #: jobs the list shows at most, newest first (each costs three reads: a page view stays bounded)
 LIST_LIMIT = 50
 #: jobs a run's tab looks through for that run's (one read)
 RUN_SCAN_LIMIT = 500
-#: the largest manifest the API hands out
-MANIFEST_MAX_BYTES = 16 * 1024 * 1024
+#: bytes of the manifest read and sent at a time
+MANIFEST_CHUNK_BYTES = 1024 * 1024
 
 
 #: seconds a store URL resolved from an Airflow connection is used before the connection is read
@@ -62,7 +68,9 @@ class _Resolved:
 
 _lock = threading.Lock()
 _resolved: _Resolved | None = None
-_open: ManifestStore | None = None
+#: the open store and the URL it was opened with (``ManifestStore.url`` is normalised, its
+#: password hidden: comparing that with the configured URL would reopen the store at every call)
+_open: tuple[str, ManifestStore] | None = None
 
 
 def _store_conn_id() -> str | None:
@@ -92,20 +100,43 @@ def _store_url() -> str:
     return cached.url
 
 
+class StoreUnavailable(ConfigurationError):
+    """The configured store cannot be opened: its URL or connection is missing or malformed.
+
+    A :class:`ConfigurationError`, as the errors it stands for were to the OpenAI routes, which
+    open the same store; the jobs view tells it from a job's own configuration errors.
+    """
+
+
+class JobUnreadable(Exception):
+    """A job's rows cannot be read as a job view (a config the view refuses, rows out of shape)."""
+
+    def __init__(self, job_id: str, cause: Exception) -> None:
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"job {job_id} cannot be shown: {reason}")
+
+
 def _store() -> ManifestStore:
     """The store the configuration names now, opened once per URL; a store left behind is closed."""
     global _open
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
-    url = _store_url()
+    try:
+        url = _store_url()
+    except (ConfigurationError, AirflowNotFoundException) as exc:
+        raise StoreUnavailable(str(exc)) from exc
     with _lock:
         current = _open
-        if current is not None and current.url == url:
-            return current
-        _open = ManifestStoreHook(store_url=url).get_store()
+        if current is not None and current[0] == url:
+            return current[1]
+        try:
+            store = ManifestStoreHook(store_url=url).get_store()
+        except ConfigurationError as exc:  # the URL's scheme: not a store we know
+            raise StoreUnavailable(str(exc)) from exc
+        _open = (url, store)
         if current is not None:
-            current.close()  # its pooled connections; a request still using it reconnects
-        return _open
+            current[1].close()  # its pooled connections; a request still using it reconnects
+        return store
 
 
 def reset_store() -> None:
@@ -113,12 +144,73 @@ def reset_store() -> None:
     global _resolved, _open
     with _lock:
         if _open is not None:
-            _open.close()
+            _open[1].close()
         _resolved, _open = None, None
 
 
 def _now() -> dt.datetime:
     return dt.datetime.now(UTC)
+
+
+#: what a page or API call answers when the store cannot be opened or read (never its URL: secrets)
+STORE_UNAVAILABLE = (
+    "The deadline-batch store cannot be read from the api-server: check ADB_STORE_URL or the store"
+    " connection, and that its database is up (the api-server log has the reason)."
+)
+
+
+#: the pages hold no script and load nothing (``ui.render``): a browser that honours this runs no
+#: script there even if a value ever escaped its escaping, and only Airflow's own UI may frame them
+PAGE_CSP = (
+    "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'self'"
+)
+
+
+class _JobsViewRoute(APIRoute):
+    """A route of the jobs view: its pages carry :data:`PAGE_CSP`; a store that is down or
+    misconfigured answers 503 with one line, a job whose rows cannot be shown 500 with one line.
+
+    Without this the error would be an unhandled exception: a bare 500 in the UI's iframe and a
+    traceback in the log with nothing said to the user. HTML routes answer a page, the JSON API
+    ``{"detail": ...}`` like its other errors. A job that does not exist is the route's own 404.
+    Every response says ``nosniff``: the manifest is served as stored.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        from airflow_deadline_batch.exceptions import JobNotFound, StoreError
+
+        handler = super().get_route_handler()
+        html = isinstance(self.response_class, type) and issubclass(self.response_class, HTMLResponse)
+
+        def answer(request: Request, status: int, title: str, message: str) -> Response:
+            if not html:
+                return JSONResponse({"detail": message}, status_code=status)
+            from airflow_deadline_batch.ui.render import render_message
+
+            return HTMLResponse(render_message(title, message, prefix=_prefix(request)), status_code=status)
+
+        async def guarded(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except JobNotFound:
+                raise
+            except (StoreError, StoreUnavailable) as exc:
+                log.warning("deadline-batch store unavailable for %s: %s", request.url.path, exc)
+                response = answer(request, 503, "Store unavailable", STORE_UNAVAILABLE)
+            except JobUnreadable as exc:
+                response = answer(request, 500, "Job cannot be shown", f"{exc} (the api-server log has more)")
+            if html:
+                response.headers["Content-Security-Policy"] = PAGE_CSP
+            response.headers["X-Content-Type-Options"] = "nosniff"
+            return response
+
+        return guarded
+
+
+def _prefix(request: Request) -> str:
+    """Where the app is mounted (the pages' links start here)."""
+    return str(request.scope.get("root_path") or PLUGIN_URL_PREFIX).rstrip("/")
 
 
 def create_app() -> FastAPI:
@@ -127,16 +219,14 @@ def create_app() -> FastAPI:
     FastAPI reads the routes' annotations at runtime, so the names they use (``Request``,
     ``BaseUser``) are module globals, not imports inside this function.
     """
-    from airflow_deadline_batch.exceptions import DeadlineBatchError, JobNotFound
+    from airflow_deadline_batch.exceptions import DeadlineBatchError, JobNotFound, StoreError
     from airflow_deadline_batch.triggers.completeness import plain
     from airflow_deadline_batch.ui import model, render
     from airflow_deadline_batch.ui.access import may_read
 
     app = FastAPI(title="Deadline Batch", docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = _JobsViewRoute  # the jobs view's routes; not the OpenAI router's
     user_dep = Depends(get_user)
-
-    def prefix(request: Request) -> str:
-        return str(request.scope.get("root_path") or PLUGIN_URL_PREFIX).rstrip("/")
 
     def readable_job(job_id: str, user: BaseUser) -> JobRow:
         try:
@@ -160,21 +250,43 @@ def create_app() -> FastAPI:
                 shown.append(job)
         return shown, len(jobs) - len(shown)
 
-    def summaries(jobs: list[JobRow]) -> list[model.JobSummary]:
-        now = _now()
-        return [model.read_job_summary(_store(), job, now=now) for job in jobs]
+    def readable_view(job_id: str, read: Callable[[], T]) -> T:
+        """``read()`` of one job's view; anything but the store failing is that job's rows (logged)."""
+        try:
+            return read()
+        except (StoreError, StoreUnavailable):
+            raise
+        except Exception as exc:
+            log.exception("deadline-batch job %s cannot be shown", job_id)
+            raise JobUnreadable(job_id, exc) from exc
+
+    def summary_of(job: JobRow, now: dt.datetime) -> model.JobSummary:
+        return readable_view(job.job_id, lambda: model.read_job_summary(_store(), job, now=now))
+
+    def page_of(job_id: str) -> model.JobPage:
+        return readable_view(job_id, lambda: model.read_job_page(_store(), job_id, now=_now()))
+
+    def summaries(jobs: list[JobRow]) -> tuple[list[model.JobSummary], int]:
+        """The jobs' rows in the list, and how many could not be shown (each logged): one job's
+        rows that the view refuses must not take every other job's off the list."""
+        now, shown = _now(), []
+        for job in jobs:
+            try:
+                shown.append(summary_of(job, now))
+            except JobUnreadable:
+                continue
+        return shown, len(jobs) - len(shown)
 
     @app.get("/jobs", response_class=HTMLResponse)
     def jobs_page(request: Request, user: BaseUser = user_dep) -> str:
         jobs, hidden = readable_jobs(user)
-        return render.render_jobs_page(summaries(jobs), prefix=prefix(request), hidden=hidden)
+        shown, unreadable = summaries(jobs)
+        return render.render_jobs_page(shown, prefix=_prefix(request), hidden=hidden, unreadable=unreadable)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job_page(job_id: str, request: Request, user: BaseUser = user_dep) -> str:
         readable_job(job_id, user)
-        return render.render_job_page(
-            model.read_job_page(_store(), job_id, now=_now()), prefix=prefix(request)
-        )
+        return render.render_job_page(page_of(job_id), prefix=_prefix(request))
 
     @app.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse)
     def run_page(dag_id: str, run_id: str, request: Request, user: BaseUser = user_dep) -> str:
@@ -187,41 +299,64 @@ def create_app() -> FastAPI:
             if (ref := model.planned_by(job.idempotency_key)) and (ref.dag_id, ref.run_id) == (dag_id, run_id)
         ]
         if len(jobs) == 1:
-            page = model.read_job_page(_store(), jobs[0].job_id, now=_now())
-            return render.render_job_page(page, prefix=prefix(request))
+            return render.render_job_page(page_of(jobs[0].job_id), prefix=_prefix(request))
         if not jobs:
             return render.render_message(
                 "No deadline-batch job",
                 f"Run {run_id} of {dag_id} planned no deadline-batch job"
                 f" (among the latest {RUN_SCAN_LIMIT}).",
-                prefix=prefix(request),
+                prefix=_prefix(request),
             )
-        return render.render_jobs_page(summaries(jobs), prefix=prefix(request))
+        shown, unreadable = summaries(jobs[:LIST_LIMIT])  # bounded like the list: newest first
+        return render.render_jobs_page(
+            shown, prefix=_prefix(request), unreadable=unreadable, unlisted=len(jobs) - len(jobs[:LIST_LIMIT])
+        )
 
     @app.get("/api/jobs")
     def jobs_json(user: BaseUser = user_dep) -> list[dict[str, Any]]:
         jobs, _ = readable_jobs(user)
-        return [model.plain_summary(s) for s in summaries(jobs)]
+        return [model.plain_summary(s) for s in summaries(jobs)[0]]
 
     @app.get("/api/jobs/{job_id}")
     def job_json(job_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
         job = readable_job(job_id, user)
-        summary = model.read_job_summary(_store(), job, now=_now())
+        summary = summary_of(job, _now())
         return {**plain(_store().progress(job_id)), **model.plain_summary(summary), "job_id": job_id}
 
     @app.get("/api/jobs/{job_id}/manifest")
     def manifest(job_id: str, user: BaseUser = user_dep) -> Response:
+        """The published manifest's bytes as stored (JSON by construction), streamed: a job of many
+        microbatches has a manifest of many megabytes, which is neither held whole nor re-parsed."""
         from airflow_deadline_batch.storage import open_uri
 
         job = readable_job(job_id, user)
         if not job.manifest_uri:
             raise HTTPException(status_code=404, detail=f"job {job_id} has no published manifest yet")
+
+        def unreadable(exc: Exception) -> HTTPException:  # object storage unreachable from here
+            return HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}")
+
         try:
             storage, key = open_uri(job.manifest_uri)
-            data = storage.read_range(key, 0, MANIFEST_MAX_BYTES)
-        except DeadlineBatchError as exc:  # object storage unreachable from the api-server
-            raise HTTPException(status_code=502, detail=f"cannot read {job.manifest_uri}: {exc}") from exc
-        return JSONResponse(json.loads(data))
+            reader = storage.open_read(key)
+        except DeadlineBatchError as exc:
+            raise unreadable(exc) from exc
+        try:
+            first = reader.read(MANIFEST_CHUNK_BYTES)  # unreadable storage fails here, before the 200
+        except DeadlineBatchError as exc:
+            reader.close()
+            raise unreadable(exc) from exc
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                chunk = first
+                while chunk:
+                    yield chunk
+                    chunk = reader.read(MANIFEST_CHUNK_BYTES)
+            finally:
+                reader.close()
+
+        return StreamingResponse(chunks(), media_type="application/json")
 
     from airflow_deadline_batch.api.openai_batches import create_router
 

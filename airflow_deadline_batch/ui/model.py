@@ -9,7 +9,8 @@ records, work) or from the store's rows (shards, attempts, commits); cost and re
 * **History** (the burn-down and slack-over-time series) is the same :func:`core.job_view.build_job_view`
   evaluated at past instants over the rows as they stood then (:func:`rows_as_of`): commits up to
   that instant, each shard's cursor as the number of its microbatches committed by then, the Spot
-  tries finished by then. At most :data:`MAX_POINTS` instants, from one read of each table.
+  tries finished by then. At most :data:`MAX_POINTS` instants, from one read of each table; fewer
+  for a job of many rows (:func:`history_points`), so that a page view stays bounded.
 * **Spread** of the predicted finish: the earliest and latest finish the view predicted over the
   last :data:`SPREAD_POINTS` instants of the history (how much the prediction has moved lately),
   none of them earlier than now.
@@ -17,7 +18,8 @@ records, work) or from the store's rows (shards, attempts, commits); cost and re
   the job has paid so far (the reference pool's price before any try ran).
 
 Error samples are the one part read from object storage: at most :data:`SAMPLE_OBJECTS` committed
-objects with errored records, :data:`SAMPLE_BYTES` each, so a page view stays bounded.
+objects with errored records, :data:`SAMPLE_BYTES` each, at most :data:`SAMPLE_LINES` lines of
+:data:`SAMPLE_LINE_CHARS`, so a page view stays bounded.
 """
 
 from __future__ import annotations
@@ -56,13 +58,20 @@ log = logging.getLogger(__name__)
 
 #: instants of the history (burn-down and slack series) at most
 MAX_POINTS = 120
+#: rows (shards, commits, tries) the history's instants look through together at most: each
+#: instant replays the view over every row, so a job of 100,000 commits gets fewer instants
+#: instead of a page that takes longer than its refresh
+HISTORY_ROW_BUDGET = 600_000
+#: instants of the history at least, however many rows (the chart's shape)
+MIN_POINTS = 12
 #: the last instants whose predicted finishes give the prediction's spread
 SPREAD_POINTS = 10
 #: committed objects read for the error sample, and bytes read from each
 SAMPLE_OBJECTS = 3
 SAMPLE_BYTES = 64 * 1024
-#: error lines shown at most
+#: error lines shown at most, and characters of each (an engine's message can be the whole prompt)
 SAMPLE_LINES = 10
+SAMPLE_LINE_CHARS = 500
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -275,13 +284,22 @@ def rows_as_of(
     return shards_then, done, tries
 
 
-def sample_instants(start: dt.datetime, end: dt.datetime, commits: Iterable[CommitRow]) -> list[dt.datetime]:
-    """The job's start, each distinct commit instant, and ``end``; evenly thinned to :data:`MAX_POINTS`."""
+def history_points(rows: int) -> int:
+    """Instants of the history for a job of ``rows`` rows: :data:`MAX_POINTS` within the budget."""
+    return min(MAX_POINTS, max(MIN_POINTS, HISTORY_ROW_BUDGET // max(rows, 1)))
+
+
+def sample_instants(
+    start: dt.datetime, end: dt.datetime, commits: Iterable[CommitRow], points: int | None = None
+) -> list[dt.datetime]:
+    """The job's start, each distinct commit instant, and ``end``; evenly thinned to ``points``
+    (default :data:`MAX_POINTS`)."""
+    points = MAX_POINTS if points is None else points
     stamps = sorted({start, end, *(c.committed_at for c in commits if start <= c.committed_at <= end)})
-    if len(stamps) <= MAX_POINTS:
+    if len(stamps) <= points:
         return stamps
-    step = (len(stamps) - 1) / (MAX_POINTS - 1)
-    return sorted({stamps[round(i * step)] for i in range(MAX_POINTS)})
+    step = (len(stamps) - 1) / (points - 1)
+    return sorted({stamps[round(i * step)] for i in range(points)})
 
 
 def job_history(
@@ -295,7 +313,8 @@ def job_history(
     end = view.completed_at or view.now
     running = dataclasses.replace(job, state=JobState.RUNNING, completed_at=None)
     points = []
-    for at in sample_instants(view.started_at, end, commits):
+    instants = history_points(len(shards) + len(commits) + len(attempts))
+    for at in sample_instants(view.started_at, end, commits, instants):
         if at == end:
             then = view
         else:
@@ -418,7 +437,8 @@ def read_error_sample(commits: Sequence[CommitRow], attempts: Sequence[AttemptRo
                 continue
             codes[str(error.get("code"))] += 1
             if len(lines) < SAMPLE_LINES:
-                lines.append(f"line {record.get('line')}: {error.get('code')}: {error.get('message')}")
+                line = f"line {record.get('line')}: {error.get('code')}: {error.get('message')}"
+                lines.append(line if len(line) <= SAMPLE_LINE_CHARS else line[: SAMPLE_LINE_CHARS - 1] + "…")
     return ErrorSample(
         errored_records=errored,
         codes=dict(codes.most_common()),
@@ -473,22 +493,32 @@ def published_outcomes(manifest_uri: str | None) -> Mapping[str, int] | None:
     if not manifest_uri:
         return None
     try:
-        return dict(_manifest_outcomes(manifest_uri))
+        counts = _manifest_outcomes(manifest_uri)
     except Exception:  # object storage unreachable from the api-server: the page shows the rest
         log.warning("cannot read the outcomes of %s", manifest_uri, exc_info=True)
         return None
+    return None if counts is None else dict(counts)
 
 
 @functools.lru_cache(maxsize=512)
-def _manifest_outcomes(manifest_uri: str) -> Mapping[str, int]:
-    """A published manifest's outcome counts, read once per api-server process.
+def _manifest_outcomes(manifest_uri: str) -> Mapping[str, int] | None:
+    """A published manifest's outcome counts, read once per api-server process; None for one
+    larger than :data:`MANIFEST_MAX_BYTES`.
 
     A published manifest is immutable (docs/design.md), so the page refreshing every few
-    seconds need not read it again; a read that fails raises and is not cached.
+    seconds need not read it again, nor a manifest too large to count again (it stays too
+    large); a read that fails raises and is not cached.
     """
     from airflow_deadline_batch.storage import open_uri
 
     storage, key = open_uri(manifest_uri)
+    if storage.size(key) > MANIFEST_MAX_BYTES:
+        log.warning(
+            "%s is larger than %d bytes: the job page shows no outcome counts",
+            manifest_uri,
+            MANIFEST_MAX_BYTES,
+        )
+        return None
     manifest = json.loads(storage.read_range(key, 0, MANIFEST_MAX_BYTES))
     return {str(k): int(v) for k, v in manifest["outcomes"].items()}
 

@@ -12,13 +12,26 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import html
+import re
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
+from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.ui.model import HistoryPoint, JobPage, JobSummary, ShardLine
 
 #: seconds between reloads of a page that shows a running job
 REFRESH_S = 15
+#: shard rows the job page lists at most (a job can have thousands of shards, each with an error of
+#: up to 4000 characters); the counts by state and pool cover every shard
+SHARD_ROWS = 200
+#: which shards make the list when they do not all fit: failed first, then running, then waiting
+_SHARD_INTEREST = {
+    ShardState.TERMINAL_FAILURE: 0,
+    ShardState.RETRYABLE_FAILURE: 1,
+    ShardState.LEASED: 2,
+    ShardState.PENDING: 3,
+    ShardState.SUCCEEDED: 4,
+}
 CHART_W, CHART_H = 720, 280
 MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 64, 16, 28, 36
 
@@ -37,9 +50,15 @@ svg text{font:11px system-ui,sans-serif;fill:#57606a}
 """
 
 
+#: what cannot stand on a page: lone surrogates (``"\ud800"`` is valid JSON, read from an error
+#: object, yet no UTF-8 encodes it: the response would fail) and control characters but tab and
+#: line breaks (HTML forbids them; a NUL ends a string for some readers)
+_UNPRINTABLE = re.compile("[\ud800-\udfff\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
 def esc(value: object) -> str:
-    """Text or attribute value, HTML-escaped (quotes too)."""
-    return html.escape(str(value), quote=True)
+    """Text or attribute value, HTML-escaped (quotes too), anything unprintable as U+FFFD."""
+    return html.escape(_UNPRINTABLE.sub("\ufffd", str(value)), quote=True)
 
 
 def fmt_time(value: dt.datetime | None) -> str:
@@ -226,8 +245,12 @@ def _planned_by(summary: JobSummary) -> str:
     return f"{esc(ref.dag_id)} / {esc(ref.run_id)}"
 
 
-def render_jobs_page(summaries: Sequence[JobSummary], *, prefix: str, hidden: int = 0) -> str:
-    """The jobs the user may read, newest first; reloads while any of them runs."""
+def render_jobs_page(
+    summaries: Sequence[JobSummary], *, prefix: str, hidden: int = 0, unreadable: int = 0, unlisted: int = 0
+) -> str:
+    """The jobs the user may read, newest first; reloads while any of them runs. ``hidden``: jobs
+    of DAGs the user may not read; ``unreadable``: jobs whose rows could not be shown;
+    ``unlisted``: older jobs past the list's length."""
     rows = []
     for s in summaries:
         href = f"{esc(prefix)}/jobs/{esc(quote(s.job_id, safe=''))}"
@@ -245,6 +268,13 @@ def render_jobs_page(summaries: Sequence[JobSummary], *, prefix: str, hidden: in
             "</tr>"
         )
     note = f'<p class="muted">{hidden:d} job(s) of DAGs you may not read are not shown.</p>' if hidden else ""
+    if unreadable:
+        note += (
+            f'<p id="unreadable" class="late">{unreadable:d} job(s) could not be shown: their rows'
+            " cannot be read as a job view (the api-server log says why).</p>"
+        )
+    if unlisted:
+        note += f'<p id="unlisted" class="muted">{unlisted:d} older job(s) are not listed.</p>'
     table = (
         "<table id='jobs'><tr><th>job</th><th>tenant</th><th>DAG / run</th><th>state</th><th>deadline</th>"
         "<th>predicted finish</th><th>slack</th><th>records done / total</th><th>cost so far</th>"
@@ -307,13 +337,21 @@ def _shards(page: JobPage) -> str:
         f"<tr><td>{esc(state)}</td><td>{esc(pool)}</td><td class='n'>{count:d}</td></tr>"
         for (state, pool), count in page.shards_by_state_pool.items()
     )
+    listed = listed_shards(page.shards)
     rows = "".join(
         f"<tr><td class='n'>{line.shard_index:d}</td><td>{esc(line.state.value)}</td>"
         f"<td>{esc(line.pool or '-')}{_racing(line)}</td><td>{esc(line.capacity or '-')}</td>"
         f"<td class='n'>{line.attempts:d}</td><td class='n'>{line.preemptions:d}</td>"
         f"<td class='n'>{line.cursor:d} / {line.num_microbatches:d}</td>"
         f"<td class='n'>{line.records:d}</td><td>{esc(line.last_error or '')}</td></tr>"
-        for line in page.shards
+        for line in listed
+    )
+    unlisted = len(page.shards) - len(listed)
+    note = (
+        f"<p id='shards-unlisted' class='muted'>{unlisted:d} more shard(s) not listed: the first "
+        f"{len(listed):d} that failed, run or wait are; the counts above cover all {len(page.shards):d}.</p>"
+        if unlisted
+        else ""
     )
     return (
         "<h2>Shards by state and pool</h2><table id='shards-by-state'><tr><th>state</th><th>last pool</th>"
@@ -321,8 +359,16 @@ def _shards(page: JobPage) -> str:
         "<h2>Shards</h2><table id='shards'><tr><th>shard</th><th>state</th><th>last pool</th>"
         "<th>capacity</th>"
         "<th>attempts</th><th>preemptions</th><th>microbatches</th><th>records</th><th>last error</th></tr>"
-        f"{rows}</table>"
+        f"{rows}</table>{note}"
     )
+
+
+def listed_shards(lines: Sequence[ShardLine]) -> list[ShardLine]:
+    """At most :data:`SHARD_ROWS` shards, the most telling first chosen, listed by index."""
+    if len(lines) <= SHARD_ROWS:
+        return list(lines)
+    chosen = sorted(lines, key=lambda line: (_SHARD_INTEREST.get(line.state, 0), line.shard_index))
+    return sorted(chosen[:SHARD_ROWS], key=lambda line: line.shard_index)
 
 
 def _racing(line: ShardLine) -> str:
