@@ -321,7 +321,8 @@ def create_app() -> FastAPI:
     def job_json(job_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
         job = readable_job(job_id, user)
         summary = summary_of(job, _now())
-        return {**plain(_store().progress(job_id)), **model.plain_summary(summary), "job_id": job_id}
+        progress = readable_view(job_id, lambda: _store().progress(job_id))
+        return {**plain(progress), **model.plain_summary(summary), "job_id": job_id}
 
     @app.get("/api/jobs/{job_id}/manifest")
     def manifest(job_id: str, user: BaseUser = user_dep) -> Response:
