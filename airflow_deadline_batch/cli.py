@@ -71,6 +71,11 @@ class _Parser(argparse.ArgumentParser):
 MAX_COUNT = 2**31 - 1
 
 
+#: the shortest ``run --lease-ttl``: a worker renews its lease every third of it, so a shorter one
+#: expires between renewals on a loaded machine and no attempt keeps its shard
+MIN_LEASE_TTL_S = 1.0
+
+
 def _count(text: str) -> int:
     """An argparse type: a whole number from 1 to :data:`MAX_COUNT`."""
     try:
@@ -805,9 +810,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
     if not (0 <= args.preempt_rate < math.inf and 0 <= args.preempt_notice < math.inf):
         raise ConfigurationError("--preempt-rate and --preempt-notice must be finite and not negative")
-    if not 0 < args.lease_ttl < math.inf:
-        # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen
-        raise ConfigurationError(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
+    if not MIN_LEASE_TTL_S <= args.lease_ttl < math.inf:
+        # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen; one of
+        # microseconds expires between its heartbeats, so every attempt lost its lease and was
+        # relaunched until the deadline
+        raise ConfigurationError(
+            f"--lease-ttl must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {args.lease_ttl} "
+            "(default 30)"
+        )
     request = _plan_request(args, engine, output)
     # admission (docs/design.md §8): configuration that cannot work is refused before a job exists
     check_engine(engine, args.model)

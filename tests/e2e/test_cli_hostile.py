@@ -76,6 +76,25 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
     ),
     "empty tenant": (lambda s, t: ["plan", str(s), "--deadline", "+1h", "--tenant", ""], "--tenant is empty"),
     "empty input": (lambda s, t: ["plan", "", "--deadline", "+1h"], "INPUT is empty"),
+    # before: every attempt lost its microsecond lease between heartbeats and was relaunched until
+    # the deadline
+    "lease ttl of a microsecond": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+2m",
+            "--engine",
+            "echo",
+            "--store",
+            f"sqlite:///{t}/s.db",
+            "--output",
+            str(t / "out"),
+            "--lease-ttl",
+            "1e-6",
+        ],
+        "--lease-ttl must be a number of seconds >= 1",
+    ),  # fmt: skip
     # before: exit 4 with the URL parser's ValueError, or SQLite's "unable to open database file"
     "status store port not a number": (
         lambda s, t: ["status", "j-x", "--store", f"postgresql://u:{SECRET}@localhost:abc/db"],
