@@ -36,6 +36,7 @@ from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
     DeadlineBatchError,
+    InvalidTransition,
     StorageError,
 )
 
@@ -1052,7 +1053,17 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.finalize import finalize_job
 
     store = _open_store(args)
-    job = store.cancel_job(args.job_id, reason=args.reason or _cancelled_by())
+    try:
+        job = store.cancel_job(args.job_id, reason=args.reason or _cancelled_by())
+    except InvalidTransition:
+        # it ended before (completed, partial, failed, rejected): nothing is left to stop, and exit 4
+        # would say a job that published its full manifest did not
+        ended = store.get_job(args.job_id)
+        raise ConfigurationError(
+            f"job {ended.job_id} already ended {ended.state.value} (manifest: "
+            f"{ended.manifest_uri or 'none'}): there is nothing to cancel; see `deadline-batch status "
+            f"{ended.job_id}`"
+        ) from None
     stopped = f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit"
     if args.no_publish:
         _emit(args, {"job_id": job.job_id, "state": job.state.value, "manifest": None}, stopped)
@@ -1085,7 +1096,10 @@ def _cancelled_by() -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.export import export_job
 
-    result = export_job(_open_store(args), args.job_id, args.output, fmt=args.format)
+    store = _open_store(args)
+    # an output that cannot take writes is a usage error (exit 2), as for run; not a failed export
+    _check_output(args.output)
+    result = export_job(store, args.job_id, args.output, fmt=args.format)
     files = ", ".join(f"{f.name} {f.lines} lines" for f in result.files)
     _emit(args, result.to_dict(), f"job {result.job_id}: exported ({files}); manifest {result.manifest_uri}")
     return EXIT_OK

@@ -202,3 +202,50 @@ def test_a_closed_stdout_ends_the_command_with_its_own_code_and_no_error(tmp_pat
         assert [(q.tenant, q.spot_gpus) for q in store.list_quotas()] == [("night", 3)]
     finally:
         store.close()
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path]:
+    """One small completed job: (job ID, store URL, folder)."""
+    root = tmp_path_factory.mktemp("completed")
+    path = mixed_input(12, seed=5, bad_fraction=0.0).write(root / "in.jsonl")
+    store_url = f"sqlite:///{root / 'store.db'}"
+    args = ["run", str(path), "--deadline", "+1h", "--engine", "echo", "--workers", "1", "--store", store_url,
+            "--output", str(root / "out"), "--json"]  # fmt: skip
+    proc = subprocess.run(
+        cli_argv(*args), cwd=root, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return orjson.loads(proc.stdout.splitlines()[-1])["job_id"], store_url, root
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> CliResult:
+    code = cli.main(args)
+    captured = capsys.readouterr()
+    return CliResult(tuple(args), code, captured.out, captured.err)
+
+
+def test_cancel_of_a_completed_job_is_a_usage_error_that_keeps_it_completed(
+    completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id, store_url, _ = completed
+    # before: exit 4 ("cannot go from completed to cancelled"), the code of a job without its manifest
+    result = _main(["cancel", job_id, "--store", store_url], capsys)
+    assert_usage_error(result)
+    assert "already ended completed" in result.stderr and "nothing to cancel" in result.stderr, (
+        result.describe()
+    )
+    assert _main(["verify", job_id, "--store", store_url], capsys).code == 0
+
+
+def test_export_to_an_output_that_is_a_file_is_a_usage_error(
+    completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id, store_url, root = completed
+    target = root / "a-file"
+    target.write_bytes(b"keep me\n")
+    # before: exit 4 ("cannot delete .../export.json: Not a directory"), as if the job no longer verified
+    result = _main(["export", job_id, "--store", store_url, "--output", str(target)], capsys)
+    assert_usage_error(result)
+    assert "--output" in result.stderr, result.describe()
+    assert target.read_bytes() == b"keep me\n"
