@@ -1097,8 +1097,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.export import export_job
 
     store = _open_store(args)
-    # an output that cannot take writes is a usage error (exit 2), as for run; not a failed export
-    _check_output(args.output)
+    if store.get_job(args.job_id).manifest_uri:  # else export_job refuses it, creating nothing
+        # an output that cannot take writes is a usage error (exit 2), as for run; not a failed export
+        _check_output(args.output)
     result = export_job(store, args.job_id, args.output, fmt=args.format)
     files = ", ".join(f"{f.name} {f.lines} lines" for f in result.files)
     _emit(args, result.to_dict(), f"job {result.job_id}: exported ({files}); manifest {result.manifest_uri}")
