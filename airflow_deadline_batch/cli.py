@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from airflow_deadline_batch.exceptions import (
     AdmissionRejected,
     ConfigurationError,
     DeadlineBatchError,
+    InvalidTransition,
     StorageError,
 )
 
@@ -61,8 +63,29 @@ class _Parser(argparse.ArgumentParser):
     last_error: str | None = None
 
     def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
-        _Parser.last_error = f"{message} (see {self.prog} --help)"
+        _Parser.last_error = f"{mask_url(message)} (see {self.prog} --help)"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {_Parser.last_error}\n")
+
+
+#: the largest count (workers, tokens, records per commit) the command takes: the store's and the
+#: planner's integer columns hold more, but a larger value is a typo, and past 2**63 it would not fit
+MAX_COUNT = 2**31 - 1
+
+
+#: the shortest ``run --lease-ttl``: a worker renews its lease every third of it, so a shorter one
+#: expires between renewals on a loaded machine and no attempt keeps its shard
+MIN_LEASE_TTL_S = 1.0
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number from 1 to :data:`MAX_COUNT`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a whole number from 1 to {MAX_COUNT}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--deadline", required=True, help="ISO 8601 instant with a time zone, or +DURATION (+2h)"
         )
-        p.add_argument("--workers", type=int, default=4, help="shards processed at once (default 4)")
+        p.add_argument("--workers", type=_count, default=4, help="shards processed at once (default 4)")
         p.add_argument(
             "--engine",
             choices=ENGINES,
@@ -82,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="inference engine (run: transformers; plan: echo rates unless --pools)",
         )
         p.add_argument("--model", default=None, help="model name or local directory (engine-specific)")
-        p.add_argument("--max-tokens", type=int, default=None, help="default max output tokens per record")
-        p.add_argument("--microbatch-size", type=int, default=None, help="records per durable commit")
+        p.add_argument("--max-tokens", type=_count, default=None, help="default max output tokens per record")
+        p.add_argument("--microbatch-size", type=_count, default=None, help="records per durable commit")
         p.add_argument("--pools", metavar="FILE", default=None, help="JSON file: a list of pool definitions")
         p.add_argument(
             "--max-invalid-fraction",
@@ -215,6 +238,39 @@ def _add_tenant_parsers(sub: Any) -> None:
     for p in (*cap.choices.values(), *qa.choices.values()):
         p.add_argument("--store", default=None, help="manifest store URL (default: a SQLite file)")
         p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _labels(parser: argparse.ArgumentParser, command: Sequence[str]) -> dict[str, str]:
+    """How the user wrote each argument of the (sub)command ``command`` names: ``--store``, ``INPUT``."""
+    labels: dict[str, str] = {}
+    for action in parser._actions:  # argparse keeps no public list of a parser's arguments
+        if isinstance(action, argparse._SubParsersAction):
+            if command and command[0] in action.choices:
+                labels.update(_labels(action.choices[command[0]], command[1:]))
+        elif action.option_strings:
+            labels[action.dest] = max(action.option_strings, key=len)
+        else:
+            labels[action.dest] = str(action.metavar or action.dest.upper())
+    return labels
+
+
+def _check_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values argparse lets through that no option means: an empty string (an unset shell variable,
+    which an ``or`` would otherwise turn into the default store, output or tenant) and a number that
+    is not finite (``nan``, ``inf``: every float option is a bounded quantity)."""
+    command = [v for v in (getattr(args, "command", None), getattr(args, "action", None)) if v]
+    labels = _labels(parser, command)
+    for dest, value in vars(args).items():
+        label = labels.get(dest)
+        if label is None:
+            continue
+        if isinstance(value, str) and not value.strip():
+            leave_out = f", or leave {label} out for its default" if label.startswith("-") else ""
+            raise ConfigurationError(f"{label} is empty: give a value{leave_out}")
+        if isinstance(value, list) and any(isinstance(v, str) and not v.strip() for v in value):
+            raise ConfigurationError(f"{label} is empty: give a value")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigurationError(f"{label} {value}: give a finite number")
 
 
 def _usage_error(exc: ValueError) -> ConfigurationError:
@@ -434,13 +490,35 @@ def cmd_usage(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+#: the largest ``--pools`` file read: a list of pools is kilobytes, so more is not one (``/dev/zero``
+#: or a misnamed dump would otherwise be read into memory whole)
+MAX_POOLS_FILE_BYTES = 16 * 2**20
+
+
 def _load_pools(path: str | None, engine: str) -> tuple[PoolSpec, ...]:
     if path is None:
         return default_local_pools(engine)
     try:
-        data = orjson.loads(Path(path).read_bytes())
+        info = os.stat(path)
     except FileNotFoundError:
         raise ConfigurationError(f"pools file {path} does not exist: pass a JSON list of pools") from None
+    except OSError as exc:
+        raise ConfigurationError(f"pools file {path} cannot be read ({exc.strerror}): fix --pools") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigurationError(f"pools file {path} is a directory: give the path of a JSON file in it")
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block for ever, a device never end
+        raise ConfigurationError(
+            f"pools file {path} is not a regular file (a FIFO, device or socket): fix --pools"
+        )
+    if info.st_size > MAX_POOLS_FILE_BYTES:
+        raise ConfigurationError(
+            f"pools file {path} holds {info.st_size:,} bytes, more than a list of pools "
+            f"({MAX_POOLS_FILE_BYTES // 2**20} MiB at most): check --pools"
+        )
+    try:
+        data = orjson.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise ConfigurationError(f"pools file {path} cannot be read ({exc.strerror}): fix --pools") from None
     except orjson.JSONDecodeError as exc:
         raise ConfigurationError(f"pools file {path} is not valid JSON ({exc}): fix its syntax") from None
     items = data.get("pools", data) if isinstance(data, dict) else data
@@ -633,10 +711,29 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
     if getattr(args, "json", False):
-        sys.stdout.write(orjson.dumps(payload, default=str).decode() + "\n")
+        _write_stdout(orjson.dumps(payload, default=str).decode() + "\n")
     else:
-        sys.stdout.write(text.rstrip("\n") + "\n")
-    sys.stdout.flush()
+        _write_stdout(text.rstrip("\n") + "\n")
+
+
+def _write_stdout(text: str) -> None:
+    """Write and flush ``text``; a reader that went away (``| head -1``) is not the command's failure."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+
+
+def _discard_stdout() -> None:
+    """Send what is left for stdout to /dev/null: the reader closed the pipe, so the command ends
+    with its own exit code and no ``BrokenPipeError`` when Python flushes stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stream without a file descriptor (an embedding caller's)
+        pass
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -714,9 +811,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
     if not (0 <= args.preempt_rate < math.inf and 0 <= args.preempt_notice < math.inf):
         raise ConfigurationError("--preempt-rate and --preempt-notice must be finite and not negative")
-    if not 0 < args.lease_ttl < math.inf:
-        # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen
-        raise ConfigurationError(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
+    if not MIN_LEASE_TTL_S <= args.lease_ttl < math.inf:
+        # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen; one of
+        # microseconds expires between its heartbeats, so every attempt lost its lease and was
+        # relaunched until the deadline
+        raise ConfigurationError(
+            f"--lease-ttl must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {args.lease_ttl} "
+            "(default 30)"
+        )
     request = _plan_request(args, engine, output)
     # admission (docs/design.md §8): configuration that cannot work is refused before a job exists
     check_engine(engine, args.model)
@@ -771,7 +873,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if summary.state == "completed" else EXIT_INCOMPLETE
 
 
-_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+#: a URL's ``user:password@``; a password holding an unescaped ``@`` (``user:p@ss@host``) is masked
+#: to its last ``@`` before the host, which is where a URL parser that accepts it ends it too
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@(?:[^\s@/]*@)*")
 
 
 def mask_url(text: str) -> str:
@@ -802,24 +906,16 @@ def _check_output(output: str) -> None:
 
 def _open_run_store(url: str) -> ManifestStore:
     """The manifest store on ``url``, migrated: reachable with the credentials the workers get."""
-    from airflow_deadline_batch.store import ManifestStore
-
     if url.startswith("sqlite:///"):
+        if Path(url.removeprefix("sqlite:///")).is_dir():
+            raise ConfigurationError(f"store {url} is a directory: give a database file in it (.../store.db)")
         try:
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigurationError(
                 f"cannot create the folder of store {url}: {exc.strerror}; fix --store"
             ) from None
-    try:
-        store = ManifestStore(url)
-    except DeadlineBatchError:
-        raise
-    except Exception as exc:  # SQLAlchemy's URL parser raises ValueError, ArgumentError, ...
-        raise ConfigurationError(
-            f"store URL {mask_url(url)} is invalid ({mask_url(str(exc).splitlines()[0])}): fix --store "
-            "(sqlite:///path/store.db or postgresql+psycopg://user:password@host:port/db)"
-        ) from None
+    store = _store_at(url)
     try:
         store.migrate()
     except Exception as exc:
@@ -836,15 +932,29 @@ def _open_run_store(url: str) -> ManifestStore:
     return store
 
 
-def _open_store(args: argparse.Namespace) -> ManifestStore:
+def _store_at(url: str) -> ManifestStore:
+    """A :class:`ManifestStore` on ``url``, not yet connected: a URL no parser takes is a usage error."""
     from airflow_deadline_batch.store import ManifestStore
 
+    try:
+        return ManifestStore(url)
+    except DeadlineBatchError:
+        raise
+    except Exception as exc:  # SQLAlchemy's URL parser raises ValueError, ArgumentError, ...
+        raise ConfigurationError(
+            f"store URL {mask_url(url)} is invalid ({mask_url(str(exc).splitlines()[0])}): fix --store "
+            "(sqlite:///path/store.db or postgresql+psycopg://user:password@host:port/db)"
+        ) from None
+
+
+def _open_store(args: argparse.Namespace) -> ManifestStore:
+    """The store of existing jobs: a SQLite URL must name a database file that is there."""
     url = args.store or default_store_url()
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
         raise ConfigurationError(
             f"no manifest store at {url}: pass --store with the URL the job was run with"
         )
-    store = ManifestStore(url)
+    store = _store_at(url)
     store.migrate()
     return store
 
@@ -943,7 +1053,17 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.finalize import finalize_job
 
     store = _open_store(args)
-    job = store.cancel_job(args.job_id, reason=args.reason or _cancelled_by())
+    try:
+        job = store.cancel_job(args.job_id, reason=args.reason or _cancelled_by())
+    except InvalidTransition:
+        # it ended before (completed, partial, failed, rejected): nothing is left to stop, and exit 4
+        # would say a job that published its full manifest did not
+        ended = store.get_job(args.job_id)
+        raise ConfigurationError(
+            f"job {ended.job_id} already ended {ended.state.value} (manifest: "
+            f"{ended.manifest_uri or 'none'}): there is nothing to cancel; see `deadline-batch status "
+            f"{ended.job_id}`"
+        ) from None
     stopped = f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit"
     if args.no_publish:
         _emit(args, {"job_id": job.job_id, "state": job.state.value, "manifest": None}, stopped)
@@ -976,7 +1096,11 @@ def _cancelled_by() -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     from airflow_deadline_batch.service.export import export_job
 
-    result = export_job(_open_store(args), args.job_id, args.output, fmt=args.format)
+    store = _open_store(args)
+    if store.get_job(args.job_id).manifest_uri:  # else export_job refuses it, creating nothing
+        # an output that cannot take writes is a usage error (exit 2), as for run; not a failed export
+        _check_output(args.output)
+    result = export_job(store, args.job_id, args.output, fmt=args.format)
     files = ", ".join(f"{f.name} {f.lines} lines" for f in result.files)
     _emit(args, result.to_dict(), f"job {result.job_id}: exported ({files}); manifest {result.manifest_uri}")
     return EXIT_OK
@@ -993,8 +1117,7 @@ def _error_line(args: argparse.Namespace | None, ctx: _RunContext, error: str) -
         "error": error,
         "resumable": state is not None and state not in _RESTART_STATES | {"completed"},
     }
-    sys.stdout.write(orjson.dumps(payload).decode() + "\n")
-    sys.stdout.flush()
+    _write_stdout(orjson.dumps(payload).decode() + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1010,7 +1133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.run_context = ctx
     with _stop_on_signals():
         try:
-            return _dispatch(args)
+            return _dispatch(args, parser)
         except Stopped as stop:
             return _stopped(args, ctx, stop.name, stop.exit_code)
         except KeyboardInterrupt:
@@ -1024,7 +1147,7 @@ def _stopped(args: argparse.Namespace, ctx: _RunContext, name: str, code: int) -
     return code
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ctx: _RunContext = args.run_context
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "run": cmd_run,
@@ -1038,17 +1161,22 @@ def _dispatch(args: argparse.Namespace) -> int:
         "export": cmd_export,
     }
     try:
+        _check_values(parser, args)
         if args.command == "simulate":
             from airflow_deadline_batch.sim.cli import run_simulate
 
-            return int(run_simulate(args))
+            try:
+                return int(run_simulate(args))
+            except BrokenPipeError:  # its lines go to a reader that stopped reading (`| head -1`)
+                _discard_stdout()
+                return EXIT_OK
         return handlers[args.command](args)
     except AdmissionRejected as exc:
         # the planner's report, or the recorded one (plain values) of an earlier rejected submission
         report: AdmissionReport | Mapping[str, Any] | None = exc.fields.get("report")
         if getattr(args, "json", False) and report is not None:
             data = report.to_dict() if isinstance(report, AdmissionReport) else dict(report)
-            sys.stdout.write(
+            _write_stdout(
                 orjson.dumps(
                     {"state": "rejected", "job_id": exc.fields.get("job_id"), "report": data}, default=str
                 ).decode()
@@ -1056,10 +1184,11 @@ def _dispatch(args: argparse.Namespace) -> int:
             )
         elif isinstance(report, AdmissionReport):
             sys.stderr.write(report.summary().rstrip("\n") + "\n")
-        sys.stderr.write(f"deadline-batch: rejected: {exc.message}\n")
+        sys.stderr.write(f"deadline-batch: rejected: {mask_url(exc.message)}\n")
         return EXIT_REJECTED
     except DeadlineBatchError as exc:
-        message = exc.message.splitlines()[0] if exc.message else str(exc)
+        # a URL in the cause (an input, output or store the user gave) never shows its password
+        message = mask_url(exc.message.splitlines()[0] if exc.message else str(exc))
         code = exc.exit_code if exc.exit_code in (EXIT_USAGE, EXIT_REJECTED) else EXIT_INCOMPLETE
         if code == EXIT_INCOMPLETE and ctx.job_id:
             message += f"; {ctx.resume_hint()}"
@@ -1070,7 +1199,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         # never a traceback (docs/design.md §8): one line, and the job (if any) is resumable
         if os.environ.get("ADB_DEBUG"):
             raise
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        message = mask_url(
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        )
         hint = f"; {ctx.resume_hint()}" if ctx.job_id else ""
         sys.stderr.write(f"deadline-batch: error: {message}{hint} (ADB_DEBUG=1 shows the traceback)\n")
         _error_line(args, ctx, message)

@@ -52,13 +52,35 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a ``{"metadata": {"gap_seconds": G}, "data": [...]}`` file into GPUs per tick."""
+    """Read a ``{"metadata": {"gap_seconds": G}, "data": [...]}`` file into GPUs per tick.
+
+    A path that is not a regular file (a directory, a FIFO, ``/dev/zero``) or is larger than any
+    trace, a gap that is not a finite number of seconds >= 1 (a tiny one makes a run billions of
+    ticks) and a tick that is not a whole number of instances are refused, naming the file.
+    """
     path = Path(path)
+    max_bytes = 64 * 2**20  # the shared traces are kilobytes (a year of 1-minute ticks is ~1 MiB)
     try:
+        if not path.exists():
+            raise FileNotFoundError(path)
+        if not path.is_file():
+            raise ConfigurationError(
+                f"trace file {str(path)!r} is a directory, FIFO or device; pass a Spot trace file (.json)"
+            )
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ConfigurationError(
+                f"trace file {str(path)!r} holds {size:,} bytes, more than a Spot trace "
+                f"({max_bytes // 2**20} MiB at most); pass a Spot trace file"
+            )
         raw = orjson.loads(path.read_bytes())
     except FileNotFoundError:
         raise ConfigurationError(
             f"trace file {str(path)!r} does not exist; pass an existing --trace file"
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(
+            f"trace file {str(path)!r} cannot be read ({exc.strerror}); fix --trace"
         ) from None
     except orjson.JSONDecodeError as exc:
         raise ConfigurationError(
@@ -66,12 +88,23 @@ def load_trace(path: str | Path) -> Trace:
         ) from None
     try:
         gap = float(raw["metadata"]["gap_seconds"])
-        values = [int(v) for v in raw["data"]]
+        data = raw["data"]
+        if not isinstance(data, list):
+            raise TypeError(data)
+        # whole numbers of instances (2 or 2.0): not true, 1.5 or the characters of a string
+        if not all(type(v) in (int, float) and math.isfinite(v) and v == int(v) for v in data):
+            raise ValueError(data)
+        values = [int(v) for v in data]
     except (KeyError, TypeError, ValueError):
         raise ConfigurationError(
-            f"trace file {str(path)!r} lacks metadata.gap_seconds or a numeric data list; "
-            "pass a file in the spot-traces format"
+            f"trace file {str(path)!r} lacks metadata.gap_seconds or a data list of whole numbers of "
+            "instances; pass a file in the spot-traces format"
         ) from None
+    if not (math.isfinite(gap) and gap >= 1):
+        raise ConfigurationError(
+            f"trace file {str(path)!r}: metadata.gap_seconds is {gap:g}, not a number of seconds >= 1; "
+            "pass a valid trace"
+        )
     match = _GPUS_IN_NAME.search(path.stem)
     gpus_per_instance = int(match.group(1)) if match else 1
     name = "/".join(path.parts[-3:]) if len(path.parts) >= 3 else path.name

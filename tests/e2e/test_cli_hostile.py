@@ -1,0 +1,251 @@
+"""A hostile user against ``deadline-batch`` (docs/design.md §8): garbage arguments, files that are
+not files, credentials in URLs, a reader that closes the pipe. Every case ends in the contract's
+exit code and one line on stderr naming the fix; nothing is created for a refused command.
+
+The cases run ``cli.main`` in this process (same code, streams and exit code as the console
+script); the closed pipe needs a real process and a real pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+
+from airflow_deadline_batch import cli
+from airflow_deadline_batch.store import ManifestStore
+from tests.e2e.conftest import CliResult, assert_usage_error, cli_argv, cli_env
+from tests.helpers.inputs import mixed_input
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+SECRET = "s3cr3t-pw"
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    return mixed_input(20, seed=3, bad_fraction=0.0).write(tmp_path / "in.jsonl")
+
+
+def _trace(tmp_path: Path, name: str, content: object) -> str:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else orjson.dumps(content))
+    return str(path)
+
+
+def _simulate(trace: str, *options: str) -> list[str]:
+    return ["simulate", "--trace", trace, "--work-hours", "1", "--deadline-hours", "2", *options]
+
+
+def _good_trace(t: Path) -> str:
+    return _trace(t, "good.json", {"metadata": {"gap_seconds": 300}, "data": [1, 0, 1]})
+
+
+def _fifo(tmp_path: Path) -> str:
+    """A named pipe no one writes to: reading it would block for ever."""
+    path = tmp_path / "pools.fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+#: each case: (arguments from the sample input and tmp_path, what the one stderr line must say)
+CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
+    # before: read whole into memory (killed for memory), blocked for ever, or exit 4 with the OS error
+    "pools is /dev/zero": (
+        lambda s, t: ["plan", str(s), "--deadline", "+1h", "--pools", "/dev/zero"],
+        "not a regular file",
+    ),
+    "pools is a FIFO": (lambda s, t: ["plan", str(s), "--deadline", "+1h", "--pools", _fifo(t)], "FIFO"),
+    "pools is a directory": (
+        lambda s, t: ["plan", str(s), "--deadline", "+1h", "--pools", str(t)],
+        "is a directory",
+    ),
+    # before: exit 4, OverflowError from deep in planning
+    "max tokens past int64": (
+        lambda s, t: ["plan", str(s), "--deadline", "+1h", "--max-tokens", str(2**70)],
+        "--max-tokens",
+    ),
+    # before: an empty value was the default (an unset shell variable ran a job in another store)
+    "empty store": (
+        lambda s, t: ["run", str(s), "--deadline", "+1h", "--engine", "echo", "--store", ""],
+        "--store is empty",
+    ),
+    "empty tenant": (lambda s, t: ["plan", str(s), "--deadline", "+1h", "--tenant", ""], "--tenant is empty"),
+    "empty input": (lambda s, t: ["plan", "", "--deadline", "+1h"], "INPUT is empty"),
+    # before: every attempt lost its microsecond lease between heartbeats and was relaunched until
+    # the deadline
+    "lease ttl of a microsecond": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+2m",
+            "--engine",
+            "echo",
+            "--store",
+            f"sqlite:///{t}/s.db",
+            "--output",
+            str(t / "out"),
+            "--lease-ttl",
+            "1e-6",
+        ],
+        "--lease-ttl must be a number of seconds >= 1",
+    ),  # fmt: skip
+    # before: exit 4 with the URL parser's ValueError, or SQLite's "unable to open database file"
+    "status store port not a number": (
+        lambda s, t: ["status", "j-x", "--store", f"postgresql://u:{SECRET}@localhost:abc/db"],
+        "fix --store",
+    ),
+    "status store is a directory": (
+        lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t}"],
+        "no manifest store",
+    ),
+    # before: the password was printed as given
+    "input URL with a password": (
+        lambda s, t: ["plan", f"https://u:{SECRET}@example.com/in.jsonl", "--deadline", "+1h"],
+        "u:***@",
+    ),
+    "output URL with a password": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+1h",
+            "--engine",
+            "echo",
+            "--output",
+            f"https://u:{SECRET}@example.com/out",
+        ],
+        "u:***@",
+    ),  # fmt: skip
+    # before: exit 4 (NaN or infinity turned into a tick count) or exit 0 on a misread trace
+    "simulate nan work": (lambda s, t: _simulate(_good_trace(t), "--work-hours", "nan"), "--work-hours nan"),
+    "simulate inf shard": (
+        lambda s, t: _simulate(_good_trace(t), "--shard-hours", "inf"),
+        "--shard-hours inf",
+    ),
+    "trace gap nan": (
+        lambda s, t: _simulate(_trace(t, "g.json", {"metadata": {"gap_seconds": "nan"}, "data": [1]})),
+        "gap_seconds",
+    ),
+    "trace gap below a second": (
+        lambda s, t: _simulate(_trace(t, "g.json", {"metadata": {"gap_seconds": 1e-300}, "data": [1]})),
+        "gap_seconds",
+    ),
+    "trace data a string": (
+        lambda s, t: _simulate(_trace(t, "d.json", {"metadata": {"gap_seconds": 300}, "data": "1011"})),
+        "whole numbers",
+    ),
+    "trace data fractions": (
+        lambda s, t: _simulate(_trace(t, "d.json", {"metadata": {"gap_seconds": 300}, "data": [1.5, True]})),
+        "whole numbers",
+    ),
+    "trace is a directory": (lambda s, t: _simulate(str(t)), "directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_garbage_is_refused_with_exit_2_and_one_line_naming_the_fix(
+    case: str, sample: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ADB_STORE_URL", raising=False)
+    monkeypatch.delenv("ADB_OUTPUT_URI", raising=False)
+    build, says = CASES[case]
+    args = build(sample, tmp_path)
+    try:
+        code = cli.main(args)
+    except SystemExit as exc:  # argparse exits by itself
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    result = CliResult(tuple(args), code, captured.out, captured.err)
+    assert_usage_error(result)
+    assert says in captured.err, result.describe()
+    assert SECRET not in captured.out + captured.err, "a password was printed"
+    assert not (tmp_path / cli.DEFAULT_HOME).exists(), "a refused command created the default store"
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        ("postgresql://u:p@ss@db:5432/x: refused", "postgresql://u:***@db:5432/x: refused"),
+        ("s3://bucket/key:1@2 and https://u:pw@h/p?q=a@b", "s3://bucket/key:1@2 and https://u:***@h/p?q=a@b"),
+    ],
+)
+def test_mask_url_hides_a_password_holding_an_at_sign(text: str, masked: str) -> None:
+    # before: the mask stopped at the first "@", printing "ss@db" of the password "p@ss"
+    assert cli.mask_url(text) == masked
+
+
+def test_a_closed_stdout_ends_the_command_with_its_own_code_and_no_error(tmp_path: Path) -> None:
+    """``deadline-batch ... | head -1``: the reader went away; the command still did its work."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the command's first write to stdout fails with EPIPE
+    try:
+        proc = subprocess.run(
+            cli_argv("quota", "set", "night", "--spot-gpus", "3", "--store", store_url),
+            cwd=tmp_path, env=cli_env(), stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    # before: exit 4 and "deadline-batch: error: BrokenPipeError: [Errno 32] Broken pipe"
+    assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr)
+    store = ManifestStore.open(store_url, migrate=True)
+    try:
+        assert [(q.tenant, q.spot_gpus) for q in store.list_quotas()] == [("night", 3)]
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path]:
+    """One small completed job: (job ID, store URL, folder)."""
+    root = tmp_path_factory.mktemp("completed")
+    path = mixed_input(12, seed=5, bad_fraction=0.0).write(root / "in.jsonl")
+    store_url = f"sqlite:///{root / 'store.db'}"
+    args = ["run", str(path), "--deadline", "+1h", "--engine", "echo", "--workers", "1", "--store", store_url,
+            "--output", str(root / "out"), "--json"]  # fmt: skip
+    proc = subprocess.run(
+        cli_argv(*args), cwd=root, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return orjson.loads(proc.stdout.splitlines()[-1])["job_id"], store_url, root
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> CliResult:
+    code = cli.main(args)
+    captured = capsys.readouterr()
+    return CliResult(tuple(args), code, captured.out, captured.err)
+
+
+def test_cancel_of_a_completed_job_is_a_usage_error_that_keeps_it_completed(
+    completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id, store_url, _ = completed
+    # before: exit 4 ("cannot go from completed to cancelled"), the code of a job without its manifest
+    result = _main(["cancel", job_id, "--store", store_url], capsys)
+    assert_usage_error(result)
+    assert "already ended completed" in result.stderr and "nothing to cancel" in result.stderr, (
+        result.describe()
+    )
+    assert _main(["verify", job_id, "--store", store_url], capsys).code == 0
+
+
+def test_export_to_an_output_that_is_a_file_is_a_usage_error(
+    completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id, store_url, root = completed
+    target = root / "a-file"
+    target.write_bytes(b"keep me\n")
+    # before: exit 4 ("cannot delete .../export.json: Not a directory"), as if the job no longer verified
+    result = _main(["export", job_id, "--store", store_url, "--output", str(target)], capsys)
+    assert_usage_error(result)
+    assert "--output" in result.stderr, result.describe()
+    assert target.read_bytes() == b"keep me\n"
