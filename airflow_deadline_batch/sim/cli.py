@@ -70,7 +70,26 @@ def add_simulate_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_simulate)
 
 
+#: the largest simulation ``simulate`` runs (each bound a few minutes of CPU at most: beyond
+#: them a mistyped value such as ``--starts 99999999999`` or ``--shard-hours 1e-12`` ran for ever)
+MAX_STARTS = 10_000
+MAX_WORKERS = 1_024
+MAX_SHARDS = 100_000
+MAX_DEADLINE_HOURS = 8_760.0  # a year
+
+
 def _config(args: argparse.Namespace) -> SimConfig:
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise ConfigurationError(f"--workers must be 1 to {MAX_WORKERS}, got {args.workers}")
+    if args.deadline_hours > MAX_DEADLINE_HOURS:
+        raise ConfigurationError(
+            f"--deadline-hours must be at most {MAX_DEADLINE_HOURS:g} (a year), got {args.deadline_hours:g}"
+        )
+    if args.shard_hours > 0 and args.work_hours / args.shard_hours > MAX_SHARDS:
+        raise ConfigurationError(
+            f"--work-hours / --shard-hours is {args.work_hours / args.shard_hours:.3g} shards, at most "
+            f"{MAX_SHARDS}: raise --shard-hours"
+        )
     try:
         return SimConfig(
             work_h=args.work_hours,
@@ -104,8 +123,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             f"unknown --policy {args.policy!r}; use one of {', '.join(POLICY_NAMES)} or all"
         )
-    if args.starts < 1:
-        raise ConfigurationError("--starts must be >= 1")
+    if not 1 <= args.starts <= MAX_STARTS:
+        raise ConfigurationError(f"--starts must be 1 to {MAX_STARTS}, got {args.starts}")
+    if args.plot and Path(args.plot).is_dir():
+        raise ConfigurationError(f"--plot {args.plot} is a directory: give the PNG file to write")
     hours = _start_hours(args.start_hours)
     # the runner brings NumPy (the omniscient bound): import it only when simulating
     from airflow_deadline_batch.sim.runner import compare, start_ticks

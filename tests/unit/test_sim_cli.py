@@ -114,6 +114,12 @@ def test_table_and_plot(trace_file: Path, tmp_path: Path, capsys: pytest.Capture
         (["--policy", "nope"], "unknown --policy"),
         (["--start-hours", "a,b"], "--start-hours"),
         (["--workers", "0"], "workers"),
+        # mistyped sizes that ran for ever
+        (["--starts", "99999999999"], "--starts must be 1 to 10000, got 99999999999"),
+        (["--workers", "100000"], "--workers must be 1 to 1024, got 100000"),
+        (["--shard-hours", "1e-12"], "is 4e\\+12 shards, at most 100000: raise --shard-hours"),
+        (["--deadline-hours", "1e9"], "--deadline-hours must be at most 8760"),
+        (["--plot", "."], "--plot . is a directory: give the PNG file to write"),
     ],
 )
 def test_user_errors_are_configuration_errors(trace_file: Path, extra: list[str], match: str) -> None:
