@@ -92,7 +92,13 @@ def test_quota_refuses_a_budget_that_is_not_a_finite_amount(
     """NaN compares false with everything: accepted, it would have read as "no budget"."""
     url = f"sqlite:///{tmp_path / 'store.db'}"
     assert main(["quota", "set", "ads", "--budget", budget, "--store", url]) == 2
-    assert "budget must be a finite number >= 0" in capsys.readouterr().err
+    # nan and inf: the command's check of every float option, before the quota's own
+    expected = (
+        "budget must be a finite number >= 0"
+        if budget == "-5"
+        else f"--budget {budget}: give a finite number"
+    )
+    assert expected in capsys.readouterr().err
 
 
 def test_quota_weight_is_set_listed_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -103,6 +109,8 @@ def test_quota_weight_is_set_listed_and_checked(tmp_path: Path, capsys: pytest.C
     )
     assert main(["quota", "list", "--store", url, "--json"]) == 0
     assert _last_json(capsys)["quotas"][0]["weight"] == 2.5  # type: ignore[index]
-    for bad in ("0", "-1", "nan"):
+    for bad in ("0", "-1"):
         assert main(["quota", "set", "ads", "--weight", bad, "--store", url]) == 2
         assert "weight must be a finite number > 0" in capsys.readouterr().err
+    assert main(["quota", "set", "ads", "--weight", "nan", "--store", url]) == 2
+    assert "--weight nan: give a finite number" in capsys.readouterr().err

@@ -88,9 +88,10 @@ def test_a_pool_price_that_is_no_amount_is_refused(tmp_path: Path, price: float)
         (["usage", "--since", "99999999999d"], "leave --since out for everything"),
         (["quota", "delete", "ADS"], "tenant 'ADS' is not a valid name"),
         # an unset shell variable ("$TEAM") set the budget of the default tenant, every untagged job's
-        (["quota", "set", "", "--budget", "5"], "tenant name is empty: name it"),
-        (["quota", "delete", " "], "tenant name is empty: name it"),
-        (["usage", "--tenant", ""], "tenant name is empty: name it"),
+        # (the command's check of every empty value, before the tenant's own)
+        (["quota", "set", "", "--budget", "5"], "TENANT is empty: give a value"),
+        (["quota", "delete", " "], "TENANT is empty: give a value"),
+        (["usage", "--tenant", ""], "--tenant is empty: give a value, or leave --tenant out for its default"),
     ],
 )
 def test_values_beyond_the_calendar_or_the_columns_and_empty_names_are_refused_in_one_line(
