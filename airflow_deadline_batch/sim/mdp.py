@@ -404,7 +404,9 @@ class RegimeRates:
         if any(not (x >= 0) for row in self.switch for x in row) or any(
             abs(math.fsum(row) - 1.0) > 1e-9 for row in self.switch
         ):
-            raise ValueError("RegimeRates: each switch row is the next spell's regime's chances (>= 0, sum 1)")
+            raise ValueError(
+                "RegimeRates: each switch row is the next spell's regime's chances (>= 0, sum 1)"
+            )
 
     @property
     def buckets(self) -> int:
@@ -416,7 +418,7 @@ class RegimeRates:
         return np.tile(self.regimes[0].up, len(self.regimes))
 
     def generator(self) -> np.ndarray:
-        """The chain's rate matrix: each regime's age chain, its absent spells' ends spread over the regimes."""
+        """The chain's rate matrix: each regime's age chain, its absences' ends spread over the regimes."""
         n = 2 * self.buckets
         g = np.zeros((n * len(self.regimes),) * 2)
         for rho, regime in enumerate(self.regimes):

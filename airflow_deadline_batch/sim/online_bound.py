@@ -327,7 +327,10 @@ REGIME_MIN_DAYS = 20.0
 
 
 def fit_regimes(
-    trace: Trace, regimes: int = REGIMES, edges_h: Sequence[float] = spells.AGE_EDGES_H, rounds: int = EM_ROUNDS
+    trace: Trace,
+    regimes: int = REGIMES,
+    edges_h: Sequence[float] = spells.AGE_EDGES_H,
+    rounds: int = EM_ROUNDS,
 ) -> RegimeRates:
     """A hidden-Markov fit over the trace's successive spells (``spells.spell_lengths``' spells, in
     order, both kinds): each spell has a hidden regime, drawn anew by ``switch`` where Spot returns
@@ -378,12 +381,14 @@ def fit_regimes(
                 exposure = scale[:, k] @ at_risk
                 rates: list[float] = []
                 for e, h in zip(ended.sum(axis=0), exposure, strict=True):
-                    rates.append(rates[-1] if h <= 0 and rates else max(e / h if h > 0 else 0.0, MIN_HAZARD_PER_H))
+                    rates.append(
+                        rates[-1] if h <= 0 and rates else max(e / h if h > 0 else 0.0, MIN_HAZARD_PER_H)
+                    )
                 base[k] = rates
         hazards = np.maximum(scale[:, :, None] * base[None], MIN_HAZARD_PER_H)  # [ρ, kind, b]
         # E: forward–backward over the spells, emissions the piecewise-exponential likelihood
-        log_like = np.log(hazards[:, kind, :]).transpose(1, 0, 2) * ends[:, None, :]
-        log_like = log_like.sum(axis=2) - (hazards[:, kind, :].transpose(1, 0, 2) * risk[:, None, :]).sum(axis=2)
+        rate = hazards[:, kind, :].transpose(1, 0, 2)  # [spell, ρ, b]
+        log_like = (np.log(rate) * ends[:, None, :] - rate * risk[:, None, :]).sum(axis=2)
         like = np.exp(log_like - log_like.max(axis=1, keepdims=True))
         # the regime is drawn anew only where Spot returns (after an absent spell)
         step = np.where(kind[:-1, None, None] == 0, switch[None], np.eye(regimes)[None])
@@ -403,11 +408,14 @@ def fit_regimes(
         pairs = (pairs / pairs.sum(axis=(1, 2), keepdims=True))[kind[:-1] == 0].sum(axis=0)
         switch = pairs / pairs.sum(axis=1, keepdims=True)
         first = weight[0]
-    mean_up = [float((weight[kind == 1, rho] * risk[kind == 1].sum(axis=1)).sum() / weight[kind == 1, rho].sum())
-               for rho in range(regimes)]
+    mean_up = [
+        float((weight[kind == 1, rho] * risk[kind == 1].sum(axis=1)).sum() / weight[kind == 1, rho].sum())
+        for rho in range(regimes)
+    ]
     order = np.argsort(mean_up, kind="stable")
     fitted = tuple(
-        AgeRates((tuple(hazards[rho, 0].tolist()), tuple(hazards[rho, 1].tolist())), tuple(edges_h)) for rho in order
+        AgeRates((tuple(hazards[rho, 0].tolist()), tuple(hazards[rho, 1].tolist())), tuple(edges_h))
+        for rho in order
     )
     return RegimeRates(fitted, tuple(tuple(float(switch[a, c]) for c in order) for a in order))
 
@@ -774,11 +782,7 @@ def markdown(rows: Sequence[Row], columns: Sequence[str] = POLICIES[1:]) -> str:
         spells = f"{1 / fit.up_to_down:.2f} / {1 / fit.down_to_up:.2f}" if name != "**all**" else ""
         avail = f"{fit.availability:.3f}" if name != "**all**" else ""
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
-        lines.append(
-            f"| {name.removeprefix('twin:').removeprefix('age-twin:').removeprefix('regime-twin:')} | {spells} | {avail} | "
-            + " | ".join(cells)
-            + " |"
-        )
+        lines.append(f"| {name.split(':', 1)[-1]} | {spells} | {avail} | " + " | ".join(cells) + " |")
     for key in sorted({(r.setting.deadline_h, r.setting.changeover_h) for r in rows}):
         group = [r for r in rows if (r.setting.deadline_h, r.setting.changeover_h) == key]
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
