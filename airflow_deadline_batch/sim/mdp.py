@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -336,6 +337,11 @@ class AgeRates:
     def buckets(self) -> int:
         return len(self.edges_h)
 
+    @property
+    def up(self) -> np.ndarray:
+        """Spot there in each state ``z`` (``z ≥ B``)."""
+        return np.arange(2 * self.buckets) >= self.buckets
+
     def generator(self) -> np.ndarray:
         """The chain's rate matrix (rows sum to 0)."""
         b = self.buckets
@@ -364,20 +370,98 @@ class AgeRates:
         return np.clip(share, 0.0, None) / np.clip(share, 0.0, None).sum()
 
 
+class SpotChain(Protocol):
+    """What :class:`AgeTable` needs of its Spot chain: each state's Spot there, and the step's
+    transition ``[z, z']`` (:class:`AgeRates`, :class:`RegimeRates`)."""
+
+    @property
+    def up(self) -> np.ndarray: ...
+
+    def transition(self, step_h: float) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class RegimeRates:
+    """Spot with regimes: ``R`` hidden regimes, each an :class:`AgeRates` (its own hazards by spell
+    age, the same buckets), state ``z = ρ · 2B + s · B + b`` (docs/simulator.md, *Tenth round*).
+
+    Within regime ``ρ`` a spell ages and ends as :class:`AgeRates` says; where Spot returns (an
+    absent spell ends) the regime becomes ``ρ'`` with the chance ``switch[ρ][ρ']`` (the fitted chain
+    over successive spells), and a present spell's end keeps it: a regime holds for a present spell
+    and the absence after it, so long spells come in runs where one regime's spells are long. With
+    one regime, or identical ones, it is the age chain.
+    """
+
+    regimes: tuple[AgeRates, ...]
+    switch: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        r = len(self.regimes)
+        if r < 1 or any(x.edges_h != self.regimes[0].edges_h for x in self.regimes):
+            raise ValueError("RegimeRates: one AgeRates per regime, all with the same age buckets")
+        if len(self.switch) != r or any(len(row) != r for row in self.switch):
+            raise ValueError(f"RegimeRates: switch must be {r} x {r} (one row per regime)")
+        if any(not (x >= 0) for row in self.switch for x in row) or any(
+            abs(math.fsum(row) - 1.0) > 1e-9 for row in self.switch
+        ):
+            raise ValueError(
+                "RegimeRates: each switch row is the next spell's regime's chances (>= 0, sum 1)"
+            )
+
+    @property
+    def buckets(self) -> int:
+        return self.regimes[0].buckets
+
+    @property
+    def up(self) -> np.ndarray:
+        """Spot there in each state ``z``."""
+        return np.tile(self.regimes[0].up, len(self.regimes))
+
+    def generator(self) -> np.ndarray:
+        """The chain's rate matrix: each regime's age chain, its absences' ends spread over the regimes."""
+        n = 2 * self.buckets
+        g = np.zeros((n * len(self.regimes),) * 2)
+        for rho, regime in enumerate(self.regimes):
+            block = regime.generator()
+            for z in range(n):
+                end = (1 - z // self.buckets) * self.buckets  # phase 0 of the other kind
+                if z >= self.buckets:
+                    continue  # a present spell ends in its regime
+                rate = block[z, end]
+                block[z, end] = 0.0
+                for nxt, chance in enumerate(self.switch[rho]):
+                    g[rho * n + z, nxt * n + end] += rate * chance
+            g[rho * n : (rho + 1) * n, rho * n : (rho + 1) * n] += block
+        return g
+
+    def transition(self, step_h: float) -> np.ndarray:
+        """P(state next step | state now), ``[z, z']``."""
+        p = np.clip(expm(self.generator() * step_h), 0.0, None)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def stationary(self) -> np.ndarray:
+        """The chain's long-run share of each state."""
+        g = self.generator()
+        a = np.vstack([g.T, np.ones(len(g))])
+        share = np.clip(np.linalg.lstsq(a, np.r_[np.zeros(len(g)), 1.0], rcond=None)[0], 0.0, None)
+        return share / share.sum()
+
+
 class AgeTable(Table):
     """:class:`Table` with the spell's age phase in the state: Spot state ``z`` of
     :class:`AgeRates` (``z // B``: there or not) in place of ``s``, one ``[z, z']`` transition per
     step; the same choices, constraint and penalty (no risk term). With one hazard for every phase
-    of a kind it is the memoryless table (the phase is then irrelevant)."""
+    of a kind it is the memoryless table (the phase is then irrelevant). Any :class:`SpotChain`
+    will do for ``ages``: :class:`RegimeRates` gives the table with the regime in its state."""
 
     def __init__(
-        self, grid: Grid, config: SimConfig, ages: AgeRates, steps: int, *, credit_commits: bool = False
+        self, grid: Grid, config: SimConfig, ages: SpotChain, steps: int, *, credit_commits: bool = False
     ) -> None:
         self.ages = ages
         self.p = ages.transition(grid.step_h)
-        self.up = np.arange(2 * ages.buckets) >= ages.buckets
+        self.up = ages.up
         self._setup(grid, config, credit_commits, 0.0)
-        self.idle, self.running = self._induct(config, steps, 2 * ages.buckets)
+        self.idle, self.running = self._induct(config, steps, len(self.up))
 
     def layer(self, nxt_idle: np.ndarray, nxt_running: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`Table.layer` over the states ``z``: idle ``[z, r]``, running ``[mode, z, r, j]``."""

@@ -18,6 +18,10 @@ with a brute-force expectimax over every online policy on tiny jobs.
 ``--ages``: the same on semi-Markov twins whose spells remember their age (hazard by age bucket
 fitted per trace, :func:`age_twin`), with the table that has the spell's age phase in its state
 (``sim.mdp.AgeTable``) as the floor (docs/simulator.md, *Eighth round*).
+
+``--regimes``: the same on regime twins of the long traces (hidden regimes with their own hazards
+by age, switching between spells, fitted per trace by :func:`fit_regimes`), with the table told the
+hidden regime and age phase (``sim.mdp.RegimeRates``) as the floor (docs/simulator.md, *Tenth round*).
 """
 
 from __future__ import annotations
@@ -40,7 +44,16 @@ import numpy as np
 from airflow_deadline_batch.core.placement import JobSnapshot, PolicyParams
 from airflow_deadline_batch.sim import spells
 from airflow_deadline_batch.sim.engine import Choice, Mode, Policy, SimConfig, View, simulate
-from airflow_deadline_batch.sim.mdp import AgeRates, AgeTable, Grid, MarkovDecision, Rates, Table
+from airflow_deadline_batch.sim.mdp import (
+    AgeRates,
+    AgeTable,
+    Grid,
+    MarkovDecision,
+    Rates,
+    RegimeRates,
+    SpotChain,
+    Table,
+)
 from airflow_deadline_batch.sim.omniscient import exact_optimum
 from airflow_deadline_batch.sim.policies import OnDemand, UniformProgress, slack_aware_at
 from airflow_deadline_batch.sim.runner import start_ticks
@@ -207,19 +220,28 @@ def age_twin(
 ) -> tuple[Trace, tuple[int, ...]]:
     """The trace's semi-Markov twin: the chain of ``ages`` sampled at :func:`twin_gap_s` (first
     tick from its stationary share), and each tick's age phase (what :class:`AgeTableAlone` sees)."""
-    gap = twin_gap_s(trace.gap_s)
-    step = ages.transition(gap / 3600.0)
+    double, states = chain_twin(f"age-twin:{trace.name}", twin_gap_s(trace.gap_s), ages, hours, seed)
+    return double, tuple(z % ages.buckets for z in states)
+
+
+def chain_twin(
+    name: str, gap_s: float, chain: AgeRates | RegimeRates, hours: float, seed: int
+) -> tuple[Trace, tuple[int, ...]]:
+    """A trace drawn from ``chain`` every ``gap_s`` (first tick from its stationary share), and
+    each tick's state ``z``."""
+    step = chain.transition(gap_s / 3600.0)
     cumulative = [list(np.cumsum(row)) for row in step]
-    last = 2 * ages.buckets - 1
+    up = chain.up.tolist()
+    last = len(up) - 1
     rng = random.Random(seed)
-    z = min(bisect.bisect_right(list(np.cumsum(ages.stationary())), rng.random()), last)
+    z = min(bisect.bisect_right(list(np.cumsum(chain.stationary())), rng.random()), last)
     capacity: list[int] = []
-    phases: list[int] = []
-    for _ in range(max(1, round(hours * 3600 / gap))):
-        capacity.append(int(z >= ages.buckets))
-        phases.append(z % ages.buckets)
+    states: list[int] = []
+    for _ in range(max(1, round(hours * 3600 / gap_s))):
+        capacity.append(int(up[z]))
+        states.append(z)
         z = min(bisect.bisect_right(cumulative[z], rng.random()), last)
-    return Trace(f"age-twin:{trace.name}", gap, tuple(capacity)), tuple(phases)
+    return Trace(name, gap_s, tuple(capacity)), tuple(states)
 
 
 @functools.lru_cache(maxsize=1)
@@ -289,6 +311,167 @@ class AgeTableByAge(AgeTableAlone):
             age += 1
         bucket = max(i for i, edge in enumerate(self.ages.edges_h) if age * gap_h >= edge - 1e-9)
         return int(snapshot.spot_available) * self.ages.buckets + bucket
+
+
+# -- regimes: the table told the hidden regime (docs/simulator.md, *Tenth round*) ---------------
+
+#: the regime twins' regimes (3: their twins' successive spells correlate nearer the real traces'
+#: than with 2, docs/simulator.md, *Tenth round*), and the EM rounds of their fit
+REGIMES = 3
+EM_ROUNDS = 100
+#: coordinate-ascent rounds of each EM round's hazard fit (shared shape × each regime's factor)
+INNER_ROUNDS = 5
+#: the traces the regime twins are fitted to: those of this many days or more (the short ones hold
+#: 28–98 spells of a kind, too few for two regimes' hazards by age)
+REGIME_MIN_DAYS = 20.0
+
+
+def fit_regimes(
+    trace: Trace,
+    regimes: int = REGIMES,
+    edges_h: Sequence[float] = spells.AGE_EDGES_H,
+    rounds: int = EM_ROUNDS,
+) -> RegimeRates:
+    """A hidden-Markov fit over the trace's successive spells (``spells.spell_lengths``' spells, in
+    order, both kinds): each spell has a hidden regime, drawn anew by ``switch`` where Spot returns
+    (a present spell and the absence after it share theirs: switching at every spell end would let
+    two regimes merely take turns, one the present spells' and one the absent ones'), and its length
+    the regime's hazard by age bucket, a piecewise-exponential likelihood (as :func:`fit_ages`'
+    ends ÷ hours at risk). Per kind the regimes share the hazard's shape by age and differ by a
+    factor on it (proportional hazards: one regime's spells of a kind are all longer; free hazards
+    per regime let EM fit a mixture of spell shapes that take turns instead of runs).
+    EM (Baum–Welch) from a split of each kind's spells by length (regime 0: the shortest); a
+    bucket without weight takes the one before, no hazard under ``MIN_HAZARD_PER_H``, as in
+    :func:`fit_ages`. Regimes ordered by their present spells' mean length."""
+    if regimes < 1:
+        raise ValueError(f"regimes must be >= 1 (e.g. {REGIMES}), got {regimes}")
+    runs = [(there, len(list(group))) for there, group in itertools.groupby(c > 0 for c in trace.capacity)]
+    runs = runs[1:-1]  # cut by the trace's ends
+    if len(runs) < 4 * regimes:
+        raise ValueError(f"trace {trace.name!r} has {len(runs)} whole spells; fit regimes to a longer trace")
+    gap_h = trace.gap_s / 3600.0
+    edges = list(edges_h)
+    n, b = len(runs), len(edges)
+    kind = np.array([int(there) for there, _ in runs])
+    risk = np.zeros((n, b))  # hours at risk per age bucket
+    ends = np.zeros((n, b))  # 1 in the bucket the spell ends in
+    for i, (_, length) in enumerate(runs):
+        buckets = np.searchsorted(edges, np.arange(length) * gap_h + 1e-9, side="right") - 1
+        np.add.at(risk[i], buckets, gap_h)
+        ends[i, buckets[-1]] = 1.0
+    # start: each kind's spells split into ``regimes`` groups by length
+    weight = np.zeros((n, regimes))
+    for k in (0, 1):
+        mine = np.flatnonzero(kind == k)
+        order = mine[np.argsort([runs[i][1] for i in mine], kind="stable")]
+        for rho, group in enumerate(np.array_split(order, regimes)):
+            weight[group, rho] = 1.0
+    switch = np.full((regimes, regimes), 1.0 / regimes)
+    first = np.full(regimes, 1.0 / regimes)
+    base = np.ones((2, b))
+    scale = np.ones((regimes, 2))
+    for _ in range(rounds):
+        # M: per kind, the hazard by age shared by the regimes and each regime's factor on it
+        # (coordinate ascent); the switch chances over successive spells (below, with E)
+        for k in (0, 1):
+            mine = kind == k
+            ended, at_risk = weight[mine].T @ ends[mine], weight[mine].T @ risk[mine]  # [ρ, b]
+            for _ in range(INNER_ROUNDS):
+                scale[:, k] = ended.sum(axis=1) / np.maximum(at_risk @ base[k], 1e-12)
+                exposure = scale[:, k] @ at_risk
+                rates: list[float] = []
+                for e, h in zip(ended.sum(axis=0), exposure, strict=True):
+                    rates.append(
+                        rates[-1] if h <= 0 and rates else max(e / h if h > 0 else 0.0, MIN_HAZARD_PER_H)
+                    )
+                base[k] = rates
+        hazards = np.maximum(scale[:, :, None] * base[None], MIN_HAZARD_PER_H)  # [ρ, kind, b]
+        # E: forward–backward over the spells, emissions the piecewise-exponential likelihood
+        rate = hazards[:, kind, :].transpose(1, 0, 2)  # [spell, ρ, b]
+        log_like = (np.log(rate) * ends[:, None, :] - rate * risk[:, None, :]).sum(axis=2)
+        like = np.exp(log_like - log_like.max(axis=1, keepdims=True))
+        # the regime is drawn anew only where Spot returns (after an absent spell)
+        step = np.where(kind[:-1, None, None] == 0, switch[None], np.eye(regimes)[None])
+        forward = np.zeros((n, regimes))
+        forward[0] = first * like[0]
+        forward[0] /= forward[0].sum()
+        for i in range(1, n):
+            forward[i] = (forward[i - 1] @ step[i - 1]) * like[i]
+            forward[i] /= forward[i].sum()
+        backward = np.ones((n, regimes))
+        for i in range(n - 2, -1, -1):
+            backward[i] = step[i] @ (like[i + 1] * backward[i + 1])
+            backward[i] /= backward[i].sum()
+        weight = forward * backward
+        weight /= weight.sum(axis=1, keepdims=True)
+        pairs = forward[:-1, :, None] * step * (like[1:] * backward[1:])[:, None, :]
+        pairs = (pairs / pairs.sum(axis=(1, 2), keepdims=True))[kind[:-1] == 0].sum(axis=0)
+        switch = pairs / pairs.sum(axis=1, keepdims=True)
+        first = weight[0]
+    mean_up = [
+        float((weight[kind == 1, rho] * risk[kind == 1].sum(axis=1)).sum() / weight[kind == 1, rho].sum())
+        for rho in range(regimes)
+    ]
+    order = np.argsort(mean_up, kind="stable")
+    fitted = tuple(
+        AgeRates((tuple(hazards[rho, 0].tolist()), tuple(hazards[rho, 1].tolist())), tuple(edges_h))
+        for rho in order
+    )
+    return RegimeRates(fitted, tuple(tuple(float(switch[a, c]) for c in order) for a in order))
+
+
+def regime_twin(
+    trace: Trace, chain: RegimeRates, hours: float = 1000.0, seed: int = 1
+) -> tuple[Trace, tuple[int, ...]]:
+    """The trace's regime twin: ``chain`` sampled at :func:`twin_gap_s` (first tick from its
+    stationary share), and each tick's state ``z`` (regime, Spot there, age phase: what
+    :class:`RegimeTableAlone` sees)."""
+    return chain_twin(f"regime-twin:{trace.name}", twin_gap_s(trace.gap_s), chain, hours, seed)
+
+
+@functools.lru_cache(maxsize=1)
+def regime_table(config: SimConfig, grid: Grid, chain: SpotChain) -> AgeTable:
+    """The table over the twin's true regime chain for the whole horizon (the exact constraint)."""
+    return AgeTable(grid, config, chain, grid.steps, credit_commits=True)
+
+
+class RegimeTableAlone(MarkovDecision):
+    """The Bayes-optimal online policy on a twin of :func:`regime_twin`: the table over its true
+    chain, told each tick's state (the hidden regime and age phase), alone as :class:`TableAlone`.
+    Given that state nothing else in the trace's past says more of its future, so its cost is a
+    floor for every policy that sees only the trace."""
+
+    name = "mdp_regime_table"
+    safety_rule = False
+
+    def __init__(self, chain: RegimeRates, states: Sequence[int], start_tick: int) -> None:
+        super().__init__()
+        self.chain, self.states, self.start_tick = chain, states, start_tick
+        self.tick = 0
+
+    def reset(self, config: SimConfig, gap_h: float) -> None:
+        super().reset(config, gap_h)
+        self.grid = exact_grid(config, gap_h)
+
+    def decide(self, view: View) -> list[Choice]:
+        self.tick = view.tick
+        return super().decide(view)
+
+    def _table(
+        self,
+        config: SimConfig,
+        availability: float,
+        run_h: float,
+        time_left_h: float,
+        *,
+        waste_price: float = 0.0,
+    ) -> Table:
+        if config.workers != 1:
+            raise ValueError("the table with regimes is for one worker; run it with workers=1")
+        return regime_table(config, self.grid, self.chain)
+
+    def _spot_state(self, snapshot: JobSnapshot) -> int:
+        return self.states[(self.start_tick + self.tick) % len(self.states)]
 
 
 # -- the check: brute force over every online policy on a tiny job ------------------------------
@@ -522,6 +705,53 @@ def measure_ages(
     return rows
 
 
+#: the columns of the measurement on the regime twins (``--regimes``), in order
+REGIME_POLICIES = ("exact", "regime_table", "age_table", "slack_aware", "uniform_progress")
+
+
+def run_regime_row(args: tuple[Trace, tuple[int, ...], RegimeRates, Setting]) -> Row:
+    """One regime twin × setting: the table told the hidden regime and age phase (the floor), the
+    table with age for the twin's own semi-Markov fit told the age phase (the Eighth round's floor,
+    blind to the regime), and the online policies."""
+    trace, states, chain, setting = args
+    cfg = setting.config()
+    ages = fit_ages(trace)
+    phases = tuple(z % chain.buckets for z in states)
+    makers: dict[str, Callable[[int], Policy]] = {
+        "regime_table": lambda t: RegimeTableAlone(chain, states, t),
+        "age_table": lambda t: AgeTableAlone(ages, phases, t),
+        "slack_aware": lambda t: slack_aware_at([trace], t, 1),
+        "uniform_progress": lambda _: UniformProgress(),
+    }
+    costs: dict[str, list[float]] = {name: [] for name in REGIME_POLICIES}
+    misses = dict.fromkeys(REGIME_POLICIES, 0)
+    for tick in start_ticks(trace, cfg, starts=setting.starts, seed=1):
+        costs["exact"].append(exact_optimum(trace, tick, cfg).cost)
+        for name, make in makers.items():
+            result = simulate(trace, tick, cfg, make(tick))
+            costs[name].append(result.cost)
+            misses[name] += result.missed
+    frozen = {name: tuple(values) for name, values in costs.items()}
+    return Row(trace.name, fit_markov(trace), setting, frozen, misses, 0, 0)
+
+
+def measure_regimes(
+    traces: Sequence[Trace], starts: int = 20, hours: float = 1000.0, seed: int = 1, regimes: int = REGIMES
+) -> list[Row]:
+    """Every long single-node trace's regime twin × the study's ``N = 1`` settings (one process)."""
+    rows = []
+    for trace in traces:
+        if trace.hours < REGIME_MIN_DAYS * 24.0:
+            continue
+        chain = fit_regimes(trace, regimes)
+        double, states = regime_twin(trace, chain, hours, seed)
+        for s in settings(starts_n1=starts):
+            if s.workers == 1:
+                rows.append(run_regime_row((double, states, chain, s)))
+                print(f"# {double.name} D={s.deadline_h:g} d={s.changeover_h:g}", file=sys.stderr, flush=True)
+    return rows
+
+
 def ratios(rows: Sequence[Row], name: str) -> tuple[float, float]:
     """``name``'s cost over the exact optimum: the ratio of the mean costs, and the mean per-start ratio."""
     mine = [c for r in rows for c in r.costs[name]]
@@ -552,11 +782,7 @@ def markdown(rows: Sequence[Row], columns: Sequence[str] = POLICIES[1:]) -> str:
         spells = f"{1 / fit.up_to_down:.2f} / {1 / fit.down_to_up:.2f}" if name != "**all**" else ""
         avail = f"{fit.availability:.3f}" if name != "**all**" else ""
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
-        lines.append(
-            f"| {name.removeprefix('twin:').removeprefix('age-twin:')} | {spells} | {avail} | "
-            + " | ".join(cells)
-            + " |"
-        )
+        lines.append(f"| {name.split(':', 1)[-1]} | {spells} | {avail} | " + " | ".join(cells) + " |")
     for key in sorted({(r.setting.deadline_h, r.setting.changeover_h) for r in rows}):
         group = [r for r in rows if (r.setting.deadline_h, r.setting.changeover_h) == key]
         cells = [f"{a:.3f} ({b:.3f})" for a, b in (ratios(group, c) for c in columns)]
@@ -587,6 +813,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ages", action="store_true", help="semi-Markov twins (spells with memory) and the table with age"
     )
+    parser.add_argument(
+        "--regimes", action="store_true", help="regime twins of the long traces and the table told the regime"
+    )
+    parser.add_argument("--regime-count", type=int, default=REGIMES, help="regimes of the regime twins' fit")
     args = parser.parse_args(argv)
     if args.check:
         for line in check():
@@ -595,9 +825,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.traces:
         parser.error("pass --traces DIR (the shared spot-traces folder) or --check")
     traces = [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
-    if args.ages:
+    if args.ages and args.regimes:
+        parser.error("pass --ages or --regimes, not both")
+    if args.regimes:
+        rows = measure_regimes(traces, args.starts, args.hours, args.twin_seed, args.regime_count)
+        columns: Sequence[str] = REGIME_POLICIES[1:]
+    elif args.ages:
         rows = measure_ages(traces, args.starts, args.hours, args.twin_seed)
-        columns: Sequence[str] = AGE_POLICIES[1:]
+        columns = AGE_POLICIES[1:]
     else:
         rows = measure(traces, args.starts, args.jobs, args.hours, args.twin_seed)
         columns = POLICIES[1:]

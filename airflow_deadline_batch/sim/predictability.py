@@ -35,7 +35,8 @@ Differences between models are judged by a block bootstrap over the days of the 
 
 ``python -m airflow_deadline_batch.sim.predictability --traces DIR`` prints the tables; ``--twins``
 the same on the traces' semi-Markov twins, with their hidden age phase as one more model (the
-calibration: what the phase adds there is what the Eighth round priced in cost); without
+calibration: what the phase adds there is what the Eighth round priced in cost); ``--regimes`` on
+the long traces' regime twins (docs/simulator.md, *Tenth round*), hidden regime and phase; without
 ``--traces``, the same on synthetic controls (a Markov trace, one with a daily cycle).
 """
 
@@ -379,6 +380,37 @@ def score_twin(double: Trace, phases: Sequence[int]) -> list[Score]:
     return [score(s, h) for h in HORIZONS_H]
 
 
+def measure_regime_twins(trace_list: Sequence[Trace], hours: float = 1000.0, seed: int = 1) -> list[Score]:
+    """The same on each long trace's regime twin (the Tenth round's, ``online_bound.regime_twin``),
+    where ``phase`` is the twin's hidden regime and age phase (its whole memory): the twins should
+    show the real traces' gains of ``past6`` and ``logit`` if they carry their regimes."""
+    from airflow_deadline_batch.sim.online_bound import REGIME_MIN_DAYS, fit_regimes, regime_twin
+
+    out = []
+    for trace in trace_list:
+        if trace.hours >= REGIME_MIN_DAYS * 24.0:
+            chain = fit_regimes(trace)
+            double, states = regime_twin(trace, chain, hours, seed)
+            b = chain.buckets
+            out += score_twin(double, [z // (2 * b) * b + z % b for z in states])
+    return out
+
+
+def regime_succession_table(trace_list: Sequence[Trace], seed: int = 1) -> str:
+    """:func:`succession_table` for each long trace and its regime twin side by side."""
+    from airflow_deadline_batch.sim.online_bound import REGIME_MIN_DAYS, fit_regimes, regime_twin
+
+    lines = ["| trace | real: log-length correlation (pairs) | regime twin (pairs) |", "|---|---|---|"]
+    for trace in trace_list:
+        if trace.hours >= REGIME_MIN_DAYS * 24.0:
+            cells = []
+            for shown in (trace, regime_twin(trace, fit_regimes(trace), 1000.0, seed)[0]):
+                r, pairs = spells.succession(shown)
+                cells.append(f"{'–' if r is None else f'{r:+.2f}'} ({pairs})")
+            lines.append(f"| {trace.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def summary(scores: Sequence[Score], title: str) -> list[str]:
     """Per horizon and metric, the traces' mean loss per model (over the traces it applies to, their
     count in brackets where not all), then its difference to ``age`` (the semi-Markov fit; for
@@ -456,12 +488,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_deadline_batch.sim.predictability")
     parser.add_argument("--traces", type=Path, help="a directory of shared trace files (measurement only)")
     parser.add_argument("--twins", action="store_true", help="score the traces' semi-Markov twins instead")
+    parser.add_argument("--regimes", action="store_true", help="score the long traces' regime twins instead")
     args = parser.parse_args(argv)
     if args.traces is not None and not args.traces.is_dir():
         raise SystemExit(f"--traces {str(args.traces)!r} is not a directory; pass ../shared/spot-traces")
     trace_list = (
         synthetic() if args.traces is None else [load_trace(p) for p in sorted(args.traces.rglob("*.json"))]
     )
+    if args.regimes:
+        if args.traces is None or args.twins:
+            raise SystemExit("--regimes scores the regime twins of --traces DIR; pass it alone with --traces")
+        print(markdown(measure_regime_twins(trace_list)))
+        print("\n" + regime_succession_table(trace_list))
+        return 0
     print(markdown(measure_twins(trace_list) if args.twins else measure(trace_list)))
     print("\n" + succession_table(trace_list, args.twins))
     return 0
