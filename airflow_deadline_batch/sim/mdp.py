@@ -310,8 +310,29 @@ def expm(matrix: np.ndarray) -> np.ndarray:
     return result
 
 
+class GeneratorChain:
+    """A continuous-time Spot chain given by its rate matrix (:meth:`generator`): the step's
+    transition and the long-run shares, the same for every chain (:class:`AgeRates`,
+    :class:`RegimeRates`)."""
+
+    def generator(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def transition(self, step_h: float) -> np.ndarray:
+        """P(state next step | state now), ``[z, z']``."""
+        p = np.clip(expm(self.generator() * step_h), 0.0, None)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def stationary(self) -> np.ndarray:
+        """The chain's long-run share of each state."""
+        g = self.generator()
+        a = np.vstack([g.T, np.ones(len(g))])
+        share = np.clip(np.linalg.lstsq(a, np.r_[np.zeros(len(g)), 1.0], rcond=None)[0], 0.0, None)
+        return share / share.sum()
+
+
 @dataclass(frozen=True)
-class AgeRates:
+class AgeRates(GeneratorChain):
     """Spot whose spells remember their age: a continuous-time chain over (Spot there ``s``, the
     spell's age phase ``b``), state ``z = s · B + b`` (docs/simulator.md, *Eighth round*).
 
@@ -357,18 +378,6 @@ class AgeRates:
                 g[z, z] -= g[z].sum()
         return g
 
-    def transition(self, step_h: float) -> np.ndarray:
-        """P(state next step | state now), ``[z, z']``."""
-        p = np.clip(expm(self.generator() * step_h), 0.0, None)
-        return p / p.sum(axis=1, keepdims=True)
-
-    def stationary(self) -> np.ndarray:
-        """The chain's long-run share of each state."""
-        g = self.generator()
-        a = np.vstack([g.T, np.ones(len(g))])
-        share = np.linalg.lstsq(a, np.r_[np.zeros(len(g)), 1.0], rcond=None)[0]
-        return np.clip(share, 0.0, None) / np.clip(share, 0.0, None).sum()
-
 
 class SpotChain(Protocol):
     """What :class:`AgeTable` needs of its Spot chain: each state's Spot there, and the step's
@@ -381,7 +390,7 @@ class SpotChain(Protocol):
 
 
 @dataclass(frozen=True)
-class RegimeRates:
+class RegimeRates(GeneratorChain):
     """Spot with regimes: ``R`` hidden regimes, each an :class:`AgeRates` (its own hazards by spell
     age, the same buckets), state ``z = ρ · 2B + s · B + b`` (docs/simulator.md, *Tenth round*).
 
@@ -433,18 +442,6 @@ class RegimeRates:
                     g[rho * n + z, nxt * n + end] += rate * chance
             g[rho * n : (rho + 1) * n, rho * n : (rho + 1) * n] += block
         return g
-
-    def transition(self, step_h: float) -> np.ndarray:
-        """P(state next step | state now), ``[z, z']``."""
-        p = np.clip(expm(self.generator() * step_h), 0.0, None)
-        return p / p.sum(axis=1, keepdims=True)
-
-    def stationary(self) -> np.ndarray:
-        """The chain's long-run share of each state."""
-        g = self.generator()
-        a = np.vstack([g.T, np.ones(len(g))])
-        share = np.clip(np.linalg.lstsq(a, np.r_[np.zeros(len(g)), 1.0], rcond=None)[0], 0.0, None)
-        return share / share.sum()
 
 
 class AgeTable(Table):

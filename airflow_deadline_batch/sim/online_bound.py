@@ -51,7 +51,6 @@ from airflow_deadline_batch.sim.mdp import (
     MarkovDecision,
     Rates,
     RegimeRates,
-    SpotChain,
     Table,
 )
 from airflow_deadline_batch.sim.omniscient import exact_optimum
@@ -244,24 +243,25 @@ def chain_twin(
     return Trace(name, gap_s, tuple(capacity)), tuple(states)
 
 
-@functools.lru_cache(maxsize=1)
-def age_table(config: SimConfig, grid: Grid, ages: AgeRates) -> AgeTable:
-    """The table with age for the twin's true chain over the whole horizon (the exact constraint)."""
-    return AgeTable(grid, config, ages, grid.steps, credit_commits=True)
+@functools.lru_cache(maxsize=2)  # a row's two tables (told the regime, told the age phase)
+def chain_table(config: SimConfig, grid: Grid, chain: AgeRates | RegimeRates) -> AgeTable:
+    """The table over a twin's true chain (:class:`AgeRates`, :class:`RegimeRates`) for the whole
+    horizon (the exact constraint)."""
+    return AgeTable(grid, config, chain, grid.steps, credit_commits=True)
 
 
-class AgeTableAlone(MarkovDecision):
-    """The Bayes-optimal online policy on a twin of :func:`age_twin`: the table with age for its
-    true chain, told each tick's age phase, alone as :class:`TableAlone` (its exact constraint).
-    Knowing the phase is at least as much as knowing the spell's age (given the phase the age says
-    nothing more of the future), so its cost is a floor for every policy that sees only the trace."""
+class ChainTableAlone(MarkovDecision):
+    """The Bayes-optimal online policy on a twin drawn from a known chain: the table over that
+    chain (:func:`chain_table`), told each tick's hidden state ``states[t]``, alone as
+    :class:`TableAlone` (its exact constraint). Given that state nothing else in the trace's past
+    says more of its future, so its cost is a floor for every policy that sees only the trace."""
 
-    name = "mdp_age_table"
+    name = "mdp_chain_table"
     safety_rule = False
 
-    def __init__(self, ages: AgeRates, phases: Sequence[int], start_tick: int) -> None:
+    def __init__(self, chain: AgeRates | RegimeRates, states: Sequence[int], start_tick: int) -> None:
         super().__init__()
-        self.ages, self.phases, self.start_tick = ages, phases, start_tick
+        self.chain, self.states, self.start_tick = chain, states, start_tick
         self.tick = 0
 
     def reset(self, config: SimConfig, gap_h: float) -> None:
@@ -282,12 +282,26 @@ class AgeTableAlone(MarkovDecision):
         waste_price: float = 0.0,
     ) -> Table:
         if config.workers != 1:
-            raise ValueError("the table with age is for one worker; run it with workers=1")
-        return age_table(config, self.grid, self.ages)
+            raise ValueError(f"{self.name} is a table for one worker; run it with workers=1")
+        return chain_table(config, self.grid, self.chain)
 
     def _spot_state(self, snapshot: JobSnapshot) -> int:
-        phase = self.phases[(self.start_tick + self.tick) % len(self.phases)]
-        return int(snapshot.spot_available) * self.ages.buckets + phase
+        return self.states[(self.start_tick + self.tick) % len(self.states)]
+
+
+class AgeTableAlone(ChainTableAlone):
+    """:class:`ChainTableAlone` on a twin of :func:`age_twin`: the table with age, told each
+    tick's age phase. Knowing the phase is at least as much as knowing the spell's age (given the
+    phase the age says nothing more of the future)."""
+
+    name = "mdp_age_table"
+
+    def __init__(self, ages: AgeRates, phases: Sequence[int], start_tick: int) -> None:
+        super().__init__(ages, phases, start_tick)
+        self.ages = ages
+
+    def _spot_state(self, snapshot: JobSnapshot) -> int:
+        return int(snapshot.spot_available) * self.ages.buckets + super()._spot_state(snapshot)
 
 
 class AgeTableByAge(AgeTableAlone):
@@ -425,53 +439,8 @@ def regime_twin(
 ) -> tuple[Trace, tuple[int, ...]]:
     """The trace's regime twin: ``chain`` sampled at :func:`twin_gap_s` (first tick from its
     stationary share), and each tick's state ``z`` (regime, Spot there, age phase: what
-    :class:`RegimeTableAlone` sees)."""
+    :class:`ChainTableAlone` is told)."""
     return chain_twin(f"regime-twin:{trace.name}", twin_gap_s(trace.gap_s), chain, hours, seed)
-
-
-@functools.lru_cache(maxsize=1)
-def regime_table(config: SimConfig, grid: Grid, chain: SpotChain) -> AgeTable:
-    """The table over the twin's true regime chain for the whole horizon (the exact constraint)."""
-    return AgeTable(grid, config, chain, grid.steps, credit_commits=True)
-
-
-class RegimeTableAlone(MarkovDecision):
-    """The Bayes-optimal online policy on a twin of :func:`regime_twin`: the table over its true
-    chain, told each tick's state (the hidden regime and age phase), alone as :class:`TableAlone`.
-    Given that state nothing else in the trace's past says more of its future, so its cost is a
-    floor for every policy that sees only the trace."""
-
-    name = "mdp_regime_table"
-    safety_rule = False
-
-    def __init__(self, chain: RegimeRates, states: Sequence[int], start_tick: int) -> None:
-        super().__init__()
-        self.chain, self.states, self.start_tick = chain, states, start_tick
-        self.tick = 0
-
-    def reset(self, config: SimConfig, gap_h: float) -> None:
-        super().reset(config, gap_h)
-        self.grid = exact_grid(config, gap_h)
-
-    def decide(self, view: View) -> list[Choice]:
-        self.tick = view.tick
-        return super().decide(view)
-
-    def _table(
-        self,
-        config: SimConfig,
-        availability: float,
-        run_h: float,
-        time_left_h: float,
-        *,
-        waste_price: float = 0.0,
-    ) -> Table:
-        if config.workers != 1:
-            raise ValueError("the table with regimes is for one worker; run it with workers=1")
-        return regime_table(config, self.grid, self.chain)
-
-    def _spot_state(self, snapshot: JobSnapshot) -> int:
-        return self.states[(self.start_tick + self.tick) % len(self.states)]
 
 
 # -- the check: brute force over every online policy on a tiny job ------------------------------
@@ -718,7 +687,7 @@ def run_regime_row(args: tuple[Trace, tuple[int, ...], RegimeRates, Setting]) ->
     ages = fit_ages(trace)
     phases = tuple(z % chain.buckets for z in states)
     makers: dict[str, Callable[[int], Policy]] = {
-        "regime_table": lambda t: RegimeTableAlone(chain, states, t),
+        "regime_table": lambda t: ChainTableAlone(chain, states, t),
         "age_table": lambda t: AgeTableAlone(ages, phases, t),
         "slack_aware": lambda t: slack_aware_at([trace], t, 1),
         "uniform_progress": lambda _: UniformProgress(),
