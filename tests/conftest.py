@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
-# Airflow reads its configuration at import time; keep it out of the developer's ~/airflow.
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="adb-airflow-"))
+# Airflow reads its configuration at import time; keep it out of the developer's ~/airflow. The
+# folder is made once, by the process that starts the run (pytest-xdist's workers inherit it), and
+# removed when that process ends.
+if "AIRFLOW_HOME" not in os.environ:
+    os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="adb-airflow-")
+    atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], True)
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "False")
 

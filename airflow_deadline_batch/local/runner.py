@@ -249,7 +249,7 @@ class LocalRun:
         self.stopped = False
         self.grace_s = max(1.0, options.preempt_notice_s)
         self.worker_env = _worker_env(options)
-        self.messages_dir = tempfile.mkdtemp(prefix="adb-tries-")
+        self._messages_dir: str | None = None  # made by the first launch (messages_dir)
         self.launches = 0
         #: failures in a row per shard (transient, deterministic), for the backoff
         self.failures_in_a_row: dict[int, int] = {}
@@ -302,7 +302,18 @@ class LocalRun:
             self.withdraw_dispatch()
             self.withdraw_launches()
             stderr.close()
-            shutil.rmtree(self.messages_dir, ignore_errors=True)
+            if self._messages_dir is not None:
+                shutil.rmtree(self._messages_dir, ignore_errors=True)
+                self._messages_dir = None
+
+    @property
+    def messages_dir(self) -> str:
+        """The folder of the workers' termination messages, made at the first launch and removed
+        when :meth:`work_until_done` ends: a run built and never run (a test driving its steps, a
+        failure before the loop) leaves no empty folder in ``TMPDIR``."""
+        if self._messages_dir is None:
+            self._messages_dir = tempfile.mkdtemp(prefix="adb-tries-")
+        return self._messages_dir
 
     def raise_if_stopped_by_failure(self) -> None:
         """After the loop: raise why the run stopped early (configuration, an outage past its window)."""

@@ -154,3 +154,22 @@ def test_a_try_that_exits_0_without_finishing_its_shard_is_placed_again(
             racer.popen.kill()
             racer.popen.wait()
         shutil.rmtree(run.messages_dir, ignore_errors=True)
+
+
+def test_a_run_built_and_never_run_leaves_no_folder_and_a_run_removes_its_own(
+    store: ManifestStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers' termination messages' folder is made at the first launch: a run driven step by
+    step (as above) or failing before its loop left an empty ``adb-tries-*`` folder in ``TMPDIR``."""
+    job_id = planned(store, tmp_path)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    LocalRun(store, job_id, RunOptions(workers=1), ManualClock(TAIL))
+    assert list(scratch.iterdir()) == []
+    run = LocalRun(
+        store, job_id, RunOptions(workers=1, worker_env={"ADB_ECHO_DELAY_S": "0"}), ManualClock(TAIL)
+    )
+    run.work_until_done(None)
+    assert run.launches >= 1 and all(s.state is ShardState.SUCCEEDED for s in store.list_shards(job_id))
+    assert list(scratch.iterdir()) == []  # made by the launches, removed when the run ended
