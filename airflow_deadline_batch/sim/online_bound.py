@@ -34,7 +34,7 @@ import json
 import math
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -635,7 +635,6 @@ def run_age_row(args: tuple[Trace, tuple[int, ...], AgeRates, Setting]) -> Row:
     """One semi-Markov twin × setting: the table with age (told the phase), the memoryless
     Bayes-optimal table for the twin's own Markov fit, and the online policies."""
     trace, phases, ages, setting = args
-    cfg = setting.config()
     fit = fit_markov(trace)
     params = PolicyParams()
     makers: dict[str, Callable[[int], Policy]] = {
@@ -646,8 +645,21 @@ def run_age_row(args: tuple[Trace, tuple[int, ...], AgeRates, Setting]) -> Row:
         "slack_aware": lambda t: slack_aware_at([trace], t, 1),
         "uniform_progress": lambda _: UniformProgress(),
     }
-    costs: dict[str, list[float]] = {name: [] for name in AGE_POLICIES}
-    misses = dict.fromkeys(AGE_POLICIES, 0)
+    return _twin_row(trace, fit, setting, AGE_POLICIES, makers)
+
+
+def _twin_row(
+    trace: Trace,
+    fit: MarkovFit,
+    setting: Setting,
+    columns: Sequence[str],
+    makers: Mapping[str, Callable[[int], Policy]],
+) -> Row:
+    """One twin × setting: at each start the exact optimum (column ``exact``) and each policy of
+    ``makers`` (built anew per start), their costs in ``columns``' order and their misses."""
+    cfg = setting.config()
+    costs: dict[str, list[float]] = {name: [] for name in columns}
+    misses = dict.fromkeys(columns, 0)
     for tick in start_ticks(trace, cfg, starts=setting.starts, seed=1):
         costs["exact"].append(exact_optimum(trace, tick, cfg).cost)
         for name, make in makers.items():
@@ -683,7 +695,6 @@ def run_regime_row(args: tuple[Trace, tuple[int, ...], RegimeRates, Setting]) ->
     table with age for the twin's own semi-Markov fit told the age phase (the Eighth round's floor,
     blind to the regime), and the online policies."""
     trace, states, chain, setting = args
-    cfg = setting.config()
     ages = fit_ages(trace)
     phases = tuple(z % chain.buckets for z in states)
     makers: dict[str, Callable[[int], Policy]] = {
@@ -692,16 +703,7 @@ def run_regime_row(args: tuple[Trace, tuple[int, ...], RegimeRates, Setting]) ->
         "slack_aware": lambda t: slack_aware_at([trace], t, 1),
         "uniform_progress": lambda _: UniformProgress(),
     }
-    costs: dict[str, list[float]] = {name: [] for name in REGIME_POLICIES}
-    misses = dict.fromkeys(REGIME_POLICIES, 0)
-    for tick in start_ticks(trace, cfg, starts=setting.starts, seed=1):
-        costs["exact"].append(exact_optimum(trace, tick, cfg).cost)
-        for name, make in makers.items():
-            result = simulate(trace, tick, cfg, make(tick))
-            costs[name].append(result.cost)
-            misses[name] += result.missed
-    frozen = {name: tuple(values) for name, values in costs.items()}
-    return Row(trace.name, fit_markov(trace), setting, frozen, misses, 0, 0)
+    return _twin_row(trace, fit_markov(trace), setting, REGIME_POLICIES, makers)
 
 
 def measure_regimes(
