@@ -18,4 +18,8 @@ fi
 # real processes and deadlines, so other files run beside them (19 minutes with three, 24 with two,
 # measured on the same 2-core machine for the same 2,218 tests). ADB_TEST_WORKERS=0
 # runs in one process; pytest arguments after these win (e.g. -n 0).
+# NumPy's OpenBLAS starts a thread per core in every test process and its subprocesses: with three
+# processes on two cores those threads spin against each other (one simulator test took 28 s of CPU
+# with them, 7.8 s with one thread each). One thread per process unless the caller says otherwise.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec .venv/bin/python -m pytest -n "${ADB_TEST_WORKERS:-3}" --dist loadfile "$@"
