@@ -33,7 +33,7 @@ from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.exceptions import StoreError
 from airflow_deadline_batch.plugins import progress
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
-from airflow_deadline_batch.store import ManifestStore
+from airflow_deadline_batch.store import ManifestStore, engine
 from airflow_deadline_batch.store.engine import RETRY_ATTEMPTS
 from tests.helpers.commits import commit
 
@@ -169,9 +169,14 @@ def test_a_closed_port_is_a_503_after_one_connect(
     assert connects == [f"127.0.0.1:{port}"] * 2  # one connect a request
 
 
-def test_a_workers_store_still_retries_a_closed_port(connects: list[str]) -> None:
+def test_a_workers_store_still_retries_a_closed_port(
+    connects: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Only the view's budget is short: a store opened as the workers and the OpenAI routes open
-    it rides out a restart, trying a refused connection :data:`RETRY_ATTEMPTS` times."""
+    it rides out a restart, trying a refused connection :data:`RETRY_ATTEMPTS` times (the
+    backoff between the tries shortened here: what is counted is the tries)."""
+    monkeypatch.setattr(engine, "RETRY_WAIT_S", 0.001)
+    monkeypatch.setattr(engine, "RETRY_MAX_WAIT_S", 0.01)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
