@@ -53,6 +53,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 #: jobs the list shows at most, newest first (their rows are read together: a page view stays bounded)
 LIST_LIMIT = 50
+#: input lines whose jobs' rows the jobs list reads together at most (the commits grow with the
+#: records: 50 jobs of a 10M-record night read at once would be millions of rows in the api-server)
+ROWS_BATCH_LINES = 2_000_000
 #: jobs a run's tab looks through for that run's (one read)
 RUN_SCAN_LIMIT = 500
 #: bytes of the manifest read and sent at a time
@@ -166,6 +169,21 @@ def reset_store() -> None:
             store.close()
         _resolved = None
         _open.clear()
+
+
+def _batches(jobs: list[JobRow], max_lines: int) -> Iterator[list[JobRow]]:
+    """``jobs`` in order, in consecutive batches of at most ``max_lines`` input lines (a job of
+    more lines is a batch alone)."""
+    batch: list[JobRow] = []
+    lines = 0
+    for job in jobs:
+        if batch and lines + job.input_lines > max_lines:
+            yield batch
+            batch, lines = [], 0
+        batch.append(job)
+        lines += job.input_lines
+    if batch:
+        yield batch
 
 
 def _now() -> dt.datetime:
@@ -312,16 +330,21 @@ def create_app() -> FastAPI:
     def summaries(jobs: list[JobRow]) -> tuple[list[model.JobSummary], int]:
         """The jobs' rows in the list, and how many could not be shown (each logged): one job's
         rows that the view refuses must not take every other job's off the list. The rows of all
-        the jobs are one read (``rows_of_jobs``), not three per job."""
+        the jobs are read together (``rows_of_jobs``), not three reads per job, in batches of at
+        most :data:`ROWS_BATCH_LINES` input lines (a job larger than that alone), so the rows held
+        at once stay about one large job's."""
         now, shown = _now(), []
-        rows = _page_store().rows_of_jobs([job.job_id for job in jobs])
-        for job in jobs:
-            try:
-                shown.append(
-                    readable_view(job.job_id, partial(model.summary_of_rows, job, rows[job.job_id], now=now))
-                )
-            except JobUnreadable:
-                continue
+        for batch in _batches(jobs, ROWS_BATCH_LINES):
+            rows = _page_store().rows_of_jobs([job.job_id for job in batch])
+            for job in batch:
+                try:
+                    shown.append(
+                        readable_view(
+                            job.job_id, partial(model.summary_of_rows, job, rows[job.job_id], now=now)
+                        )
+                    )
+                except JobUnreadable:
+                    continue
         return shown, len(jobs) - len(shown)
 
     @app.get("/jobs", response_class=HTMLResponse)
