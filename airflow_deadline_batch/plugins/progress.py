@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
@@ -134,7 +133,7 @@ class JobUnreadable(Exception):
 def _store(budget: StoreBudget = DEFAULT_BUDGET) -> ManifestStore:
     """The store the configuration names now, opened once per URL and ``budget``; a store left
     behind is closed. The default budget is the workers' (the OpenAI routes)."""
-    from airflow_deadline_batch.store import ManifestStore
+    from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
     try:
         url = _store_url()
@@ -144,10 +143,8 @@ def _store(budget: StoreBudget = DEFAULT_BUDGET) -> ManifestStore:
         current = _open.get(budget)
         if current is not None and current[0] == url:
             return current[1]
-        if url.startswith("sqlite:///"):  # as ManifestStoreHook.get_store, which takes no budget
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         try:
-            store = ManifestStore(url, budget=budget)
+            store = ManifestStoreHook(store_url=url).get_store(budget=budget)
         except ConfigurationError as exc:  # the URL's scheme: not a store we know
             raise StoreUnavailable(str(exc)) from exc
         _open[budget] = (url, store)
