@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook
 
 from airflow_deadline_batch.exceptions import ConfigurationError, JobNotFound, StoreError
+from airflow_deadline_batch.store.engine import DEFAULT_BUDGET, StoreBudget
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import ManifestStore
@@ -139,14 +140,15 @@ class ManifestStoreHook(BaseHook):
             )
         return default_store_url()
 
-    def get_store(self, *, migrate: bool = False) -> ManifestStore:
-        """Open the store; ``migrate=True`` creates or upgrades its tables first (idempotent)."""
+    def get_store(self, *, migrate: bool = False, budget: StoreBudget = DEFAULT_BUDGET) -> ManifestStore:
+        """Open the store; ``migrate=True`` creates or upgrades its tables first (idempotent).
+        ``budget``: how long its calls wait for the database (the default is the workers')."""
         from airflow_deadline_batch.store import ManifestStore
 
         url = self.get_store_url()
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        store = ManifestStore(url)
+        store = ManifestStore(url, budget=budget)
         if migrate:
             store.migrate()
         return store

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import SplitResult, quote, urlencode, urlsplit
 
 from airflow.sdk import BaseOperatorLink
 
 PLUGIN_URL_PREFIX = "/deadline-batch"
+#: the port of an http(s) URL that names none
+_PORTS = {"http": 80, "https": 443}
 
 
 def airflow_base_url() -> str:
@@ -39,23 +41,39 @@ def progress_url(base_url: str, job_id: str, manifest_uri: str | None = None) ->
     return url
 
 
-def job_page_link(value: object) -> str:
+def job_page_link(value: object, base_url: str | None = None) -> str:
     """``value`` if it is a link :func:`progress_url` could have made, else "" (no button).
 
     The URL comes from XCom, which more than the task can write (Airflow's REST API edits XCom
     entries): a ``javascript:`` or foreign URL there would be a button in the UI that runs script
-    or leads away for whoever clicks it. So only an http(s) URL or a rooted path to a job page,
-    with no whitespace or control characters (which browsers strip from schemes) and no backslash
-    (which browsers read as ``/``: ``/\\host`` is another site), is a link.
+    or leads away for whoever clicks it. So only a rooted path to a job page, or an http(s) URL of
+    one on the host and port of Airflow's own ``base_url`` (default :func:`airflow_base_url`; none
+    configured: no absolute URL is a link) with no user name in it, is a link; and neither may
+    hold whitespace or control characters (which browsers strip from schemes) or a backslash
+    (which browsers read as ``/``: ``/\\host`` is another site).
     """
     if not isinstance(value, str) or any(ch <= " " or ch in "\x7f\\" for ch in value):
         return ""
     parts = urlsplit(value)
-    absolute = parts.scheme in ("http", "https") and bool(parts.netloc)
+    absolute = parts.scheme in ("http", "https") and bool(parts.netloc) and _on_airflow_host(parts, base_url)
     rooted = not parts.scheme and not parts.netloc and value.startswith("/") and not value.startswith("//")
     if not (absolute or rooted) or f"{PLUGIN_URL_PREFIX}/jobs/" not in parts.path:
         return ""
     return value
+
+
+def _on_airflow_host(parts: SplitResult, base_url: str | None) -> bool:
+    """Whether the URL of ``parts`` is on the host and port of Airflow's ``base_url``."""
+    own = urlsplit(airflow_base_url() if base_url is None else base_url)
+    try:
+        return (
+            bool(own.hostname)
+            and parts.username is None
+            and (parts.hostname, parts.port or _PORTS[parts.scheme])
+            == (own.hostname, own.port or _PORTS.get(own.scheme))
+        )
+    except ValueError:  # a port that is not a number
+        return False
 
 
 class DeadlineBatchProgressLink(BaseOperatorLink):

@@ -13,7 +13,9 @@ the job's DAG (:mod:`airflow_deadline_batch.ui.access`). The store is the one na
 ``ADB_STORE_URL``, else the connection in ``ADB_STORE_CONN_ID`` / ``[deadline_batch]
 store_conn_id``, else the SQLite default. The api-server keeps one open store for the URL these
 resolve to: the environment is read at every call and a connection every :data:`STORE_URL_TTL_S`,
-so an edited URL or connection takes effect without a restart.
+so an edited URL or connection takes effect without a restart. The jobs view reads it within
+:data:`PAGE_BUDGET` (a person, and one of the api-server's workers, wait on each page); the OpenAI
+routes, which also write, with the workers' budget.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
@@ -34,10 +37,12 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from sqlalchemy.exc import TimeoutError as PoolTimeout  # every pooled connection busy past the budget
 
 from airflow_deadline_batch.exceptions import ConfigurationError
 from airflow_deadline_batch.links.progress import PLUGIN_URL_PREFIX, DeadlineBatchProgressLink
 from airflow_deadline_batch.plugins.priority import DeadlineWeightStrategy
+from airflow_deadline_batch.store.engine import DEFAULT_BUDGET, StoreBudget, is_statement_timeout
 
 if TYPE_CHECKING:
     from airflow_deadline_batch.store import JobRow, ManifestStore
@@ -45,8 +50,11 @@ if TYPE_CHECKING:
 UTC = dt.timezone.utc
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-#: jobs the list shows at most, newest first (each costs three reads: a page view stays bounded)
+#: jobs the list shows at most, newest first (their rows are read together: a page view stays bounded)
 LIST_LIMIT = 50
+#: input lines whose jobs' rows the jobs list reads together at most (the commits grow with the
+#: records: 50 jobs of a 10M-record night read at once would be millions of rows in the api-server)
+ROWS_BATCH_LINES = 2_000_000
 #: jobs a run's tab looks through for that run's (one read)
 RUN_SCAN_LIMIT = 500
 #: bytes of the manifest read and sent at a time
@@ -58,6 +66,12 @@ MANIFEST_CHUNK_BYTES = 1024 * 1024
 STORE_URL_TTL_S = 30.0
 _monotonic = time.monotonic
 
+#: how long a page of the jobs view waits for the store: a PostgreSQL host that drops packets (or
+#: is down) fails the one connect after 2 s, a query that hangs (a lock another session holds) is
+#: cancelled after 5 s, and neither is tried again (the page is reloaded, or a person reloads it).
+#: The workers' and operators' budget rides out a fail-over instead: about a minute of retries.
+PAGE_BUDGET = StoreBudget(connect_timeout_s=2, attempts=1, pool_timeout_s=5.0, statement_timeout_s=5.0)
+
 
 @dataclass(frozen=True)
 class _Resolved:
@@ -68,9 +82,9 @@ class _Resolved:
 
 _lock = threading.Lock()
 _resolved: _Resolved | None = None
-#: the open store and the URL it was opened with (``ManifestStore.url`` is normalised, its
-#: password hidden: comparing that with the configured URL would reopen the store at every call)
-_open: tuple[str, ManifestStore] | None = None
+#: per budget, the open store and the URL it was opened with (``ManifestStore.url`` is normalised,
+#: its password hidden: comparing that with the configured URL would reopen the store at every call)
+_open: dict[StoreBudget, tuple[str, ManifestStore]] = {}
 
 
 def _store_conn_id() -> str | None:
@@ -116,9 +130,9 @@ class JobUnreadable(Exception):
         super().__init__(f"job {job_id} cannot be shown: {reason}")
 
 
-def _store() -> ManifestStore:
-    """The store the configuration names now, opened once per URL; a store left behind is closed."""
-    global _open
+def _store(budget: StoreBudget = DEFAULT_BUDGET) -> ManifestStore:
+    """The store the configuration names now, opened once per URL and ``budget``; a store left
+    behind is closed. The default budget is the workers' (the OpenAI routes)."""
     from airflow_deadline_batch.hooks.store import ManifestStoreHook
 
     try:
@@ -126,26 +140,47 @@ def _store() -> ManifestStore:
     except (ConfigurationError, AirflowNotFoundException) as exc:
         raise StoreUnavailable(str(exc)) from exc
     with _lock:
-        current = _open
+        current = _open.get(budget)
         if current is not None and current[0] == url:
             return current[1]
         try:
-            store = ManifestStoreHook(store_url=url).get_store()
+            store = ManifestStoreHook(store_url=url).get_store(budget=budget)
         except ConfigurationError as exc:  # the URL's scheme: not a store we know
             raise StoreUnavailable(str(exc)) from exc
-        _open = (url, store)
+        _open[budget] = (url, store)
         if current is not None:
             current[1].close()  # its pooled connections; a request still using it reconnects
         return store
 
 
+def _page_store() -> ManifestStore:
+    """The store as the jobs view reads it: within :data:`PAGE_BUDGET`."""
+    return _store(PAGE_BUDGET)
+
+
 def reset_store() -> None:
-    """Forget the resolved URL and close the open store (tests; a later call opens it again)."""
-    global _resolved, _open
+    """Forget the resolved URL and close the open stores (tests; a later call opens them again)."""
+    global _resolved
     with _lock:
-        if _open is not None:
-            _open[1].close()
-        _resolved, _open = None, None
+        for _, store in _open.values():
+            store.close()
+        _resolved = None
+        _open.clear()
+
+
+def _batches(jobs: list[JobRow], max_lines: int) -> Iterator[list[JobRow]]:
+    """``jobs`` in order, in consecutive batches of at most ``max_lines`` input lines (a job of
+    more lines is a batch alone)."""
+    batch: list[JobRow] = []
+    lines = 0
+    for job in jobs:
+        if batch and lines + job.input_lines > max_lines:
+            yield batch
+            batch, lines = [], 0
+        batch.append(job)
+        lines += job.input_lines
+    if batch:
+        yield batch
 
 
 def _now() -> dt.datetime:
@@ -159,6 +194,22 @@ STORE_UNAVAILABLE = (
 )
 
 
+#: what a page or API call answers when every pooled connection stayed busy past the budget's wait
+STORE_BUSY = (
+    "Every connection of the api-server to the deadline-batch store is busy with other reads:"
+    " reload the page in a few seconds."
+)
+
+
+def store_too_slow() -> str:
+    """What a page or API call answers when PostgreSQL cancelled its read at the statement timeout."""
+    return (
+        "The deadline-batch store did not answer within the jobs view's statement timeout"
+        f" ({PAGE_BUDGET.statement_timeout_s:g} s): a long query or a lock on its tables holds it"
+        " up; reload the page (the api-server log has the statement)."
+    )
+
+
 #: the pages hold no script and load nothing (``ui.render``): a browser that honours this runs no
 #: script there even if a value ever escaped its escaping, and only Airflow's own UI may frame them
 PAGE_CSP = (
@@ -168,8 +219,10 @@ PAGE_CSP = (
 
 
 class _JobsViewRoute(APIRoute):
-    """A route of the jobs view: its pages carry :data:`PAGE_CSP`; a store that is down or
-    misconfigured answers 503 with one line, a job whose rows cannot be shown 500 with one line.
+    """A route of the jobs view: its pages carry :data:`PAGE_CSP`; a store that is down,
+    misconfigured or busy (no pooled connection free within the budget) answers 503 with one line
+    (one naming the statement timeout when PostgreSQL cancelled a read that ran past it), a job
+    whose rows cannot be shown 500 with one line.
 
     Without this the error would be an unhandled exception: a bare 500 in the UI's iframe and a
     traceback in the log with nothing said to the user. HTML routes answer a page, the JSON API
@@ -195,9 +248,14 @@ class _JobsViewRoute(APIRoute):
                 response = await handler(request)
             except JobNotFound:
                 raise
-            except (StoreError, StoreUnavailable) as exc:
+            except (StoreError, StoreUnavailable, PoolTimeout) as exc:
                 log.warning("deadline-batch store unavailable for %s: %s", request.url.path, exc)
-                response = answer(request, 503, "Store unavailable", STORE_UNAVAILABLE)
+                if isinstance(exc, PoolTimeout):
+                    response = answer(request, 503, "Store busy", STORE_BUSY)
+                elif is_statement_timeout(exc):
+                    response = answer(request, 503, "Store too slow", store_too_slow())
+                else:
+                    response = answer(request, 503, "Store unavailable", STORE_UNAVAILABLE)
             except JobUnreadable as exc:
                 response = answer(request, 500, "Job cannot be shown", f"{exc} (the api-server log has more)")
             if html:
@@ -230,7 +288,7 @@ def create_app() -> FastAPI:
 
     def readable_job(job_id: str, user: BaseUser) -> JobRow:
         try:
-            job = _store().get_job(job_id)
+            job = _page_store().get_job(job_id)
         except JobNotFound as exc:
             raise HTTPException(status_code=404, detail=f"no deadline-batch job {job_id}") from exc
         if not may_read(user, model.planned_by(job.idempotency_key)):
@@ -238,7 +296,7 @@ def create_app() -> FastAPI:
         return job
 
     def readable_jobs(user: BaseUser) -> tuple[list[JobRow], int]:
-        jobs = _store().list_jobs(limit=LIST_LIMIT)
+        jobs = _page_store().list_jobs(limit=LIST_LIMIT)
         allowed: dict[str | None, bool] = {}
         shown = []
         for job in jobs:
@@ -254,27 +312,36 @@ def create_app() -> FastAPI:
         """``read()`` of one job's view; anything but the store failing is that job's rows (logged)."""
         try:
             return read()
-        except (StoreError, StoreUnavailable):
+        except (StoreError, StoreUnavailable, PoolTimeout):
             raise
         except Exception as exc:
             log.exception("deadline-batch job %s cannot be shown", job_id)
             raise JobUnreadable(job_id, exc) from exc
 
     def summary_of(job: JobRow, now: dt.datetime) -> model.JobSummary:
-        return readable_view(job.job_id, lambda: model.read_job_summary(_store(), job, now=now))
+        return readable_view(job.job_id, lambda: model.read_job_summary(_page_store(), job, now=now))
 
     def page_of(job_id: str) -> model.JobPage:
-        return readable_view(job_id, lambda: model.read_job_page(_store(), job_id, now=_now()))
+        return readable_view(job_id, lambda: model.read_job_page(_page_store(), job_id, now=_now()))
 
     def summaries(jobs: list[JobRow]) -> tuple[list[model.JobSummary], int]:
         """The jobs' rows in the list, and how many could not be shown (each logged): one job's
-        rows that the view refuses must not take every other job's off the list."""
+        rows that the view refuses must not take every other job's off the list. The rows of all
+        the jobs are read together (``rows_of_jobs``), not three reads per job, in batches of at
+        most :data:`ROWS_BATCH_LINES` input lines (a job larger than that alone), so the rows held
+        at once stay about one large job's."""
         now, shown = _now(), []
-        for job in jobs:
-            try:
-                shown.append(summary_of(job, now))
-            except JobUnreadable:
-                continue
+        for batch in _batches(jobs, ROWS_BATCH_LINES):
+            rows = _page_store().rows_of_jobs([job.job_id for job in batch])
+            for job in batch:
+                try:
+                    shown.append(
+                        readable_view(
+                            job.job_id, partial(model.summary_of_rows, job, rows[job.job_id], now=now)
+                        )
+                    )
+                except JobUnreadable:
+                    continue
         return shown, len(jobs) - len(shown)
 
     @app.get("/jobs", response_class=HTMLResponse)
@@ -295,7 +362,7 @@ def create_app() -> FastAPI:
             raise HTTPException(status_code=403, detail="Forbidden")
         jobs = [
             job
-            for job in _store().list_jobs(limit=RUN_SCAN_LIMIT)
+            for job in _page_store().list_jobs(limit=RUN_SCAN_LIMIT)
             if (ref := model.planned_by(job.idempotency_key)) and (ref.dag_id, ref.run_id) == (dag_id, run_id)
         ]
         if len(jobs) == 1:
@@ -321,7 +388,7 @@ def create_app() -> FastAPI:
     def job_json(job_id: str, user: BaseUser = user_dep) -> dict[str, Any]:
         job = readable_job(job_id, user)
         summary = summary_of(job, _now())
-        progress = readable_view(job_id, lambda: _store().progress(job_id))
+        progress = readable_view(job_id, lambda: _page_store().progress(job_id))
         return {**plain(progress), **model.plain_summary(summary), "job_id": job_id}
 
     @app.get("/api/jobs/{job_id}/manifest")

@@ -50,6 +50,39 @@ _TRANSIENT_MESSAGES = (
     "connection timeout",
     "terminating connection",
 )
+#: SQLSTATE query_canceled: the server cancelled the statement (``statement_timeout`` among others)
+_QUERY_CANCELED = "57014"
+
+
+@dataclass(frozen=True)
+class StoreBudget:
+    """How long one call on a store may wait for its database, and how many times it is tried.
+
+    The default is the workers' and operators': they ride out a restart or a fail-over, so a
+    connect waits :data:`CONNECT_TIMEOUT_S` and a transient failure is tried again, up to
+    :data:`RETRY_ATTEMPTS` times in all, and no statement is cut short. A caller with a person
+    waiting on it (a page of the jobs view) gives a shorter connect timeout, fewer attempts and a
+    PostgreSQL ``statement_timeout`` instead, so that a store that is slow or gone fails in seconds.
+    """
+
+    #: seconds a new PostgreSQL connection may take (libpq's ``connect_timeout``: whole seconds)
+    connect_timeout_s: int = CONNECT_TIMEOUT_S
+    #: tries in all of a transaction that fails transiently (1: never tried again)
+    attempts: int = RETRY_ATTEMPTS
+    #: seconds a call waits for a free pooled connection
+    pool_timeout_s: float = 30.0
+    #: PostgreSQL's ``statement_timeout`` on the store's connections, in seconds (None: none)
+    statement_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.connect_timeout_s < 1 or self.pool_timeout_s <= 0:
+            raise ValueError(f"a store budget needs attempts >= 1 and positive timeouts, got {self}")
+        if self.statement_timeout_s is not None and not self.statement_timeout_s > 0:
+            raise ValueError(f"statement_timeout_s must be > 0 or None, got {self.statement_timeout_s}")
+
+
+#: the workers' and operators' budget (every store's unless it is given another)
+DEFAULT_BUDGET = StoreBudget()
 
 
 def normalize_url(url: str) -> str:
@@ -119,8 +152,33 @@ def _install_idle_ping(engine: Engine) -> None:
             raise sa.exc.DisconnectionError("stale pooled connection")
 
 
-def create_store_engine(url: str) -> Engine:
-    """An engine with explicit connect timeouts; SQLite in WAL mode with serialized writers."""
+def _install_statement_timeout(engine: Engine, timeout_s: float) -> None:
+    """Every new PostgreSQL connection of ``engine`` cancels a statement that runs (or waits for a
+    lock) longer than ``timeout_s``: a session setting, so it holds for every transaction on it.
+
+    Set on connect rather than in the URL's ``options``, which may already carry the user's own
+    (a ``search_path``, say) and would be replaced.
+    """
+    milliseconds = max(1, int(timeout_s * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True  # a session setting, outside any transaction
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"SET statement_timeout = {milliseconds}")
+        finally:
+            cursor.close()
+            dbapi_connection.autocommit = autocommit
+
+
+def create_store_engine(url: str, budget: StoreBudget = DEFAULT_BUDGET) -> Engine:
+    """An engine with explicit connect timeouts; SQLite in WAL mode with serialized writers.
+
+    ``budget`` gives the PostgreSQL engine its connect, pool and statement timeouts (SQLite opens
+    a local file: it has none of these to wait on).
+    """
     url = normalize_url(url)
     if url.startswith("sqlite"):
         engine = sa.create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
@@ -129,13 +187,15 @@ def create_store_engine(url: str) -> Engine:
     engine = sa.create_engine(
         url,
         # connect_timeout: without it a half-open network path hangs the worker for minutes.
-        connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
+        connect_args={"connect_timeout": budget.connect_timeout_s},
         pool_size=2,
         max_overflow=4,
-        pool_timeout=30,
+        pool_timeout=budget.pool_timeout_s,
         pool_recycle=1800,
     )
     _install_idle_ping(engine)
+    if budget.statement_timeout_s is not None:
+        _install_statement_timeout(engine, budget.statement_timeout_s)
     return engine
 
 
@@ -154,8 +214,24 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
+def is_statement_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the error it was raised from) is PostgreSQL cancelling a statement that
+    ran past its ``statement_timeout`` (:attr:`StoreBudget.statement_timeout_s`)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, sa.exc.DBAPIError):
+            orig = seen.orig
+            return getattr(orig, "sqlstate", None) == _QUERY_CANCELED and "statement timeout" in str(orig)
+        seen = seen.__cause__
+    return False
+
+
 def run_with_retry(
-    fn: Callable[[], T], *, passthrough: tuple[type[BaseException], ...] = (), url: str = "the manifest store"
+    fn: Callable[[], T],
+    *,
+    passthrough: tuple[type[BaseException], ...] = (),
+    url: str = "the manifest store",
+    attempts: int = RETRY_ATTEMPTS,
 ) -> T:
     """Run one whole transaction, retrying transient failures with bounded, jittered backoff.
 
@@ -167,19 +243,20 @@ def run_with_retry(
     duplicate, which callers handle like a lost lease: exit retryable). Driver errors other
     than ``passthrough`` are wrapped in :class:`StoreError`. The first try runs bare: the retry
     machinery is built only after a transient failure (it cost more than a fast statement).
+    ``attempts`` is the tries in all (:attr:`StoreBudget.attempts`; 1: no retry).
     """
     try:
         try:
             return fn()
         except sa.exc.DBAPIError as exc:
-            if not is_transient(exc):
+            if attempts < 2 or not is_transient(exc):
                 raise
         # The same schedule as one Retrying over all attempts: sleep U(0, 0.05 s) after the first
-        # failure, then U(0, 0.1 s), U(0, 0.2 s), ... capped at 2 s; at most RETRY_ATTEMPTS in all.
+        # failure, then U(0, 0.1 s), U(0, 0.2 s), ... capped at 2 s; at most ``attempts`` in all.
         time.sleep(random.uniform(0.0, RETRY_WAIT_S))
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
-            stop=stop_after_attempt(RETRY_ATTEMPTS - 1) | stop_after_delay(RETRY_WINDOW_S),
+            stop=stop_after_attempt(attempts - 1) | stop_after_delay(RETRY_WINDOW_S),
             wait=wait_random_exponential(multiplier=2 * RETRY_WAIT_S, max=RETRY_MAX_WAIT_S),
             reraise=True,
         )

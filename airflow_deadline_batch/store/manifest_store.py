@@ -60,8 +60,10 @@ from airflow_deadline_batch.exceptions import (
 from airflow_deadline_batch.store import dispatch, leases, pool_stats, tenancy, throughput
 from airflow_deadline_batch.store.engine import (
     BEGIN_MODE,
+    DEFAULT_BUDGET,
     PING_AFTER_IDLE_S,
     AutocommitConnection,
+    StoreBudget,
     create_store_engine,
     fork_safe,
     run_with_retry,
@@ -77,6 +79,7 @@ from airflow_deadline_batch.store.rows import (
     DispatchGrantRow,
     DispatchRow,
     JobRow,
+    JobRows,
     Lease,
     NewCommit,
     NewJob,
@@ -101,6 +104,8 @@ UTC = dt.timezone.utc
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 #: pg_advisory_xact_lock key that serializes concurrent migrate() calls ("adb_migr")
 MIGRATION_LOCK_KEY = 0x6164625F6D696772
+#: job IDs one statement of ``rows_of_jobs`` names at most (SQLite's bound parameters are limited)
+ROWS_OF_JOBS_CHUNK = 500
 #: a refused lease operation whose read-only diagnosis finds no reason (the row changed in between)
 #: is tried again, at most this many times in all
 RACE_TRIES = 3
@@ -172,11 +177,14 @@ class ManifestStore:
     """Durable job/shard/attempt state with fenced, exactly-once microbatch commits.
 
     ``url`` is ``sqlite:///path.db`` (the embedded default) or ``postgresql+psycopg://...``.
-    Call :meth:`migrate` (or use :meth:`open`) once before use.
+    Call :meth:`migrate` (or use :meth:`open`) once before use. ``budget`` bounds how long a call
+    waits for the database and how often it is tried (``store/engine.py``); the default is the
+    workers' and operators', which ride out a restart or a fail-over.
     """
 
-    def __init__(self, url: str) -> None:
-        self._engine = create_store_engine(url)
+    def __init__(self, url: str, *, budget: StoreBudget = DEFAULT_BUDGET) -> None:
+        self._engine = create_store_engine(url, budget)
+        self._attempts = budget.attempts
         self.url = self._engine.url.render_as_string(hide_password=True)
         self.dialect = self._engine.dialect.name
         self._writer = self._engine.execution_options(**{BEGIN_MODE: "IMMEDIATE"})
@@ -228,7 +236,7 @@ class ManifestStore:
             with engine.begin() as conn:
                 return fn(conn)
 
-        return run_with_retry(attempt, passthrough=passthrough, url=self.url)
+        return run_with_retry(attempt, passthrough=passthrough, url=self.url, attempts=self._attempts)
 
     def _check_fork(self) -> None:
         """After ``fork()`` leave the parent's connections alone and open our own."""
@@ -768,7 +776,9 @@ class ManifestStore:
         self._check_fork()
         hot = self._hot_conn
         if hot is not None:
-            return run_with_retry(lambda: hot.first(op.combined, params), url=self.url)
+            return run_with_retry(
+                lambda: hot.first(op.combined, params), url=self.url, attempts=self._attempts
+            )
         return self._tx(lambda conn: leases.run_steps(conn, op, params))
 
     def _snapshot(self, job_id: str, shard_index: int) -> leases.ShardSnapshot:
@@ -1056,6 +1066,44 @@ class ManifestStore:
             return [AttemptRow.from_row(r) for r in conn.execute(query)]
 
         return self._tx(read, write=False)
+
+    def rows_of_jobs(self, job_ids: Collection[str]) -> dict[str, JobRows]:
+        """The shards, commits and attempts of each of ``job_ids``, in one read-only transaction of
+        three statements per :data:`ROWS_OF_JOBS_CHUNK` jobs (a list of jobs reads them together,
+        not three transactions per job). Each job's rows are ordered as :meth:`list_shards`,
+        :meth:`list_commits` and :meth:`list_attempts` order them; a job with no rows, or no such
+        job, maps to empty ones (the caller read the jobs themselves already).
+        """
+        wanted = list(dict.fromkeys(job_ids))
+
+        def read(conn: Connection) -> dict[str, JobRows]:
+            found: dict[str, tuple[list[ShardRow], list[CommitRow], list[AttemptRow]]] = {
+                job_id: ([], [], []) for job_id in wanted
+            }
+            for start in range(0, len(wanted), ROWS_OF_JOBS_CHUNK):
+                chunk = wanted[start : start + ROWS_OF_JOBS_CHUNK]
+                for row in conn.execute(
+                    sa.select(shards).where(shards.c.job_id.in_(chunk)).order_by(shards.c.shard_index)
+                ):
+                    found[row.job_id][0].append(ShardRow.from_row(row))
+                for row in conn.execute(
+                    sa.select(commits)
+                    .where(commits.c.job_id.in_(chunk))
+                    .order_by(commits.c.shard_index, commits.c.seq)
+                ):
+                    found[row.job_id][1].append(CommitRow.from_row(row))
+                for row in conn.execute(
+                    sa.select(attempts)
+                    .where(attempts.c.job_id.in_(chunk))
+                    .order_by(attempts.c.started_at, attempts.c.shard_index, attempts.c.epoch)
+                ):
+                    found[row.job_id][2].append(AttemptRow.from_row(row))
+            return {
+                job_id: JobRows(shards=tuple(s), commits=tuple(c), attempts=tuple(a))
+                for job_id, (s, c, a) in found.items()
+            }
+
+        return self._tx(read, write=False) if wanted else {}
 
     def lease_holders(self, job_id: str, shard_index: int) -> list[AttemptRow]:
         """The shard's running attempts that hold its lease or its racing lease (at most two).

@@ -300,6 +300,16 @@ class CommitRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class JobRows:
+    """One job's shards, commits and attempts, ordered as ``list_shards``, ``list_commits`` and
+    ``list_attempts`` return them (``ManifestStore.rows_of_jobs``)."""
+
+    shards: tuple[ShardRow, ...] = ()
+    commits: tuple[CommitRow, ...] = ()
+    attempts: tuple[AttemptRow, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Lease:
     """Proof that one attempt holds a shard: every write is conditioned on (attempt_id, epoch).
 

@@ -52,7 +52,7 @@ from airflow_deadline_batch.metrics import attempt_totals
 from airflow_deadline_batch.operators.placement import job_view_of
 
 if TYPE_CHECKING:
-    from airflow_deadline_batch.store import AttemptRow, CommitRow, JobRow, ManifestStore, ShardRow
+    from airflow_deadline_batch.store import AttemptRow, CommitRow, JobRow, JobRows, ManifestStore, ShardRow
 
 log = logging.getLogger(__name__)
 
@@ -235,11 +235,16 @@ def summarize(job: JobRow, view: JobView, cost: CostSummary) -> JobSummary:
     )
 
 
+def summary_of_rows(job: JobRow, rows: JobRows, *, now: dt.datetime) -> JobSummary:
+    """One row of the jobs list, from the job's shards, commits and attempts (a list reads them for
+    all its jobs at once: ``ManifestStore.rows_of_jobs``)."""
+    view = job_view_of(job, rows.shards, rows.commits, rows.attempts, now=now)
+    return summarize(job, view, cost_summary(view, rows.attempts, rows.commits))
+
+
 def read_job_summary(store: ManifestStore, job: JobRow, *, now: dt.datetime) -> JobSummary:
-    """One row of the jobs list: one read each of the job's shards, commits and attempts."""
-    commits, attempts = store.list_commits(job.job_id), store.list_attempts(job.job_id)
-    view = job_view_of(job, store.list_shards(job.job_id), commits, attempts, now=now)
-    return summarize(job, view, cost_summary(view, attempts, commits))
+    """One row of the jobs list: the job's shards, commits and attempts in one read."""
+    return summary_of_rows(job, store.rows_of_jobs([job.job_id])[job.job_id], now=now)
 
 
 # -- history -----------------------------------------------------------------------------------

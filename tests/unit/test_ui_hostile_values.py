@@ -86,15 +86,18 @@ def test_the_progress_button_shows_no_link_it_could_not_have_made(value: object)
 
 
 @pytest.mark.parametrize(
-    "url",
+    ("base_url", "url"),
     [
-        progress_url("https://airflow.example/", "j-abc", "s3://b/j-abc/manifest.json"),
-        progress_url("", "j-abc"),
-        progress_url("http://airflow:8080/sub", "j-abc"),
+        (
+            "https://airflow.example/",
+            progress_url("https://airflow.example/", "j-abc", "s3://b/j-abc/manifest.json"),
+        ),
+        ("", progress_url("", "j-abc")),
+        ("http://airflow:8080/sub", progress_url("http://airflow:8080/sub", "j-abc")),
     ],
 )
-def test_the_progress_button_shows_the_links_it_made(url: str) -> None:
-    assert job_page_link(url) == url
+def test_the_progress_button_shows_the_links_it_made(base_url: str, url: str) -> None:
+    assert job_page_link(url, base_url) == url
 
 
 def test_every_field_of_the_page_is_text_a_response_can_carry() -> None:
