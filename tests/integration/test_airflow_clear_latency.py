@@ -17,8 +17,9 @@ Two DAGs, each one shard task whose first try is preempted (injected; ``retries=
 
 Runs in three subprocesses (Airflow reads its configuration at import time): ``cleared``'s two, one
 after the other on one ``AIRFLOW_HOME``, and beside them ``retried``'s, which depends on neither,
-on an ``AIRFLOW_HOME`` of its own; the first process on each home migrates its fresh metadata
-database. The two DAGs' jobs share one manifest store.
+on an ``AIRFLOW_HOME`` of its own; each home starts with a copy of the test run's migrated metadata
+database (tests/helpers/airflow_home.py), which Airflow's migration in each process finds current.
+The two DAGs' jobs share one manifest store.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from airflow_deadline_batch.core.failures import TryLedger
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.operators.shard import TRY_LEDGER_KEY
 from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.airflow_home import airflow_home
 from tests.integration.test_airflow_resume_race import _plan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(450)]
@@ -143,9 +145,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dags.mkdir()
     dag_file = dags / "clear_latency.py"
     dag_file.write_text(f"STORE = {store_url!r}\nJOBS = {jobs!r}\n" + textwrap.dedent(DAG))
-    homes = {name: root / f"home-{name}" for name in jobs}
-    for home in homes.values():
-        home.mkdir()
+    homes = {name: airflow_home(root / f"home-{name}", tmp_path_factory) for name in jobs}
     with ThreadPoolExecutor(max_workers=1) as beside:
         retrying = beside.submit(_airflow, homes["retried"], dag_file, "retried", "test")
         stopped, first = _airflow(homes["cleared"], dag_file, "cleared", "test")
