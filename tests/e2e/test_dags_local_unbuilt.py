@@ -10,11 +10,13 @@ to run instead of failing it in the store and publishing the job ``partial``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.store import ManifestStore
-from tests.e2e.test_dags_local import run_derived_example, states
+from tests.e2e.test_dags_local import Derived, derived_examples, run_derived_example, states
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -31,10 +33,16 @@ SHARD_1_UNBUILT = [
 ]
 
 
-def test_an_instance_its_constructor_refuses_leaves_its_shard_to_run(tmp_path):
+@pytest.fixture(scope="module")
+def derived(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Derived]:
+    with derived_examples(tmp_path_factory) as runs:
+        yield runs
+
+
+def test_an_instance_its_constructor_refuses_leaves_its_shard_to_run(derived, tmp_path):
     """Before, the sensor failed shard 1 in the store (``its Airflow task shard[1] failed for
     good``) and published the job ``partial``, shard 1's records ``shard_failed`` for a typo."""
-    result, output, home = run_derived_example(tmp_path, SHARD_1_UNBUILT)
+    result, output, _ = run_derived_example(derived, tmp_path, SHARD_1_UNBUILT)
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
@@ -54,7 +62,7 @@ def test_an_instance_its_constructor_refuses_leaves_its_shard_to_run(tmp_path):
     assert result["manifest"] is None and result["asset_events"] == []
     assert result["job_state"] in ("admitted", "running"), result
 
-    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    store = ManifestStore(derived.store_url)
     try:
         shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
         assert shards.pop(1).state is ShardState.PENDING
