@@ -41,8 +41,9 @@ RUN_SCRIPT = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.arg
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmAirflow]:
-    """The interpreter running the script for this module's tests, on one ``AIRFLOW_HOME``."""
-    home = airflow_home(tmp_path_factory.mktemp("airflow_home"), tmp_path_factory)
+    """The interpreter running the script for this module's tests, on one ``AIRFLOW_HOME``: a
+    fresh one, which the first run migrates as a newcomer's does."""
+    home = tmp_path_factory.mktemp("airflow_home")
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(home),
@@ -207,8 +208,8 @@ class Derived:
         self.warm = WarmAirflow(env)
 
     def write(self, dag_id: str, edits: list[tuple[str, str]]) -> Path:
-        """Write the local example changed by ``edits`` into the DAG folder as DAG ``dag_id``
-        (one file per test: every run parses the whole folder), its retries due at once."""
+        """Write the local example changed by ``edits`` into the DAG folder as DAG ``dag_id``, in
+        a file of its own (a test that fixes its DAG rewrites it), its retries due at once."""
         dag_file = self.dags / f"{dag_id}.py"
         dag_file.write_text(derived_source(EXAMPLE, [*edits, *derived_identity(dag_id)]))
         return dag_file

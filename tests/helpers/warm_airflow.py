@@ -98,7 +98,7 @@ class WarmAirflow:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self.close()
+                self.close(kill=True)
                 raise AssertionError(
                     f"no answer within {timeout_s:.0f} s; its output:\n" + "".join(output)[-5000:]
                 ) from None
@@ -111,16 +111,16 @@ class WarmAirflow:
             elif begun:
                 output.append(line)
 
-    def close(self) -> None:
-        """End the interpreter: its input closed, then its process group killed if it lingers."""
+    def close(self, *, kill: bool = False) -> None:
+        """End the interpreter: its input closed, then its process group killed if it lingers (at
+        once with ``kill``: a run that overran its time is not waited for)."""
         proc, self.proc = self.proc, None
-        if proc is None:
+        if proc is None or proc.poll() is not None:
             return
-        if proc.poll() is None:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=0 if kill else 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
