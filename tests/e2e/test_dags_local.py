@@ -1,17 +1,19 @@
 """The local example DAG end to end under Airflow's real ``dag.test()``, with injected preemptions.
 
-Each run goes through ``scripts/run_example_dag.py`` (the README's demo path) in a subprocess with
-its own ``AIRFLOW_HOME`` (Airflow reads its configuration at import time); the script migrates the
-SQLite metadata database, runs ``dag.test()`` and prints a JSON summary read back from Airflow's
-database and the manifest store. The worker engine is ``echo`` (the DAG's default).
+Each run goes through ``scripts/run_example_dag.py`` (the README's demo path), run as its
+``__main__`` with the module's ``AIRFLOW_HOME`` (Airflow reads its configuration at import time) in
+one warm interpreter the module's runs share (tests/helpers/warm_airflow.py: Airflow's fixed start-up
+cost once, not per run); the script migrates the SQLite metadata database, runs ``dag.test()`` and
+prints a JSON summary read back from Airflow's database and the manifest store. The worker engine is
+``echo`` (the DAG's default). The tests of derived examples share another interpreter, on a home of
+their own whose DAG folder holds one derived example per test, each under its own ``dag_id``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,9 @@ import pytest
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.store import ManifestStore
 from tests.e2e.derived_dag import derived_source
+from tests.helpers.airflow_home import airflow_home
 from tests.helpers.outcomes import read_manifest, read_outcomes
+from tests.helpers.warm_airflow import WarmAirflow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,8 +34,14 @@ SAMPLE = REPO / "dags" / "data" / "sample_reviews.jsonl"
 EXAMPLE = REPO / "dags" / "example_deadline_batch_local.py"
 
 
+#: ``python SCRIPT ARGS...``: the script run as ``__main__`` with its arguments (argv[1], argv[2:])
+RUN_SCRIPT = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+
+
 @pytest.fixture(scope="module")
-def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmAirflow]:
+    """The interpreter running the script for this module's tests, on one ``AIRFLOW_HOME``: a
+    fresh one, which the first run migrates as a newcomer's does."""
     home = tmp_path_factory.mktemp("airflow_home")
     env = {
         **os.environ,
@@ -44,22 +54,18 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
     for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE"):
         env.pop(name, None)
-    return env
+    warm = WarmAirflow(env)
+    yield warm
+    warm.close()
 
 
-def run_dag(env: dict[str, str], conf: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+def run_dag(example: WarmAirflow, conf: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
     """Run the example DAG through the script; its exit status, JSON summary and whole output."""
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json", "--samples", "3", "--conf", json.dumps(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    args = ["--json", "--samples", "3", "--conf", json.dumps(conf)]
+    code, output = example.run(RUN_SCRIPT, str(SCRIPT), *args, timeout_s=300)
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-5000:]
-    return proc.returncode, json.loads(lines[-1].removeprefix("RESULT ")), output
+    return code, json.loads(lines[-1].removeprefix("RESULT ")), output
 
 
 def states(result: dict[str, Any], task_id: str) -> list[str]:
@@ -70,8 +76,8 @@ def file_path(uri: str) -> Path:
     return Path(uri.removeprefix("file://"))
 
 
-def test_local_dag_publishes_one_outcome_per_line_despite_preemptions(airflow_env, tmp_path):
-    code, result, output = run_dag(airflow_env, {"output_uri": str(tmp_path / "out"), "deadline": "+2h"})
+def test_local_dag_publishes_one_outcome_per_line_despite_preemptions(example, tmp_path):
+    code, result, output = run_dag(example, {"output_uri": str(tmp_path / "out"), "deadline": "+2h"})
 
     assert code == 0 and result["state"] == "success", output[-5000:]
     assert states(result, "plan") == ["success"]
@@ -104,10 +110,10 @@ def test_local_dag_publishes_one_outcome_per_line_despite_preemptions(airflow_en
     assert len(result["samples"]) == 3 and all(s["output"].startswith("echo: ") for s in result["samples"])
 
 
-def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(airflow_env, tmp_path):
+def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(example, tmp_path):
     """The sensor runs after the failed plan (its trigger rule is ``all_done``) and ends in one line
     saying so, rather than looking for a job that was never planned."""
-    code, result, output = run_dag(airflow_env, {"output_uri": str(tmp_path / "out"), "deadline": "+1s"})
+    code, result, output = run_dag(example, {"output_uri": str(tmp_path / "out"), "deadline": "+1s"})
 
     assert code == 1 and result["state"] == "failed"
     assert states(result, "plan") == ["failed"]
@@ -123,14 +129,14 @@ def test_infeasible_deadline_fails_at_plan_and_nothing_downstream_runs(airflow_e
 
 
 @pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
-def test_an_input_without_records_still_publishes_its_manifest(airflow_env, tmp_path, content):
+def test_an_input_without_records_still_publishes_its_manifest(example, tmp_path, content):
     """The plan returns no shard, so Airflow skips the mapped shard task; the sensor after it runs
     anyway (its trigger rule is ``all_done``) and publishes the job's empty manifest, and the
     downstream task reads it. Before, the skip reached the sensor: no manifest, the job left admitted."""
     source = tmp_path / "tonight.jsonl"
     source.write_bytes(content)
     conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(source)}
-    code, result, output = run_dag(airflow_env, conf)
+    code, result, output = run_dag(example, conf)
 
     assert code == 0 and result["state"] == "success", output[-5000:]
     assert states(result, "plan") == ["success"] and set(states(result, "shard")) == {"skipped"}
@@ -177,39 +183,71 @@ print("RESULT " + json.dumps(summary))
 """
 
 
-def run_derived_example(tmp_path: Path, edits: list[tuple[str, str]]) -> tuple[dict[str, Any], str, Path]:
-    """Run the local example changed by ``edits`` with ``dag.test()`` in a fresh Airflow home
-    (echo engine, its own store): its ``RESULT`` line, everything it printed, and the home."""
-    home = tmp_path / "airflow_home"
-    dags = home / "dags"
-    dags.mkdir(parents=True)
-    dag_file = dags / "example_deadline_batch_local.py"
-    dag_file.write_text(derived_source(EXAMPLE, edits))
+#: the example's knobs the derived examples run without (their edits inject their own faults)
+UNSET = ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE", "ADB_EXAMPLE_PREEMPT_TRIES")
+
+
+class Derived:
+    """The Airflow home the tests of derived examples share, and the interpreter running them."""
+
+    def __init__(self, home: Path) -> None:
+        self.dags = home / "dags"
+        self.dags.mkdir()
+        self.store_url = f"sqlite:///{home / 'example' / 'store.db'}"
+        env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags),
+            "ADB_EXAMPLE_DIR": str(home / "example"),
+            "ADB_ENGINE": "echo",
+        }
+        for name in UNSET:
+            env.pop(name, None)
+        self.warm = WarmAirflow(env)
+
+    def write(self, dag_id: str, edits: list[tuple[str, str]]) -> Path:
+        """Write the local example changed by ``edits`` into the DAG folder as DAG ``dag_id``, in
+        a file of its own (a test that fixes its DAG rewrites it), its retries due at once."""
+        dag_file = self.dags / f"{dag_id}.py"
+        dag_file.write_text(derived_source(EXAMPLE, [*edits, *derived_identity(dag_id)]))
+        return dag_file
+
+    def run(self, code: str, *args: str) -> tuple[dict[str, Any], str]:
+        """Run ``code`` (a script printing a ``RESULT`` line) on this home: its ``RESULT`` and
+        everything it printed."""
+        _, output = self.warm.run(code, *args, timeout_s=300)
+        lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        assert lines, output[-5000:]
+        return json.loads(lines[-1].removeprefix("RESULT ")), output
+
+
+def derived_identity(dag_id: str) -> list[tuple[str, str]]:
+    """The edits every derived example gets: its own ``dag_id``, and no wait before a retry (the
+    DAG's 1 s ``retry_delay`` costs ``dag.test()`` a 1 s sleep per retry; what a retry does does not
+    depend on it)."""
+    return [
+        ('    dag_id="example_deadline_batch_local",\n', f"    dag_id={dag_id!r},\n"),
+        ('"retry_delay": dt.timedelta(seconds=1)', '"retry_delay": dt.timedelta(0)'),
+    ]
+
+
+@pytest.fixture(scope="module")
+def derived(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Derived]:
+    runs = Derived(airflow_home(tmp_path_factory.mktemp("derived_home"), tmp_path_factory))
+    yield runs
+    runs.warm.close()
+
+
+def run_derived_example(
+    derived: Derived, tmp_path: Path, edits: list[tuple[str, str]]
+) -> tuple[dict[str, Any], str, Path]:
+    """Run the local example changed by ``edits`` with ``dag.test()`` (echo engine, the derived
+    examples' store) as a DAG of its own: its ``RESULT`` line, everything it printed, its file."""
+    dag_file = derived.write(f"derived_{tmp_path.name}", edits)
     conf = {"output_uri": str(tmp_path / "out"), "deadline": "+2h", "input_uri": str(SAMPLE)}
-    result, output = run_in_home(home, RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf))
-    return result, output, home
-
-
-def run_in_home(home: Path, code: str, *args: str) -> tuple[dict[str, Any], str]:
-    """Run ``code`` (a script printing a ``RESULT`` line) in a subprocess on the Airflow home of
-    :func:`run_derived_example`: its ``RESULT`` and everything it printed."""
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
-        "ADB_EXAMPLE_DIR": str(home / "example"),
-        "ADB_ENGINE": "echo",
-    }
-    for name in ("ADB_STORE_URL", "ADB_EXAMPLE_INPUT", "ADB_EXAMPLE_DEADLINE", "ADB_EXAMPLE_PREEMPT_TRIES"):
-        env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    output = proc.stdout + proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, output[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT ")), output
+    result, output = derived.run(RUN_DAG_FILE, str(SCRIPT), str(dag_file), json.dumps(conf))
+    return result, output, dag_file
 
 
 def assert_partial_manifest(manifest_uri: str, lost: Any, shards: dict[int, Any]) -> dict[int, Any]:
@@ -228,13 +266,13 @@ def assert_partial_manifest(manifest_uri: str, lost: Any, shards: dict[int, Any]
     return outcomes
 
 
-def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_path):
+def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(derived, tmp_path):
     """After the shards, a shard task whose retries are spent no longer leaves the sensor
     ``upstream_failed`` with the job unfinished: the sensor fails the shard in the store, publishes
     the ``partial`` manifest (the other shards' results, ``shard_failed`` for the lost one's
     records) and fails naming it. Before, no manifest was ever published and the job stayed running.
     A shard whose commit landed before its task was lost keeps its results: the store is the truth."""
-    result, output, home = run_derived_example(tmp_path, TWO_SHARD_TASKS_LOST)
+    result, output, _ = run_derived_example(derived, tmp_path, TWO_SHARD_TASKS_LOST)
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
@@ -248,7 +286,7 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(tmp_
     assert "shard task shard[1] failed for good; shard 1 is terminal_failure in the store" in output
     assert result["asset_events"] == []  # downstream never saw the partial output
 
-    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    store = ManifestStore(derived.store_url)
     try:
         shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
         lost = shards.pop(1)
@@ -288,12 +326,12 @@ SENSOR_BESIDE_ONE_SHARD_TASK_LOST = [
 ]
 
 
-def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(tmp_path):
+def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(derived, tmp_path):
     """Beside the shards, the sensor never learns of a shard task that failed: the task's last try
     fails its shard in the store itself, so the sensor's next poll finds every shard terminal,
     publishes the ``partial`` manifest and fails naming it. Before, the shard stayed retryable in
     the store and the sensor waited until its timeout, with nothing published."""
-    result, output, home = run_derived_example(tmp_path, SENSOR_BESIDE_ONE_SHARD_TASK_LOST)
+    result, output, _ = run_derived_example(derived, tmp_path, SENSOR_BESIDE_ONE_SHARD_TASK_LOST)
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
@@ -306,7 +344,7 @@ def test_a_shard_task_failing_for_good_beside_the_sensor_ends_the_job_partial(tm
     assert f"ended partial; its manifest {manifest_uri}" in output  # the sensor's failure names it
     assert "Sensor has timed out" not in output and result["asset_events"] == []
 
-    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    store = ManifestStore(derived.store_url)
     try:
         shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
         lost = shards.pop(1)
@@ -387,7 +425,9 @@ print("RESULT " + json.dumps(summary))
 
 
 @pytest.mark.parametrize("lose_shard_0", [False, True], ids=["then-complete", "then-partial"])
-def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_cleared(tmp_path, lose_shard_0):
+def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_cleared(
+    derived, tmp_path, lose_shard_0
+):
     """After the shards, a shard task that failed on a configuration error (here another store
     than the plan's) will run once fixed and cleared: the sensor leaves its shard to run, publishes
     nothing and fails in one line naming the task, the error and the fix; the job is not cancelled.
@@ -397,8 +437,8 @@ def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_clea
     failed the misconfigured shard too and published the job ``partial`` at once: that shard's
     records ``shard_failed`` for good."""
     another = "f\"sqlite:///{WORK_DIR / 'another.db'}\""
-    result, output, home = run_derived_example(
-        tmp_path, misconfigured_shard_1(another, lose_shard_0=lose_shard_0)
+    result, output, dag_file = run_derived_example(
+        derived, tmp_path, misconfigured_shard_1(another, lose_shard_0=lose_shard_0)
     )
 
     assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
@@ -422,7 +462,7 @@ def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_clea
     assert result["job_state"] in ("admitted", "running"), result  # neither cancelled nor finalized
     assert not any((tmp_path / "out").rglob("manifest.json"))
 
-    store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+    store = ManifestStore(derived.store_url)
     try:
         shards = {s.shard_index: s for s in store.list_shards(job_id)}
         assert shards[1].state is ShardState.PENDING and shards[1].last_error is None
@@ -434,11 +474,8 @@ def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_clea
         store.close()
 
     # the fix: shard 1's task reads the plan's store; then shard[1] and verify are cleared
-    dag_file = home / "dags" / "example_deadline_batch_local.py"
-    dag_file.write_text(
-        derived_source(EXAMPLE, misconfigured_shard_1("STORE_URL", lose_shard_0=lose_shard_0))
-    )
-    result, output = run_in_home(home, CLEAR_AND_RUN, str(SCRIPT), str(dag_file), "1")
+    derived.write(dag_file.stem, misconfigured_shard_1("STORE_URL", lose_shard_0=lose_shard_0))
+    result, output = derived.run(CLEAR_AND_RUN, str(SCRIPT), str(dag_file), "1")
 
     assert result["job_id"] == job_id, output[-5000:]
     shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
@@ -449,7 +486,7 @@ def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_clea
         assert result["state"] == "failed" and result["job_state"] == "partial", output[-5000:]
         assert states(result, "verify") == ["failed"] and result["asset_events"] == []
         assert f"ended partial; its manifest {manifest_uri}" in output
-        store = ManifestStore(f"sqlite:///{home / 'example' / 'store.db'}")
+        store = ManifestStore(derived.store_url)
         try:
             shards = {s.shard_index: s for s in store.list_shards(job_id)}
         finally:
@@ -468,3 +505,55 @@ def test_a_shard_task_configuration_error_publishes_nothing_until_fixed_and_clea
     assert manifest_uri and result["outcomes"]["succeeded"] > 0
     (event,) = result["asset_events"]
     assert event["extra"]["manifest_uri"] == manifest_uri
+
+
+#: the local example, shard 1's instance mapped with a ``preempt_tries`` the constructor refuses
+#: (s27): a mapped shard instance that Airflow cannot build is no spent shard. A value only the
+#: mapped XCom gives (here ``preempt_tries``, from ``expand_kwargs(plan.output.map(f))``) that the
+#: shard operator's constructor refuses fails the try in the worker while Airflow unmaps the
+#: instance, before any operator code: the parse-time probe cannot see it. Airflow retries it as an
+#: ordinary failure; at the last try the task's failure callback (``note_unbuilt_instance``, added
+#: by ``ShardPartial``) pushes ``configuration_error``, so the sensor after the shards leaves the
+#: shard to run instead of failing it in the store and publishing the job ``partial``
+SHARD_1_UNBUILT = [
+    ("        preempt_tries=PREEMPT_TRIES,\n", ""),
+    (
+        "    shards = LocalShardOperator.partial(\n",
+        "    def configure(spec):\n"
+        "        return {**spec, 'preempt_tries': ['x'] if spec['shard_index'] == 1 else []}\n\n"
+        "    shards = LocalShardOperator.partial(\n",
+    ),
+    ("    ).expand_kwargs(plan.output)\n", "    ).expand_kwargs(plan.output.map(configure))\n"),
+]
+
+
+def test_an_instance_its_constructor_refuses_leaves_its_shard_to_run(derived, tmp_path):
+    """Before, the sensor failed shard 1 in the store (``its Airflow task shard[1] failed for
+    good``) and published the job ``partial``, shard 1's records ``shard_failed`` for a typo."""
+    result, output, _ = run_derived_example(derived, tmp_path, SHARD_1_UNBUILT)
+
+    assert result["state"] == "failed" and states(result, "plan") == ["success"], output[-5000:]
+    shard_tis = {index: (state, tries) for index, state, tries in result["tasks"]["shard"]}
+    assert shard_tis.pop(1) == ("failed", 5), result["tasks"]  # Airflow's retries: no operator code ran
+    assert shard_tis and {state for state, _ in shard_tis.values()} == {"success"}
+    assert states(result, "verify") == ["failed"] and states(result, "summarise") == ["upstream_failed"]
+    (line,) = [
+        line for line in output.splitlines() if "shard task shard[1] failed on a configuration" in line
+    ]
+    assert (
+        "(shard[1]: LocalShardOperator refuses the arguments of this mapped instance (invalid "
+        "literal for int() with base 10: 'x'); fix them in the DAG file or in the values "
+        "expand_kwargs maps)"
+    ) in line
+    assert line.endswith("fix it, then clear shard[1] and verify: the job stays open, nothing was published")
+    assert "shard[1] failed for good" not in output
+    assert result["manifest"] is None and result["asset_events"] == []
+    assert result["job_state"] in ("admitted", "running"), result
+
+    store = ManifestStore(derived.store_url)
+    try:
+        shards = {s.shard_index: s for s in store.list_shards(result["job_id"])}
+        assert shards.pop(1).state is ShardState.PENDING
+        assert {s.state for s in shards.values()} == {ShardState.SUCCEEDED}
+    finally:
+        store.close()

@@ -15,20 +15,20 @@ Two DAGs, each one shard task whose first try is preempted (injected; ``retries=
   again (try 2, run in process as ``dag.test()`` runs a task): its lateness is not counted;
 * ``retried``: the same shard task retried by Airflow without a clear: its lateness is counted.
 
-Runs in three subprocesses (Airflow reads its configuration at import time): ``cleared``'s two, one
-after the other on one ``AIRFLOW_HOME``, and beside them ``retried``'s, which depends on neither,
-on an ``AIRFLOW_HOME`` of its own; the first process on each home migrates its fresh metadata
-database. The two DAGs' jobs share one manifest store.
+Runs in two subprocesses on one ``AIRFLOW_HOME`` (Airflow reads its configuration at import time),
+one after the other: ``cleared``'s first run, which ends its process, then ``cleared``'s second and,
+in the same (warm) interpreter, ``retried``'s, which depends on neither (tests/helpers/
+warm_airflow.py: two process starts, not three, each ~20 s of CPU; CI's three test processes share
+two cores, so running ``retried`` beside the others saved little time). The home starts with a
+copy of the test run's migrated metadata database (tests/helpers/airflow_home.py), which each run's
+migration finds current. The two DAGs' jobs share one manifest store.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ from airflow_deadline_batch.core.failures import TryLedger
 from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.operators.shard import TRY_LEDGER_KEY
 from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.airflow_home import airflow_home
+from tests.helpers.warm_airflow import WarmAirflow
 from tests.integration.test_airflow_resume_race import _plan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(450)]
@@ -108,24 +110,11 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _airflow(home: Path, dag_file: Path, dag: str, how: str) -> tuple[dict[str, Any] | None, str]:
+def _airflow(warm: WarmAirflow, dag_file: Path, dag: str, how: str) -> tuple[dict[str, Any] | None, str]:
     """Run ``dag`` with ``dag.test()`` (``how="test"``), or clear its task and run it again."""
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(dag_file.parent),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", RUN, str(dag_file), dag, how],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=140,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-8000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    code, output = warm.run(RUN, str(dag_file), dag, how, timeout_s=140)
+    assert code == 0, output[-8000:]
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     return (json.loads(lines[-1].removeprefix("RESULT ")) if lines else None), output
 
 
@@ -143,14 +132,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dags.mkdir()
     dag_file = dags / "clear_latency.py"
     dag_file.write_text(f"STORE = {store_url!r}\nJOBS = {jobs!r}\n" + textwrap.dedent(DAG))
-    homes = {name: root / f"home-{name}" for name in jobs}
-    for home in homes.values():
-        home.mkdir()
-    with ThreadPoolExecutor(max_workers=1) as beside:
-        retrying = beside.submit(_airflow, homes["retried"], dag_file, "retried", "test")
-        stopped, first = _airflow(homes["cleared"], dag_file, "cleared", "test")
-        again, second = _airflow(homes["cleared"], dag_file, "cleared", "clear")
-        retried, third = retrying.result()
+    home = airflow_home(root / "home", tmp_path_factory)
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+    }
+    warm = WarmAirflow(env)
+    try:
+        stopped, first = _airflow(warm, dag_file, "cleared", "test")  # the retry callback ends it
+        again, second = _airflow(warm, dag_file, "cleared", "clear")  # a new interpreter
+        retried, third = _airflow(warm, dag_file, "retried", "test")
+    finally:
+        warm.close()
     store = ManifestStore.open(store_url)
     try:
         shards = {name: store.get_shard(job, 0) for name, job in jobs.items()}

@@ -21,7 +21,8 @@ Two shard tasks with ``retries=1``:
   shard fails after exactly ``max_attempts`` counted failures, never on Airflow's retries.
 
 Runs in a subprocess with its own ``AIRFLOW_HOME`` (Airflow reads its configuration at import
-time); most of its ~45 s is migrating a fresh metadata database (one run serves all three tests).
+time), which starts with a copy of the test run's migrated metadata database
+(tests/helpers/airflow_home.py); one run serves all four tests.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from airflow_deadline_batch.core.states import ShardState
 from airflow_deadline_batch.operators.shard import TRY_LEDGER_KEY
 from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
+from tests.helpers.airflow_home import airflow_home
 from tests.helpers.inputs import mixed_input
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -158,7 +160,7 @@ def _plan(store_url: str, tmp_path: Path, name: str, max_attempts: int) -> str:
 
 @pytest.fixture(scope="module")
 def raced(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    home = tmp_path_factory.mktemp("airflow_home")
+    home = airflow_home(tmp_path_factory.mktemp("airflow_home"), tmp_path_factory)
     store_url = f"sqlite:///{home / 'store.db'}"
     jobs = {
         "ok": _plan(store_url, home, "ok", 10),
