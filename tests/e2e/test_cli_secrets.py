@@ -88,10 +88,6 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
         "file:///absolute/path",
     ),
     # botocore's "Invalid bucket name" repeats the bucket (here holding the credentials)
-    "plan, S3 input with credentials": (
-        lambda s, t: ["plan", f"s3://AKIA:{PASSWORD}@bucket/in.jsonl", "--deadline", "+1h"],
-        "cannot read",
-    ),
     "run, S3 output with credentials": (
         lambda s, t: _run(s, t, "--store", f"sqlite:///{t}/s.db", "--output", f"s3://AKIA:{PASSWORD}@b/p"),
         "fix --output",
