@@ -894,7 +894,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 #: a URL's ``user:password@``; a password holding an unescaped ``@`` (``user:p@ss@host``) is masked
 #: to its last ``@`` before the host, which is where a URL parser that accepts it ends it too. The
 #: user name may hold an ``@`` as well (``u@corp:pw@host``: SQLAlchemy reads the user ``u@corp``).
-_PASSWORD = re.compile(r"(://[^:/\s]*:)([^@]*@(?:[^\s@/]*@)*)")
+#: A password never spans another URL's ``://``: "sqlite://x.db): fix (postgresql://u:pw@h" is not one.
+_PASSWORD = re.compile(r"(://[^:/\s]*:)((?:(?!://)[^@])*@(?:[^\s@/]*@)*)")
 
 
 def mask_url(text: str) -> str:
@@ -1019,6 +1020,13 @@ def _store_at(url: str, source: str) -> ManifestStore:
     """A :class:`ManifestStore` on ``url``, not yet connected: a URL no parser takes is a usage error."""
     from airflow_deadline_batch.store import ManifestStore
 
+    if _in_memory(url):
+        # the store would end with this command, and a worker given the URL opens its own empty one:
+        # ``run`` retried every try until the deadline, ``quota set`` reported a quota it then lost
+        raise ConfigurationError(
+            f"store {url} is in memory: it would end with this command and no worker could share it; "
+            f"fix {source} to name a database file (sqlite:///path/store.db)"
+        )
     try:
         return ManifestStore(url)
     except DeadlineBatchError:
@@ -1028,6 +1036,19 @@ def _store_at(url: str, source: str) -> ManifestStore:
             f"store URL {redact(url)} is invalid ({redact(str(exc).splitlines()[0])}): fix {source} "
             "(sqlite:///path/store.db or postgresql+psycopg://user:password@host:port/db)"
         ) from None
+
+
+def _in_memory(url: str) -> bool:
+    """``url`` names an SQLite database in memory (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # not a URL SQLAlchemy takes: ManifestStore says why
+        return False
+    if not parsed.drivername.startswith("sqlite") or parsed.host:  # sqlite://x.db: invalid, not memory
+        return False
+    return (parsed.database or "") in ("", ":memory:") or parsed.query.get("mode") == "memory"
 
 
 def _open_store(args: argparse.Namespace) -> ManifestStore:

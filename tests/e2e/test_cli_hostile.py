@@ -100,6 +100,29 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
         lambda s, t: ["status", "j-x", "--store", f"postgresql://u:{SECRET}@localhost:abc/db"],
         "fix --store",
     ),
+    # before: run's workers each opened an empty store of their own and every try failed until the
+    # deadline (a transient failure each: "no such table"); quota set printed the quota and lost it
+    "run store in memory": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+2m",
+            "--engine",
+            "echo",
+            "--store",
+            "sqlite://",
+            "--output",
+            str(t / "out"),
+        ],
+        "is in memory",
+    ),  # fmt: skip
+    "quota set store in memory": (
+        lambda s, t: ["quota", "set", "night", "--spot-gpus", "1", "--store", "sqlite:///:memory:"],
+        "is in memory",
+    ),
+    # before: "nothing settled", exit 0, from a store made empty for the command
+    "usage store in memory": (lambda s, t: ["usage", "--store", "sqlite://"], "is in memory"),
     "status store is a directory": (
         lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t}"],
         "no manifest store",
@@ -175,6 +198,8 @@ def test_garbage_is_refused_with_exit_2_and_one_line_naming_the_fix(
     [
         ("postgresql://u:p@ss@db:5432/x: refused", "postgresql://u:***@db:5432/x: refused"),
         ("s3://bucket/key:1@2 and https://u:pw@h/p?q=a@b", "s3://bucket/key:1@2 and https://u:***@h/p?q=a@b"),
+        # before: "sqlite://x.db):***@h/db", the password running on to the next URL's "@"
+        ("sqlite://x.db): use postgresql://u:pw@h/db", "sqlite://x.db): use postgresql://u:***@h/db"),
     ],
 )
 def test_mask_url_hides_a_password_holding_an_at_sign(text: str, masked: str) -> None:
