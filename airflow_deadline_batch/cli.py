@@ -989,13 +989,14 @@ def _open_run_store(url: str, source: str) -> ManifestStore:
 
     ``source`` is where ``url`` came from (:func:`_source`), which the fix names.
     """
-    if url.startswith("sqlite:///"):
-        if Path(url.removeprefix("sqlite:///")).is_dir():
+    path = _sqlite_file(url)
+    if path is not None:
+        if path.is_dir():
             raise ConfigurationError(
                 f"store {url} is a directory: fix {source} to name a database file in it (.../store.db)"
             )
         try:
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigurationError(
                 f"cannot create the folder of store {url}: {exc.strerror}; fix {source}"
@@ -1038,6 +1039,19 @@ def _store_at(url: str, source: str) -> ManifestStore:
         ) from None
 
 
+def _sqlite_file(url: str) -> Path | None:
+    """The database file an SQLite URL names, as SQLAlchemy reads it: without the URL's query
+    (``sqlite:///s.db?timeout=5`` is the file ``s.db``); ``None`` for another URL or one in memory."""
+    from sqlalchemy.engine import make_url
+
+    if not url.startswith("sqlite:///") or _in_memory(url):
+        return None
+    try:
+        return Path(make_url(url).database or "")
+    except Exception:  # not a URL SQLAlchemy takes: ManifestStore says why
+        return Path(url.removeprefix("sqlite:///"))
+
+
 def _in_memory(url: str) -> bool:
     """``url`` names an SQLite database in memory (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``)."""
     from sqlalchemy.engine import make_url
@@ -1055,7 +1069,8 @@ def _open_store(args: argparse.Namespace) -> ManifestStore:
     """The store of existing jobs: a SQLite URL must name a database file that is there."""
     url = args.store or default_store_url()
     source = _source(args, "--store")
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+    path = _sqlite_file(url)
+    if path is not None and not path.is_file():
         if source == STORE_VARIABLE:
             raise ConfigurationError(
                 f"no manifest store at {url} ({STORE_VARIABLE}): set {STORE_VARIABLE}, or pass --store, "

@@ -263,6 +263,16 @@ def test_cancel_of_a_completed_job_is_a_usage_error_that_keeps_it_completed(
     assert _main(["verify", job_id, "--store", store_url], capsys).code == 0
 
 
+def test_a_sqlite_url_with_a_query_reaches_the_store_run_used(
+    completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id, store_url, _ = completed
+    # before: "no manifest store at sqlite:///.../store.db?timeout=5: pass --store with the URL the
+    # job was run with", the query taken as part of the file name (run takes the same URL)
+    result = _main(["verify", job_id, "--store", f"{store_url}?timeout=5"], capsys)
+    assert result.code == 0, result.describe()
+
+
 def test_export_to_an_output_that_is_a_file_is_a_usage_error(
     completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
