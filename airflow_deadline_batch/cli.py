@@ -732,15 +732,27 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
 def _write_stdout(text: str) -> None:
     """Write and flush ``text``; a reader that went away (``| head -1``) is not the command's failure."""
     try:
-        sys.stdout.write(redact(text))
+        sys.stdout.write(_printable(redact(text)))
         sys.stdout.flush()
     except BrokenPipeError:
         _discard_stdout()
 
 
 def _write_stderr(text: str) -> None:
-    """Write ``text`` to stderr as the command may print it (:func:`redact`)."""
-    sys.stderr.write(redact(text))
+    """Write ``text`` to stderr as the command may print it (:func:`redact`, :func:`_printable`)."""
+    sys.stderr.write(_printable(redact(text)))
+
+
+#: control characters a terminal acts on (escape sequences, carriage return, bell, C1 controls), but
+#: not the line breaks and tabs of the command's own layout
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters shown as ``\\uXXXX``: what the store holds (a cancel
+    ``--reason``, a worker's error, a job ID typed by anyone) cannot drive the reader's terminal.
+    The form is JSON's own escape, so a ``--json`` line stays valid JSON meaning the same."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _discard_stdout() -> None:

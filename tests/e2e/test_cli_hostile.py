@@ -8,7 +8,9 @@ script); the closed pipe needs a real process and a real pipe.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,8 @@ import orjson
 import pytest
 
 from airflow_deadline_batch import cli
+from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from tests.e2e.conftest import CliResult, assert_usage_error, cli_argv, cli_env
 from tests.helpers.inputs import mixed_input
@@ -261,6 +265,30 @@ def test_cancel_of_a_completed_job_is_a_usage_error_that_keeps_it_completed(
         result.describe()
     )
     assert _main(["verify", job_id, "--store", store_url], capsys).code == 0
+
+
+def test_a_cancel_reason_cannot_drive_the_terminal_of_whoever_reads_the_status(
+    sample: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(store_url)
+    try:
+        request = PlanRequest(
+            input_uri=str(sample), deadline=dt.datetime(2030, 1, 1, tzinfo=dt.UTC),
+            output_uri=str(tmp_path / "out"), engine="echo", pools=default_local_pools("echo"), workers=1,
+        )  # fmt: skip
+        job_id = plan_job(store, request).job_id
+    finally:
+        store.close()
+    reason = "oops\x1b]0;pwned\x07\x1b[2J\r\x9b"  # retitle the window, clear the screen
+    cancel = _main(["cancel", job_id, "--no-publish", "--reason", reason, "--store", store_url], capsys)
+    assert cancel.code == 0, cancel.describe()
+    text = _main(["status", job_id, "--store", store_url], capsys)
+    as_json = _main(["status", job_id, "--store", store_url, "--json"], capsys)
+    # before: the reason's escape sequences reached the terminal as they are
+    assert "oops\\u001b]0;pwned\\u0007\\u001b[2J\\u000d\\u009b" in text.stdout, text.describe()
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text.stdout + as_json.stdout), text.describe()
+    assert orjson.loads(as_json.stdout)["error"] == reason, as_json.describe()
 
 
 def test_a_sqlite_url_with_a_query_reaches_the_store_run_used(
