@@ -74,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
     last_error: str | None = None
 
     def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
-        _Parser.last_error = f"{redact(message)} (see {self.prog} --help)"
+        _Parser.last_error = f"{_printable(redact(message))} (see {self.prog} --help)"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {_Parser.last_error}\n")
 
 

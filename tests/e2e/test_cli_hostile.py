@@ -127,6 +127,8 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
     ),
     # before: "nothing settled", exit 0, from a store made empty for the command
     "usage store in memory": (lambda s, t: ["usage", "--store", "sqlite://"], "is in memory"),
+    # before: argparse's line carried the escape sequence to the terminal as it was
+    "unknown option holding an escape": (lambda s, t: ["status", "j-x", "--x\x1b[2J"], "--x\\u001b[2J"),
     "status store is a directory": (
         lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t}"],
         "no manifest store",
