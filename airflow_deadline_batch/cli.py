@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
-from airflow_deadline_batch.core.clock import SystemClock
+from airflow_deadline_batch.core.clock import MAX_SECONDS, SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
@@ -839,15 +839,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         output = str(Path(output).resolve())
     if args.workers < 1:
         raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
-    if not (0 <= args.preempt_rate < math.inf and 0 <= args.preempt_notice < math.inf):
-        raise ConfigurationError("--preempt-rate and --preempt-notice must be finite and not negative")
-    if not MIN_LEASE_TTL_S <= args.lease_ttl < math.inf:
+    if not 0 <= args.preempt_rate < math.inf:
+        raise ConfigurationError("--preempt-rate must be finite and not negative")
+    if not 0 <= args.preempt_notice <= MAX_SECONDS:
+        # it is each worker's --grace, which a worker refuses past a day: every launch exited 1
+        # ("worker exited 1 without saying why") after the job was recorded
+        raise ConfigurationError(
+            f"--preempt-notice must be a number of seconds >= 0 and <= {MAX_SECONDS:g}, "
+            f"got {args.preempt_notice} (default 5)"
+        )
+    if not MIN_LEASE_TTL_S <= args.lease_ttl <= MAX_SECONDS:
         # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen; one of
         # microseconds expires between its heartbeats, so every attempt lost its lease and was
         # relaunched until the deadline
         raise ConfigurationError(
-            f"--lease-ttl must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {args.lease_ttl} "
-            "(default 30)"
+            f"--lease-ttl must be a number of seconds >= {MIN_LEASE_TTL_S:g} and <= {MAX_SECONDS:g}, "
+            f"got {args.lease_ttl} (default 30)"
         )
     request = _plan_request(args, engine, output)
     # admission (docs/design.md §8): configuration that cannot work is refused before a job exists

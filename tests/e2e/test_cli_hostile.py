@@ -99,6 +99,25 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
         ],
         "--lease-ttl must be a number of seconds >= 1",
     ),  # fmt: skip
+    # before: the job was recorded, then every worker refused its --grace past a day and the run
+    # ended "configuration error: worker exited 1 without saying why"
+    "preempt notice past a day": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+1h",
+            "--engine",
+            "echo",
+            "--store",
+            f"sqlite:///{t}/s.db",
+            "--output",
+            str(t / "out"),
+            "--preempt-notice",
+            "100000",
+        ],
+        "--preempt-notice must be a number of seconds",
+    ),  # fmt: skip
     # before: exit 4 with the URL parser's ValueError, or SQLite's "unable to open database file"
     "status store port not a number": (
         lambda s, t: ["status", "j-x", "--store", f"postgresql://u:{SECRET}@localhost:abc/db"],
