@@ -706,6 +706,10 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         extra["idempotency_key"] = args.idempotency_key
     if getattr(args, "lease_ttl", None):
         extra["lease_ttl_s"] = args.lease_ttl
+    if not 0 <= args.max_invalid_fraction <= 1:  # the planner's own message names its field, not the option
+        raise ConfigurationError(
+            f"--max-invalid-fraction must be between 0 and 1, got {args.max_invalid_fraction} (default 0.1)"
+        )
     input_uri = args.input if "://" in args.input else _absolute(args.input)
     return PlanRequest(
         input_uri=input_uri,

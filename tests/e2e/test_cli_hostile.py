@@ -99,6 +99,11 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
         ],
         "--lease-ttl must be a number of seconds >= 1",
     ),  # fmt: skip
+    # before: "max_invalid_fraction must be between 0 and 1", the planner's field, not the option
+    "invalid fraction above one": (
+        lambda s, t: ["plan", str(s), "--deadline", "+1h", "--max-invalid-fraction", "7"],
+        "--max-invalid-fraction must be between 0 and 1",
+    ),
     # before: the job was recorded, then every worker refused its --grace past a day and the run
     # ended "configuration error: worker exited 1 without saying why"
     "preempt notice past a day": (
