@@ -11,7 +11,10 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from tests.e2e.conftest import CliResult, assert_usage_error, cli_argv, cli_env
 from tests.helpers.inputs import mixed_input
+from tests.helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -338,3 +342,49 @@ def test_export_to_an_output_that_is_a_file_is_a_usage_error(
     assert_usage_error(result)
     assert "--output" in result.stderr, result.describe()
     assert target.read_bytes() == b"keep me\n"
+
+
+def test_export_stopped_while_its_object_store_does_not_answer_says_what_is_left(
+    completed: tuple[str, str, Path], tmp_path: Path
+) -> None:
+    """SIGINT to ``export`` held on an S3 endpoint that takes the request and never answers."""
+    job_id, store_url, root = completed
+    requested = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def hold() -> None:  # take one request, answer nothing until the test ends
+            conn, _ = server.accept()
+            with conn:
+                if conn.recv(65536):
+                    requested.set()
+                conn.recv(65536)  # returns once the command's side closes
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        proc = subprocess.Popen(
+            cli_argv("export", job_id, "--store", store_url, "--output", "s3://bucket/exp"),
+            cwd=tmp_path, env=cli_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_for(
+                lambda: requested.is_set() or proc.poll() is not None,
+                timeout_s=60,
+                what="the export's request",
+            )
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+        holder.join(timeout=10)
+    # before: "no job was recorded; rerun the command to start it"
+    assert proc.returncode == 130, stderr
+    assert stderr == (
+        "deadline-batch: export stopped by SIGINT; s3://bucket/exp holds a whole export only if its "
+        "export.json is there; rerunning the command is safe: it writes the files again\n"
+    )
