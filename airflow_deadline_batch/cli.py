@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
-from airflow_deadline_batch.core.clock import SystemClock
+from airflow_deadline_batch.core.clock import MAX_SECONDS, SystemClock
 from airflow_deadline_batch.core.deadlines import parse_deadline
 from airflow_deadline_batch.core.exit_codes import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE
 from airflow_deadline_batch.core.feasibility import AdmissionReport, format_duration
@@ -46,16 +46,27 @@ if TYPE_CHECKING:
 
 DEFAULT_HOME = ".deadline-batch"
 ENGINES = ("echo", "transformers", "vllm", "openai")
+#: the environment variables that give the store and the output when ``--store``/``--output`` are left out
+STORE_VARIABLE = "ADB_STORE_URL"
+OUTPUT_VARIABLE = "ADB_OUTPUT_URI"
 
 
 def default_store_url() -> str:
-    if os.environ.get("ADB_STORE_URL"):
-        return os.environ["ADB_STORE_URL"]
+    if os.environ.get(STORE_VARIABLE):
+        return os.environ[STORE_VARIABLE]
     return f"sqlite:///{Path(DEFAULT_HOME).resolve() / 'store.db'}"
 
 
 def default_output() -> str:
-    return os.environ.get("ADB_OUTPUT_URI") or str(Path(DEFAULT_HOME).resolve() / "output")
+    return os.environ.get(OUTPUT_VARIABLE) or str(Path(DEFAULT_HOME).resolve() / "output")
+
+
+def _source(args: argparse.Namespace, option: str) -> str:
+    """Where the value of ``--store`` or ``--output`` came from, as an error's fix names it: the
+    option, or the environment variable that stood in for it (the user set that one, not the option)."""
+    variable = STORE_VARIABLE if option == "--store" else OUTPUT_VARIABLE
+    given = getattr(args, option.removeprefix("--"), None)
+    return variable if given is None and os.environ.get(variable) else option
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +74,7 @@ class _Parser(argparse.ArgumentParser):
     last_error: str | None = None
 
     def error(self, message: str) -> NoReturn:  # one line and exit 2, as for every other usage error
-        _Parser.last_error = f"{mask_url(message)} (see {self.prog} --help)"
+        _Parser.last_error = f"{_printable(redact(message))} (see {self.prog} --help)"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {_Parser.last_error}\n")
 
 
@@ -293,7 +304,7 @@ def _named_tenant(text: str) -> str:
 def _open_admin_store(args: argparse.Namespace) -> ManifestStore:
     """``capacity``/``quota``: ``set`` may come before any job, so it creates the store if needed."""
     if args.action == "set":
-        return _open_run_store(args.store or default_store_url())
+        return _open_run_store(args.store or default_store_url(), _source(args, "--store"))
     return _open_store(args)
 
 
@@ -578,12 +589,14 @@ def _stop_on_signals() -> Iterator[None]:
 
 @dataclass
 class _RunContext:
-    """What ``run`` has done so far, for the line printed when it stops early."""
+    """What ``run`` (or ``cancel``) has done so far, for the line printed when it stops early."""
 
     idempotency_key: str | None = None
     default_key: bool = False
     job_id: str | None = None
     store: ManifestStore | None = None
+    #: ``cancel``: the job's cancellation committed (publication may be left)
+    cancelled: bool = False
 
     def resume_hint(self) -> str:
         if self.job_id is None:
@@ -693,6 +706,10 @@ def _plan_request(args: argparse.Namespace, engine: str, output: str) -> PlanReq
         extra["idempotency_key"] = args.idempotency_key
     if getattr(args, "lease_ttl", None):
         extra["lease_ttl_s"] = args.lease_ttl
+    if not 0 <= args.max_invalid_fraction <= 1:  # the planner's own message names its field, not the option
+        raise ConfigurationError(
+            f"--max-invalid-fraction must be between 0 and 1, got {args.max_invalid_fraction} (default 0.1)"
+        )
     input_uri = args.input if "://" in args.input else _absolute(args.input)
     return PlanRequest(
         input_uri=input_uri,
@@ -719,10 +736,27 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
 def _write_stdout(text: str) -> None:
     """Write and flush ``text``; a reader that went away (``| head -1``) is not the command's failure."""
     try:
-        sys.stdout.write(text)
+        sys.stdout.write(_printable(redact(text)))
         sys.stdout.flush()
     except BrokenPipeError:
         _discard_stdout()
+
+
+def _write_stderr(text: str) -> None:
+    """Write ``text`` to stderr as the command may print it (:func:`redact`, :func:`_printable`)."""
+    sys.stderr.write(_printable(redact(text)))
+
+
+#: control characters a terminal acts on (escape sequences, carriage return, bell, C1 controls), but
+#: not the line breaks and tabs of the command's own layout
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control characters shown as ``\\uXXXX``: what the store holds (a cancel
+    ``--reason``, a worker's error, a job ID typed by anyone) cannot drive the reader's terminal.
+    The form is JSON's own escape, so a ``--json`` line stays valid JSON meaning the same."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _discard_stdout() -> None:
@@ -781,7 +815,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return EXIT_OK
         # the verdict's own reason (the last one) says why and what to change; the report is on stdout
         why = report.reasons[-1] if report.reasons else report.verdict.value
-        sys.stderr.write(f"deadline-batch: rejected ({report.verdict.value}): {why}\n")
+        _write_stderr(f"deadline-batch: rejected ({report.verdict.value}): {why}\n")
         return EXIT_REJECTED
     finally:
         analysis.close()
@@ -809,21 +843,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         output = str(Path(output).resolve())
     if args.workers < 1:
         raise ConfigurationError(f"--workers must be >= 1, got {args.workers}")
-    if not (0 <= args.preempt_rate < math.inf and 0 <= args.preempt_notice < math.inf):
-        raise ConfigurationError("--preempt-rate and --preempt-notice must be finite and not negative")
-    if not MIN_LEASE_TTL_S <= args.lease_ttl < math.inf:
+    if not 0 <= args.preempt_rate < math.inf:
+        raise ConfigurationError("--preempt-rate must be finite and not negative")
+    if not 0 <= args.preempt_notice <= MAX_SECONDS:
+        # it is each worker's --grace, which a worker refuses past a day: every launch exited 1
+        # ("worker exited 1 without saying why") after the job was recorded
+        raise ConfigurationError(
+            f"--preempt-notice must be a number of seconds >= 0 and <= {MAX_SECONDS:g}, "
+            f"got {args.preempt_notice} (default 5)"
+        )
+    if not MIN_LEASE_TTL_S <= args.lease_ttl <= MAX_SECONDS:
         # a worker refuses a lease TTL of 0 before it claims: every launch would die unseen; one of
         # microseconds expires between its heartbeats, so every attempt lost its lease and was
         # relaunched until the deadline
         raise ConfigurationError(
-            f"--lease-ttl must be a number of seconds >= {MIN_LEASE_TTL_S:g}, got {args.lease_ttl} "
-            "(default 30)"
+            f"--lease-ttl must be a number of seconds >= {MIN_LEASE_TTL_S:g} and <= {MAX_SECONDS:g}, "
+            f"got {args.lease_ttl} (default 30)"
         )
     request = _plan_request(args, engine, output)
     # admission (docs/design.md §8): configuration that cannot work is refused before a job exists
     check_engine(engine, args.model)
-    _check_output(output)
-    store = _open_run_store(store_url)
+    _check_output(output, _source(args, "--output"))
+    store = _open_run_store(store_url, _source(args, "--store"))
     ctx.store = store
     request = replace(request, idempotency_key=_resolve_key(args, request, store, ctx))
     log_path = Path(output) / "worker.log" if "://" not in output else None
@@ -864,7 +905,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.state == "completed" and not verified:
         data["error"] = f"the published outputs fail verification: {summary.problems[0]}"
         _emit(args, data, text)
-        sys.stderr.write(
+        _write_stderr(
             f"deadline-batch: job {summary.job_id} is published but {data['error']}; "
             f"see `deadline-batch verify {summary.job_id}`\n"
         )
@@ -874,8 +915,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 #: a URL's ``user:password@``; a password holding an unescaped ``@`` (``user:p@ss@host``) is masked
-#: to its last ``@`` before the host, which is where a URL parser that accepts it ends it too
-_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@(?:[^\s@/]*@)*")
+#: to its last ``@`` before the host, which is where a URL parser that accepts it ends it too. The
+#: user name may hold an ``@`` as well (``u@corp:pw@host``: SQLAlchemy reads the user ``u@corp``).
+#: A password never spans another URL's ``://``: "sqlite://x.db): fix (postgresql://u:pw@h" is not one.
+_PASSWORD = re.compile(r"(://[^:/\s]*:)((?:(?!://)[^@])*@(?:[^\s@/]*@)*)")
 
 
 def mask_url(text: str) -> str:
@@ -883,13 +926,73 @@ def mask_url(text: str) -> str:
     return _PASSWORD.sub(r"\1***@", text)
 
 
-def _check_output(output: str) -> None:
-    """The output location exists or can be created, and takes writes: a probe written and deleted."""
+#: a password fragment this short is masked only where it ends a URL's user part (before an ``@``):
+#: anywhere else it cannot be told from the words of the message it would garble
+_SHORT_FRAGMENT = 4
+
+
+def secret_fragments(url: str) -> frozenset[str]:
+    """The texts of ``url``'s password that a driver's error may echo outside a URL.
+
+    A password holding an unescaped ``@`` (``u:p@ss@host``) is split by URL parsers at its first
+    ``@``: SQLAlchemy takes ``p`` as the password and ``ss@host`` as the host, which psycopg then
+    prints ("failed to resolve host 'ss@host'"); so the password as given, its pieces between
+    ``@``, each tail after an ``@``, their percent-decoded and JSON-escaped forms, and the password
+    the parser split off are all secret.
+    """
+    import urllib.parse
+
+    found: set[str] = set()
+    for match in _PASSWORD.finditer(url):
+        password = match.group(2).removesuffix("@")
+        pieces = password.split("@")
+        found.update((password, *pieces, *("@".join(pieces[i:]) for i in range(1, len(pieces)))))
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url).password if "://" in url else None
+    except Exception:  # not a database URL: the pattern above found its password, if any
+        parsed = None
+    if parsed:
+        found.add(str(parsed))
+    found |= {urllib.parse.unquote(f) for f in found}
+    found |= {orjson.dumps(f).decode()[1:-1] for f in found}
+    return frozenset(f for f in found if f and f != "***")
+
+
+#: the secret fragments of the URLs the running command was given (argv and environment)
+_secrets: frozenset[str] = frozenset()
+
+
+def redact(text: str) -> str:
+    """``text`` as the command may print it: URLs' passwords masked (:func:`mask_url`), and every
+    fragment of a password given to this command (:func:`secret_fragments`) replaced by ``***``,
+    wherever a driver's or a parser's message put it."""
+    text = mask_url(text)
+    for fragment in sorted(_secrets, key=len, reverse=True):
+        if len(fragment) >= _SHORT_FRAGMENT:
+            text = text.replace(fragment, "***")
+        else:
+            text = re.sub(re.escape(fragment) + "(?=@)", "***", text)
+    return text
+
+
+def _collect_secrets(argv: Sequence[str]) -> frozenset[str]:
+    """The secret fragments of every URL in ``argv`` and in the variables the command reads."""
+    values = [*argv, *(os.environ.get(name, "") for name in (STORE_VARIABLE, OUTPUT_VARIABLE))]
+    return frozenset().union(*(secret_fragments(v) for v in values if "://" in v))
+
+
+def _check_output(output: str, source: str) -> None:
+    """The output location exists or can be created, and takes writes: a probe written and deleted.
+
+    ``source`` is where ``output`` came from (:func:`_source`), which the fix names.
+    """
     from airflow_deadline_batch.storage import open_storage
 
     if "://" not in output and Path(output).exists() and not Path(output).is_dir():
         raise ConfigurationError(
-            f"--output {output} is an existing file: give a directory or s3://bucket/prefix"
+            f"{source} {output} is an existing file: give a directory or s3://bucket/prefix"
         )
     probe = f"_adb-probe-{uuid.uuid4().hex}"
     try:
@@ -899,64 +1002,117 @@ def _check_output(output: str) -> None:
     except StorageError as exc:
         reason = exc.message.splitlines()[0] if exc.message else type(exc).__name__
         raise ConfigurationError(
-            f"output {output} is not writable ({reason}): fix --output (the directory or bucket "
+            f"output {output} is not writable ({reason}): fix {source} (the directory or bucket "
             "must exist or be creatable, with write permission)"
         ) from None
 
 
-def _open_run_store(url: str) -> ManifestStore:
-    """The manifest store on ``url``, migrated: reachable with the credentials the workers get."""
-    if url.startswith("sqlite:///"):
-        if Path(url.removeprefix("sqlite:///")).is_dir():
-            raise ConfigurationError(f"store {url} is a directory: give a database file in it (.../store.db)")
+def _open_run_store(url: str, source: str) -> ManifestStore:
+    """The manifest store on ``url``, migrated: reachable with the credentials the workers get.
+
+    ``source`` is where ``url`` came from (:func:`_source`), which the fix names.
+    """
+    path = _sqlite_file(url)
+    if path is not None:
+        if path.is_dir():
+            raise ConfigurationError(
+                f"store {url} is a directory: fix {source} to name a database file in it (.../store.db)"
+            )
         try:
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigurationError(
-                f"cannot create the folder of store {url}: {exc.strerror}; fix --store"
+                f"cannot create the folder of store {url}: {exc.strerror}; fix {source}"
             ) from None
-    store = _store_at(url)
+    store = _store_at(url, source)
     try:
         store.migrate()
     except Exception as exc:
         store.close()
-        reason = mask_url(
+        reason = redact(
             exc.message if isinstance(exc, DeadlineBatchError) else str(exc) or type(exc).__name__
         ).splitlines()[0]
-        if store.url not in reason:
+        if redact(store.url) not in reason:
             reason = f"{store.url}: {reason}"
         raise ConfigurationError(
-            f"cannot use the manifest store {reason}; fix --store (host, port, user, password, database) "
-            "or ADB_STORE_URL"
+            f"cannot use the manifest store {reason}; fix {source} (host, port, user, password, database)"
         ) from None
     return store
 
 
-def _store_at(url: str) -> ManifestStore:
+def _store_at(url: str, source: str) -> ManifestStore:
     """A :class:`ManifestStore` on ``url``, not yet connected: a URL no parser takes is a usage error."""
     from airflow_deadline_batch.store import ManifestStore
 
+    if _in_memory(url):
+        # the store would end with this command, and a worker given the URL opens its own empty one:
+        # ``run`` retried every try until the deadline, ``quota set`` reported a quota it then lost
+        raise ConfigurationError(
+            f"store {url} is in memory: it would end with this command and no worker could share it; "
+            f"fix {source} to name a database file (sqlite:///path/store.db)"
+        )
     try:
         return ManifestStore(url)
     except DeadlineBatchError:
         raise
     except Exception as exc:  # SQLAlchemy's URL parser raises ValueError, ArgumentError, ...
         raise ConfigurationError(
-            f"store URL {mask_url(url)} is invalid ({mask_url(str(exc).splitlines()[0])}): fix --store "
+            f"store URL {redact(url)} is invalid ({redact(str(exc).splitlines()[0])}): fix {source} "
             "(sqlite:///path/store.db or postgresql+psycopg://user:password@host:port/db)"
         ) from None
+
+
+def _sqlite_file(url: str) -> Path | None:
+    """The database file an SQLite URL names, as SQLAlchemy reads it: without the URL's query
+    (``sqlite:///s.db?timeout=5`` is the file ``s.db``); ``None`` for another URL or one in memory."""
+    from sqlalchemy.engine import make_url
+
+    if not url.startswith("sqlite:///") or _in_memory(url):
+        return None
+    try:
+        return Path(make_url(url).database or "")
+    except Exception:  # not a URL SQLAlchemy takes: ManifestStore says why
+        return Path(url.removeprefix("sqlite:///"))
+
+
+def _in_memory(url: str) -> bool:
+    """``url`` names an SQLite database in memory (``sqlite://``, ``sqlite:///:memory:``, ``mode=memory``)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # not a URL SQLAlchemy takes: ManifestStore says why
+        return False
+    if not parsed.drivername.startswith("sqlite") or parsed.host:  # sqlite://x.db: invalid, not memory
+        return False
+    return (parsed.database or "") in ("", ":memory:") or parsed.query.get("mode") == "memory"
 
 
 def _open_store(args: argparse.Namespace) -> ManifestStore:
     """The store of existing jobs: a SQLite URL must name a database file that is there."""
     url = args.store or default_store_url()
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+    source = _source(args, "--store")
+    path = _sqlite_file(url)
+    if path is not None and not path.is_file():
+        if source == STORE_VARIABLE:
+            raise ConfigurationError(
+                f"no manifest store at {url} ({STORE_VARIABLE}): set {STORE_VARIABLE}, or pass --store, "
+                "with the URL the job was run with"
+            )
         raise ConfigurationError(
             f"no manifest store at {url}: pass --store with the URL the job was run with"
         )
-    store = _store_at(url)
+    store = _store_at(url, source)
     store.migrate()
     return store
+
+
+def _name_sources(args: argparse.Namespace | None, message: str) -> str:
+    """``message`` with the store's hints (``check the --store URL``, which the store layer words for
+    the command line) naming ``ADB_STORE_URL`` when that variable, not the option, gave the URL."""
+    if args is None or _source(args, "--store") != STORE_VARIABLE:
+        return message
+    return re.sub(r"(?:the )?--store URL", STORE_VARIABLE, message)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -1052,6 +1208,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """
     from airflow_deadline_batch.service.finalize import finalize_job
 
+    ctx: _RunContext = args.run_context
     store = _open_store(args)
     try:
         job = store.cancel_job(args.job_id, reason=args.reason or _cancelled_by())
@@ -1064,6 +1221,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             f"{ended.manifest_uri or 'none'}): there is nothing to cancel; see `deadline-batch status "
             f"{ended.job_id}`"
         ) from None
+    ctx.cancelled = True
     stopped = f"job {job.job_id}: cancelled; running workers stop at their next heartbeat or commit"
     if args.no_publish:
         _emit(args, {"job_id": job.job_id, "state": job.state.value, "manifest": None}, stopped)
@@ -1099,7 +1257,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = _open_store(args)
     if store.get_job(args.job_id).manifest_uri:  # else export_job refuses it, creating nothing
         # an output that cannot take writes is a usage error (exit 2), as for run; not a failed export
-        _check_output(args.output)
+        _check_output(args.output, "--output")
     result = export_job(store, args.job_id, args.output, fmt=args.format)
     files = ", ".join(f"{f.name} {f.lines} lines" for f in result.files)
     _emit(args, result.to_dict(), f"job {result.job_id}: exported ({files}); manifest {result.manifest_uri}")
@@ -1121,8 +1279,10 @@ def _error_line(args: argparse.Namespace | None, ctx: _RunContext, error: str) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _secrets
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
+    _secrets = _collect_secrets(raw)
     ctx = _RunContext()
     try:
         args = parser.parse_args(raw)
@@ -1141,10 +1301,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stopped(args: argparse.Namespace, ctx: _RunContext, name: str, code: int) -> int:
-    what = "workers stopped, leases released; " if ctx.job_id else ""
-    sys.stderr.write(f"deadline-batch: stopped by {name}; {what}{ctx.resume_hint()}\n")
+    if args.command == "run":
+        what = "workers stopped, leases released; " if ctx.job_id else ""
+        _write_stderr(f"deadline-batch: stopped by {name}; {what}{ctx.resume_hint()}\n")
+    else:
+        _write_stderr(f"deadline-batch: {_command(args)} stopped by {name}; {_interrupted(args, ctx)}\n")
     _error_line(args, ctx, f"stopped by {name}")
     return code
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The (sub)command ``args`` ran, as typed: ``status``, ``quota set``."""
+    return " ".join(v for v in (args.command, getattr(args, "action", None)) if v)
+
+
+#: the commands that only read: stopping one changes nothing
+_READS = frozenset({"plan", "status", "verify", "usage", "capacity list", "quota list"})
+
+
+def _interrupted(args: argparse.Namespace, ctx: _RunContext) -> str:
+    """What a command other than ``run`` stopped by a signal has done, and whether rerunning it is safe."""
+    command = _command(args)
+    if command in _READS:
+        return "it changes nothing; rerun it"
+    if command == "simulate":
+        plot = "; the --plot file may be incomplete" if args.plot else ""
+        return f"it changes nothing{plot}; rerun it"
+    if command == "cancel":
+        # cancelling is one transaction and publishing is conditional: a rerun finishes either
+        rerun = f"rerunning `deadline-batch cancel {args.job_id}` is safe and finishes it"
+        if not ctx.cancelled:
+            return f"job {args.job_id} may or may not be cancelled (never half); {rerun}"
+        if args.no_publish:
+            return f"job {args.job_id} is cancelled"
+        return f"job {args.job_id} is cancelled but its manifest may not be published; {rerun}"
+    if command == "export":
+        return (
+            f"{args.output} holds a whole export only if its export.json is there; rerunning the "
+            "command is safe: it writes the files again"
+        )
+    # capacity/quota set and delete: one transaction each, and a repeat changes nothing more
+    return "the change was made whole or not at all; rerunning the command is safe"
 
 
 def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -1183,27 +1380,25 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 + "\n"
             )
         elif isinstance(report, AdmissionReport):
-            sys.stderr.write(report.summary().rstrip("\n") + "\n")
-        sys.stderr.write(f"deadline-batch: rejected: {mask_url(exc.message)}\n")
+            _write_stderr(report.summary().rstrip("\n") + "\n")
+        _write_stderr(f"deadline-batch: rejected: {exc.message}\n")
         return EXIT_REJECTED
     except DeadlineBatchError as exc:
         # a URL in the cause (an input, output or store the user gave) never shows its password
-        message = mask_url(exc.message.splitlines()[0] if exc.message else str(exc))
+        message = redact(_name_sources(args, exc.message.splitlines()[0] if exc.message else str(exc)))
         code = exc.exit_code if exc.exit_code in (EXIT_USAGE, EXIT_REJECTED) else EXIT_INCOMPLETE
         if code == EXIT_INCOMPLETE and ctx.job_id:
             message += f"; {ctx.resume_hint()}"
-        sys.stderr.write(f"deadline-batch: error: {message}\n")
+        _write_stderr(f"deadline-batch: error: {message}\n")
         _error_line(args, ctx, message)
         return code
     except Exception as exc:
         # never a traceback (docs/design.md §8): one line, and the job (if any) is resumable
         if os.environ.get("ADB_DEBUG"):
             raise
-        message = mask_url(
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-        )
+        message = redact(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "))
         hint = f"; {ctx.resume_hint()}" if ctx.job_id else ""
-        sys.stderr.write(f"deadline-batch: error: {message}{hint} (ADB_DEBUG=1 shows the traceback)\n")
+        _write_stderr(f"deadline-batch: error: {message}{hint} (ADB_DEBUG=1 shows the traceback)\n")
         _error_line(args, ctx, message)
         return EXIT_INCOMPLETE
 

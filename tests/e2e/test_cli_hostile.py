@@ -8,8 +8,13 @@ script); the closed pipe needs a real process and a real pipe.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
+import re
+import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,9 +22,12 @@ import orjson
 import pytest
 
 from airflow_deadline_batch import cli
+from airflow_deadline_batch.core.pools import default_local_pools
+from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from tests.e2e.conftest import CliResult, assert_usage_error, cli_argv, cli_env
 from tests.helpers.inputs import mixed_input
+from tests.helpers.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -95,11 +103,60 @@ CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str]] = {
         ],
         "--lease-ttl must be a number of seconds >= 1",
     ),  # fmt: skip
+    # before: "max_invalid_fraction must be between 0 and 1", the planner's field, not the option
+    "invalid fraction above one": (
+        lambda s, t: ["plan", str(s), "--deadline", "+1h", "--max-invalid-fraction", "7"],
+        "--max-invalid-fraction must be between 0 and 1",
+    ),
+    # before: the job was recorded, then every worker refused its --grace past a day and the run
+    # ended "configuration error: worker exited 1 without saying why"
+    "preempt notice past a day": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+1h",
+            "--engine",
+            "echo",
+            "--store",
+            f"sqlite:///{t}/s.db",
+            "--output",
+            str(t / "out"),
+            "--preempt-notice",
+            "100000",
+        ],
+        "--preempt-notice must be a number of seconds",
+    ),  # fmt: skip
     # before: exit 4 with the URL parser's ValueError, or SQLite's "unable to open database file"
     "status store port not a number": (
         lambda s, t: ["status", "j-x", "--store", f"postgresql://u:{SECRET}@localhost:abc/db"],
         "fix --store",
     ),
+    # before: run's workers each opened an empty store of their own and every try failed until the
+    # deadline (a transient failure each: "no such table"); quota set printed the quota and lost it
+    "run store in memory": (
+        lambda s, t: [
+            "run",
+            str(s),
+            "--deadline",
+            "+2m",
+            "--engine",
+            "echo",
+            "--store",
+            "sqlite://",
+            "--output",
+            str(t / "out"),
+        ],
+        "is in memory",
+    ),  # fmt: skip
+    "quota set store in memory": (
+        lambda s, t: ["quota", "set", "night", "--spot-gpus", "1", "--store", "sqlite:///:memory:"],
+        "is in memory",
+    ),
+    # before: "nothing settled", exit 0, from a store made empty for the command
+    "usage store in memory": (lambda s, t: ["usage", "--store", "sqlite://"], "is in memory"),
+    # before: argparse's line carried the escape sequence to the terminal as it was
+    "unknown option holding an escape": (lambda s, t: ["status", "j-x", "--x\x1b[2J"], "--x\\u001b[2J"),
     "status store is a directory": (
         lambda s, t: ["status", "j-x", "--store", f"sqlite:///{t}"],
         "no manifest store",
@@ -175,6 +232,8 @@ def test_garbage_is_refused_with_exit_2_and_one_line_naming_the_fix(
     [
         ("postgresql://u:p@ss@db:5432/x: refused", "postgresql://u:***@db:5432/x: refused"),
         ("s3://bucket/key:1@2 and https://u:pw@h/p?q=a@b", "s3://bucket/key:1@2 and https://u:***@h/p?q=a@b"),
+        # before: "sqlite://x.db):***@h/db", the password running on to the next URL's "@"
+        ("sqlite://x.db): use postgresql://u:pw@h/db", "sqlite://x.db): use postgresql://u:***@h/db"),
     ],
 )
 def test_mask_url_hides_a_password_holding_an_at_sign(text: str, masked: str) -> None:
@@ -238,6 +297,40 @@ def test_cancel_of_a_completed_job_is_a_usage_error_that_keeps_it_completed(
     assert _main(["verify", job_id, "--store", store_url], capsys).code == 0
 
 
+def test_a_cancel_reason_cannot_drive_the_terminal_of_whoever_reads_the_status(
+    sample: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = ManifestStore.open(store_url)
+    try:
+        request = PlanRequest(
+            input_uri=str(sample), deadline=dt.datetime(2030, 1, 1, tzinfo=dt.UTC),
+            output_uri=str(tmp_path / "out"), engine="echo", pools=default_local_pools("echo"), workers=1,
+        )  # fmt: skip
+        job_id = plan_job(store, request).job_id
+    finally:
+        store.close()
+    reason = "oops\x1b]0;pwned\x07\x1b[2J\r\x9b"  # retitle the window, clear the screen
+    cancel = _main(["cancel", job_id, "--no-publish", "--reason", reason, "--store", store_url], capsys)
+    assert cancel.code == 0, cancel.describe()
+    text = _main(["status", job_id, "--store", store_url], capsys)
+    as_json = _main(["status", job_id, "--store", store_url, "--json"], capsys)
+    # before: the reason's escape sequences reached the terminal as they are
+    assert "oops\\u001b]0;pwned\\u0007\\u001b[2J\\u000d\\u009b" in text.stdout, text.describe()
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text.stdout + as_json.stdout), text.describe()
+    assert orjson.loads(as_json.stdout)["error"] == reason, as_json.describe()
+
+
+def test_a_sqlite_url_with_a_query_reaches_the_store_run_used(
+    completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_id, store_url, _ = completed
+    # before: "no manifest store at sqlite:///.../store.db?timeout=5: pass --store with the URL the
+    # job was run with", the query taken as part of the file name (run takes the same URL)
+    result = _main(["verify", job_id, "--store", f"{store_url}?timeout=5"], capsys)
+    assert result.code == 0, result.describe()
+
+
 def test_export_to_an_output_that_is_a_file_is_a_usage_error(
     completed: tuple[str, str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -249,3 +342,49 @@ def test_export_to_an_output_that_is_a_file_is_a_usage_error(
     assert_usage_error(result)
     assert "--output" in result.stderr, result.describe()
     assert target.read_bytes() == b"keep me\n"
+
+
+def test_export_stopped_while_its_object_store_does_not_answer_says_what_is_left(
+    completed: tuple[str, str, Path], tmp_path: Path
+) -> None:
+    """SIGINT to ``export`` held on an S3 endpoint that takes the request and never answers."""
+    job_id, store_url, root = completed
+    requested = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def hold() -> None:  # take one request, answer nothing until the test ends
+            conn, _ = server.accept()
+            with conn:
+                if conn.recv(65536):
+                    requested.set()
+                conn.recv(65536)  # returns once the command's side closes
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        proc = subprocess.Popen(
+            cli_argv("export", job_id, "--store", store_url, "--output", "s3://bucket/exp"),
+            cwd=tmp_path, env=cli_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_for(
+                lambda: requested.is_set() or proc.poll() is not None,
+                timeout_s=60,
+                what="the export's request",
+            )
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait()
+        holder.join(timeout=10)
+    # before: "no job was recorded; rerun the command to start it"
+    assert proc.returncode == 130, stderr
+    assert stderr == (
+        "deadline-batch: export stopped by SIGINT; s3://bucket/exp holds a whole export only if its "
+        "export.json is there; rerunning the command is safe: it writes the files again\n"
+    )
