@@ -404,9 +404,7 @@ def test_the_cli_stopped_mid_scan_ends_its_scan_processes_and_deletes_its_spill(
         cli.kill()
         cli.wait()
     assert cli.returncode == code
-    assert stderr == (
-        f"deadline-batch: stopped by {name}; no job was recorded; rerun the command to start it\n"
-    )
+    assert stderr == f"deadline-batch: plan stopped by {name}; it changes nothing; rerun it\n"
     # one process per core: none on a one-core machine
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     assert list(spill.iterdir()) == []
