@@ -34,10 +34,8 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
 
-from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.core.states import AttemptOutcome
 from airflow_deadline_batch.service.finalize import finalize_job
-from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.ui.render import fmt_time
 from tests.fixtures.airflow_deployment import (
@@ -48,11 +46,11 @@ from tests.fixtures.airflow_deployment import (
     stop_deployment,
 )
 from tests.fixtures.postgres import PgServer
+from tests.helpers.sample_job import plan_sample_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "dags" / "data" / "sample_reviews.jsonl"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 CHROMIUM_FLAGS = (
@@ -187,19 +185,7 @@ def run_worker(store_url: str, job_id: str, shard: int, tmp_path: Path) -> None:
 
 
 def plan(store: ManifestStore, output: Path, key: str) -> str:
-    return plan_job(
-        store,
-        PlanRequest(
-            input_uri=str(SAMPLE),
-            deadline=dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=20),
-            output_uri=str(output),
-            engine="echo",
-            pools=default_local_pools("echo"),
-            workers=2,
-            microbatch_size=4,
-            idempotency_key=key,
-        ),
-    ).job_id
+    return plan_sample_job(store, key, output, deadline_in=dt.timedelta(minutes=20))
 
 
 def assert_page_matches_store(driver: WebDriver, store: ManifestStore, job_id: str) -> None:

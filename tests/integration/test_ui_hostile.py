@@ -21,14 +21,12 @@ from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
 from airflow.api_fastapi.core_api.security import get_user
 from fastapi.testclient import TestClient
 
-from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.plugins import progress
-from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore
 from airflow_deadline_batch.ui import model
 from tests.helpers.commits import commit
+from tests.helpers.sample_job import plan_sample_job
 
-SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
 UTC = dt.timezone.utc
 EVIL = "</style><script>alert(1)</script>\"'"
 
@@ -41,19 +39,7 @@ class View:
 
     def plan(self, key: str) -> str:
         """A job planned by the DAG run of ``key`` (``dag/run/task``), a deadline an hour away."""
-        return plan_job(
-            self.store,
-            PlanRequest(
-                input_uri=str(SAMPLE),
-                deadline=dt.datetime.now(UTC) + dt.timedelta(hours=1),
-                output_uri=str(self.tmp / "out"),
-                engine="echo",
-                pools=default_local_pools("echo"),
-                workers=2,
-                microbatch_size=4,
-                idempotency_key=key,
-            ),
-        ).job_id
+        return plan_sample_job(self.store, key, self.tmp / "out")
 
 
 @pytest.fixture()

@@ -11,7 +11,6 @@ accepted) and at the client (SQLAlchemy's ``do_connect``), never timed.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import html
 import socket
 import threading
@@ -29,16 +28,13 @@ from airflow.api_fastapi.core_api.security import get_user
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from airflow_deadline_batch.core.pools import default_local_pools
 from airflow_deadline_batch.exceptions import StoreError
 from airflow_deadline_batch.plugins import progress
-from airflow_deadline_batch.service.planning import PlanRequest, plan_job
 from airflow_deadline_batch.store import ManifestStore, engine
 from airflow_deadline_batch.store.engine import RETRY_ATTEMPTS
 from tests.helpers.commits import commit
+from tests.helpers.sample_job import plan_sample_job
 
-SAMPLE = Path(__file__).resolve().parents[2] / "dags" / "data" / "sample_reviews.jsonl"
-UTC = dt.timezone.utc
 #: the longest a test waits for a page held up by a lock (the old code waited for ever)
 LOCK_WAIT_DEADLINE_S = 60.0
 
@@ -189,22 +185,6 @@ def test_a_workers_store_still_retries_a_closed_port(
     assert connects == [f"127.0.0.1:{port}"] * RETRY_ATTEMPTS
 
 
-def plan(store: ManifestStore, key: str, out: Path) -> str:
-    return plan_job(
-        store,
-        PlanRequest(
-            input_uri=str(SAMPLE),
-            deadline=dt.datetime.now(UTC) + dt.timedelta(hours=1),
-            output_uri=str(out),
-            engine="echo",
-            pools=default_local_pools("echo"),
-            workers=2,
-            microbatch_size=4,
-            idempotency_key=key,
-        ),
-    ).job_id
-
-
 @pytest.mark.parametrize("path", ["/jobs", "/api/jobs"])
 def test_a_read_held_up_by_a_lock_is_a_503_naming_the_statement_timeout(
     client: TestClient, pg_store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
@@ -217,7 +197,7 @@ def test_a_read_held_up_by_a_lock_is_a_503_naming_the_statement_timeout(
     )
     store = ManifestStore.open(pg_store_url, migrate=True)
     try:
-        job_id = plan(store, "open_dag/manual__1/plan", tmp_path / "out")
+        job_id = plan_sample_job(store, "open_dag/manual__1/plan", tmp_path / "out")
     finally:
         store.close()
     monkeypatch.setenv("ADB_STORE_URL", pg_store_url)
@@ -284,7 +264,9 @@ def test_the_jobs_list_reads_the_same_statements_for_two_jobs_as_for_six(
         return [job["job_id"] for job in response.json()], len(statements)
 
     try:
-        planned = [plan(store, f"open_dag/manual__{i}/plan", tmp_path / f"out{i}") for i in range(6)]
+        planned = [
+            plan_sample_job(store, f"open_dag/manual__{i}/plan", tmp_path / f"out{i}") for i in range(6)
+        ]
         lease = store.claim_shard(planned[0], 0, ttl_s=60, worker="w0", pool="local-spot")
         commit(store, lease, 0, records=4)
         client.get("/api/jobs")  # the view's store opened (its first connection's set-up not counted)
@@ -322,7 +304,7 @@ def test_a_page_that_finds_every_pooled_connection_held_up_is_a_503(
     )
     store = ManifestStore.open(pg_store_url, migrate=True)
     try:
-        job_id = plan(store, "open_dag/manual__1/plan", tmp_path / "out")
+        job_id = plan_sample_job(store, "open_dag/manual__1/plan", tmp_path / "out")
     finally:
         store.close()
     monkeypatch.setenv("ADB_STORE_URL", pg_store_url)
