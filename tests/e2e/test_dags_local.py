@@ -149,19 +149,26 @@ def test_an_input_without_records_still_publishes_its_manifest(example, tmp_path
 
 
 #: the local example with two shard tasks failing for good after their 5 tries (the DAG's
-#: ``retries=4``): shard 1's worker is preempted at every try, so the store, which saw only
-#: preemptions, still has it retryable; shard 0's worker commits the whole shard, then every try of
-#: its task fails after the fact (as when the commit landed and the pod was lost)
+#: ``retries=4``): shard 1's worker is preempted at its first four tries, so the store, which saw
+#: only preemptions, still has it retryable, and its last try fails before any of the operator's
+#: code runs (in ``pre_execute``, as a task lost before it started), so only the sensor can fail it
+#: in the store; shard 0's worker commits the whole shard, then every try of its task fails after
+#: the fact (as when the commit landed and the pod was lost)
 TWO_SHARD_TASKS_LOST = [
     ("        preempt_tries=PREEMPT_TRIES,\n", ""),
     (
         "    shards = LocalShardOperator.partial(\n",
         "    def lose_the_task(context, result):\n"
         "        raise RuntimeError('the shard task was lost after its worker finished')\n\n"
+        "    def lose_the_last_try(context):\n"
+        "        if context['ti'].try_number == 5:\n"
+        "            raise RuntimeError('the last try was lost before it started')\n\n"
         "    def lose_shards_0_and_1(spec):\n"
         "        if spec['shard_index'] == 0:\n"
         "            return {**spec, 'preempt_tries': [], 'post_execute': lose_the_task}\n"
-        "        return {**spec, 'preempt_tries': [1, 2, 3, 4, 5] if spec['shard_index'] == 1 else []}\n\n"
+        "        if spec['shard_index'] == 1:\n"
+        "            return {**spec, 'preempt_tries': [1, 2, 3, 4], 'pre_execute': lose_the_last_try}\n"
+        "        return {**spec, 'preempt_tries': []}\n\n"
         "    shards = LocalShardOperator.partial(\n",
     ),
     (
@@ -292,7 +299,8 @@ def test_a_shard_task_failing_for_good_still_publishes_the_partial_manifest(deri
         lost = shards.pop(1)
         assert shards[0].state is ShardState.SUCCEEDED and shards[0].last_error is None
         assert lost.state is ShardState.TERMINAL_FAILURE
-        assert "its Airflow task shard[1] failed for good" in str(lost.last_error)
+        # the sensor's own verdict (the operator's says "on try N": none of its code ran on the last)
+        assert lost.last_error == "its Airflow task shard[1] failed for good (no retry left)"
         assert {s.state for s in shards.values()} == {ShardState.SUCCEEDED}
         assert not [c for c in store.list_commits(result["job_id"]) if c.shard_index == 1]
     finally:
