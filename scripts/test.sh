@@ -16,8 +16,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 # Three test processes (pytest-xdist), whole files each, on two cores: the e2e tests mostly wait on
 # real processes and deadlines, so other files run beside them (19 minutes with three, 24 with two,
-# measured on the same 2-core machine for the same 2,218 tests; 20 minutes with three for 2,440
-# tests on 2026-12-02, and the suite is then CPU-bound: 33 CPU-minutes). ADB_TEST_WORKERS=0
+# measured on the same 2-core machine for the same 2,218 tests; 18 minutes with three for 2,440
+# tests on 2026-12-02, and the suite is then CPU-bound: 29.5 CPU-minutes). ADB_TEST_WORKERS=0
 # runs in one process; pytest arguments after these win (e.g. -n 0).
 # NumPy's OpenBLAS starts a thread per core in every test process and its subprocesses: with three
 # processes on two cores those threads spin against each other (one simulator test took 28 s of CPU
