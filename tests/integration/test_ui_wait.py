@@ -14,7 +14,6 @@ import dataclasses
 import html
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,9 +33,21 @@ from airflow_deadline_batch.store import ManifestStore, engine
 from airflow_deadline_batch.store.engine import RETRY_ATTEMPTS
 from tests.helpers.commits import commit
 from tests.helpers.sample_job import plan_sample_job
+from tests.helpers.waiting import wait_for
 
 #: the longest a test waits for a page held up by a lock (the old code waited for ever)
 LOCK_WAIT_DEADLINE_S = 60.0
+
+
+def planned_on(store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A sample job planned on the store at ``store_url``, which the view is then pointed at."""
+    store = ManifestStore.open(store_url, migrate=True)
+    try:
+        job_id = plan_sample_job(store, "open_dag/manual__1/plan", tmp_path / "out")
+    finally:
+        store.close()
+    monkeypatch.setenv("ADB_STORE_URL", store_url)
+    return job_id
 
 
 @pytest.fixture()
@@ -195,12 +206,7 @@ def test_a_read_held_up_by_a_lock_is_a_503_naming_the_statement_timeout(
     monkeypatch.setattr(
         progress, "PAGE_BUDGET", dataclasses.replace(progress.PAGE_BUDGET, statement_timeout_s=1.0)
     )
-    store = ManifestStore.open(pg_store_url, migrate=True)
-    try:
-        job_id = plan_sample_job(store, "open_dag/manual__1/plan", tmp_path / "out")
-    finally:
-        store.close()
-    monkeypatch.setenv("ADB_STORE_URL", pg_store_url)
+    job_id = planned_on(pg_store_url, tmp_path, monkeypatch)
     assert job_id in client.get(path).text  # the view's store is open, its connection pooled
     with (
         psycopg.connect(pg_store_url.replace("postgresql+psycopg://", "postgresql://", 1)) as locker,
@@ -302,12 +308,7 @@ def test_a_page_that_finds_every_pooled_connection_held_up_is_a_503(
             progress.PAGE_BUDGET, pool_timeout_s=0.5, statement_timeout_s=LOCK_WAIT_DEADLINE_S
         ),
     )
-    store = ManifestStore.open(pg_store_url, migrate=True)
-    try:
-        job_id = plan_sample_job(store, "open_dag/manual__1/plan", tmp_path / "out")
-    finally:
-        store.close()
-    monkeypatch.setenv("ADB_STORE_URL", pg_store_url)
+    job_id = planned_on(pg_store_url, tmp_path, monkeypatch)
     assert job_id in client.get("/api/jobs").text
     dsn = pg_store_url.replace("postgresql+psycopg://", "postgresql://", 1)
     with (
@@ -326,10 +327,10 @@ def test_a_page_that_finds_every_pooled_connection_held_up_is_a_503(
                 row = watcher.execute(query, ("%adb_jobs%",)).fetchone()
                 return int(row[0]) if row else 0
 
-            deadline = time.monotonic() + LOCK_WAIT_DEADLINE_S
-            while waiting() < 6:  # every connection of the pool is waiting on the lock
-                assert time.monotonic() < deadline, "six pages did not wait on the lock"
-                time.sleep(0.01)  # polling interval of the wait, not synchronisation by sleeping
+            # every connection of the pool is waiting on the lock
+            wait_for(
+                lambda: waiting() >= 6, timeout_s=LOCK_WAIT_DEADLINE_S, what="six pages waiting on the lock"
+            )
             seventh = pool.submit(client.get, "/api/jobs").result(timeout=LOCK_WAIT_DEADLINE_S)
         finally:
             locker.rollback()
